@@ -1,0 +1,41 @@
+# Two entry points on a fresh machine (Debian, Python 3.11, no GPU):
+#   make demo   set up .venv and build results/llama/quant_eval.json (the embedded default)
+#   make test   set up .venv and run the test suite (slow tests excluded; `make test-all` adds them)
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test test-all lint dry-run clean
+
+setup: $(STAMP)
+
+# torch first (the CPU wheel), then DeepSpeed built against it without build isolation (it needs
+# torch at build time), then the project and the rest of its pinned dependencies.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(VENV)/bin/python -m pip install --quiet --no-build-isolation deepspeed==0.19.8
+	$(VENV)/bin/python -m pip install --quiet -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	snakemake --cores all results/llama/quant_eval.json
+	@echo "--- results/llama/report.md"; cat results/llama/report.md
+
+test: $(STAMP)
+	pytest -q
+
+test-all: $(STAMP)
+	pytest -q -m "not gpu"
+
+lint: $(STAMP)
+	snakemake --lint
+
+dry-run: $(STAMP)
+	snakemake -n results/llama/quant_eval.json
+
+clean:
+	rm -rf results/*/ .snakemake

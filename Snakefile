@@ -1,0 +1,26 @@
+# The LLM lifecycle as one workflow: prepare -> pretrain -> finetune {sft, lora, prefix} ->
+# merge_lora -> quantize {wint8, wint4} -> export -> evaluate -> report.
+# `snakemake --cores all results/llama/quant_eval.json` builds the chain for experiment `llama`.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/prepare.smk"
+include: "workflow/rules/pretrain.smk"
+include: "workflow/rules/finetune.smk"
+include: "workflow/rules/merge.smk"
+include: "workflow/rules/quantize.smk"
+include: "workflow/rules/export.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/report.smk"
+
+
+rule all:
+    input:
+        expand("results/{experiment}/quant_eval.json", experiment=config["experiments"]),
+    default_target: True

@@ -1,0 +1,1 @@
+"""Saving and loading artifacts: atomic writes, HF layout, the meta.json sidecar."""

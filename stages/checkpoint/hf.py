@@ -1,0 +1,125 @@
+"""Hugging Face layout on disk: config.json, safetensors (sharded with an index when large),
+generation_config.json and the tokenizer files, loadable by `AutoModelForCausalLM.from_pretrained`
+with no project code. Weights are read with safetensors only (no pickle).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from stages.checkpoint.atomic import write_json
+from stages.model import LlamaConfig, LlamaForCausalLM, build_model
+from stages.model.llama import rope_inverse_frequencies
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _shards(state: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards, current, size = [], {}, 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t
+        size += nbytes
+    shards.append(current)
+    return shards
+
+
+def save_state_dict(state: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int = 2 * 1024**3) -> None:
+    """Write tensors as model.safetensors, or numbered shards plus an index when larger than a shard."""
+    # safetensors refuses shared storage (tied weights); HF drops lm_head when tied, so do we.
+    state = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+    shards = _shards(state, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(shards[0], str(out_dir / WEIGHTS_NAME), metadata={"format": "pt"})
+        return
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
+        for k, v in shard.items():
+            weight_map[k] = name
+            total += v.numel() * v.element_size()
+    write_json(out_dir / INDEX_NAME, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Read every tensor of an HF-layout directory (single file or sharded with an index)."""
+    model_dir = Path(model_dir)
+    index = model_dir / INDEX_NAME
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (model_dir / WEIGHTS_NAME).exists():
+        files = [WEIGHTS_NAME]
+    else:
+        raise FileNotFoundError(
+            f"{model_dir} has neither {WEIGHTS_NAME} nor {INDEX_NAME}; expected a Hugging Face "
+            "checkpoint directory written with safetensors"
+        )
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(model_dir / f)))
+    return state
+
+
+def save_pretrained(
+    model: LlamaForCausalLM, out_dir: str | Path, tokenizer_dir: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> None:
+    """Save our model in HF layout into `out_dir` (which must exist; callers use `atomic_dir`)."""
+    out_dir = Path(out_dir)
+    config: LlamaConfig = model.config
+    state = {k: v.to(dtype) for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_state_dict(state, out_dir)
+    hf = config.to_hf_dict()
+    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+    write_json(out_dir / "config.json", hf)
+    write_json(out_dir / "generation_config.json", {
+        "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
+        "pad_token_id": config.pad_token_id, "do_sample": False,
+    })
+    if tokenizer_dir is not None:
+        copy_tokenizer(tokenizer_dir, out_dir)
+
+
+def copy_tokenizer(src: str | Path, dst: str | Path) -> None:
+    """Copy the HF tokenizer files that exist in `src` to `dst`."""
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).exists():
+            shutil.copy2(Path(src) / name, Path(dst) / name)
+
+
+def load_config(model_dir: str | Path) -> LlamaConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing; expected a Hugging Face checkpoint directory")
+    return LlamaConfig.from_hf_dict(json.loads(path.read_text()))
+
+
+def load_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """Build our model from an HF-layout directory (ours or a real Llama/Qwen2 checkpoint)."""
+    config = load_config(model_dir)
+    model = build_model(config, device="meta")
+    state = load_state_dict(model_dir)
+    if config.tie_word_embeddings:
+        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    model.to_empty(device="cpu")
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: checkpoint does not match the config: missing={missing[:5]} "
+                         f"unexpected={unexpected[:5]}")
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = rope_inverse_frequencies(config)  # buffers built on meta hold no values
+    return model.to(dtype)

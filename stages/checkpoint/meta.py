@@ -1,0 +1,59 @@
+"""The `meta.json` sidecar every artifact carries: where it came from and what it measured."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from stages.checkpoint.atomic import write_json
+
+META_NAME = "meta.json"
+_PACKAGES = ("torch", "transformers", "peft", "deepspeed", "safetensors", "tokenizers", "snakemake")
+
+
+def git_commit() -> str | None:
+    """HEAD of the repository this code runs from, or None outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def package_versions() -> dict[str, str | None]:
+    versions = {}
+    for name in _PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def write_meta(
+    out_dir: str | Path, *, stage: str, config: dict[str, Any], parent: str | Path | None,
+    seed: int | None, metrics: dict[str, Any],
+) -> dict[str, Any]:
+    """Write `out_dir/meta.json` atomically and return its content."""
+    meta = {
+        "stage": stage,
+        "config": config,
+        "parent": str(parent) if parent is not None else None,
+        "git_commit": git_commit(),
+        "packages": package_versions(),
+        "seed": seed,
+        "metrics": metrics,
+    }
+    write_json(Path(out_dir) / META_NAME, meta)
+    return meta
+
+
+def read_meta(artifact_dir: str | Path) -> dict[str, Any]:
+    path = Path(artifact_dir) / META_NAME
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: {artifact_dir} was not written by a pipeline stage")
+    return json.loads(path.read_text())

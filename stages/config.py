@@ -1,0 +1,148 @@
+"""Validation of config/config.yaml against workflow/schemas/config.schema.yaml.
+
+The schema is the one source of truth for defaults. `check_config` runs when Snakemake parses the
+workflow, before any job starts: it names an unknown key together with the closest valid one,
+reports a wrong type with the key's full path, and fills every missing key with its default.
+Kept free of torch so that parsing the workflow stays fast.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+SCHEMA_PATH = Path(__file__).resolve().parent.parent / "workflow" / "schemas" / "config.schema.yaml"
+
+
+class ConfigError(ValueError):
+    """A config value the pipeline cannot use; the message names the key and the fix."""
+
+
+def load_schema(path: str | Path = SCHEMA_PATH) -> dict[str, Any]:
+    return yaml.safe_load(Path(path).read_text())
+
+
+def _resolve(node: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
+    ref = node.get("$ref")
+    if ref:
+        target: Any = root
+        for part in ref.removeprefix("#/").split("/"):
+            target = target[part]
+        return target
+    return node
+
+
+def _check_keys(instance: Any, schema: dict[str, Any], root: dict[str, Any], path: list[str]) -> None:
+    """Reject unknown keys (with a suggestion) and recurse into known ones."""
+    schema = _resolve(schema, root)
+    if not isinstance(instance, dict) or schema.get("type") != "object":
+        return
+    props = schema.get("properties", {})
+    extra = schema.get("additionalProperties", True)
+    for key, value in instance.items():
+        if key in props:
+            _check_keys(value, props[key], root, path + [str(key)])
+        elif isinstance(extra, dict):
+            _check_keys(value, extra, root, path + [str(key)])
+        elif extra is False:
+            where = ".".join(path) or "the top level"
+            close = difflib.get_close_matches(str(key), list(props), n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"config key {'.'.join(path + [str(key)])!r} is unknown{hint} "
+                f"(valid keys in {where}: {', '.join(sorted(props))})"
+            )
+
+
+def _fill_defaults(instance: Any, schema: dict[str, Any], root: dict[str, Any]) -> None:
+    """Insert a deep copy of each missing property's default, then recurse."""
+    schema = _resolve(schema, root)
+    if not isinstance(instance, dict):
+        return
+    props = schema.get("properties", {})
+    for key, sub in props.items():
+        if key not in instance and "default" in sub:
+            instance[key] = copy.deepcopy(sub["default"])
+        if key in instance:
+            _fill_defaults(instance[key], sub, root)
+    extra = schema.get("additionalProperties")
+    if isinstance(extra, dict):
+        for key, value in instance.items():
+            if key not in props:
+                _fill_defaults(value, extra, root)
+
+
+def _check_relations(name: str, exp: dict[str, Any]) -> None:
+    """Constraints between keys that a JSON schema cannot express."""
+    for method, section in exp["finetune"].items():
+        if section["src_length"] >= section["max_length"]:
+            raise ConfigError(
+                f"experiments.{name}.finetune.{method}: src_length={section['src_length']} must be "
+                f"smaller than max_length={section['max_length']} (room is needed for the target)"
+            )
+    for method, section in [("pretrain", exp["pretrain"]), *exp["finetune"].items()]:
+        if section["warmup_steps"] > section["max_steps"]:
+            raise ConfigError(
+                f"experiments.{name}.{method}: warmup_steps={section['warmup_steps']} exceeds "
+                f"max_steps={section['max_steps']}"
+            )
+
+
+def _check_group_size(name: str, exp: dict[str, Any]) -> None:
+    """A group must tile the input width of every quantized Linear of the flavour (pretrained
+    checkpoints are checked again by the quantize stage, which knows their real shapes)."""
+    from stages.model.config import FLAVOURS
+
+    quant = exp["quantize"]
+    group = quant["group_size"]
+    if "wint4" not in quant["variants"] or group == -1 or exp["model"]["model_name_or_path"]:
+        return
+    if group == 0:
+        raise ConfigError(f"experiments.{name}.quantize.group_size=0: use a positive group or -1 (per channel)")
+    arch = FLAVOURS[exp["model"]["flavour"]]
+    widths = sorted({arch["hidden_size"], arch["intermediate_size"]})
+    bad = [w for w in widths if w % group]
+    if bad:
+        raise ConfigError(f"experiments.{name}.quantize.group_size={group} does not divide the input "
+                          f"width(s) {bad} of flavour {exp['model']['flavour']!r}; choose a divisor "
+                          "of all of them or -1 (per channel)")
+
+
+def check_config(config: dict[str, Any], schema: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Validate `config` and return a copy with every default filled in.
+
+    Raises ConfigError naming the offending key: unknown keys (with the closest valid name),
+    wrong types or values, and inconsistent combinations.
+    """
+    schema = schema or load_schema()
+    config = copy.deepcopy(config)
+    if not isinstance(config, dict) or "experiments" not in config:
+        raise ConfigError("the config has no 'experiments' mapping; see config/config.yaml for the layout")
+    _check_keys(config, schema, schema, [])
+    _fill_defaults(config, schema, schema)
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
+    if errors:
+        e = errors[0]
+        key = ".".join(str(p) for p in e.absolute_path) or "the top level"
+        raise ConfigError(f"config key {key!r}: {e.message}")
+    for name, exp in config["experiments"].items():
+        _check_relations(name, exp)
+        _check_group_size(name, exp)
+    return config
+
+
+def experiment(config: dict[str, Any], name: str) -> dict[str, Any]:
+    """One experiment's settings, with a clear error for an unknown name."""
+    experiments = config["experiments"]
+    if name not in experiments:
+        close = difflib.get_close_matches(name, list(experiments), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"experiment {name!r} is not in config 'experiments'{hint} "
+                          f"(defined: {', '.join(sorted(experiments))})")
+    return experiments[name]

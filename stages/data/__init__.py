@@ -1,0 +1,1 @@
+"""Data: tokenizer training, corpus reading and tokenization, src/tgt SFT data."""

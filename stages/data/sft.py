@@ -1,0 +1,109 @@
+"""Supervised fine-tuning data: reading src/tgt JSON lines and encoding them for training and
+generation.
+
+Line format (PaddleNLP's): `{"src": str or [str], "tgt": str or [str]}`; with lists, the i-th
+src/tgt pair is the i-th round of a conversation and the lists have equal length.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class SftRecord:
+    src: list[str]  # one entry per round
+    tgt: list[str]
+
+
+class SftDataError(ValueError):
+    """A malformed SFT file; the message names the file, the line and the fix."""
+
+
+def parse_record(obj: Any, where: str) -> SftRecord:
+    """Check one decoded JSON line and normalise str -> [str]."""
+    if not isinstance(obj, dict):
+        raise SftDataError(f"{where}: expected a JSON object with 'src' and 'tgt', got {type(obj).__name__}")
+    missing = [k for k in ("src", "tgt") if k not in obj]
+    if missing:
+        raise SftDataError(f"{where}: record has no {' and no '.join(repr(m) for m in missing)} "
+                           f"(keys present: {sorted(obj)}); each line needs both 'src' and 'tgt'")
+    fields = {}
+    for key in ("src", "tgt"):
+        value = obj[key]
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+            raise SftDataError(f"{where}: '{key}' must be a string or a non-empty list of strings")
+        fields[key] = value
+    if len(fields["src"]) != len(fields["tgt"]):
+        raise SftDataError(f"{where}: 'src' has {len(fields['src'])} rounds but 'tgt' has "
+                           f"{len(fields['tgt'])}; multi-turn lists must have equal length")
+    return SftRecord(src=fields["src"], tgt=fields["tgt"])
+
+
+def read_sft_file(path: str | Path) -> list[SftRecord]:
+    """Read a JSON-lines SFT file; a bad line raises SftDataError with `path:line`."""
+    path = Path(path)
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise SftDataError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); "
+                                   "each line must be one JSON object") from None
+            records.append(parse_record(obj, f"{path}:{lineno}"))
+    if not records:
+        raise SftDataError(f"{path}: no records; expected one JSON object per line")
+    return records
+
+
+def write_sft_file(path: str | Path, records: Sequence[SftRecord]) -> None:
+    """Write records as JSON lines (single-round records as plain strings)."""
+    from stages.checkpoint.atomic import atomic_file
+
+    with atomic_file(path) as f:
+        for r in records:
+            src = r.src[0] if len(r.src) == 1 else r.src
+            tgt = r.tgt[0] if len(r.tgt) == 1 else r.tgt
+            f.write(json.dumps({"src": src, "tgt": tgt}, ensure_ascii=False) + "\n")
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def encode_prompt(tokenizer, record: SftRecord, src_length: int) -> list[int]:
+    """Ids the model generates from: all earlier rounds in full, then the last src; [bos] first;
+    truncated from the left to `src_length` so the most recent context is kept."""
+    ids: list[int] = []
+    for src, tgt in zip(record.src[:-1], record.tgt[:-1]):
+        ids += _ids(tokenizer, src) + _ids(tokenizer, tgt) + [tokenizer.eos_token_id]
+    ids += _ids(tokenizer, record.src[-1])
+    return [tokenizer.bos_token_id] + ids[-(src_length - 1):] if src_length > 1 else [tokenizer.bos_token_id]
+
+
+def encode_example(tokenizer, record: SftRecord, src_length: int, max_length: int) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) for training: every target round (plus eos) is learned, prompts are not.
+    Each round's prompt is cut from the left to `src_length`, the whole example to `max_length`."""
+    input_ids = [tokenizer.bos_token_id]
+    labels = [IGNORE_INDEX]
+    for src, tgt in zip(record.src, record.tgt):
+        prompt = _ids(tokenizer, src)[-(src_length - 1):] if src_length > 1 else []
+        target = _ids(tokenizer, tgt) + [tokenizer.eos_token_id]
+        input_ids += prompt + target
+        labels += [IGNORE_INDEX] * len(prompt) + target
+    return input_ids[:max_length], labels[:max_length]
+
+
+def target_text(record: SftRecord) -> str:
+    """The reference a generation is scored against: the last round's target."""
+    return record.tgt[-1]

@@ -1,0 +1,158 @@
+"""Parse-time checks of an experiment's `data:` section, and the path rules `prepare` shares.
+
+Snakemake's common.smk calls `check_data_section` for every experiment while it parses the
+workflow, so that a typo in a corpus path fails in a second instead of after an hour of jobs.
+It must stay light: stdlib and `stages.data.sft` only (no numpy, torch, tokenizers,
+transformers). It checks what can be checked cheaply: every corpus source resolves to files with
+a supported extension that are not empty, and the SFT directory holds readable train and dev
+records. Reading corpus contents (malformed JSON lines in a .jsonl corpus, a parquet file
+without a `text` column) is left to `stages.data.corpus`, which reports the same way.
+
+Path rules (one place, used by both this module and `prepare`):
+- a source starting with `builtin:` names data the project makes (BUILTIN_CORPORA, BUILTIN_SFT);
+- a relative path or glob resolves against `base_dir` (the repo root, Snakemake's workdir);
+- a glob expands to its matches in sorted order, `**` included, so the corpus order, and with it
+  the tokenizer and the split, does not depend on the file system's listing order.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+from stages.data.sft import SftDataError, SftRecord, read_sft_file
+
+SUPPORTED_EXTENSIONS = (".txt", ".jsonl", ".parquet")
+BUILTIN_CORPORA = ("builtin:pydoc",)
+BUILTIN_SFT = ("builtin:attributes",)
+SFT_SPLITS = ("train", "dev")
+_GLOB_CHARS = set("*?[")
+
+
+class DataConfigError(ValueError):
+    """A `data:` setting that points at missing or unusable data; names the key, file and fix."""
+
+
+def _resolve(path: str, base_dir: str | os.PathLike | None) -> Path:
+    p = Path(path).expanduser()
+    if not p.is_absolute():
+        p = Path(base_dir if base_dir is not None else os.getcwd()) / p
+    return p
+
+
+def resolve_corpus_source(source: str, base_dir: str | os.PathLike | None, key: str) -> list[Path]:
+    """The files one `corpus` entry stands for (empty list for a builtin).
+
+    Raises DataConfigError naming `key` when the entry is an unknown builtin, matches nothing,
+    is a directory, has an unsupported extension or is an empty file.
+    """
+    if source.startswith("builtin:"):
+        if source not in BUILTIN_CORPORA:
+            raise DataConfigError(f"{key}: unknown builtin corpus {source!r}; "
+                                  f"the builtin corpora are: {', '.join(BUILTIN_CORPORA)}")
+        return []
+    full = _resolve(source, base_dir)
+    if _GLOB_CHARS & set(source):
+        paths = [Path(p) for p in sorted(glob.glob(str(full), recursive=True))]
+        paths = [p for p in paths if p.is_file()]  # a `**` glob also matches directories
+    else:
+        paths = [full] if full.exists() else []
+    if not paths:
+        raise DataConfigError(f"{key}: {source!r} (resolved to {full}) matches no file; "
+                              "fix the path or glob, relative paths resolve against the workflow directory")
+    for p in paths:
+        if p.is_dir():
+            raise DataConfigError(f"{key}: {source!r} is a directory ({p}); name its files with a glob "
+                                  f"such as {str(Path(source) / '*.txt')!r}")
+        if p.suffix.lower() not in SUPPORTED_EXTENSIONS:
+            raise DataConfigError(f"{key}: {p} has unsupported extension {p.suffix or '(none)'!r}; "
+                                  f"supported corpus files are {', '.join(SUPPORTED_EXTENSIONS)} "
+                                  f"(or a builtin: {', '.join(BUILTIN_CORPORA)})")
+        if p.stat().st_size == 0:
+            raise DataConfigError(f"{key}: {p} is empty; remove it from the corpus or give it text")
+    return paths
+
+
+def resolve_corpus(sources: list[str], base_dir: str | os.PathLike | None,
+                   key: str = "data.corpus") -> list[tuple[str, Path | None]]:
+    """Every corpus entry expanded, in order: (source, file) pairs; file is None for a builtin."""
+    if isinstance(sources, str) or not isinstance(sources, list):
+        raise DataConfigError(f"{key}: expected a list of paths, globs or builtins, got {sources!r}; "
+                              f"write it as a YAML list, e.g. [{sources!r}]")
+    if not sources:
+        raise DataConfigError(f"{key}: the corpus list is empty; give at least one source, "
+                              f"e.g. {BUILTIN_CORPORA[0]}")
+    resolved: list[tuple[str, Path | None]] = []
+    for i, source in enumerate(sources):
+        if not isinstance(source, str):
+            raise DataConfigError(f"{key}[{i}]: expected a string, got {source!r}")
+        files = resolve_corpus_source(source, base_dir, f"{key}[{i}]")
+        resolved += [(source, f) for f in files] if files else [(source, None)]
+    return resolved
+
+
+def sft_split_files(sft_dir: str | os.PathLike, split: str, key: str = "data.sft") -> list[Path]:
+    """The files of one SFT split: `<dir>/<split>.json`, or `<dir>/<split>/*.json` sorted."""
+    sft_dir = Path(sft_dir)
+    single = sft_dir / f"{split}.json"
+    folder = sft_dir / split
+    parts = sorted(folder.glob("*.json")) if folder.is_dir() else []
+    if single.is_file() and parts:
+        raise DataConfigError(f"{key}: {sft_dir} has both {single.name} and {folder.name}/*.json for the "
+                              f"{split!r} split; keep one of them")
+    if single.is_file():
+        return [single]
+    if parts:
+        return parts
+    raise DataConfigError(f"{key}: {sft_dir} has no {split!r} split; expected {single} or "
+                          f"{folder}/*.json (JSON lines, one {{\"src\": ..., \"tgt\": ...}} per line)")
+
+
+def read_sft_dir(sft_dir: str | os.PathLike, split: str, key: str = "data.sft") -> list[SftRecord]:
+    """All records of one split, files concatenated in sorted order; errors name `key` and file:line."""
+    records: list[SftRecord] = []
+    for path in sft_split_files(sft_dir, split, key):
+        if path.stat().st_size == 0:
+            raise DataConfigError(f"{key}: {path} is empty; expected one {{\"src\": ..., \"tgt\": ...}} "
+                                  "JSON object per line")
+        try:
+            records += read_sft_file(path)
+        except SftDataError as e:
+            raise DataConfigError(f"{key}: {e}") from None
+    return records
+
+
+def resolve_sft(sft: str, base_dir: str | os.PathLike | None, key: str = "data.sft") -> Path | None:
+    """The SFT directory (None for a builtin task); raises DataConfigError if it is not one."""
+    if not isinstance(sft, str):
+        raise DataConfigError(f"{key}: expected a directory or one of {', '.join(BUILTIN_SFT)}, got {sft!r}")
+    if sft.startswith("builtin:"):
+        if sft not in BUILTIN_SFT:
+            raise DataConfigError(f"{key}: unknown builtin task {sft!r}; the builtin tasks are: "
+                                  f"{', '.join(BUILTIN_SFT)}")
+        return None
+    path = _resolve(sft, base_dir)
+    if not path.is_dir():
+        what = "is a file, not a directory" if path.exists() else "does not exist"
+        raise DataConfigError(f"{key}: {sft!r} ({path}) {what}; give a directory holding train.json and "
+                              f"dev.json (or train/*.json, dev/*.json), or {BUILTIN_SFT[0]}")
+    return path
+
+
+def check_data_section(data: Mapping[str, Any], experiment: str, base_dir: str | os.PathLike | None) -> None:
+    """Check one experiment's (schema-validated) `data:` section before any job starts.
+
+    Raises DataConfigError whose message begins with the config key
+    (`experiments.<experiment>.data.corpus[i]` or `.data.sft`) and names the file, the line where
+    there is one, and the fix. Returns None when the data can be read.
+    """
+    prefix = f"experiments.{experiment}.data"
+    if "corpus" in data:
+        resolve_corpus(data["corpus"], base_dir, f"{prefix}.corpus")
+    if "sft" in data:
+        sft_dir = resolve_sft(data["sft"], base_dir, f"{prefix}.sft")
+        if sft_dir is not None:
+            for split in SFT_SPLITS:
+                read_sft_dir(sft_dir, split, f"{prefix}.sft")

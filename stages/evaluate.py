@@ -1,0 +1,299 @@
+"""Evaluate one model variant: validation perplexity, greedy generation on SFT dev, size and speed.
+
+`python -m stages.evaluate --model DIR --data DIR --out FILE --variant NAME --config JSON
+ [--src-length N]`
+
+What is loaded depends on what `--model` holds:
+  * `adapter_config.json`            -> peft adapter: base from `meta.json`'s `parent` (else
+                                        adapter_config's `base_model_name_or_path`), then
+                                        `peft.PeftModel.from_pretrained(base, dir)`
+  * config.json with `quantization_config` -> `stages.quant.load_quantized(dir)` (float weights)
+  * otherwise                        -> plain HF dir, `AutoModelForCausalLM` in fp32, local files
+                                        only, never `trust_remote_code`
+The tokenizer always comes from `--model` (adapter dirs carry the tokenizer files too).
+
+Metrics JSON (`eval/<variant>.json`, written atomically), one object:
+  variant            str    the name given with --variant
+  model_dir          str    the directory evaluated
+  kind               str    "hf", "adapter" or "quantized"
+  ppl                float  exp(token-weighted mean NLL) on validation windows (stages.metrics.perplexity)
+  unigram_ppl        float  add-one unigram model of train.bin on the same target tokens (the floor to beat)
+  ppl_tokens         int    validation tokens scored
+  ppl_windows        int    windows of ppl_max_length tokens scored
+  exact_match        float  [0, 1] on the first num_dev_examples records of data/sft/dev.json
+  bleu4              float  [0, 1] corpus BLEU-4, add-one smoothing for n > 1 (stages.metrics.text)
+  rouge_l            float  [0, 1] mean ROUGE-L F1
+  num_dev_examples   int    dev records scored
+  gen_tokens         int    tokens generated (up to and including each eos)
+  gen_seconds        float  wall seconds spent in generate
+  gen_tokens_per_s   float  gen_tokens / gen_seconds (greedy, batched, left padding)
+  size_bytes         int    bytes of weight files in the dir (*.safetensors, *.onnx, *.onnx.data);
+                            for an adapter, the adapter alone
+  num_parameters     int    parameters of the model as evaluated (base + adapter for peft)
+  eval_seconds       float  wall seconds of the whole evaluation, loading included
+  settings           dict   the evaluate settings used (defaults filled)
+  samples            list   first 5 dev records: {"src", "reference", "prediction"}
+
+Settings: the schema's `evaluate` keys (max_new_tokens, num_dev_examples, ppl_max_length,
+ppl_max_windows) plus `src_length` (default 64; `--src-length` passes finetune.sft.src_length) and
+`per_device_eval_batch_size` (default 8), which the schema does not hold (yet).
+
+Generation: prompts are `stages.data.sft.encode_prompt` ids (bos + src, left-truncated to
+`src_length`), left-padded into batches of `per_device_eval_batch_size`, decoded greedily for at
+most `max_new_tokens` and cut at the first eos. Left padding with peft prefix tuning works with
+transformers 5.23 / peft 0.21 (peft prepends the prefix to the attention mask); the unit test
+checks that batched and one-by-one generations agree for a prefix adapter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from stages.checkpoint.atomic import write_json
+from stages.data.sft import encode_prompt, read_sft_file, target_text
+from stages.metrics.perplexity import model_perplexity, unigram_perplexity, validation_windows
+from stages.metrics.text import corpus_bleu, exact_match, rouge_l
+
+log = logging.getLogger(__name__)
+
+# Settings not (yet) in workflow/schemas/config.schema.yaml's `evaluate` section; a schema
+# default, when one is added, takes precedence over these.
+_EXTRA_DEFAULTS = {"src_length": 64, "per_device_eval_batch_size": 8}
+_WEIGHT_PATTERNS = ("*.safetensors", "*.onnx", "*.onnx.data")
+_NUM_SAMPLES = 5
+
+
+# -- settings ------------------------------------------------------------------------------------
+def eval_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """The evaluate section with every missing key filled from the schema's defaults."""
+    from stages.config import load_schema
+
+    props = load_schema()["$defs"]["experiment"]["properties"]["evaluate"]["properties"]
+    defaults = {**_EXTRA_DEFAULTS, **{k: v["default"] for k, v in props.items() if "default" in v}}
+    unknown = sorted(set(config) - set(defaults))
+    if unknown:
+        raise ValueError(f"evaluate config keys {unknown} are unknown; valid keys: {sorted(defaults)}")
+    settings = {**defaults, **config}
+    for key in ("max_new_tokens", "num_dev_examples", "ppl_max_length", "ppl_max_windows",
+                "src_length", "per_device_eval_batch_size"):
+        if not isinstance(settings[key], int) or settings[key] < 1:
+            raise ValueError(f"evaluate.{key}={settings[key]!r} must be a positive integer")
+    return settings
+
+
+# -- loading -------------------------------------------------------------------------------------
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); re-run the stage "
+                         "that wrote it") from None
+
+
+def _load_full_model(model_dir: Path) -> tuple[torch.nn.Module, str]:
+    """A complete (non-adapter) model: quantized dirs via stages.quant, others via transformers."""
+    config_path = model_dir / "config.json"
+    if not config_path.exists():
+        raise ValueError(f"{config_path} is missing: {model_dir} is neither an HF model dir nor a peft "
+                         "adapter dir (no adapter_config.json); pass a directory written by a stage")
+    if "quantization_config" in _read_json(config_path):
+        # Imported lazily: plain evaluations must not depend on the quantization code.
+        from stages.quant import load_quantized
+
+        return load_quantized(model_dir), "quantized"
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=False)
+    return model, "hf"
+
+
+def adapter_base_dir(adapter_dir: Path) -> Path:
+    """Where the base model of a peft adapter lives.
+
+    Candidates, in order: meta.json's `parent`, then adapter_config.json's
+    `base_model_name_or_path`; each as written (relative to the working directory, the repo root
+    under Snakemake), then as a sibling of the adapter dir with the same name (so an experiment
+    directory that was moved still resolves).
+    """
+    names = []
+    if (adapter_dir / "meta.json").exists():
+        names.append(_read_json(adapter_dir / "meta.json").get("parent"))
+    names.append(_read_json(adapter_dir / "adapter_config.json").get("base_model_name_or_path"))
+    tried = []
+    for name in filter(None, names):
+        for candidate in (Path(name), adapter_dir.parent / Path(name).name):
+            if (candidate / "config.json").exists():
+                return candidate
+            tried.append(str(candidate))
+    raise ValueError(f"cannot find the base model of adapter {adapter_dir}: tried {tried or 'nothing'} "
+                     "(from meta.json 'parent' and adapter_config.json 'base_model_name_or_path'); "
+                     "set one of them to the base model's directory")
+
+
+def load_variant(model_dir: str | Path) -> tuple[torch.nn.Module, Any, str]:
+    """(model in eval mode, tokenizer, kind) for whatever `model_dir` holds (see module docstring)."""
+    from transformers import AutoTokenizer
+
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ValueError(f"--model {model_dir} is not a directory; pass a stage's output directory")
+    if (model_dir / "adapter_config.json").exists():
+        import peft
+
+        base_dir = adapter_base_dir(model_dir)
+        base, _ = _load_full_model(base_dir)
+        model, kind = peft.PeftModel.from_pretrained(base, model_dir, is_trainable=False), "adapter"
+        log.info("loaded adapter %s on base %s", model_dir, base_dir)
+    else:
+        model, kind = _load_full_model(model_dir)
+    if not (model_dir / "tokenizer.json").exists() and not (model_dir / "tokenizer_config.json").exists():
+        raise ValueError(f"{model_dir} holds no tokenizer files (tokenizer.json); every model and adapter "
+                         "dir must carry its tokenizer (stages.checkpoint.hf.copy_tokenizer)")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+    return model.eval(), tokenizer, kind
+
+
+def weight_bytes(model_dir: str | Path) -> int:
+    """Bytes of the weight files directly in `model_dir` (an adapter dir holds only the adapter)."""
+    files = {f for pattern in _WEIGHT_PATTERNS for f in Path(model_dir).glob(pattern) if f.is_file()}
+    return sum(f.stat().st_size for f in files)
+
+
+def read_split(data_dir: str | Path, split: str) -> tuple[np.ndarray, dict[str, Any]]:
+    """(memory-mapped token ids of `split`, index.json) from a prepare data dir."""
+    data_dir = Path(data_dir)
+    index_path = data_dir / "index.json"
+    if not index_path.exists():
+        raise ValueError(f"{index_path} is missing; --data must be the data dir written by prepare")
+    index = _read_json(index_path)
+    if split not in index.get("splits", {}):
+        raise ValueError(f"{index_path} has no split {split!r} (splits: {sorted(index.get('splits', {}))})")
+    path = data_dir / index["splits"][split]["tokens"]
+    if not path.exists():
+        raise ValueError(f"{path} is missing although {index_path} lists it; re-run prepare")
+    tokens = np.memmap(path, dtype=np.dtype(index["dtype"]).newbyteorder("<"), mode="r")
+    return tokens, index
+
+
+# -- generation ----------------------------------------------------------------------------------
+@torch.no_grad()
+def generate_greedy(model: torch.nn.Module, prompts: Sequence[list[int]], *, max_new_tokens: int,
+                    eos_token_id: int, pad_token_id: int, batch_size: int) -> list[list[int]]:
+    """Greedy continuations of `prompts` (new tokens only, cut after the first eos, eos kept).
+
+    Prompts are grouped by length (fewer pad tokens) and left-padded so every row's last real
+    token sits at the end, where generation continues; results come back in the input order.
+    """
+    device = next(model.parameters()).device
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for start in range(0, len(order), batch_size):
+        rows = order[start:start + batch_size]
+        width = max(len(prompts[i]) for i in rows)
+        ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)  # (B, T)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, i in enumerate(rows):
+            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[r, width - len(prompts[i]):] = 1
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                             max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                             eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        for r, i in enumerate(rows):
+            new = out[r, width:].tolist()
+            outputs[i] = new[:new.index(eos_token_id) + 1] if eos_token_id in new else new
+    return outputs
+
+
+# -- the stage -----------------------------------------------------------------------------------
+def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, variant: str,
+        config: dict[str, Any]) -> dict[str, Any]:
+    """Evaluate `model_dir` on `data_dir`, write the metrics JSON to `out_path` and return it."""
+    t_start = time.perf_counter()
+    settings = eval_settings(config)
+    model_dir, data_dir = Path(model_dir), Path(data_dir)
+    dev_path = data_dir / "sft" / "dev.json"
+    if not dev_path.exists():
+        raise ValueError(f"{dev_path} is missing; --data must be the data dir written by prepare")
+    model, tokenizer, kind = load_variant(model_dir)
+
+    valid, index = read_split(data_dir, "validation")
+    train, _ = read_split(data_dir, "train")
+    windows = validation_windows(valid, settings["ppl_max_length"], settings["ppl_max_windows"])
+    ppl, ppl_tokens = model_perplexity(model, windows, batch_size=settings["per_device_eval_batch_size"])
+    unigram = unigram_perplexity(train, windows[:, 1:], index["vocab_size"])
+
+    records = read_sft_file(dev_path)[:settings["num_dev_examples"]]
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError(f"the tokenizer in {model_dir} has no eos token; generation cannot stop")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    prompts = [encode_prompt(tokenizer, r, settings["src_length"]) for r in records]
+    t_gen = time.perf_counter()
+    generated = generate_greedy(model, prompts, max_new_tokens=settings["max_new_tokens"], eos_token_id=eos,
+                                pad_token_id=pad, batch_size=settings["per_device_eval_batch_size"])
+    gen_seconds = time.perf_counter() - t_gen
+    predictions = [tokenizer.decode(g, skip_special_tokens=True) for g in generated]
+    references = [target_text(r) for r in records]
+    gen_tokens = sum(len(g) for g in generated)
+
+    metrics = {
+        "variant": variant,
+        "model_dir": str(model_dir),
+        "kind": kind,
+        "ppl": ppl,
+        "unigram_ppl": unigram,
+        "ppl_tokens": ppl_tokens,
+        "ppl_windows": len(windows),
+        "exact_match": exact_match(predictions, references),
+        "bleu4": corpus_bleu(predictions, references, smooth=True),
+        "rouge_l": rouge_l(predictions, references),
+        "num_dev_examples": len(records),
+        "gen_tokens": gen_tokens,
+        "gen_seconds": gen_seconds,
+        "gen_tokens_per_s": gen_tokens / gen_seconds if gen_seconds > 0 else 0.0,
+        "size_bytes": weight_bytes(model_dir),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "eval_seconds": time.perf_counter() - t_start,
+        "settings": settings,
+        "samples": [{"src": r.src[-1], "reference": ref, "prediction": pred}
+                    for r, ref, pred in zip(records[:_NUM_SAMPLES], references, predictions)],
+    }
+    write_json(out_path, metrics)
+    log.info("%s: ppl %.2f (unigram %.2f), exact_match %.3f, bleu4 %.3f, rouge_l %.3f -> %s", variant,
+             ppl, unigram, metrics["exact_match"], metrics["bleu4"], metrics["rouge_l"], out_path)
+    return metrics
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m stages.evaluate", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="model dir: HF layout, peft adapter or quantized HF dir")
+    parser.add_argument("--data", required=True, help="data dir written by prepare (index.json, *.bin, sft/dev.json)")
+    parser.add_argument("--out", required=True, help="metrics JSON to write (eval/<variant>.json)")
+    parser.add_argument("--variant", required=True, help="variant name recorded in the JSON (e.g. sft, lora, wint4)")
+    parser.add_argument("--config", default="{}", help="the experiment's `evaluate` section as one JSON object")
+    parser.add_argument("--src-length", type=int, default=None,
+                        help="prompt tokens kept (left truncation), normally finetune.sft.src_length; "
+                             "overrides the config's src_length (default 64)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = json.loads(args.config)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config is not valid JSON ({e.msg}); pass the evaluate section as one object") from None
+    if args.src_length is not None:
+        # Evaluate with the prompt length the model was fine-tuned with.
+        config = {**config, "src_length": args.src_length}
+    return run(args.model, args.data, args.out, args.variant, config)
+
+
+if __name__ == "__main__":
+    main()

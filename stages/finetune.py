@@ -1,0 +1,290 @@
+"""Fine-tune a causal LM on src/tgt pairs: full SFT, LoRA or prefix tuning.
+
+    python -m stages.finetune --method lora --model results/llama/pretrain \
+        --data results/llama/data --out results/llama/lora --config '{...finetune.lora...}'
+
+Reads `<data>/sft/train.json` (and `dev.json` for the dev loss), encodes it with
+`stages.data.sft.encode_example` (loss on target tokens only), trains single-process with AdamW
+and the shared LR schedule, and writes atomically (docs/artifacts.md):
+- sft: an HF model dir (config.json, model.safetensors, generation_config.json, tokenizer files);
+- lora / prefix: a peft adapter dir (adapter_config.json, adapter_model.safetensors, tokenizer
+  files) that loads with `peft.PeftModel.from_pretrained(base, dir)`, base = meta.json's parent;
+plus `train_log.csv` and `meta.json` (stage "finetune-<method>").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+from stages.adapters import ADAPTER_METHODS, attach_adapter, count_parameters
+from stages.checkpoint.atomic import atomic_dir
+from stages.checkpoint.hf import copy_tokenizer
+from stages.checkpoint.meta import write_meta
+from stages.data.sft import IGNORE_INDEX, encode_example, read_sft_file
+from stages.training.log import TrainLog
+from stages.training.schedule import build_scheduler
+from stages.training.seed import set_seed
+
+log = logging.getLogger(__name__)
+
+METHODS = ("sft", *ADAPTER_METHODS)
+# Keys of a finetune section this stage reads; stages.config.check_config fills them all.
+REQUIRED_KEYS = (
+    "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "min_learning_rate",
+    "warmup_steps", "max_steps", "lr_scheduler_type", "weight_decay", "adam_beta1", "adam_beta2",
+    "max_grad_norm", "seed", "logging_steps", "bf16", "src_length", "max_length",
+)
+METHOD_KEYS = {"sft": (), "lora": ("lora_rank", "lora_alpha", "lora_dropout", "target_modules"),
+               "prefix": ("num_prefix_tokens",)}
+
+Example = tuple[list[int], list[int]]  # (input_ids, labels)
+
+
+# -- data ----------------------------------------------------------------------------------------
+def load_examples(path: Path, tokenizer, src_length: int, max_length: int) -> list[Example]:
+    """Encode every record of an SFT file; examples whose targets were cut off entirely by
+    `max_length` are dropped (they carry no loss), with a warning counting them."""
+    examples = [encode_example(tokenizer, r, src_length, max_length) for r in read_sft_file(path)]
+    kept = [ex for ex in examples if any(label != IGNORE_INDEX for label in ex[1][1:])]
+    if len(kept) < len(examples):
+        log.warning("%s: dropped %d of %d examples with no target token left after max_length=%d",
+                    path, len(examples) - len(kept), len(examples), max_length)
+    if not kept:
+        raise ValueError(f"{path}: no example keeps a target token within max_length={max_length}; "
+                         "raise max_length or lower src_length")
+    return kept
+
+
+def collate(examples: Sequence[Example], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Pad on the right to the longest example: pad id in input_ids, -100 in labels, 0 in
+    attention_mask. Returns int64 tensors of shape (B, T)."""
+    T = max(len(ids) for ids, _ in examples)
+    input_ids = torch.full((len(examples), T), pad_token_id, dtype=torch.long)
+    labels = torch.full((len(examples), T), IGNORE_INDEX, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), T), dtype=torch.long)
+    for i, (ids, lab) in enumerate(examples):
+        input_ids[i, :len(ids)] = torch.tensor(ids)
+        labels[i, :len(lab)] = torch.tensor(lab)
+        attention_mask[i, :len(ids)] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+def train_batches(examples: Sequence[Example], batch_size: int, pad_token_id: int,
+                  seed: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Endless micro-batches: each epoch is a fresh permutation drawn from (seed, epoch), so the
+    order depends only on the seed and not on any other use of the global RNG."""
+    epoch = 0
+    while True:
+        order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch))
+        for start in range(0, len(order), batch_size):
+            yield collate([examples[i] for i in order[start:start + batch_size]], pad_token_id)
+        epoch += 1
+
+
+def target_token_count(labels: torch.Tensor) -> int:
+    """Tokens that carry loss: labels shifted by one, as `summed_loss` scores them."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+def summed_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Sum over target tokens of -log p(token t+1 | tokens <= t), in fp32.
+
+    A sum rather than a mean so that gradient accumulation and the dev loss weigh every target
+    token equally, whatever the micro-batch it falls in.
+    """
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    V = logits.shape[-1]
+    shift_logits = logits[:, :-1, :].reshape(-1, V).float()  # (B*(T-1), V)
+    shift_labels = batch["labels"][:, 1:].reshape(-1)  # (B*(T-1),)
+    return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+@torch.no_grad()
+def dev_loss(model: torch.nn.Module, examples: Sequence[Example], batch_size: int,
+             pad_token_id: int) -> float:
+    """Mean loss per target token over `examples` (eval mode, no dropout)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(examples), batch_size):
+        batch = collate(examples[start:start + batch_size], pad_token_id)
+        total += summed_loss(model, batch).item()
+        count += target_token_count(batch["labels"])
+    model.train(was_training)
+    return total / max(count, 1)
+
+
+# -- training ------------------------------------------------------------------------------------
+def check_section(method: str, config: dict[str, Any]) -> None:
+    """Raise ValueError for an unknown method or a config section missing keys this stage reads."""
+    if method not in METHODS:
+        raise ValueError(f"--method {method!r} is unknown; choose one of {METHODS}")
+    missing = [k for k in (*REQUIRED_KEYS, *METHOD_KEYS[method]) if k not in config]
+    if missing:
+        raise ValueError(f"finetune.{method} config lacks {missing}; pass the section as filled by "
+                         "stages.config.check_config (it adds every default)")
+    if config["src_length"] >= config["max_length"]:
+        raise ValueError(f"finetune.{method}: src_length={config['src_length']} must be smaller than "
+                         f"max_length={config['max_length']} (room is needed for the target)")
+
+
+def build_optimizer(model: torch.nn.Module, config: dict[str, Any]) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; weight decay only on matrices, since decaying norm
+    gains and biases towards zero only hurts (the usual GPT/Llama recipe)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": config["weight_decay"]},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=config["learning_rate"],
+                             betas=(config["adam_beta1"], config["adam_beta2"]))
+
+
+def train(model: torch.nn.Module, examples: Sequence[Example], config: dict[str, Any],
+          pad_token_id: int, train_log: TrainLog) -> dict[str, float]:
+    """Run `max_steps` optimizer steps of `gradient_accumulation_steps` micro-batches each.
+
+    Returns first_loss, final_loss (per target token, of the first / last optimizer step) and
+    train_tokens_per_s (non-pad input tokens per second of training).
+    """
+    optimizer = build_optimizer(model, config)
+    scheduler = build_scheduler(optimizer, config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    batches = train_batches(examples, config["per_device_train_batch_size"], pad_token_id, config["seed"])
+    # bf16 autocast keeps fp32 master weights; the loss is computed in fp32 either way.
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if config["bf16"] else nullcontext
+    # max_grad_norm=0 disables clipping; an infinite threshold still measures the norm for the log.
+    clip = config["max_grad_norm"] or math.inf
+    model.train()
+    first_loss = final_loss = float("nan")
+    tokens_since_log, total_tokens, start = 0, 0, time.perf_counter()
+    for step in range(1, config["max_steps"] + 1):
+        micro = [next(batches) for _ in range(config["gradient_accumulation_steps"])]
+        # Normalise by the step's target tokens so a step's gradient is that of its mean token loss.
+        n_targets = max(sum(target_token_count(b["labels"]) for b in micro), 1)
+        step_loss = 0.0
+        for batch in micro:
+            with autocast():
+                loss = summed_loss(model, batch) / n_targets
+            loss.backward()
+            step_loss += loss.item()
+            tokens_since_log += int(batch["attention_mask"].sum())
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        first_loss = step_loss if step == 1 else first_loss
+        final_loss = step_loss
+        if step % config["logging_steps"] == 0 or step == config["max_steps"]:
+            train_log.log(step, step_loss, lr, grad_norm, tokens_since_log)
+            total_tokens += tokens_since_log
+            tokens_since_log = 0
+        train_log.advance()
+    elapsed = time.perf_counter() - start
+    return {"first_loss": first_loss, "final_loss": final_loss,
+            "train_tokens_per_s": total_tokens / max(elapsed, 1e-9)}
+
+
+# -- the stage -----------------------------------------------------------------------------------
+def load_base(model_dir: str | Path) -> tuple[transformers.PreTrainedModel, Any]:
+    """The fp32 model and tokenizer of a local HF directory (no hub, no remote code)."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").exists():
+        raise ValueError(f"--model {model_dir}: no config.json; expected a Hugging Face model "
+                         "directory such as results/<experiment>/pretrain")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=False)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    return model, tokenizer
+
+
+def pad_id(tokenizer) -> int:
+    """The tokenizer's pad id, else eos: padded positions are masked out, so any id serves."""
+    for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if value is not None:
+            return value
+    raise ValueError("the tokenizer has neither a pad nor an eos token; set pad_token in tokenizer_config.json")
+
+
+def save_tokenizer(tokenizer, model_dir: Path, out: Path) -> None:
+    """Copy the parent's tokenizer files byte for byte when it has tokenizer.json, so every
+    artifact carries the same files as `prepare` wrote; else let transformers write them."""
+    if (model_dir / "tokenizer.json").exists():
+        copy_tokenizer(model_dir, out)
+    else:
+        tokenizer.save_pretrained(out)
+
+
+def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str | Path,
+        config: dict[str, Any]) -> dict[str, Any]:
+    """Fine-tune the model in `model_dir` on `data_dir/sft/train.json` with `method` and the
+    validated `finetune.<method>` section `config`; write `out_dir` atomically; return metrics."""
+    check_section(method, config)
+    model_dir, data_dir = Path(model_dir), Path(data_dir)
+    set_seed(config["seed"])
+    model, tokenizer = load_base(model_dir)
+    pad = pad_id(tokenizer)
+    train_path, dev_path = data_dir / "sft" / "train.json", data_dir / "sft" / "dev.json"
+    if not train_path.exists():
+        raise ValueError(f"--data {data_dir}: {train_path} is missing; run the prepare stage first")
+    examples = load_examples(train_path, tokenizer, config["src_length"], config["max_length"])
+    if method != "sft":
+        # Seeded above, so the adapter's initial weights (LoRA's A) repeat from run to run.
+        model = attach_adapter(model, method, config)
+    trainable, total = count_parameters(model)
+    log.info("finetune-%s: %d examples, %d of %d parameters trainable", method, len(examples), trainable, total)
+    with atomic_dir(out_dir) as tmp:
+        train_log = TrainLog(tmp / "train_log.csv", config["max_steps"], desc=f"finetune-{method}")
+        try:
+            metrics: dict[str, Any] = train(model, examples, config, pad, train_log)
+        finally:
+            train_log.close()
+        metrics.update(trainable_params=trainable, total_params=total, train_examples=len(examples),
+                       dev_loss=None)
+        if dev_path.exists():
+            dev = load_examples(dev_path, tokenizer, config["src_length"], config["max_length"])
+            metrics["dev_loss"] = dev_loss(model, dev, config["per_device_train_batch_size"], pad)
+        else:
+            log.warning("%s is missing; meta.json gets dev_loss=null", dev_path)
+        # peft models save only the adapter (adapter_config.json, adapter_model.safetensors).
+        model.save_pretrained(tmp, safe_serialization=True)
+        save_tokenizer(tokenizer, model_dir, tmp)
+        write_meta(tmp, stage=f"finetune-{method}", config=config, parent=model_dir,
+                   seed=config["seed"], metrics=metrics)
+    log.info("finetune-%s: loss %.4f -> %.4f, dev loss %s", method, metrics["first_loss"],
+             metrics["final_loss"], metrics["dev_loss"])
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m stages.finetune", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--method", required=True, choices=METHODS,
+                        help="sft: train every weight; lora: low-rank adapters; prefix: prefix tuning")
+    parser.add_argument("--model", required=True, metavar="DIR", help="base model: a local Hugging Face model directory")
+    parser.add_argument("--data", required=True, metavar="DIR", help="prepare's output directory (reads sft/train.json, sft/dev.json)")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output directory, written atomically")
+    parser.add_argument("--config", required=True, metavar="JSON",
+                        help="the finetune.<method> config section as a JSON object, defaults filled")
+    args = parser.parse_args(argv)
+    try:
+        config = json.loads(args.config)
+    except json.JSONDecodeError as e:
+        parser.error(f"--config is not valid JSON ({e.msg} at column {e.colno})")
+    if not isinstance(config, dict):
+        parser.error(f"--config must be a JSON object (the finetune.{args.method} section), got {type(config).__name__}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return run(args.method, args.model, args.data, args.out, config)
+
+
+if __name__ == "__main__":
+    main()

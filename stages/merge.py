@@ -1,0 +1,137 @@
+"""Fold a LoRA adapter into its base model: W <- W + (alpha / r) B A, written as a plain HF model.
+
+    python -m stages.merge --adapter results/llama/lora --out results/llama/lora-merged
+
+The merge is checked, not trusted: logits of a fixed probe batch are computed through the adapter
+(unmerged) and through the merged model, and a max |difference| above `atol` (1e-4, fp32) stops
+the stage before anything is written. The output has no `lora_` weights, so it loads with
+`transformers.AutoModelForCausalLM.from_pretrained(dir)` and no peft; merging it again is
+impossible by construction (it is not an adapter directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import peft
+import torch
+import transformers
+
+from stages.checkpoint.atomic import atomic_dir
+from stages.checkpoint.hf import copy_tokenizer
+from stages.checkpoint.meta import META_NAME, write_meta
+
+log = logging.getLogger(__name__)
+
+ATOL = 1e-4  # fp32 merging only reorders sums: observed max |diff| ~4e-7 on the debug model
+PROBE_SHAPE = (2, 16)  # (batch, tokens) of the probe batch
+PROBE_SEED = 0
+
+
+class MergeMismatchError(RuntimeError):
+    """The merged model's logits differ from the adapter model's beyond the tolerance."""
+
+
+def read_adapter_config(adapter_dir: Path) -> dict[str, Any]:
+    """adapter_config.json of a LoRA adapter; ValueError when missing or not LoRA."""
+    path = adapter_dir / "adapter_config.json"
+    if not path.exists():
+        raise ValueError(f"--adapter {adapter_dir}: no adapter_config.json; expected a peft adapter "
+                         "directory written by `stages.finetune --method lora`")
+    config = json.loads(path.read_text())
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"--adapter {adapter_dir}: peft_type={config.get('peft_type')!r}; only LORA "
+                         "adapters can be merged (a prefix adds keys/values, not weight updates)")
+    return config
+
+
+def resolve_base(adapter_dir: Path, adapter_config: dict[str, Any], base_dir: str | Path | None) -> Path:
+    """The base model directory: `base_dir` if given, else meta.json's `parent`, else the
+    adapter's `base_model_name_or_path`. Relative paths are taken from the working directory,
+    as the finetune stage wrote them."""
+    if base_dir is None and (adapter_dir / META_NAME).exists():
+        base_dir = json.loads((adapter_dir / META_NAME).read_text()).get("parent")
+    if base_dir is None:
+        base_dir = adapter_config.get("base_model_name_or_path")
+    if not base_dir:
+        raise ValueError(f"--adapter {adapter_dir}: neither meta.json's parent nor adapter_config.json's "
+                         "base_model_name_or_path names the base model; pass --base DIR")
+    base_dir = Path(base_dir)
+    if not (base_dir / "config.json").exists():
+        raise ValueError(f"base model {base_dir} (for adapter {adapter_dir}) has no config.json; "
+                         "pass --base with the directory the adapter was trained on")
+    return base_dir
+
+
+def probe_batch(vocab_size: int) -> torch.Tensor:
+    """Fixed pseudo-random token ids (B, T), independent of any tokenizer."""
+    g = torch.Generator().manual_seed(PROBE_SEED)
+    return torch.randint(0, vocab_size, PROBE_SHAPE, generator=g)
+
+
+@torch.no_grad()
+def logits_of(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits.float()
+
+
+def run(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | None = None,
+        atol: float = ATOL) -> dict[str, Any]:
+    """Merge the LoRA adapter in `adapter_dir` into its base, check logits, write `out_dir`.
+
+    Returns metrics: max_abs_logit_diff, atol, lora_rank, lora_alpha, merged_modules,
+    total_params. Raises MergeMismatchError (nothing written) when the check fails.
+    """
+    adapter_dir = Path(adapter_dir)
+    adapter_config = read_adapter_config(adapter_dir)
+    base_dir = resolve_base(adapter_dir, adapter_config, base_dir)
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        base_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=False)
+    model = peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=False)
+    model.eval()
+    merged_modules = sum(1 for m in model.modules() if isinstance(m, peft.tuners.lora.LoraLayer))
+
+    ids = probe_batch(base.config.vocab_size)
+    before = logits_of(model, ids)
+    merged = model.merge_and_unload()
+    after = logits_of(merged, ids)
+    diff = float((before - after).abs().max())
+    if not diff <= atol:  # also catches NaN
+        raise MergeMismatchError(f"merging {adapter_dir} into {base_dir} changed the probe logits by "
+                                 f"max |diff|={diff:.3e} > atol={atol:.1e} (logit scale "
+                                 f"{float(before.abs().max()):.3e}); nothing was written")
+    leftovers = [n for n, _ in merged.named_parameters() if "lora_" in n]
+    if leftovers:
+        raise MergeMismatchError(f"merge_and_unload left LoRA weights {leftovers[:3]} in the model")
+
+    metrics = {"max_abs_logit_diff": diff, "atol": atol, "lora_rank": adapter_config.get("r"),
+               "lora_alpha": adapter_config.get("lora_alpha"), "merged_modules": merged_modules,
+               "total_params": sum(p.numel() for p in merged.parameters())}
+    with atomic_dir(out_dir) as tmp:
+        merged.save_pretrained(tmp, safe_serialization=True)  # also writes generation_config.json
+        # The adapter dir carries the tokenizer finetune used; fall back to the base's.
+        tokenizer_src = adapter_dir if (adapter_dir / "tokenizer.json").exists() else base_dir
+        copy_tokenizer(tokenizer_src, tmp)
+        write_meta(tmp, stage="merge", config={"base": str(base_dir), "atol": atol},
+                   parent=adapter_dir, seed=None, metrics=metrics)
+    log.info("merged %d LoRA modules of %s into %s: max |logit diff| %.2e", merged_modules,
+             adapter_dir, base_dir, diff)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m stages.merge", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--adapter", required=True, metavar="DIR", help="LoRA adapter directory written by stages.finetune")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output HF model directory, written atomically")
+    parser.add_argument("--base", default=None, metavar="DIR",
+                        help="base model directory (default: the adapter's meta.json parent)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return run(args.adapter, args.out, args.base)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""The Llama family (Llama 1/2/3, Qwen2-style q/k/v bias, GQA, RoPE scaling) written once.
+
+Single-device and parallelism-free: tensor and pipeline parallelism are applied to a built model
+by `stages.parallel`, not written in here. Parameter names equal Hugging Face's
+(`model.layers.0.self_attn.q_proj.weight`, ...), so a state dict saved from this module loads into
+`transformers.LlamaForCausalLM` unchanged, and the blocks live in a `ModuleDict` keyed by their
+global index so a pipeline stage that holds layers 4..7 still names them `model.layers.4...`.
+
+Shapes: B batch, T sequence, d hidden, H query heads, K kv heads, hd head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from stages.model.config import LlamaConfig
+
+IGNORE_INDEX = -100  # label value excluded from the loss (prompt tokens, padding)
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 and cast back."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
+    """Per-pair rotation frequencies (hd/2,), with the rope_scaling rules of HF's Llama."""
+    hd = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        # long wavelengths are slowed down by `factor`, short ones kept, the band between blended
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, blended, scaled)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, heads, T, hd) by position; cos/sin are (T, hd)."""
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with grouped KV heads and rotary positions."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        d, hd = config.hidden_size, config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = hd
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # Head counts are read from the projection widths, so a tensor-parallel shard whose
+        # projections hold heads/tp heads runs this same code on its local heads.
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, K, T, hd)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, K, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:  # each KV head serves `groups` query heads
+            k = k.repeat_interleave(groups, dim=1)  # (B, H, T, hd)
+            v = v.repeat_interleave(groups, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*hd)
+        return self.o_proj(y)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(d, f, bias=False)
+        self.up_proj = nn.Linear(d, f, bias=False)
+        self.down_proj = nn.Linear(f, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, the decoder layers (name-stable `ModuleDict`), final norm."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in range(config.num_hidden_layers)})
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only LM. `forward(input_ids, labels)` returns logits and, with labels, the mean
+    next-token cross-entropy over labels != IGNORE_INDEX (labels are shifted inside, as in HF)."""
+
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        self.gradient_checkpointing = False  # activation recompute, one block at a time
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Normal(0, initializer_range) for matrices, zeros for biases, ones for norms."""
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std, generator=generator)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+        self.inv_freq.copy_(rope_inverse_frequencies(self.config))
+
+    def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq.to(device))  # (T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+        return emb.cos(), emb.sin()
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+        B, T = input_ids.shape
+        x = self.model.embed_tokens(input_ids)  # (B, T, d)
+        cos, sin = self.rope(T, x.device)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        for layer in self.model.layers.values():
+            if self.gradient_checkpointing and self.training:
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
+        logits = self.lm_head(self.model.norm(x))  # (B, T, V)
+        if labels is None:
+            return logits
+        return logits, causal_lm_loss(logits, labels)
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of token t+1 given tokens <= t; labels equal to IGNORE_INDEX are skipped."""
+    V = logits.shape[-1]
+    shift_logits = logits[:, :-1, :].reshape(-1, V).float()  # (B*(T-1), V)
+    shift_labels = labels[:, 1:].reshape(-1)  # (B*(T-1),)
+    return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX)
+
+
+def build_model(config: LlamaConfig, seed: int | None = None, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    """Build the model; with a seed, initialise deterministically from it. On device "meta"
+    nothing is allocated (for planning large flavours)."""
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    if str(device) != "meta" and seed is not None:
+        model.init_weights(torch.Generator(device=device).manual_seed(seed))
+    return model

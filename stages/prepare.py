@@ -1,0 +1,159 @@
+"""prepare: corpus + SFT data -> tokenizer, token files and normalised SFT files.
+
+    python -m stages.prepare --out results/llama/data --config '{"corpus": ["builtin:pydoc"], ...}'
+
+Output directory (docs/artifacts.md), written whole through `atomic_dir`:
+    tokenizer/                      byte-level BPE, HF fast tokenizer layout
+    train.bin/.idx, validation.bin/.idx, index.json
+    sft/train.json, sft/dev.json    JSON lines {"src", "tgt"}
+    meta.json                       stage "prepare", the data config, seed, metrics
+
+Everything that can fail on bad input (paths, file contents, SFT records) is read and checked
+before the first byte is written, so a failed run leaves no partial output behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from stages.checkpoint.atomic import atomic_dir
+from stages.checkpoint.meta import write_meta
+from stages.data import attributes
+from stages.data.corpus import (encode_documents, read_documents, split_documents, unigram_entropy_bits,
+                                write_token_files, TokenFile)
+from stages.data.sft import SftRecord, write_sft_file
+from stages.data.tokenizer import save_tokenizer, train_tokenizer
+from stages.data.validate import read_sft_dir, resolve_corpus, resolve_sft
+
+log = logging.getLogger(__name__)
+
+STAGE = "prepare"
+
+
+def load_sft(sft: str, num_sft_train: int, num_sft_dev: int, seed: int,
+             base_dir: str | os.PathLike | None = None) -> tuple[list[SftRecord], list[SftRecord]]:
+    """(train, dev) SFT records: the generated builtin task, or a user directory's files.
+
+    `num_sft_train`/`num_sft_dev` size the builtin task only; a directory is used whole.
+    """
+    sft_dir = resolve_sft(sft, base_dir)
+    if sft_dir is None:  # resolve_sft accepts only the builtins that exist
+        return attributes.generate(num_sft_train, num_sft_dev, seed)
+    return read_sft_dir(sft_dir, "train"), read_sft_dir(sft_dir, "dev")
+
+
+def _sft_texts(records: list[SftRecord]) -> list[str]:
+    return [text for r in records for text in (*r.src, *r.tgt)]
+
+
+def run(corpus: list[str], sft: str, out_dir: str | os.PathLike, vocab_size: int, validation_fraction: float,
+        num_sft_train: int, num_sft_dev: int, seed: int,
+        base_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Build the data artifact in `out_dir` and return its metrics.
+
+    Args:
+        corpus: paths, globs or builtins (`builtin:pydoc`) of the pretraining text.
+        sft: a directory with train.json/dev.json (or train/*.json, dev/*.json), or `builtin:attributes`.
+        out_dir: the artifact directory; replaced atomically when complete.
+        vocab_size: the BPE vocabulary size asked for (the tokenizer may end smaller on tiny corpora;
+            index.json records the real size).
+        validation_fraction: share of corpus tokens held out for validation, as whole documents
+            (rule in `stages.data.corpus.split_documents`).
+        num_sft_train, num_sft_dev: records of the builtin task.
+        seed: seed of the document split and of the builtin task.
+        base_dir: what relative paths resolve against (default: the current directory).
+
+    Returns metrics: vocab_size (real), num_documents_<split>, num_tokens_<split> (eos included),
+    num_sft_train, num_sft_dev, train_unigram_entropy_bits, chars_per_token.
+    """
+    t0 = time.perf_counter()
+    config = {"corpus": list(corpus), "sft": sft, "vocab_size": vocab_size,
+              "validation_fraction": validation_fraction, "num_sft_train": num_sft_train,
+              "num_sft_dev": num_sft_dev, "seed": seed}
+    # Read and check every input first: nothing is written unless all of it is usable. Paths are
+    # resolved before any file is read so that a typo fails at once, not after a long corpus read.
+    resolve_corpus(corpus, base_dir)
+    resolve_sft(sft, base_dir)
+    docs = read_documents(corpus, base_dir)
+    sft_train, sft_dev = load_sft(sft, num_sft_train, num_sft_dev, seed, base_dir)
+
+    # The SFT train texts join the tokenizer's training text so that task words become tokens;
+    # dev texts stay out so that evaluation sees only what training saw.
+    tokenizer = train_tokenizer(docs + _sft_texts(sft_train), vocab_size)
+    actual_vocab = len(tokenizer)
+    splits = split_documents(encode_documents(tokenizer, docs), validation_fraction, seed)
+
+    with atomic_dir(out_dir) as tmp:
+        save_tokenizer(tokenizer, tmp / "tokenizer")
+        index = write_token_files(tmp, splits, vocab_size=actual_vocab, bos_id=tokenizer.bos_token_id,
+                                  eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+        write_sft_file(tmp / "sft" / "train.json", sft_train)
+        write_sft_file(tmp / "sft" / "dev.json", sft_dev)
+        train_tokens = TokenFile.open(tmp, "train").tokens  # re-read: also checks what was written
+        all_docs = splits["train"] + splits["validation"]
+        metrics = {
+            "vocab_size": actual_vocab,
+            **{f"num_documents_{s}": index["splits"][s]["num_documents"] for s in ("train", "validation")},
+            **{f"num_tokens_{s}": index["splits"][s]["num_tokens"] for s in ("train", "validation")},
+            "num_sft_train": len(sft_train),
+            "num_sft_dev": len(sft_dev),
+            "train_unigram_entropy_bits": round(unigram_entropy_bits(train_tokens, actual_vocab), 6),
+            "chars_per_token": round(sum(map(len, docs)) / sum(map(len, all_docs)), 4),
+        }
+        del train_tokens  # release the memmap before the directory is renamed
+        write_meta(tmp, stage=STAGE, config=config, parent=None, seed=seed, metrics=metrics)
+    log.info("prepare wrote %s in %.1f s: %s", out_dir, time.perf_counter() - t0, metrics)
+    return metrics
+
+
+RUN_KEYS = ("corpus", "sft", "vocab_size", "validation_fraction", "num_sft_train", "num_sft_dev", "seed")
+
+
+class PrepareArgumentError(ValueError):
+    """A --config JSON that does not hold exactly the data section's keys."""
+
+
+def parse_config(text: str) -> dict[str, Any]:
+    """The `data` section from --config: a JSON object with exactly RUN_KEYS."""
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PrepareArgumentError(f"--config: malformed JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(config, dict):
+        raise PrepareArgumentError(f"--config: expected a JSON object (the experiment's data section), "
+                                   f"got {type(config).__name__}")
+    missing = [k for k in RUN_KEYS if k not in config]
+    unknown = [k for k in config if k not in RUN_KEYS]
+    if missing or unknown:
+        raise PrepareArgumentError(f"--config: missing keys {missing}, unknown keys {unknown}; pass the "
+                                   "data section after stages.config.check_config has filled its defaults")
+    return config
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m stages.prepare", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, type=Path,
+                        help="output data directory (e.g. results/llama/data); replaced atomically")
+    parser.add_argument("--config", required=True,
+                        help="the experiment's validated `data` section as one JSON object "
+                             "(keys: " + ", ".join(RUN_KEYS) + ")")
+    parser.add_argument("--base-dir", type=Path, default=None,
+                        help="directory that relative corpus/sft paths resolve against "
+                             "(default: the current directory, Snakemake's workdir)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = parse_config(args.config)
+    except PrepareArgumentError as e:
+        parser.error(str(e))  # usage + message, exit status 2
+    return run(out_dir=args.out, base_dir=args.base_dir, **config)
+
+
+if __name__ == "__main__":
+    main()

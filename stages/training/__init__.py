@@ -1,0 +1,1 @@
+"""Pieces every training stage shares: learning-rate schedules, the per-step log, seeding."""

@@ -1,0 +1,56 @@
+"""The per-step training log: `train_log.csv` (step, loss, lr, grad_norm, tokens_per_s, ...) plus a
+progress bar. Rows are appended and flushed as they come so a crashed run still shows its curve;
+the file is written under the stage's temporary output directory, so it only becomes part of an
+artifact when the stage completes.
+"""
+
+from __future__ import annotations
+
+import csv
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s")
+
+
+class TrainLog:
+    """Append one row per logged step; `enabled=False` (non-zero ranks) makes every call a no-op."""
+
+    def __init__(self, path: str | Path, max_steps: int, enabled: bool = True, desc: str = "train"):
+        self.enabled = enabled
+        self.rows: list[dict[str, Any]] = []
+        if not enabled:
+            return
+        self._file = open(path, "w", newline="")
+        self._writer = csv.DictWriter(self._file, fieldnames=COLUMNS)
+        self._writer.writeheader()
+        self._bar = tqdm(total=max_steps, desc=desc, mininterval=2.0, dynamic_ncols=True)
+        self._start = time.perf_counter()
+        self._last = self._start
+
+    def log(self, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int) -> None:
+        """Record optimizer step `step` (1-based), which consumed `tokens` tokens in all ranks."""
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        row = {"step": step, "loss": f"{loss:.6f}", "lr": f"{lr:.6e}",
+               "grad_norm": "" if grad_norm is None else f"{grad_norm:.6f}", "tokens": tokens,
+               "tokens_per_s": f"{tokens / max(now - self._last, 1e-9):.1f}",
+               "elapsed_s": f"{now - self._start:.3f}"}
+        self._last = now
+        self.rows.append(row)
+        self._writer.writerow(row)
+        self._file.flush()
+        self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
+
+    def advance(self, n: int = 1) -> None:
+        if self.enabled:
+            self._bar.update(n)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._bar.close()
+            self._file.close()

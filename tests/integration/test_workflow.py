@@ -1,0 +1,128 @@
+"""The workflow through real Snakemake runs: lint, dry run, the whole DAG on the debug flavour,
+a rerun that finds nothing to do, and a LoRA change that reruns only the LoRA branch."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEBUG_CONFIG = ROOT / "tests" / "integration" / "debug.yaml"
+TARGET = "results/ci/quant_eval.json"
+
+
+def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(workdir),
+           "--configfile", str(ROOT / "config" / "config.yaml"), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    if check and proc.returncode != 0:
+        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted((workdir / "results").glob("*/logs/*.log")))
+        pytest.fail(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
+                    f"{proc.stderr[-6000:]}\n{logs}")
+    return proc
+
+
+def planned_jobs(stdout: str) -> dict[str, int]:
+    """Rule -> job count from the 'Job stats' table of a dry run."""
+    counts, in_table = {}, False
+    for line in stdout.splitlines():
+        if line.startswith("Job stats"):
+            in_table = True
+            continue
+        if in_table:
+            m = re.match(r"^(\S+)\s+(\d+)\s*$", line.strip())
+            if m and m.group(1) != "total":
+                counts[m.group(1)] = int(m.group(2))
+            elif line.strip().startswith("total"):
+                break
+    return counts
+
+
+def test_lint_is_clean(tmp_path):
+    proc = snakemake(tmp_path, "--lint", check=False)
+    assert "Lints for" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_dry_run_plans_every_stage(tmp_path):
+    proc = snakemake(tmp_path, "-n", "results/llama/quant_eval.json")
+    jobs = planned_jobs(proc.stdout)
+    assert jobs == {"prepare": 1, "pretrain": 1, "finetune": 3, "merge_lora": 1, "quantize": 2,
+                    "export": 1, "evaluate": 7, "report": 1}, proc.stdout
+
+
+def test_unknown_config_key_fails_before_any_job(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"experiments": {"x": {"finetune": {"lora": {"lora_rnak": 4}}}}}))
+    proc = snakemake(tmp_path, "--configfile", str(bad), "-n", check=False)
+    assert proc.returncode != 0
+    assert "lora_rnak" in proc.stderr and "lora_rank" in proc.stderr
+    assert not (tmp_path / "results").exists()
+
+
+def test_missing_data_path_fails_before_any_job(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"experiments": {"x": {"data": {"corpus": ["no/such/*.txt"]}}}}))
+    proc = snakemake(tmp_path, "--configfile", str(bad), "-n", check=False)
+    assert proc.returncode != 0
+    assert "no/such/*.txt" in proc.stderr and "data.corpus" in proc.stderr
+
+
+def _mtimes(workdir: Path) -> dict[str, float]:
+    base = workdir / "results" / "ci"
+    return {p.relative_to(base).as_posix(): p.stat().st_mtime
+            for p in base.rglob("*") if p.is_file() and "logs" not in p.parts and "benchmarks" not in p.parts}
+
+
+def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
+    snakemake(tmp_path, "--configfile", str(DEBUG_CONFIG), "--cores", "2", TARGET)
+    exp = tmp_path / "results" / "ci"
+
+    # Every stage's artifact exists and follows its contract.
+    for d in ["data", "pretrain", "sft", "lora", "prefix", "lora-merged", "export", "quant/wint8", "quant/wint4"]:
+        assert (exp / d / "meta.json").exists(), d
+    for stage in ["pretrain", "sft", "lora", "prefix"]:
+        log = pd.read_csv(exp / stage / "train_log.csv")
+        assert {"step", "loss", "lr", "tokens_per_s"} <= set(log.columns), stage
+        assert log["loss"].iloc[-1] < log["loss"].iloc[0], stage
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(exp / "pretrain")  # HF layout, no project code
+    quant_eval = json.loads((exp / "quant_eval.json").read_text())
+    assert quant_eval["source"] == "lora-merged"
+    assert set(quant_eval["variants"]) == {"wint8", "wint4"}
+    report = pd.read_csv(exp / "report.csv")
+    assert len(report) == 7
+    assert (exp / "report.md").read_text().strip()
+
+    # A second run finds nothing to do.
+    proc = snakemake(tmp_path, "--configfile", str(DEBUG_CONFIG), "-n", TARGET)
+    assert planned_jobs(proc.stdout) == {}, proc.stdout
+
+    # Changing a LoRA hyperparameter reruns the LoRA branch and what depends on it, nothing else.
+    before = _mtimes(tmp_path)
+    cfg = yaml.safe_load(DEBUG_CONFIG.read_text())
+    cfg["experiments"]["ci"]["finetune"]["lora"]["lora_rank"] = 8
+    changed = tmp_path / "changed.yaml"
+    changed.write_text(yaml.safe_dump(cfg))
+    proc = snakemake(tmp_path, "--configfile", str(changed), "-n", TARGET)
+    assert planned_jobs(proc.stdout) == {"finetune": 1, "merge_lora": 1, "quantize": 2, "export": 1,
+                                         "evaluate": 4, "report": 1}, proc.stdout
+    snakemake(tmp_path, "--configfile", str(changed), "--cores", "2", TARGET)
+    after = _mtimes(tmp_path)
+    untouched = [k for k in before if k.split("/")[0] in ("data", "pretrain", "sft", "prefix")]
+    assert untouched and all(before[k] == after[k] for k in untouched)
+    assert after["lora/adapter_config.json"] > before["lora/adapter_config.json"]
+    assert json.loads((exp / "lora" / "adapter_config.json").read_text())["r"] == 8
+    for v in ("pretrain", "sft", "prefix"):
+        assert before[f"eval/{v}.json"] == after[f"eval/{v}.json"]

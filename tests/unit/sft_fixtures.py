@@ -1,0 +1,44 @@
+"""Helpers for the finetune / merge / adapter tests: toy SFT data and filled config sections.
+
+Not a conftest: test modules import these functions directly (pytest puts tests/unit on sys.path).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+from stages.config import check_config
+from stages.data.sft import SftRecord, write_sft_file
+
+# A trivially learnable mapping: the target is a fixed function of one word of the prompt.
+_COLOURS = {"apple": "red", "sky": "blue", "grass": "green", "banana": "yellow", "plum": "purple",
+            "snow": "white", "coal": "black", "orange": "orange"}
+_TEMPLATES = ["what colour is the {}?", "the colour of the {} is", "question: {} colour",
+              "colour of {}", "{} is what colour?", "the {}, what colour is it?", "{}: colour"]
+
+
+def toy_records() -> list[SftRecord]:
+    """56 single-round records (8 objects x 7 prompt templates)."""
+    return [SftRecord(src=[t.format(obj)], tgt=[colour]) for t in _TEMPLATES for obj, colour in _COLOURS.items()]
+
+
+def write_toy_data(data_dir: Path) -> Path:
+    """prepare's SFT layout: data_dir/sft/train.json (48 records) and dev.json (8 records)."""
+    records = toy_records()
+    write_sft_file(data_dir / "sft" / "train.json", records[:48])
+    write_sft_file(data_dir / "sft" / "dev.json", records[48:])
+    return data_dir
+
+
+def finetune_section(method: str, **overrides) -> dict:
+    """The `finetune.<method>` section with schema defaults, small-run settings and `overrides`."""
+    small = dict(max_steps=30, warmup_steps=2, per_device_train_batch_size=8, src_length=16,
+                 max_length=24, seed=0)
+    if method == "lora":
+        small.update(lora_rank=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    if method == "prefix":
+        small.update(num_prefix_tokens=4)
+    small.update(overrides)
+    config = check_config({"experiments": {"t": {"finetune": {method: small}}}})
+    return copy.deepcopy(config["experiments"]["t"]["finetune"][method])

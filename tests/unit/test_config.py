@@ -1,0 +1,60 @@
+"""Config validation: defaults from the schema, unknown keys with a suggestion, types, relations."""
+
+import pytest
+import yaml
+
+from stages.config import SCHEMA_PATH, ConfigError, check_config, experiment, load_schema
+
+ROOT = SCHEMA_PATH.parents[2]
+
+
+def test_shipped_config_is_valid_and_defaults_fill_every_section():
+    config = check_config(yaml.safe_load((ROOT / "config" / "config.yaml").read_text()))
+    llama = config["experiments"]["llama"]
+    assert llama["model"]["flavour"] == "tiny"
+    assert llama["finetune"]["lora"]["lora_rank"] == 16
+    assert llama["quantize"]["variants"] == ["wint8", "wint4"]
+    assert llama["pretrain"]["lr_scheduler_type"] == "cosine"  # from the shared training defaults
+
+
+def test_a_bare_experiment_gets_every_default_and_experiments_do_not_share_state():
+    config = check_config({"experiments": {"a": {}, "b": {"model": {"flavour": "debug"}}}})
+    a, b = config["experiments"]["a"], config["experiments"]["b"]
+    assert a["model"]["flavour"] == "tiny" and b["model"]["flavour"] == "debug"
+    a["finetune"]["lora"]["target_modules"].append("x")
+    assert "x" not in b["finetune"]["lora"]["target_modules"]
+    assert "x" not in load_schema()["$defs"]["experiment"]["properties"]["finetune"]["properties"]["lora"][
+        "properties"]["target_modules"]["default"]
+
+
+def test_a_section_overrides_the_shared_training_default():
+    config = check_config({"experiments": {"a": {}}})
+    assert config["experiments"]["a"]["finetune"]["prefix"]["learning_rate"] == 0.01
+    assert config["experiments"]["a"]["finetune"]["sft"]["learning_rate"] == 0.001
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"finetune": {"lora": {"lora_rnak": 4}}}, r"'experiments.x.finetune.lora.lora_rnak' is unknown; did you mean 'lora_rank'"),
+    ({"pretrian": {}}, r"'experiments.x.pretrian' is unknown; did you mean 'pretrain'"),
+    ({"pretrain": {"max_steps": "ten"}}, r"'experiments.x.pretrain.max_steps': 'ten' is not of type 'integer'"),
+    ({"pretrain": {"sharding": "stage4"}}, r"experiments.x.pretrain.sharding"),
+    ({"model": {"flavour": "huge"}}, r"experiments.x.model.flavour"),
+    ({"finetune": {"sft": {"src_length": 128, "max_length": 128}}}, r"src_length=128 must be smaller than max_length=128"),
+    ({"pretrain": {"warmup_steps": 50, "max_steps": 10}}, r"warmup_steps=50 exceeds max_steps=10"),
+])
+def test_bad_values_name_the_key(bad, message):
+    with pytest.raises(ConfigError, match=message):
+        check_config({"experiments": {"x": bad}})
+
+
+def test_unknown_top_level_key_and_unknown_experiment():
+    with pytest.raises(ConfigError, match="did you mean 'experiments'"):
+        check_config({"experiments": {}, "experiment": {}})
+    with pytest.raises(ConfigError, match="did you mean 'llama'"):
+        experiment({"experiments": {"llama": {}}}, "lama")
+
+
+def test_int4_group_size_must_tile_the_flavour_widths():
+    with pytest.raises(ConfigError, match=r"group_size=40 does not divide the input width\(s\) \[64, 192\]"):
+        check_config({"experiments": {"x": {"model": {"flavour": "debug"}, "quantize": {"group_size": 40}}}})
+    check_config({"experiments": {"x": {"model": {"flavour": "debug"}, "quantize": {"group_size": 32}}}})

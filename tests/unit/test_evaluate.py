@@ -1,0 +1,196 @@
+"""stages/evaluate.py on a debug model, a tiny tokenizer and a tiny data dir: plain HF dir, LoRA
+and prefix-tuning adapters, batched left-padded generation, and the bad-input errors."""
+
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from stages import evaluate
+from stages.checkpoint.atomic import atomic_dir, write_json
+from stages.checkpoint.hf import copy_tokenizer, save_pretrained
+from stages.checkpoint.meta import write_meta
+from stages.model import build_model, config_for_flavour
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+CONFIG = {"max_new_tokens": 6, "num_dev_examples": 6, "ppl_max_length": 16, "ppl_max_windows": 3,
+          "per_device_eval_batch_size": 4}
+DOCUMENTED_KEYS = {"variant", "model_dir", "kind", "ppl", "unigram_ppl", "ppl_tokens", "ppl_windows",
+                   "exact_match", "bleu4", "rouge_l", "num_dev_examples", "gen_tokens", "gen_seconds",
+                   "gen_tokens_per_s", "size_bytes", "num_parameters", "eval_seconds", "settings", "samples"}
+
+
+def _texts(n, seed):
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=rng.integers(3, 9))) for _ in range(n)]
+
+
+def _write_tokenizer(out_dir):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_texts(200, 0) + ["copy: " + t for t in _texts(50, 1)], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    assert (fast.pad_token_id, fast.bos_token_id, fast.eos_token_id) == (0, 1, 2)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def _write_data(data_dir, tokenizer):
+    """The prepare layout of docs/artifacts.md: <split>.bin/.idx, index.json, sft/dev.json."""
+    data_dir.mkdir()
+    splits = {}
+    for split, seed, n in (("train", 2, 120), ("validation", 3, 30)):
+        ids, offsets = [], [0]
+        for doc in _texts(n, seed):
+            ids += tokenizer(doc, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            offsets.append(len(ids))
+        np.asarray(ids, dtype="<u2").tofile(data_dir / f"{split}.bin")
+        np.asarray(offsets, dtype="<i8").tofile(data_dir / f"{split}.idx")
+        splits[split] = {"tokens": f"{split}.bin", "offsets": f"{split}.idx", "num_tokens": len(ids),
+                         "num_documents": n}
+    write_json(data_dir / "index.json", {"dtype": "uint16", "vocab_size": len(tokenizer), "bos_token_id": 1,
+                                         "eos_token_id": 2, "pad_token_id": 0, "splits": splits})
+    (data_dir / "sft").mkdir()
+    lines = [{"src": f"copy: {t}", "tgt": t} for t in _texts(8, 4)]
+    lines[1] = {"src": ["copy: alpha", "copy: beta gamma"], "tgt": ["alpha", "beta gamma"]}  # multi-turn
+    (data_dir / "sft" / "dev.json").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("evaluate")
+    tokenizer = _write_tokenizer(root / "tokenizer")
+    _write_data(root / "data", tokenizer)
+    config = config_for_flavour("debug", vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    with atomic_dir(root / "sft") as d:
+        save_pretrained(build_model(config, seed=0), d, tokenizer_dir=root / "tokenizer")
+    return root
+
+
+def _adapter(root, name, peft_config):
+    """Save a peft adapter of the `sft` model as finetune does: adapter files, tokenizer, meta.json."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(root / "sft", dtype=torch.float32)
+    model = peft.get_peft_model(base, peft_config)
+    with atomic_dir(root / name) as d:
+        model.save_pretrained(d)
+        copy_tokenizer(root / "tokenizer", d)
+        write_meta(d, stage="finetune", config={}, parent=root / "sft", seed=0, metrics={})
+    return root / name
+
+
+def _check_metrics(metrics, out_path, variant, kind):
+    assert set(metrics) == DOCUMENTED_KEYS
+    assert json.loads(out_path.read_text()) == json.loads(json.dumps(metrics))
+    assert metrics["variant"] == variant and metrics["kind"] == kind
+    # A random debug model is roughly uniform over the vocabulary; the unigram floor is below that.
+    assert 1.0 < metrics["ppl"] < 10 * 120 and math.isfinite(metrics["ppl"])
+    assert 1.0 < metrics["unigram_ppl"] < 120
+    assert metrics["ppl_windows"] == 3 and metrics["ppl_tokens"] == 3 * 15
+    for key in ("exact_match", "bleu4", "rouge_l"):
+        assert 0.0 <= metrics[key] <= 1.0
+    assert metrics["num_dev_examples"] == 6
+    assert 6 <= metrics["gen_tokens"] <= 6 * 6 and metrics["gen_tokens_per_s"] > 0
+    assert metrics["size_bytes"] > 0 and metrics["num_parameters"] > 0 and metrics["eval_seconds"] > 0
+    assert metrics["settings"]["src_length"] == 64  # default filled
+    assert len(metrics["samples"]) == 5
+    assert metrics["samples"][1] == {"src": "copy: beta gamma", "reference": "beta gamma",
+                                     "prediction": metrics["samples"][1]["prediction"]}
+
+
+def test_plain_hf_dir_through_the_cli(workspace):
+    out = workspace / "eval" / "sft.json"
+    metrics = evaluate.main(["--model", str(workspace / "sft"), "--data", str(workspace / "data"),
+                             "--out", str(out), "--variant", "sft", "--config", json.dumps(CONFIG),
+                             "--src-length", "64"])
+    _check_metrics(metrics, out, "sft", "hf")
+    assert metrics["size_bytes"] == (workspace / "sft" / "model.safetensors").stat().st_size
+
+
+def test_lora_adapter_dir(workspace):
+    import peft
+
+    # init_lora_weights=False: B != 0, so the adapter really changes the outputs.
+    adapter = _adapter(workspace, "lora", peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                         init_lora_weights=False, task_type="CAUSAL_LM"))
+    out = workspace / "eval" / "lora.json"
+    metrics = evaluate.run(adapter, workspace / "data", out, "lora", CONFIG)
+    _check_metrics(metrics, out, "lora", "adapter")
+    assert metrics["size_bytes"] == (adapter / "adapter_model.safetensors").stat().st_size
+    base_params = sum(p.numel() for p in evaluate.load_variant(workspace / "sft")[0].parameters())
+    assert metrics["num_parameters"] > base_params
+
+
+def test_batched_left_padded_generation_matches_one_by_one(workspace):
+    """Left padding must not change greedy outputs, also for prefix tuning (past_key_values)."""
+    import peft
+
+    adapter = _adapter(workspace, "prefix", peft.PrefixTuningConfig(num_virtual_tokens=4, task_type="CAUSAL_LM"))
+    prompts = [[1, 5, 6, 7, 8, 9, 10], [1, 11], [1, 12, 13, 14]]
+    for model_dir in (workspace / "sft", adapter):
+        model = evaluate.load_variant(model_dir)[0]
+        kwargs = dict(max_new_tokens=5, eos_token_id=2, pad_token_id=0)
+        batched = evaluate.generate_greedy(model, prompts, batch_size=3, **kwargs)
+        single = evaluate.generate_greedy(model, prompts, batch_size=1, **kwargs)
+        assert batched == single, model_dir.name
+    out = workspace / "eval" / "prefix.json"
+    _check_metrics(evaluate.run(adapter, workspace / "data", out, "prefix", CONFIG), out, "prefix", "adapter")
+
+
+def test_quantized_dir_goes_through_stages_quant(workspace, tmp_path, monkeypatch):
+    """Only the dispatch: a stand-in for stages.quant.load_quantized is called for such a dir."""
+    import sys
+    import types
+
+    from transformers import AutoModelForCausalLM
+
+    shutil.copytree(workspace / "sft", tmp_path / "wint8")
+    config = json.loads((tmp_path / "wint8" / "config.json").read_text())
+    write_json(tmp_path / "wint8" / "config.json", {**config, "quantization_config": {"bits": 8}})
+    calls = []
+
+    def load_quantized(model_dir):
+        calls.append(model_dir)
+        return AutoModelForCausalLM.from_pretrained(workspace / "sft", dtype=torch.float32)
+
+    monkeypatch.setitem(sys.modules, "stages.quant", types.SimpleNamespace(load_quantized=load_quantized))
+    model, _, kind = evaluate.load_variant(tmp_path / "wint8")
+    assert kind == "quantized" and calls == [tmp_path / "wint8"]
+
+
+def test_adapter_base_falls_back_to_a_sibling_dir(workspace, tmp_path):
+    """A moved experiment dir: meta.json's parent no longer exists, a sibling of that name does."""
+    shutil.copytree(workspace / "sft", tmp_path / "sft")
+    shutil.copytree(workspace / "lora", tmp_path / "lora")
+    for name, key in (("meta.json", "parent"), ("adapter_config.json", "base_model_name_or_path")):
+        obj = json.loads((tmp_path / "lora" / name).read_text())
+        obj[key] = "/nonexistent/results/llama/sft"
+        write_json(tmp_path / "lora" / name, obj)
+    assert evaluate.adapter_base_dir(tmp_path / "lora") == tmp_path / "sft"
+    shutil.rmtree(tmp_path / "sft")
+    with pytest.raises(ValueError, match="cannot find the base model"):
+        evaluate.adapter_base_dir(tmp_path / "lora")
+
+
+def test_bad_inputs_name_the_problem(workspace, tmp_path):
+    with pytest.raises(ValueError, match="unknown"):
+        evaluate.eval_settings({"max_new_token": 3})
+    with pytest.raises(ValueError, match="positive integer"):
+        evaluate.eval_settings({"max_new_tokens": 0})
+    with pytest.raises(ValueError, match="config.json is missing"):
+        evaluate.run(tmp_path, workspace / "data", tmp_path / "x.json", "x", CONFIG)
+    with pytest.raises(ValueError, match="dev.json is missing"):
+        evaluate.run(workspace / "sft", tmp_path, tmp_path / "x.json", "x", CONFIG)
+    assert not (tmp_path / "x.json").exists()

@@ -1,0 +1,102 @@
+"""stages/merge.py: a trained LoRA adapter folded into its base gives the same logits, as a plain
+HF model with no LoRA weights; wrong inputs fail clearly and write nothing."""
+
+from __future__ import annotations
+
+import json
+
+import peft
+import pytest
+import torch
+from safetensors import safe_open
+from sft_fixtures import finetune_section, write_toy_data
+from transformers import AutoModelForCausalLM
+
+from stages import finetune, merge
+
+TOL = 1e-4  # fp32: merging only reorders the sums; observed max |diff| is ~4e-7
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tmp_path_factory, debug_model_dir):
+    """A LoRA adapter trained 10 steps at a high LR, so that B A is far from zero."""
+    root = tmp_path_factory.mktemp("merge")
+    data = write_toy_data(root / "data")
+    finetune.run("lora", debug_model_dir, data, root / "lora",
+                 finetune_section("lora", max_steps=10, learning_rate=3e-2, lr_scheduler_type="constant"))
+    return root / "lora"
+
+
+@pytest.fixture(scope="module")
+def merged(tmp_path_factory, adapter_dir):
+    out = tmp_path_factory.mktemp("merged") / "lora-merged"
+    return out, merge.run(adapter_dir, out)
+
+
+def probe(vocab_size: int) -> torch.Tensor:
+    return torch.randint(3, vocab_size, (3, 12), generator=torch.Generator().manual_seed(1))
+
+
+def test_merged_logits_equal_adapter_logits(merged, adapter_dir, debug_model_dir):
+    out, metrics = merged
+    assert metrics["max_abs_logit_diff"] <= TOL and metrics["lora_rank"] == 4
+    assert metrics["merged_modules"] == 2 * 3  # (q_proj, v_proj, down_proj) x 2 layers
+    base = AutoModelForCausalLM.from_pretrained(debug_model_dir, dtype=torch.float32).eval()
+    ids = probe(base.config.vocab_size)
+    with torch.no_grad():
+        base_logits = base(input_ids=ids).logits
+        adapter_logits = peft.PeftModel.from_pretrained(base, adapter_dir).eval()(input_ids=ids).logits
+        merged_logits = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(input_ids=ids).logits
+    assert (adapter_logits - base_logits).abs().max() > 100 * TOL  # the adapter does change the model
+    torch.testing.assert_close(merged_logits, adapter_logits, rtol=0, atol=TOL)
+
+
+def test_merged_dir_is_a_plain_model(merged, adapter_dir):
+    out, metrics = merged
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "meta.json"} <= names
+    assert "adapter_config.json" not in names
+    with safe_open(out / "model.safetensors", "pt") as f:
+        keys = list(f.keys())
+    assert keys and not [k for k in keys if "lora_" in k or "base_layer" in k]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert sum(p.numel() for p in model.parameters()) == metrics["total_params"]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["stage"] == "merge" and meta["parent"] == str(adapter_dir)
+    assert meta["metrics"]["max_abs_logit_diff"] == metrics["max_abs_logit_diff"]
+
+
+def test_cli_with_explicit_base(tmp_path, adapter_dir, debug_model_dir):
+    metrics = merge.main(["--adapter", str(adapter_dir), "--out", str(tmp_path / "m"), "--base", str(debug_model_dir)])
+    assert metrics["max_abs_logit_diff"] <= TOL and (tmp_path / "m" / "model.safetensors").exists()
+
+
+def test_mismatch_raises_with_the_numbers_and_writes_nothing(tmp_path, adapter_dir, monkeypatch):
+    calls = []
+    real = merge.logits_of
+
+    def drifting(model, ids):  # the second call (merged model) comes back off by 1e-3
+        calls.append(1)
+        return real(model, ids) + (1e-3 if len(calls) == 2 else 0.0)
+
+    monkeypatch.setattr(merge, "logits_of", drifting)
+    with pytest.raises(merge.MergeMismatchError, match=r"max \|diff\|=1\.0\d*e-03 > atol=1\.0e-04"):
+        merge.run(adapter_dir, tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+
+
+def test_prefix_adapter_is_refused(tmp_path, debug_model_dir):
+    (tmp_path / "prefix").mkdir()
+    (tmp_path / "prefix" / "adapter_config.json").write_text(json.dumps({"peft_type": "PREFIX_TUNING"}))
+    with pytest.raises(ValueError, match="peft_type='PREFIX_TUNING'; only LORA"):
+        merge.run(tmp_path / "prefix", tmp_path / "m", base_dir=debug_model_dir)
+
+
+def test_not_an_adapter_dir(tmp_path, debug_model_dir):
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        merge.run(debug_model_dir, tmp_path / "m")
+
+
+def test_missing_base_names_the_fix(tmp_path, adapter_dir):
+    with pytest.raises(ValueError, match="has no config.json; pass --base"):
+        merge.run(adapter_dir, tmp_path / "m", base_dir=tmp_path / "nowhere")

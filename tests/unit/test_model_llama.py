@@ -1,0 +1,77 @@
+"""Our Llama against transformers' LlamaForCausalLM / Qwen2ForCausalLM from the same weights."""
+
+import pytest
+import torch
+import transformers
+
+from stages.checkpoint.atomic import atomic_dir
+from stages.checkpoint.hf import load_pretrained, save_pretrained
+from stages.model import FLAVOURS, build_model, config_for_flavour
+
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("overrides", [
+    {},  # GQA (4 query heads, 2 kv heads), untied
+    {"num_key_value_heads": 4, "tie_word_embeddings": True},  # MHA, tied embeddings (Llama 3.2 style)
+    {"rope_scaling": LLAMA3_SCALING, "rope_theta": 500000.0},  # Llama 3.1 RoPE scaling
+    {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    {"model_type": "qwen2", "attention_bias": True},  # Qwen2: q/k/v bias
+], ids=["gqa", "tied-mha", "llama3-rope", "linear-rope", "qwen2-bias"])
+def test_logits_match_transformers(tmp_path, overrides):
+    config = config_for_flavour("debug", vocab_size=301, **overrides)
+    ours = build_model(config, seed=0).eval()
+    if config.attention_bias:  # zero-init biases would hide a bias bug
+        with torch.no_grad():
+            for layer in ours.model.layers.values():
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.1)
+    with atomic_dir(tmp_path / "m") as out:
+        save_pretrained(ours, out)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
+    expected_cls = "Qwen2ForCausalLM" if config.model_type == "qwen2" else "LlamaForCausalLM"
+    assert type(theirs).__name__ == expected_cls
+    ids = torch.randint(0, 301, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), theirs(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_loss_matches_transformers(tmp_path):
+    ours = build_model(config_for_flavour("debug", vocab_size=128), seed=3)
+    with atomic_dir(tmp_path / "m") as out:
+        save_pretrained(ours, out)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    ids = torch.randint(0, 128, (3, 17))
+    labels = ids.clone()
+    labels[:, :5] = -100  # prompt tokens are not learned
+    _, loss = ours(ids, labels=labels)
+    torch.testing.assert_close(loss, theirs(ids, labels=labels).loss, rtol=1e-6, atol=1e-6)
+
+
+def test_round_trip_through_hf_layout_is_exact(tmp_path):
+    model = build_model(config_for_flavour("debug", vocab_size=64, tie_word_embeddings=True), seed=5)
+    with atomic_dir(tmp_path / "m") as out:
+        save_pretrained(model, out)
+    again = load_pretrained(tmp_path / "m")
+    assert again.lm_head.weight is again.model.embed_tokens.weight
+    for (n, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+def test_same_seed_same_weights_and_meta_device_builds_large_flavours():
+    a = build_model(config_for_flavour("debug", vocab_size=64), seed=11)
+    b = build_model(config_for_flavour("debug", vocab_size=64), seed=11)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    for flavour in FLAVOURS:
+        config = config_for_flavour(flavour, vocab_size=32000)
+        big = build_model(config, device="meta")
+        assert sum(p.numel() for p in big.parameters()) == config.num_parameters()
+    assert 6.5e9 < config_for_flavour("7b", vocab_size=32000).num_parameters() < 7e9
+
+
+def test_bad_model_config_errors_name_the_numbers():
+    with pytest.raises(ValueError, match="num_attention_heads=4 is not a multiple of num_key_value_heads=3"):
+        config_for_flavour("debug", vocab_size=10, num_key_value_heads=3)
+    with pytest.raises(ValueError, match="model.flavour='huge'"):
+        config_for_flavour("huge", vocab_size=10)

@@ -1,0 +1,153 @@
+"""Tests of stages/prepare.py: the whole data artifact, determinism, errors before writing, CLI."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+from pydoc_data.topics import topics
+from transformers import AutoTokenizer
+
+from stages import prepare
+from stages.data.corpus import CorpusError, load_split
+from stages.data.sft import read_sft_file
+from stages.data.validate import DataConfigError
+
+SMALL = dict(corpus=["builtin:pydoc"], sft="builtin:attributes", vocab_size=512, validation_fraction=0.05,
+             num_sft_train=200, num_sft_dev=16, seed=42)
+FILES = ["index.json", "meta.json", "sft/dev.json", "sft/train.json", "tokenizer/special_tokens_map.json",
+         "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json", "train.bin", "train.idx",
+         "validation.bin", "validation.idx"]
+
+
+def listing(d):
+    return sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
+
+
+@pytest.fixture(scope="module")
+def pydoc_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("prep") / "data"
+    return out, prepare.run(out_dir=out, **SMALL)
+
+
+def test_writes_the_documented_files(pydoc_run):
+    out, metrics = pydoc_run
+    assert listing(out) == FILES
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temporaries left
+
+
+def test_meta_and_metrics(pydoc_run):
+    out, metrics = pydoc_run
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["stage"] == "prepare" and meta["parent"] is None and meta["seed"] == 42
+    assert meta["config"] == SMALL and meta["metrics"] == metrics
+    index = json.loads((out / "index.json").read_text())
+    assert metrics["vocab_size"] == index["vocab_size"] == 512 and index["dtype"] == "uint16"
+    assert metrics["num_documents_train"] + metrics["num_documents_validation"] == len(topics)
+    assert metrics["num_documents_validation"] >= 1
+    for split in ("train", "validation"):
+        assert metrics[f"num_tokens_{split}"] == index["splits"][split]["num_tokens"]
+    assert (metrics["num_sft_train"], metrics["num_sft_dev"]) == (200, 16)
+    assert 0 < metrics["train_unigram_entropy_bits"] < np.log2(512)
+
+
+def test_token_files_decode_to_the_corpus(pydoc_run):
+    out, _ = pydoc_run
+    tok = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    decoded = []
+    for split in ("train", "validation"):
+        tokens, offsets = load_split(out, split)
+        for start, end in zip(offsets[:-1], offsets[1:]):
+            assert tokens[end - 1] == tok.eos_token_id
+            decoded.append(tok.decode(tokens[start:end - 1].tolist()))
+    assert sorted(decoded) == sorted(topics.values())
+
+
+def test_sft_files(pydoc_run):
+    out, _ = pydoc_run
+    train, dev = read_sft_file(out / "sft" / "train.json"), read_sft_file(out / "sft" / "dev.json")
+    assert len(train) == 200 and len(dev) == 16
+    assert not {r.src[0] for r in train} & {r.src[0] for r in dev}
+
+
+def test_tokenizer_learns_sft_words(tmp_path):
+    """SFT train texts join the tokenizer's training text, so the task's words become tokens."""
+    (tmp_path / "c.txt").write_text("A small corpus about nothing in particular. " * 5)
+    prepare.run(**{**SMALL, "corpus": [str(tmp_path / "c.txt")], "vocab_size": 400}, out_dir=tmp_path / "out")
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "out" / "tokenizer"))
+    for word in (" crosses", " enormous", " purple", "three"):
+        assert len(tok(word).input_ids) == 1, word
+
+
+def test_deterministic(pydoc_run, tmp_path):
+    out, _ = pydoc_run
+    again = tmp_path / "data"
+    prepare.run(out_dir=again, **SMALL)
+    for name in FILES:
+        assert (out / name).read_bytes() == (again / name).read_bytes(), name
+
+
+def test_user_corpus_and_sft_dir(tmp_path):
+    (tmp_path / "texts").mkdir()
+    for i in range(5):
+        (tmp_path / "texts" / f"{i}.txt").write_text(f"document number {i} talks about apples. " * 20)
+    (tmp_path / "my_sft" / "train").mkdir(parents=True)
+    (tmp_path / "my_sft" / "train" / "b.json").write_text('{"src": ["q1", "q2"], "tgt": ["a1", "a2"]}\n')
+    (tmp_path / "my_sft" / "train" / "a.json").write_text('{"src": "hello", "tgt": "world"}\n')
+    (tmp_path / "my_sft" / "dev.json").write_text('{"src": ["x"], "tgt": ["y"]}\n')
+    metrics = prepare.run(corpus=["texts/*.txt"], sft="my_sft", out_dir=tmp_path / "out", vocab_size=300,
+                          validation_fraction=0.2, num_sft_train=1, num_sft_dev=1, seed=0, base_dir=tmp_path)
+    assert (metrics["num_documents_train"], metrics["num_documents_validation"]) == (4, 1)
+    assert (metrics["num_sft_train"], metrics["num_sft_dev"]) == (2, 1)
+    assert (tmp_path / "out" / "sft" / "train.json").read_text() == (
+        '{"src": "hello", "tgt": "world"}\n{"src": ["q1", "q2"], "tgt": ["a1", "a2"]}\n')
+    assert (tmp_path / "out" / "sft" / "dev.json").read_text() == '{"src": "x", "tgt": "y"}\n'
+
+
+def test_single_document_corpus(tmp_path):
+    (tmp_path / "one.txt").write_text("just one document, split at token level. " * 10)
+    metrics = prepare.run(**{**SMALL, "corpus": [str(tmp_path / "one.txt")], "vocab_size": 300,
+                             "num_sft_train": 5, "num_sft_dev": 2}, out_dir=tmp_path / "out")
+    assert (metrics["num_documents_train"], metrics["num_documents_validation"]) == (1, 1)
+
+
+@pytest.mark.parametrize("breakage, error, match", [
+    ("corpus_line", CorpusError, r"bad.jsonl:2: malformed JSON"),
+    ("sft_line", DataConfigError, r"data.sft: .*dev.json:1: record has no 'tgt'"),
+    ("missing", DataConfigError, r"data.corpus\[1\]: 'nowhere/\*.txt' .* matches no file"),
+])
+def test_bad_input_raises_before_writing(tmp_path, breakage, error, match):
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n' + ('{oops\n' if breakage == "corpus_line" else ""))
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "train.json").write_text('{"src": "a", "tgt": "b"}\n')
+    (tmp_path / "sft" / "dev.json").write_text('{"src": "a"}\n' if breakage == "sft_line" else '{"src": "a", "tgt": "b"}\n')
+    corpus = ["bad.jsonl"] + (["nowhere/*.txt"] if breakage == "missing" else [])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "previous.txt").write_text("an earlier result")
+    with pytest.raises(error, match=match):
+        prepare.run(corpus=corpus, sft="sft", out_dir=out, vocab_size=300, validation_fraction=0.1,
+                    num_sft_train=1, num_sft_dev=1, seed=0, base_dir=tmp_path)
+    assert listing(out) == ["previous.txt"]  # the earlier artifact is untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "out", "sft"]
+
+
+def test_main_cli(tmp_path):
+    config = {**SMALL, "num_sft_train": 20, "num_sft_dev": 4, "vocab_size": 300}
+    metrics = prepare.main(["--out", str(tmp_path / "d"), "--config", json.dumps(config)])
+    assert metrics["num_sft_train"] == 20 and (tmp_path / "d" / "meta.json").is_file()
+
+
+@pytest.mark.parametrize("config, match", [
+    ("{not json", "malformed JSON"),
+    ("[1, 2]", "expected a JSON object"),
+    (json.dumps({"corpus": ["builtin:pydoc"]}), r"missing keys \['sft'"),
+    (json.dumps({**SMALL, "vocab": 3}), r"unknown keys \['vocab'\]"),
+])
+def test_main_rejects_bad_config(tmp_path, capsys, config, match):
+    with pytest.raises(SystemExit) as e:
+        prepare.main(["--out", str(tmp_path / "d"), "--config", config])
+    assert e.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
+    assert not (tmp_path / "d").exists()

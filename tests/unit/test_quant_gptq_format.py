@@ -1,0 +1,70 @@
+"""stages/quant/gptq_format.py: the classic GPTQ ("gptq", AutoGPTQ v1) packing, bit for bit."""
+
+import pytest
+import torch
+
+from stages.quant.gptq_format import dequantize_packed, pack, unpack
+from stages.quant.rtn import QuantizedWeight, dequantize_weight, quantize_weight
+
+
+def _random_codes(bits: int, out_f: int = 24, in_f: int = 64, group_size: int = 16, seed: int = 0) -> QuantizedWeight:
+    g = torch.Generator().manual_seed(seed)
+    maxq = 2**bits - 1
+    n_groups = 1 if group_size == -1 else in_f // group_size
+    return QuantizedWeight(
+        codes=torch.randint(0, maxq + 1, (out_f, in_f), generator=g, dtype=torch.int32),
+        scales=(torch.rand(out_f, n_groups, generator=g) * 0.01 + 1e-3).half().float(),
+        zeros=torch.randint(1, maxq + 1, (out_f, n_groups), generator=g, dtype=torch.int32),
+        bits=bits, group_size=group_size,
+    )
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 16), (4, -1), (8, 32), (8, -1)])
+def test_round_trip_is_exact_and_shapes_match_the_layout(bits, group_size):
+    q = _random_codes(bits, group_size=group_size)
+    t = pack(q)
+    per = 32 // bits
+    n_groups = q.scales.shape[1]
+    assert t["qweight"].dtype == torch.int32 and t["qweight"].shape == (64 // per, 24)
+    assert t["qzeros"].dtype == torch.int32 and t["qzeros"].shape == (n_groups, 24 // per)
+    assert t["scales"].dtype == torch.float16 and t["scales"].shape == (n_groups, 24)
+    assert t["g_idx"].dtype == torch.int32 and t["g_idx"].shape == (64,)
+    assert (t["qweight"] < 0).any()  # high bits set: the int32 sign view is exercised
+    u = unpack(t, bits)
+    assert torch.equal(u.codes, q.codes) and torch.equal(u.zeros, q.zeros)
+    assert torch.equal(u.scales, q.scales)
+    torch.testing.assert_close(dequantize_packed(t, bits), dequantize_weight(q), rtol=0, atol=0)
+
+
+def test_bit_order_and_zero_minus_one_convention():
+    # 4 bit: input feature k of output o holds code k % 16; the first feature sits in the lowest nibble.
+    codes = (torch.arange(16, dtype=torch.int32) % 16).repeat(8, 1)  # (out 8, in 16)
+    zeros = torch.tensor([[1], [2], [3], [4], [5], [6], [7], [15]], dtype=torch.int32)  # (out, G=1)
+    q = QuantizedWeight(codes=codes, scales=torch.ones(8, 1), zeros=zeros, bits=4, group_size=-1)
+    t = pack(q)
+    assert t["qweight"][0, 0].item() == 0x76543210
+    assert t["qweight"][1, 0].item() == 0xFEDCBA98 - 2**32  # stored as signed int32
+    # qzeros holds z - 1, output channel c in nibble c: 0,1,2,3,4,5,6,14
+    assert t["qzeros"][0, 0].item() == 0xE6543210 - 2**32
+    assert torch.equal(t["g_idx"], torch.zeros(16, dtype=torch.int32))
+    # 8 bit: four codes per word
+    q8 = QuantizedWeight(codes=torch.tensor([[1, 2, 3, 255]] * 4, dtype=torch.int32),  # (out 4, in 4)
+                         scales=torch.ones(4, 1), zeros=torch.tensor([[1], [2], [128], [255]], dtype=torch.int32),
+                         bits=8, group_size=-1)
+    t8 = pack(q8)
+    assert t8["qweight"][0, 0].item() == 0xFF030201 - 2**32
+    assert t8["qzeros"][0, 0].item() == 0xFE7F0100 - 2**32
+
+
+def test_group_index_and_real_weights():
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(3)) * 0.02
+    q = quantize_weight(w, 4, 16)
+    t = pack(q)
+    assert torch.equal(t["g_idx"], torch.arange(64, dtype=torch.int32) // 16)
+    torch.testing.assert_close(dequantize_packed(t, 4), dequantize_weight(q), rtol=0, atol=0)
+
+
+def test_shapes_that_do_not_fill_words_are_rejected():
+    q = _random_codes(4, out_f=12, in_f=64)
+    with pytest.raises(ValueError, match="divisible by 8"):
+        pack(q)

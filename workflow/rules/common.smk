@@ -1,0 +1,108 @@
+# Config validation, wildcard constraints and input functions shared by every rule.
+# Validation runs when the workflow is parsed, so bad input is reported before any job starts.
+import glob
+import json
+from pathlib import Path
+
+from snakemake.utils import validate
+
+from stages.config import check_config
+from stages.data.validate import check_data_section
+
+_checked = check_config(config)  # unknown keys (closest name), types, relations; fills defaults
+config.clear()
+config.update(_checked)
+validate(config, "../schemas/config.schema.yaml")
+
+for _name, _experiment in config["experiments"].items():
+    check_data_section(_experiment["data"], _name, Path.cwd())  # paths are relative to the workdir
+
+FINETUNE_METHODS = ["sft", "lora", "prefix"]
+MODEL_VARIANTS = ["pretrain", "sft", "lora", "prefix", "lora-merged"]  # evaluated from their own dirs
+
+
+wildcard_constraints:
+    experiment=r"[A-Za-z0-9][A-Za-z0-9_.-]*",
+    method="|".join(FINETUNE_METHODS),
+    variant=r"[A-Za-z0-9_-]+",
+
+
+def experiment(wildcards):
+    return config["experiments"][wildcards.experiment]
+
+
+def section(*keys):
+    """An input function: the experiment's config section at `keys` as a JSON string (rule params,
+    so changing any value in it reruns exactly the rules that read it)."""
+
+    def params(wildcards):
+        value = experiment(wildcards)
+        for key in keys:
+            value = value[key]
+        return json.dumps(value, sort_keys=True)
+
+    return params
+
+
+def value(*keys):
+    """An input function: the plain config value at `keys` (for flags such as a source name)."""
+
+    def param(wildcards):
+        result = experiment(wildcards)
+        for key in keys:
+            result = result[key]
+        return result
+
+    return param
+
+
+def finetune_section(wildcards):
+    return json.dumps(experiment(wildcards)["finetune"][wildcards.method], sort_keys=True)
+
+
+def corpus_files(wildcards):
+    """The user's corpus files (so that editing one reruns prepare); builtin sources have none."""
+    files = []
+    for pattern in experiment(wildcards)["data"]["corpus"]:
+        if not pattern.startswith("builtin:"):
+            files += sorted(glob.glob(pattern, recursive=True))
+    sft = experiment(wildcards)["data"]["sft"]
+    if not sft.startswith("builtin:"):
+        files += sorted(glob.glob(f"{sft}/train*.json")) + sorted(glob.glob(f"{sft}/train/*.json"))
+        files += sorted(glob.glob(f"{sft}/dev*.json")) + sorted(glob.glob(f"{sft}/dev/*.json"))
+    return files
+
+
+def pretrain_world_size(wildcards):
+    return experiment(wildcards)["pretrain"]["world_size"]
+
+
+def quant_source_dir(wildcards):
+    return f"results/{wildcards.experiment}/{experiment(wildcards)['quantize']['source']}"
+
+
+def quant_variants(wildcards):
+    return experiment(wildcards)["quantize"]["variants"]
+
+
+def variant_dir(wildcards):
+    """The artifact a variant name stands for: a model/adapter dir or a quantized dir."""
+    if wildcards.variant in MODEL_VARIANTS:
+        return f"results/{wildcards.experiment}/{wildcards.variant}"
+    if wildcards.variant in quant_variants(wildcards):
+        return f"results/{wildcards.experiment}/quant/{wildcards.variant}"
+    raise ValueError(f"unknown variant {wildcards.variant!r} for experiment {wildcards.experiment!r}: "
+                     f"expected one of {MODEL_VARIANTS + quant_variants(wildcards)}")
+
+
+def variant_inputs(wildcards):
+    """What evaluating a variant needs: its dir, plus the base model for adapter dirs."""
+    inputs = [variant_dir(wildcards)]
+    if wildcards.variant in ("lora", "prefix"):
+        inputs.append(f"results/{wildcards.experiment}/pretrain")
+    return inputs
+
+
+def all_eval_files(wildcards):
+    variants = MODEL_VARIANTS + quant_variants(wildcards)
+    return [f"results/{wildcards.experiment}/eval/{v}.json" for v in variants]

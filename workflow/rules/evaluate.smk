@@ -1,0 +1,22 @@
+# Perplexity, exact match, BLEU-4, ROUGE-L, size and generation speed of one variant.
+rule evaluate:
+    input:
+        model=variant_inputs,
+        data="results/{experiment}/data",
+    output:
+        "results/{experiment}/eval/{variant}.json",
+    log:
+        "results/{experiment}/logs/evaluate_{variant}.log",
+    benchmark:
+        "results/{experiment}/benchmarks/evaluate_{variant}.tsv"
+    params:
+        config=section("evaluate"),
+        src_length=value("finetune", "sft", "src_length"),
+        model_dir=variant_dir,
+    threads: 1
+    conda:
+        "../../environment.yml"
+    shell:
+        "python -m stages.evaluate --model {params.model_dir} --data {input.data} --out {output} "
+        "--variant {wildcards.variant} --config {params.config:q} --src-length {params.src_length} "
+        "> {log} 2>&1"

@@ -1,0 +1,16 @@
+# The deployable artifact of the quantization source: ONNX, checked in onnxruntime against torch.
+rule export:
+    input:
+        quant_source_dir,
+    output:
+        directory("results/{experiment}/export"),
+    log:
+        "results/{experiment}/logs/export.log",
+    benchmark:
+        "results/{experiment}/benchmarks/export.tsv"
+    params:
+        config=section("export"),
+    conda:
+        "../../environment.yml"
+    shell:
+        "python -m stages.export --model {input} --out {output} --config {params.config:q} > {log} 2>&1"

@@ -1,0 +1,15 @@
+# Fold the LoRA adapter into its base model (plain HF weights, logits checked against the adapter).
+rule merge_lora:
+    input:
+        adapter="results/{experiment}/lora",
+        base="results/{experiment}/pretrain",
+    output:
+        directory("results/{experiment}/lora-merged"),
+    log:
+        "results/{experiment}/logs/merge_lora.log",
+    benchmark:
+        "results/{experiment}/benchmarks/merge_lora.tsv"
+    conda:
+        "../../environment.yml"
+    shell:
+        "python -m stages.merge --adapter {input.adapter} --base {input.base} --out {output} > {log} 2>&1"

@@ -270,8 +270,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m stages.finetune", description=__doc__.split("\n\n")[0])
     parser.add_argument("--method", required=True, choices=METHODS,
                         help="sft: train every weight; lora: low-rank adapters; prefix: prefix tuning")
-    parser.add_argument("--model", required=True, metavar="DIR", help="base model: a local Hugging Face model directory")
-    parser.add_argument("--data", required=True, metavar="DIR", help="prepare's output directory (reads sft/train.json, sft/dev.json)")
+    parser.add_argument("--model", required=True, metavar="DIR",
+                        help="base model: a local Hugging Face model directory")
+    parser.add_argument("--data", required=True, metavar="DIR",
+                        help="prepare's output directory (reads sft/train.json, sft/dev.json)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory, written atomically")
     parser.add_argument("--config", required=True, metavar="JSON",
                         help="the finetune.<method> config section as a JSON object, defaults filled")
@@ -281,7 +283,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         parser.error(f"--config is not valid JSON ({e.msg} at column {e.colno})")
     if not isinstance(config, dict):
-        parser.error(f"--config must be a JSON object (the finetune.{args.method} section), got {type(config).__name__}")
+        parser.error(f"--config must be a JSON object (the finetune.{args.method} section), "
+                     f"got {type(config).__name__}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return run(args.method, args.model, args.data, args.out, config)
 

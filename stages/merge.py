@@ -124,7 +124,8 @@ def run(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | Non
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m stages.merge", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--adapter", required=True, metavar="DIR", help="LoRA adapter directory written by stages.finetune")
+    parser.add_argument("--adapter", required=True, metavar="DIR",
+                        help="LoRA adapter directory written by stages.finetune")
     parser.add_argument("--out", required=True, metavar="DIR", help="output HF model directory, written atomically")
     parser.add_argument("--base", default=None, metavar="DIR",
                         help="base model directory (default: the adapter's meta.json parent)")

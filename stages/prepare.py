@@ -25,8 +25,8 @@ from typing import Any, Sequence
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.meta import write_meta
 from stages.data import attributes
-from stages.data.corpus import (encode_documents, read_documents, split_documents, unigram_entropy_bits,
-                                write_token_files, TokenFile)
+from stages.data.corpus import (SFT_TARGETS, TokenFile, encode_documents, read_documents, split_documents,
+                                unigram_entropy_bits, write_token_files)
 from stages.data.sft import SftRecord, write_sft_file
 from stages.data.tokenizer import save_tokenizer, train_tokenizer
 from stages.data.validate import read_sft_dir, resolve_corpus, resolve_sft
@@ -50,6 +50,20 @@ def load_sft(sft: str, num_sft_train: int, num_sft_dev: int, seed: int,
 
 def _sft_texts(records: list[SftRecord]) -> list[str]:
     return [text for r in records for text in (*r.src, *r.tgt)]
+
+
+TARGETS_PER_DOCUMENT = 32
+
+
+def target_documents(records: list[SftRecord]) -> list[str]:
+    """`builtin:sft_targets`: the target side of the SFT train split as plain text, one target per
+    line, TARGETS_PER_DOCUMENT lines a document. It gives pretraining the task's language (its
+    words and grammar) without the prompt-to-answer mapping, as a real pretraining corpus covers
+    the language of its downstream tasks; without it the task words are tokens pretraining never
+    saw, whose output rows it pushes far down, and fine-tuning has to undo that first."""
+    lines = [t for r in records for t in r.tgt]
+    return ["\n".join(lines[i:i + TARGETS_PER_DOCUMENT]) + "\n"
+            for i in range(0, len(lines), TARGETS_PER_DOCUMENT)]
 
 
 def run(corpus: list[str], sft: str, out_dir: str | os.PathLike, vocab_size: int, validation_fraction: float,
@@ -80,8 +94,11 @@ def run(corpus: list[str], sft: str, out_dir: str | os.PathLike, vocab_size: int
     # resolved before any file is read so that a typo fails at once, not after a long corpus read.
     resolve_corpus(corpus, base_dir)
     resolve_sft(sft, base_dir)
-    docs = read_documents(corpus, base_dir)
     sft_train, sft_dev = load_sft(sft, num_sft_train, num_sft_dev, seed, base_dir)
+    files_and_pydoc = [c for c in corpus if c != SFT_TARGETS]
+    docs = read_documents(files_and_pydoc, base_dir) if files_and_pydoc else []
+    if SFT_TARGETS in corpus:
+        docs += target_documents(sft_train)
 
     # The SFT train texts join the tokenizer's training text so that task words become tokens;
     # dev texts stay out so that evaluation sees only what training saw.

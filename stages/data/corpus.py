@@ -91,12 +91,17 @@ def _parquet_documents(path: Path) -> Iterator[str]:
         yield value
 
 
+SFT_TARGETS = "builtin:sft_targets"
+
+
 def iter_documents(sources: list[str], base_dir: str | os.PathLike | None = None,
                    key: str = "data.corpus") -> Iterator[str]:
     """Every document of the corpus, in source order (files of a glob sorted)."""
     for source, path in resolve_corpus(sources, base_dir, key):
+        if source == SFT_TARGETS:
+            continue  # made by prepare from the SFT train split (see stages.prepare.target_documents)
         if path is None:
-            yield from _pydoc_documents()  # the only builtin; resolve_corpus rejects others
+            yield from _pydoc_documents()  # builtin:pydoc; resolve_corpus rejects unknown builtins
         elif path.suffix.lower() == ".txt":
             yield _read_text(path)
         elif path.suffix.lower() == ".jsonl":

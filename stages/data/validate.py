@@ -25,7 +25,7 @@ from typing import Any, Mapping
 from stages.data.sft import SftDataError, SftRecord, read_sft_file
 
 SUPPORTED_EXTENSIONS = (".txt", ".jsonl", ".parquet")
-BUILTIN_CORPORA = ("builtin:pydoc",)
+BUILTIN_CORPORA = ("builtin:pydoc", "builtin:sft_targets")
 BUILTIN_SFT = ("builtin:attributes",)
 SFT_SPLITS = ("train", "dev")
 _GLOB_CHARS = set("*?[")

@@ -1,0 +1,492 @@
+"""Training throughput and memory of our pretrain step against Hugging Face's Trainer.
+
+Part 1, one process: tokens/s and MFU of our pretrain step (our Llama, torch AdamW, bf16 autocast,
+gradient clipping, LR scheduler, optionally torch.compile) and of `transformers.Trainer` on
+`transformers.LlamaForCausalLM` with the same config, the same initial weights, the same random
+tokens, the same optimizer and schedule, and the same warmup/measured steps. Steps are timed from
+just before the forward to just after zero_grad (a TrainerCallback's on_step_begin/on_step_end for
+the Trainer), so data loading and setup are excluded the same way for both. The machine's peak
+bf16 matmul FLOP/s is measured in the same run.
+
+Part 2, two processes (torchrun, gloo): per-rank peak RSS and bytes of parameters, gradients,
+fp32 master copies and optimizer state for DDP (sharding none) and DeepSpeed ZeRO-1/2/3 built
+with the pretrain stage's own `deepspeed_config`.
+
+    .venv/bin/python bench/train_throughput.py            # defaults: tiny, batch 8 x 256, compile
+    .venv/bin/python bench/train_throughput.py --help
+
+Prints a table and writes JSON (default bench/out/train_throughput.json). Timings on a shared
+machine are noisy: compare ratios measured in the same run, not absolute numbers across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a file from anywhere: `stages` is the repo's package
+
+from stages.config import check_config  # noqa: E402
+from stages.model import build_model, config_for_flavour  # noqa: E402
+from stages.model.config import LlamaConfig  # noqa: E402
+from stages.pretrain import deepspeed_config  # noqa: E402
+from stages.training.schedule import build_scheduler  # noqa: E402
+
+DEFAULT_OUT = ROOT / "bench" / "out" / "train_throughput.json"
+SHARDINGS = ("none", "stage1", "stage2", "stage3")
+
+
+# -- machine and model arithmetic --------------------------------------------------------------
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform()}
+
+
+def peak_bf16_matmul_flops(n: int = 2048, iters: int = 8, repeats: int = 5) -> float:
+    """Best-of-`repeats` FLOP/s of `iters` back-to-back (n, n) @ (n, n) bf16 matmuls."""
+    a = torch.randn(n, n, dtype=torch.bfloat16)
+    b = torch.randn(n, n, dtype=torch.bfloat16)
+    torch.matmul(a, b)  # first call picks the kernel (oneDNN/AMX)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            torch.matmul(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 * iters / best
+
+
+def flops_per_token(config: LlamaConfig, seq_len: int) -> dict[str, int]:
+    """Training FLOPs per token, PaLM-style: 6 * N_matmul + 12 * L * H * hd * T.
+
+    N_matmul counts every weight a token is multiplied by: the attention and MLP projections of
+    all layers and lm_head (the embedding is a lookup, norms and biases are not matmuls). The
+    attention term is QK^T and AV (2 * 2 * T * H * hd forward per layer, x3 for forward+backward),
+    counted over the full T x T square as is customary, although a causal kernel may skip half.
+    """
+    d, L, H, K, hd = (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+                      config.num_key_value_heads, config.head_dim)
+    per_layer = d * H * hd + 2 * d * K * hd + H * hd * d + 3 * d * config.intermediate_size
+    n_matmul = L * per_layer + d * config.vocab_size
+    attention = 12 * L * H * hd * seq_len
+    return {"n_matmul_params": n_matmul, "dense": 6 * n_matmul, "attention": attention,
+            "total": 6 * n_matmul + attention}
+
+
+def pretrain_section(**overrides: Any) -> dict[str, Any]:
+    """The validated `pretrain` section (schema defaults) with `overrides`."""
+    return check_config({"experiments": {"bench": {"pretrain": overrides}}})["experiments"]["bench"]["pretrain"]
+
+
+def adamw(params, section: dict[str, Any]) -> torch.optim.AdamW:
+    """The optimizer exactly as stages.pretrain builds it."""
+    return torch.optim.AdamW(params, lr=section["learning_rate"], betas=(section["adam_beta1"], section["adam_beta2"]),
+                             weight_decay=section["weight_decay"], eps=1e-8)
+
+
+def random_tokens(num_rows: int, seq_len: int, vocab_size: int, seed: int) -> torch.Tensor:
+    """(num_rows, seq_len) int64 uniform token ids."""
+    return torch.randint(0, vocab_size, (num_rows, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
+# -- part 1: single-process throughput ---------------------------------------------------------
+
+class OurStep:
+    """Our pretrain step: forward(batch, labels=batch) under bf16 autocast, backward, gradient
+    clipping, AdamW, LR scheduler, zero_grad; `step()` runs and times one."""
+
+    def __init__(self, config: LlamaConfig, state: dict[str, torch.Tensor], data: torch.Tensor,
+                 section: dict[str, Any], compile_model: bool):
+        self.model = build_model(config)
+        self.model.load_state_dict(state)
+        self.model.train()
+        self.forward = torch.compile(self.model) if compile_model else self.model
+        self.optimizer = adamw(self.model.parameters(), section)
+        self.scheduler = build_scheduler(self.optimizer, section)
+        self.data, self.section = data, section
+        self.count = 0
+        self.losses: list[float] = []
+
+    def step(self) -> float:
+        B, clip = self.section["per_device_train_batch_size"], self.section["max_grad_norm"]
+        start = (self.count * B) % len(self.data)
+        batch = self.data[start:start + B]
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.section["bf16"]):
+            _, loss = self.forward(batch, labels=batch)
+        loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - t0
+        self.count += 1
+        self.losses.append(loss.item())
+        return elapsed
+
+
+def bench_hf(config: LlamaConfig, state: dict[str, torch.Tensor], data: torch.Tensor, section: dict[str, Any],
+             warmup: int, steps: int, compile_model: bool, partners: list[OurStep]) -> tuple[dict, list[list[float]]]:
+    """transformers.Trainer on transformers.LlamaForCausalLM from the same weights and tokens.
+
+    After each measured Trainer step, each of `partners` runs and times one step, so the two
+    alternate step by step and load from other processes on a shared machine hits both alike.
+    Returns the Trainer's summary and the partners' measured step times.
+    """
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    hf_config = HFLlamaConfig(**config.to_hf_dict(), attn_implementation="sdpa")
+    model = LlamaForCausalLM(hf_config)
+    model.load_state_dict(state, strict=False)  # same names; HF's rotary buffer is not persistent
+    optimizer = adamw(model.parameters(), section)
+    scheduler = build_scheduler(optimizer, section)
+    partner_times: list[list[float]] = [[] for _ in partners]
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.t0 = 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self.t0)
+            if state.global_step > warmup:  # global_step counts the step just finished
+                for times, partner in zip(partner_times, partners):
+                    times.append(partner.step())
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return len(data)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"input_ids": data[i], "labels": data[i]}
+
+    timer = StepTimer()
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(
+            output_dir=tmp, use_cpu=True, bf16=section["bf16"], per_device_train_batch_size=section["per_device_train_batch_size"],
+            gradient_accumulation_steps=1, max_steps=warmup + steps, max_grad_norm=section["max_grad_norm"],
+            logging_steps=10**6, report_to=[], save_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
+            torch_compile=compile_model, seed=section["seed"])
+        trainer = Trainer(model=model, args=args, train_dataset=Rows(), optimizers=(optimizer, scheduler),
+                          callbacks=[timer])
+        result = trainer.train()
+    summary = _summary(timer.times[0], sum(timer.times[:warmup]), timer.times[warmup:])
+    summary["train_loss"] = result.training_loss
+    summary["param_dtype"] = str(next(model.parameters()).dtype)  # fp32 master weights under autocast
+    return summary, partner_times
+
+
+def _summary(first_step_s: float, warmup_s: float, measured: list[float], **extra: Any) -> dict[str, Any]:
+    return {"first_step_s": first_step_s, "warmup_s": warmup_s, "step_times_s": measured,
+            "median_step_s": statistics.median(measured), "min_step_s": min(measured), **extra}
+
+
+# -- part 2: per-rank memory under DeepSpeed ---------------------------------------------------
+
+def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
+    s = t.untyped_storage()
+    return None if s.nbytes() == 0 else (s.data_ptr(), s.nbytes())
+
+
+def _walk_tensors(obj: Any, depth: int, seen: set[int]):
+    """(tensor, is_a_grad) reachable from a DeepSpeed object through attributes, lists and dicts."""
+    if id(obj) in seen or depth < 0:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj, False
+        if obj.grad is not None:
+            yield obj.grad, True
+    elif isinstance(obj, (list, tuple, set)):
+        for x in obj:
+            yield from _walk_tensors(x, depth - 1, seen)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from _walk_tensors(x, depth - 1, seen)
+    elif type(obj).__module__.startswith("deepspeed") and hasattr(obj, "__dict__"):
+        for x in vars(obj).values():
+            yield from _walk_tensors(x, depth - 1, seen)
+
+
+def held_bytes(engine) -> dict[str, int]:
+    """Bytes of distinct tensor storages this rank holds, by role.
+
+    params: the module's parameters (ZeRO-3: the local shards `p.ds_tensor`; the module's own
+    `p.data` is then an empty placeholder). grads: `p.grad` plus every ZeRO buffer whose attribute
+    name says grad (stage 2's reduced partitions, stage 3's flat grad-partition buffer).
+    optimizer_state: the tensors in the torch optimizer's `state` (exp_avg, exp_avg_sq, step).
+    master_params: ZeRO's fp32 partitions that the torch optimizer updates (`single_partition_of_fp32_groups`,
+    `fp32_partitioned_groups_flat`), a copy even when the model itself is fp32. buffers: any
+    remaining tensor found by walking the ZeRO optimizer, in practice communication buckets; these
+    are allocated with torch.empty and only the pages written become resident (ZeRO-3's default
+    reduce_bucket_size of 5e8 elements is a 2 GB fp32 bucket that RSS barely sees).
+    Storages are counted once (views of one flat buffer share it).
+    """
+    counted: set[tuple[int, int]] = set()
+    out = {"params": 0, "grads": 0, "master_params": 0, "optimizer_state": 0, "buffers": 0}
+
+    def add(role: str, t: torch.Tensor | None) -> None:
+        if t is None or not isinstance(t, torch.Tensor):
+            return
+        key = _storage_key(t)
+        if key is not None and key not in counted:
+            counted.add(key)
+            out[role] += key[1]
+
+    module, zero = engine.module, engine.optimizer
+    inner = getattr(zero, "optimizer", zero)  # ZeRO wraps the torch optimizer; DDP/stage 0 may not
+    for p in module.parameters():
+        add("params", getattr(p, "ds_tensor", None))
+        add("params", p.data)
+    for state in inner.state.values():
+        for t in state.values():
+            add("optimizer_state", t)
+    for p in module.parameters():
+        add("grads", p.grad)
+    if zero is not inner:
+        for name, value in vars(zero).items():
+            role = "master_params" if "fp32" in name else "grads" if "grad" in name else None
+            if role is not None:
+                for t, is_grad in _walk_tensors(value, 3, set()):
+                    add("grads" if is_grad else role, t)
+        for t, is_grad in _walk_tensors(zero, 4, set()):
+            add("grads" if is_grad else "buffers", t)
+    out["total"] = sum(out.values())
+    out["total_without_buffers"] = out["total"] - out["buffers"]
+    return out
+
+
+def memory_worker(args: argparse.Namespace) -> None:
+    """One rank under torchrun: DeepSpeed engine from the stage's config, a few steps, report."""
+    import deepspeed
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    baseline_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    section = pretrain_section(sharding=args.memory_worker, world_size=world, bf16=args.memory_bf16,
+                               per_device_train_batch_size=args.batch_size, max_length=args.seq_len,
+                               max_steps=args.memory_steps, warmup_steps=0)
+    config = config_for_flavour(args.memory_flavour, vocab_size=args.vocab_size)
+    model = build_model(config, seed=0)
+    n_params = sum(p.numel() for p in model.parameters())
+    optimizer = adamw(model.parameters(), section)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(section, world))
+    data = random_tokens(args.memory_steps * args.batch_size, args.seq_len, args.vocab_size, seed=100 + rank)
+    engine.train()
+    held = None
+    for step in range(args.memory_steps):
+        batch = data[step * args.batch_size:(step + 1) * args.batch_size]
+        _, loss = engine(batch, labels=batch)
+        engine.backward(loss)
+        if step == args.memory_steps - 1:
+            held = held_bytes(engine)  # gradients are live and the optimizer state exists since step 1
+        engine.step()
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    record = {"sharding": args.memory_worker, "rank": rank, "world_size": world, "num_parameters": n_params,
+              "peak_rss_bytes": peak_rss, "baseline_rss_bytes": baseline_rss, "held": held,
+              "zero_optimizer": type(engine.optimizer).__name__}
+    Path(args.memory_dir, f"{args.memory_worker}_rank{rank}.json").write_text(json.dumps(record))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def bench_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One 2-rank torchrun per sharding (ru_maxrss is a per-process high-water mark, so each
+    setting needs fresh processes). The launches run side by side: most of their time is imports
+    and rendezvous, and a process's peak RSS does not depend on its neighbours."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = {}
+        for sharding in args.shardings:
+            cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", str(Path(__file__).resolve()),
+                   "--memory-worker", sharding, "--memory-dir", tmp, "--memory-flavour", args.memory_flavour,
+                   "--memory-steps", str(args.memory_steps), "--batch-size", str(args.batch_size),
+                   "--seq-len", str(args.seq_len), "--vocab-size", str(args.vocab_size)]
+            if args.memory_bf16:
+                cmd.append("--memory-bf16")
+            procs[sharding] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                               stderr=subprocess.PIPE, text=True)
+        for sharding, proc in procs.items():
+            _, stderr = proc.communicate(timeout=600)
+            if proc.returncode != 0:
+                raise RuntimeError(f"memory worker for sharding={sharding} failed:\n{stderr[-4000:]}")
+            rows += [json.loads(Path(tmp, f"{sharding}_rank{rank}.json").read_text()) for rank in range(2)]
+    return rows
+
+
+# -- report ------------------------------------------------------------------------------------
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:8.1f}"
+
+
+def format_report(result: dict[str, Any]) -> str:
+    m, s = result["machine"], result["settings"]
+    lines = [f"machine: {m['cpu']} | {m['cores']} cores, {m['torch_threads']} torch threads | torch {m['torch']}",
+             f"settings: flavour={s['flavour']} vocab={s['vocab_size']} batch={s['batch_size']} seq_len={s['seq_len']} "
+             f"warmup={s['warmup_steps']} steps={s['steps']} bf16 autocast, AdamW, clip {s['max_grad_norm']}",
+             f"FLOPs/token = 6*{result['flops_per_token']['n_matmul_params']:,} + attention "
+             f"{result['flops_per_token']['attention']:,} = {result['flops_per_token']['total']:,}",
+             f"peak bf16 matmul: {result['peak_flops'] / 1e9:.1f} GFLOP/s (best of before/after: "
+             f"{', '.join(f'{x / 1e9:.1f}' for x in result['peak_flops_samples'])})", ""]
+    lines.append(f"{'run':<22}{'median ms/step':>15}{'min ms/step':>13}{'tokens/s':>11}{'MFU %':>8}{'first step s':>14}")
+    for name, r in result["runs"].items():
+        lines.append(f"{name:<22}{r['median_step_s'] * 1e3:>15.1f}{r['min_step_s'] * 1e3:>13.1f}"
+                     f"{r['tokens_per_s']:>11.0f}{r['mfu'] * 100:>8.2f}{r['first_step_s']:>14.1f}")
+    for name, v in result["ratios"].items():
+        lines.append(f"ratio {name}: {v:.2f}x")
+    if result.get("memory"):
+        lines += ["", f"memory per rank (2 ranks, flavour={result['memory_settings']['flavour']}, "
+                      f"{result['memory_settings']['num_parameters']:,} params, bf16={result['memory_settings']['bf16']}), MiB:",
+                  f"{'sharding':<9}{'rank':>5}{'params':>9}{'grads':>9}{'master':>9}{'optim':>9}{'buffers':>9}"
+                  f"{'p+g+m+o':>9}{'peak RSS':>10}{'RSS-base':>10}"]
+        for r in result["memory"]:
+            h = r["held"]
+            lines.append(f"{r['sharding']:<9}{r['rank']:>5}{_mib(h['params'])} {_mib(h['grads'])} {_mib(h['master_params'])}"
+                         f" {_mib(h['optimizer_state'])} {_mib(h['buffers'])} {_mib(h['total_without_buffers'])}  {_mib(r['peak_rss_bytes'])}"
+                         f"  {_mib(r['peak_rss_bytes'] - r['baseline_rss_bytes'])}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.manual_seed(0)
+    config = config_for_flavour(args.flavour, vocab_size=args.vocab_size)
+    section = pretrain_section(per_device_train_batch_size=args.batch_size, max_length=args.seq_len, bf16=True,
+                               max_steps=args.warmup_steps + args.steps, warmup_steps=args.warmup_steps, world_size=1)
+    state = {k: v.clone() for k, v in build_model(config, seed=section["seed"]).state_dict().items()}
+    data = random_tokens((args.warmup_steps + args.steps) * args.batch_size, args.seq_len, args.vocab_size, seed=1)
+    fpt = flops_per_token(config, args.seq_len)
+    tokens_per_step = args.batch_size * args.seq_len
+
+    peaks = [peak_bf16_matmul_flops()]
+    ours_runs = {"ours (compile)": True, "ours (eager)": False} if args.compile else {"ours (eager)": False}
+    steppers = {name: OurStep(config, state, data, section, c) for name, c in ours_runs.items()}
+    warm = {}
+    for name, stepper in steppers.items():  # warm up (and compile) before the paired steps
+        times = [stepper.step() for _ in range(args.warmup_steps)]
+        warm[name] = (times[0], sum(times))
+    runs: dict[str, dict[str, Any]] = {}
+    runs["hf trainer (eager)"], paired = bench_hf(config, state, data, section, args.warmup_steps, args.steps,
+                                                  False, list(steppers.values()))
+    for (name, stepper), times in zip(steppers.items(), paired):
+        runs[name] = _summary(*warm[name], times, first_loss=stepper.losses[0], last_loss=stepper.losses[-1])
+    if args.hf_compile:  # a second pairing: compiled Trainer against our compiled (or eager) step
+        name = next(iter(steppers))
+        runs["hf trainer (compile)"], (times,) = bench_hf(config, state, data, section, args.warmup_steps,
+                                                          args.steps, True, [steppers[name]])
+        runs[f"{name}, paired with hf compile"] = _summary(0.0, 0.0, times)
+    peaks.append(peak_bf16_matmul_flops())
+    peak = max(peaks)
+    for r in runs.values():
+        r["tokens_per_s"] = tokens_per_step / r["median_step_s"]
+        r["mfu"] = r["tokens_per_s"] * fpt["total"] / peak
+    ours = runs["ours (compile)" if args.compile else "ours (eager)"]
+    hf = runs["hf trainer (eager)"]
+    ratios = {"ours/hf (tokens/s)": ours["tokens_per_s"] / hf["tokens_per_s"],
+              "ours/hf (min step time)": hf["min_step_s"] / ours["min_step_s"]}
+    if args.compile:
+        ratios["ours eager/hf eager"] = runs["ours (eager)"]["tokens_per_s"] / runs["hf trainer (eager)"]["tokens_per_s"]
+    if args.hf_compile:
+        ratios["ours/hf, both compiled"] = (runs[f"{next(iter(steppers))}, paired with hf compile"]["tokens_per_s"]
+                                            / runs["hf trainer (compile)"]["tokens_per_s"])
+
+    result: dict[str, Any] = {
+        "machine": machine_info(),
+        "settings": {"flavour": args.flavour, "vocab_size": args.vocab_size, "batch_size": args.batch_size,
+                     "seq_len": args.seq_len, "steps": args.steps, "warmup_steps": args.warmup_steps,
+                     "compile": args.compile, "hf_compile": args.hf_compile, "bf16": True,
+                     "max_grad_norm": section["max_grad_norm"], "num_parameters": config.num_parameters(),
+                     "tokens_per_step": tokens_per_step},
+        "flops_per_token": fpt,
+        "mfu_formula": "tokens_per_s * (6 * n_matmul_params + 12 * L * H * head_dim * seq_len) / peak_flops",
+        "peak_flops": peak, "peak_flops_samples": peaks,
+        "runs": runs,
+        "ours": {"tokens_per_s": ours["tokens_per_s"], "mfu": ours["mfu"]},
+        "hf": {"tokens_per_s": runs["hf trainer (eager)"]["tokens_per_s"], "mfu": runs["hf trainer (eager)"]["mfu"]},
+        "ratio": ratios["ours/hf (tokens/s)"], "ratios": ratios,
+        "memory": [], "memory_settings": None,
+    }
+    if not args.skip_memory:
+        result["memory"] = bench_memory(args)
+        result["memory_settings"] = {"flavour": args.memory_flavour, "bf16": args.memory_bf16,
+                                     "steps": args.memory_steps, "world_size": 2,
+                                     "num_parameters": result["memory"][0]["num_parameters"]}
+    return result
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench/train_throughput.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--flavour", default="tiny", help="model flavour of the throughput runs (default tiny)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary (default 4096, the default experiment's)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step (per_device_train_batch_size)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (pretrain.max_length)")
+    p.add_argument("--steps", type=int, default=10, help="measured optimizer steps per run")
+    p.add_argument("--warmup-steps", type=int, default=3, help="unmeasured steps before them (>= 1; the first compiles)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="torch.compile our model (the proposed pretrain key torch_compile); eager is run as well")
+    p.add_argument("--hf-compile", action=argparse.BooleanOptionalAction, default=False,
+                   help="also run the Trainer with TrainingArguments(torch_compile=True)")
+    p.add_argument("--skip-memory", action="store_true", help="skip the 2-rank DeepSpeed memory part")
+    p.add_argument("--shardings", nargs="+", default=list(SHARDINGS), choices=SHARDINGS,
+                   help="ZeRO settings of the memory part (default: all)")
+    p.add_argument("--memory-flavour", default="tiny", help="model flavour of the memory part (default tiny)")
+    p.add_argument("--memory-steps", type=int, default=3, help="engine steps per memory run (>= 2)")
+    p.add_argument("--memory-bf16", action="store_true", help="DeepSpeed bf16 in the memory part (pretrain.bf16)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT.relative_to(ROOT)})")
+    p.add_argument("--memory-worker", choices=SHARDINGS, help=argparse.SUPPRESS)  # internal: one torchrun rank
+    p.add_argument("--memory-dir", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup_steps < 1 or args.memory_steps < 2:
+        p.error(f"--steps={args.steps} and --warmup-steps={args.warmup_steps} must be >= 1, "
+                f"--memory-steps={args.memory_steps} >= 2")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.memory_worker:
+        memory_worker(args)
+        return 0
+    result = run(args)
+    print(format_report(result))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    os.replace(tmp, args.out)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

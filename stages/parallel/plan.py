@@ -1,0 +1,171 @@
+"""The tensor-parallel plan of the Llama family, applied to a built model, and shard merge/split.
+
+`apply_tensor_parallel` swaps modules in place under their own names, so the sharded model's
+state-dict keys equal the single-device (= Hugging Face) names; `gather_full_state_dict` and
+`shard_state_dict` convert between the two layouts by reading each parameter's `partition_dim`,
+without any per-model table.
+
+Megatron's pairing inside a block: q/k/v and gate/up are column-parallel (each rank owns
+heads/tp query heads, kv_heads/tp KV heads and intermediate/tp MLP channels), o_proj and down_proj
+are row-parallel (their all-reduce restores the replicated residual stream). Norm weights stay
+replicated. Attention reads its head counts from the projection widths, so the unchanged
+`Attention.forward` runs on the local heads; GQA's query-to-KV grouping survives the split
+because rank r holds query heads [r*H/tp, ...) and exactly their KV heads [r*K/tp, ...).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stages.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    _TensorParallelModule,
+    shard_tensor,
+    vocab_parallel_causal_lm_loss,
+)
+from stages.parallel.topology import ParallelDegrees, Topology
+
+COLUMN, ROW, VOCAB, OUTPUT = "column", "row", "vocab", "output"
+
+# Module-name pattern (fnmatch, against `named_modules()` names) -> parallel style.
+# OUTPUT is column-parallel with the logits gathered, or left vocab-split with tensor_parallel_output.
+LLAMA_TP_PLAN: dict[str, str] = {
+    "model.embed_tokens": VOCAB,
+    "model.layers.*.self_attn.q_proj": COLUMN,
+    "model.layers.*.self_attn.k_proj": COLUMN,
+    "model.layers.*.self_attn.v_proj": COLUMN,
+    "model.layers.*.self_attn.o_proj": ROW,
+    "model.layers.*.mlp.gate_proj": COLUMN,
+    "model.layers.*.mlp.up_proj": COLUMN,
+    "model.layers.*.mlp.down_proj": ROW,
+    "lm_head": OUTPUT,
+}
+
+
+def _style_of(name: str, plan: dict[str, str]) -> str | None:
+    styles = {style for pattern, style in plan.items() if fnmatch.fnmatchcase(name, pattern)}
+    if len(styles) > 1:
+        raise ValueError(f"module {name!r} matches several tensor-parallel styles {sorted(styles)}")
+    return styles.pop() if styles else None
+
+
+def _parallel_module(module: nn.Module, style: str, group, tensor_parallel_output: bool) -> nn.Module:
+    if style == VOCAB:
+        return VocabParallelEmbedding.from_dense(module, group)
+    if style == COLUMN:
+        return ColumnParallelLinear.from_dense(module, group, gather_output=False)
+    if style == OUTPUT:
+        return ColumnParallelLinear.from_dense(module, group, gather_output=not tensor_parallel_output)
+    if style == ROW:
+        return RowParallelLinear.from_dense(module, group, input_is_parallel=True)
+    raise ValueError(f"tensor-parallel style {style!r} is unknown; choose one of {COLUMN, ROW, VOCAB, OUTPUT}")
+
+
+def _reject_labels(module, args, kwargs):
+    if kwargs.get("labels") is not None or len(args) > 1:
+        raise ValueError("this model was parallelised with tensor_parallel_output=True, so its logits are "
+                         "split along the vocabulary: call model(input_ids) and compute the loss with "
+                         "stages.parallel.tensor.vocab_parallel_causal_lm_loss(logits, labels, group)")
+
+
+def apply_tensor_parallel(model: nn.Module, topology_or_group, tensor_parallel_output: bool = False,
+                          plan: dict[str, str] | None = None) -> nn.Module:
+    """Shard `model` (built with its full weights) over the tensor-parallel group, in place.
+
+    Each planned module is replaced by its parallel counterpart holding this rank's slice of the
+    full weights; names are unchanged. With `tensor_parallel_output` the logits stay split along
+    the vocabulary (use `vocab_parallel_causal_lm_loss`); otherwise they are gathered and the
+    model's own loss applies. Tied embeddings stay tied (both are split by vocabulary rows).
+    Returns the model.
+    """
+    group = topology_or_group.tp_group if isinstance(topology_or_group, Topology) else topology_or_group
+    tp = dist.get_world_size(group=group)
+    config = model.config
+    ParallelDegrees(world_size=tp, tensor_parallel_degree=tp).validate_for_model(config)
+    plan = LLAMA_TP_PLAN if plan is None else plan
+    tied = getattr(config, "tie_word_embeddings", False)
+
+    for name, module in list(model.named_modules()):
+        style = _style_of(name, plan)
+        if style is None:
+            continue
+        if isinstance(module, _TensorParallelModule):
+            raise ValueError(f"module {name!r} is already tensor-parallel")
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, _parallel_module(module, style, group, tensor_parallel_output))
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight  # same rows on this rank
+    for module in model.modules():  # informational only: forward reads widths, not these
+        if hasattr(module, "num_kv_heads") and hasattr(module, "num_heads"):
+            module.num_heads //= tp
+            module.num_kv_heads //= tp
+
+    model.tensor_parallel_degree = tp
+    if tensor_parallel_output and tp > 1:
+        if hasattr(model, "loss_function"):
+            model.loss_function = functools.partial(_causal_lm_loss_with_group, group=group)
+        else:
+            model.register_forward_pre_hook(_reject_labels, with_kwargs=True)
+    return model
+
+
+def _causal_lm_loss_with_group(logits: torch.Tensor, labels: torch.Tensor, group) -> torch.Tensor:
+    return vocab_parallel_causal_lm_loss(logits, labels, group)
+
+
+def _partition_dims(model: nn.Module) -> dict[str, int | None]:
+    """State-dict key -> partition_dim (None for replicated tensors), tied names included."""
+    dims: dict[str, int | None] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        dims[name] = getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False) else None
+    return dims
+
+
+def gather_full_state_dict(model: nn.Module, group) -> dict[str, torch.Tensor]:
+    """The single-device state dict of a tensor-parallel model, on every rank of `group`
+    (split tensors are all-gathered along their partition_dim; a collective call)."""
+    dims = _partition_dims(model)
+    world = dist.get_world_size(group=group)
+    full = {}
+    for key, tensor in model.state_dict().items():
+        dim = dims.get(key)
+        tensor = tensor.detach()
+        if dim is None or world == 1:
+            full[key] = tensor.clone()
+            continue
+        parts = [torch.empty_like(tensor) for _ in range(world)]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        full[key] = torch.cat(parts, dim=dim)
+    return full
+
+
+def shard_state_dict(full_state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's slice of a single-device state dict, for `model.load_state_dict` of a model
+    parallelised by `apply_tensor_parallel` (ranks are read from its parallel modules)."""
+    owners: dict[str, _TensorParallelModule] = {}
+    for mod_name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, _TensorParallelModule):
+            for p_name, _ in module.named_parameters(recurse=False):
+                owners[f"{mod_name}.{p_name}" if mod_name else p_name] = module
+    dims = _partition_dims(model)
+    local = {}
+    for key in model.state_dict():
+        if key not in full_state:
+            raise ValueError(f"the full state dict has no {key!r}")
+        dim = dims.get(key)
+        if dim is None:
+            local[key] = full_state[key]
+        elif key not in owners:
+            raise ValueError(f"{key!r} is split (partition_dim={dim}) but not held by a tensor-parallel module")
+        else:
+            owner = owners[key]
+            local[key] = shard_tensor(full_state[key], dim, owner.tp_rank, owner.tp_size)
+    return local

@@ -1,0 +1,224 @@
+"""Tensor-parallel layers (Megatron-LM style) and the vocab-parallel cross-entropy.
+
+Every split parameter carries `tensor_model_parallel = True` (DeepSpeed reads this name to count
+its gradient norm on every rank) and `partition_dim` (the dimension it is split along, which
+checkpoint code reads to merge or split shards). Parameters without the tag are replicated on
+every rank of the tensor-parallel group and receive identical gradients.
+
+Layers are built from the dense module (`from_dense`): the full weight is initialised once from
+the seed and each rank keeps its contiguous slice, so TP=2 starts from exactly TP=1's weights.
+Shapes: N tokens (any leading dims), tp the group size, r this rank's index in it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from stages.parallel.mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
+
+IGNORE_INDEX = -100
+
+
+def shard_tensor(full: torch.Tensor, partition_dim: int, rank: int, world: int) -> torch.Tensor:
+    """Contiguous slice `rank` of `world` equal parts of `full` along `partition_dim` (a copy)."""
+    if full.shape[partition_dim] % world:
+        raise ValueError(f"dimension {partition_dim} of size {full.shape[partition_dim]} is not divisible "
+                         f"by tensor_parallel_degree={world}")
+    return full.chunk(world, dim=partition_dim)[rank].clone()
+
+
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> nn.Parameter:
+    """Tag a parameter as split along `partition_dim` across the tensor-parallel group."""
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    return param
+
+
+class _TensorParallelModule(nn.Module):
+    """Holds the group and this rank's coordinates (read by shard_state_dict)."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+        self.tp_rank = dist.get_rank(group=group)
+        self.tp_size = dist.get_world_size(group=group)
+
+    def _load_shards(self, full: dict[str, torch.Tensor | None]) -> None:
+        with torch.no_grad():
+            for name, tensor in full.items():
+                param = getattr(self, name)
+                if tensor is None or param is None:
+                    continue
+                dim = getattr(param, "partition_dim", None)
+                param.copy_(tensor if dim is None else shard_tensor(tensor, dim, self.tp_rank, self.tp_size))
+
+
+class ColumnParallelLinear(_TensorParallelModule):
+    """Y = XA + b with A split along its output (column) dimension: rank r computes Y_r = X A_r + b_r.
+
+    The input X is replicated. With gather_output the full Y is all-gathered on every rank;
+    without it Y stays split along its last dimension (to feed a RowParallelLinear).
+    Weight (out/tp, in), partition_dim 0; bias (out/tp,), partition_dim 0.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
+                 gather_output: bool = False, dtype: torch.dtype | None = None):
+        super().__init__(group)
+        if out_features % self.tp_size:
+            raise ValueError(f"out_features={out_features} is not divisible by tensor_parallel_degree={self.tp_size}")
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output = gather_output
+        local = out_features // self.tp_size
+        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(local, in_features, dtype=dtype)), 0)
+        self.bias = mark_tensor_parallel(nn.Parameter(torch.zeros(local, dtype=dtype)), 0) if bias else None
+
+    @classmethod
+    def from_dense(cls, dense: nn.Linear, group, gather_output: bool = False) -> "ColumnParallelLinear":
+        layer = cls(dense.in_features, dense.out_features, group, bias=dense.bias is not None,
+                    gather_output=gather_output, dtype=dense.weight.dtype).to(dense.weight.device)
+        layer._load_shards({"weight": dense.weight, "bias": dense.bias})
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tensor_parallel_region(x, self.group)
+        y = F.linear(x, self.weight, self.bias)  # (N, out/tp)
+        return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (local "
+                f"{self.weight.shape[0]}), bias={self.bias is not None}, gather_output={self.gather_output}")
+
+
+class RowParallelLinear(_TensorParallelModule):
+    """Y = XA + b with A split along its input (row) dimension: Y = sum_r X_r A_r + b.
+
+    X arrives split along its last dimension (input_is_parallel, the output of a
+    ColumnParallelLinear) or replicated (it is scattered first). The partial products are
+    all-reduced, then the replicated bias is added once.
+    Weight (out, in/tp), partition_dim 1; bias (out,) replicated.
+    """
+
+    def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
+                 input_is_parallel: bool = True, dtype: torch.dtype | None = None):
+        super().__init__(group)
+        if in_features % self.tp_size:
+            raise ValueError(f"in_features={in_features} is not divisible by tensor_parallel_degree={self.tp_size}")
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel = input_is_parallel
+        local = in_features // self.tp_size
+        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(out_features, local, dtype=dtype)), 1)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+
+    @classmethod
+    def from_dense(cls, dense: nn.Linear, group, input_is_parallel: bool = True) -> "RowParallelLinear":
+        layer = cls(dense.in_features, dense.out_features, group, bias=dense.bias is not None,
+                    input_is_parallel=input_is_parallel, dtype=dense.weight.dtype).to(dense.weight.device)
+        layer._load_shards({"weight": dense.weight, "bias": dense.bias})
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel_region(x, self.group)
+        partial = F.linear(x, self.weight)  # (N, out), this rank's share of the sum
+        y = reduce_from_tensor_parallel_region(partial, self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features="
+                f"{self.out_features}, bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}")
+
+
+class VocabParallelEmbedding(_TensorParallelModule):
+    """E[ids] with E's rows (the vocabulary) split: rank r holds rows [r*V/tp, (r+1)*V/tp).
+
+    Each rank looks up the ids in its range, writes zeros for the others, and the results are
+    all-reduced (exactly one rank contributes each row). Weight (V/tp, d), partition_dim 0.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group, dtype: torch.dtype | None = None):
+        super().__init__(group)
+        if num_embeddings % self.tp_size:
+            raise ValueError(f"vocab_size={num_embeddings} is not divisible by tensor_parallel_degree={self.tp_size}")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        local = num_embeddings // self.tp_size
+        self.vocab_start, self.vocab_end = self.tp_rank * local, (self.tp_rank + 1) * local
+        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(local, embedding_dim, dtype=dtype)), 0)
+
+    @classmethod
+    def from_dense(cls, dense: nn.Embedding, group) -> "VocabParallelEmbedding":
+        layer = cls(dense.num_embeddings, dense.embedding_dim, group, dtype=dense.weight.dtype).to(dense.weight.device)
+        layer._load_shards({"weight": dense.weight})
+        return layer
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        x = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # (..., d)
+        return reduce_from_tensor_parallel_region(x, self.group)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, local rows [{self.vocab_start}, {self.vocab_end})"
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of logits split along the vocabulary (last) dim; grad softmax - onehot."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group, ignore_index):
+        # logits (N, V/tp) on each rank, target (N,) global vocabulary ids
+        logits = logits.float()
+        local_v = logits.shape[-1]
+        start = dist.get_rank(group=group) * local_v
+        # Subtract the global max per row for a stable exp; it cancels in softmax and in the loss.
+        row_max = logits.max(dim=-1).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - row_max.unsqueeze(-1)  # (N, V/tp)
+        outside = (target < start) | (target >= start + local_v)  # includes ignore_index
+        local_t = (target - start).masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        dist.all_reduce(target_logit, op=dist.ReduceOp.SUM, group=group)  # exactly one rank holds it
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
+        ignored = target == ignore_index
+        loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)  # (N,)
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, local_t, outside, ignored)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_t, outside, ignored = ctx.saved_tensors
+        grad = softmax.clone()  # d loss / d logits = softmax - onehot(target)
+        rows = torch.arange(grad.shape[0], device=grad.device)
+        grad[rows, local_t] -= (~outside).to(grad.dtype)
+        grad *= grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1)
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group,
+                                 ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Per-token loss (N,) of vocab-split logits (N, V/tp) against global targets (N,); 0 where
+    target == ignore_index. Equals F.cross_entropy(full_logits, target, reduction='none')."""
+    if dist.get_world_size(group=group) == 1:
+        return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction="none")
+    return _VocabParallelCrossEntropy.apply(logits, target, group, ignore_index)
+
+
+def vocab_parallel_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, group) -> torch.Tensor:
+    """The mean next-token loss of `stages.model.llama.causal_lm_loss`, for logits (B, T, V/tp)
+    split along the vocabulary (lm_head with tensor_parallel_output)."""
+    shift_logits = logits[:, :-1, :].reshape(-1, logits.shape[-1])  # (B*(T-1), V/tp)
+    shift_labels = labels[:, 1:].reshape(-1)  # (B*(T-1),)
+    losses = vocab_parallel_cross_entropy(shift_logits, shift_labels, group)
+    return losses.sum() / (shift_labels != IGNORE_INDEX).sum()

@@ -1,0 +1,256 @@
+"""Tensor-parallel layers and the TP-sharded Llama against the dense single-process model (2 gloo ranks).
+
+Every check runs in one spawn of two processes (process start costs more than all the maths); each
+rank also computes the dense reference itself, from the same seed, so the comparison is exact.
+fp32 throughout; the only difference allowed is summation order (row-parallel partial sums).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from parallel_fixtures import run_gloo
+from stages.model import build_model, config_for_flavour
+from stages.parallel.plan import apply_tensor_parallel, gather_full_state_dict, shard_state_dict
+from stages.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    shard_tensor,
+    vocab_parallel_causal_lm_loss,
+    vocab_parallel_cross_entropy,
+)
+
+VOCAB = 256
+CONFIGS = {  # llama: GQA 4 query / 2 KV heads; qwen2: q/k/v biases and tied embeddings
+    "llama": dict(),
+    "qwen2": dict(model_type="qwen2", attention_bias=True, tie_word_embeddings=True),
+}
+
+
+def _seeded(seed: int, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| in units of max(1, max |b|): an absolute tolerance for values of order one,
+    relative for larger ones (fp32 sums in a different order differ by ~1e-7 of their size)."""
+    assert a.shape == b.shape, (a.shape, b.shape)
+    a, b = a.detach(), b.detach()
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1.0)).item()
+
+
+def _layer_checks(rank: int, world: int, group) -> dict[str, float]:
+    torch.manual_seed(0)  # the dense layers' init: identical on every rank
+    d = {}
+    x, g = _seeded(0, 3, 5, 8), _seeded(1, 3, 5, 12)  # (B, T, in), grad of (B, T, out)
+    for gather in (False, True):
+        dense = nn.Linear(8, 12)
+        nn.init.normal_(dense.bias)
+        par = ColumnParallelLinear.from_dense(dense, group, gather_output=gather)
+        xd, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+        yd = dense(xd)
+        yd.backward(g)
+        yp = par(xp)
+        # without gather the loss sums over every rank's own columns, so its grad is g's columns
+        yp.backward(g if gather else shard_tensor(g, 2, rank, world))
+        key = f"column_gather{int(gather)}"
+        d[f"{key}_fwd"] = _diff(yp, yd if gather else shard_tensor(yd, 2, rank, world))
+        d[f"{key}_dx"] = _diff(xp.grad, xd.grad)
+        d[f"{key}_dw"] = _diff(par.weight.grad, shard_tensor(dense.weight.grad, 0, rank, world))
+        d[f"{key}_db"] = _diff(par.bias.grad, shard_tensor(dense.bias.grad, 0, rank, world))
+    g = _seeded(2, 3, 5, 6)
+    for parallel_in in (False, True):
+        dense = nn.Linear(8, 6)
+        nn.init.normal_(dense.bias)
+        par = RowParallelLinear.from_dense(dense, group, input_is_parallel=parallel_in)
+        xd = x.clone().requires_grad_()
+        xp = (shard_tensor(x, 2, rank, world) if parallel_in else x.clone()).requires_grad_()
+        yd = dense(xd)
+        yd.backward(g)
+        yp = par(xp)
+        yp.backward(g)
+        key = f"row_parallel_in{int(parallel_in)}"
+        d[f"{key}_fwd"] = _diff(yp, yd)
+        d[f"{key}_dx"] = _diff(xp.grad, shard_tensor(xd.grad, 2, rank, world) if parallel_in else xd.grad)
+        d[f"{key}_dw"] = _diff(par.weight.grad, shard_tensor(dense.weight.grad, 1, rank, world))
+        d[f"{key}_db"] = _diff(par.bias.grad, dense.bias.grad)
+    dense = nn.Embedding(10, 4)
+    par = VocabParallelEmbedding.from_dense(dense, group)
+    ids = torch.tensor([[0, 9, 4, 5], [5, 5, 1, 8]])
+    g = _seeded(3, 2, 4, 4)
+    dense(ids).backward(g)
+    yp = par(ids)
+    yp.backward(g)
+    d["embedding_fwd"] = _diff(yp, dense(ids))
+    d["embedding_dw"] = _diff(par.weight.grad, shard_tensor(dense.weight.grad, 0, rank, world))
+    logits = _seeded(4, 7, 10) * 3
+    target = torch.tensor([0, 9, -100, 4, 5, -100, 7])
+    ld, lp = logits.clone().requires_grad_(), shard_tensor(logits, 1, rank, world).requires_grad_()
+    loss_d = F.cross_entropy(ld, target, ignore_index=-100, reduction="none")
+    loss_p = vocab_parallel_cross_entropy(lp, target, group)
+    w = _seeded(5, 7)  # an arbitrary upstream gradient per token
+    (loss_d * w).sum().backward()
+    (loss_p * w).sum().backward()
+    d["cross_entropy_fwd"] = _diff(loss_p, loss_d)
+    d["cross_entropy_dlogits"] = _diff(lp.grad, shard_tensor(ld.grad, 1, rank, world))
+    return d
+
+
+def _tagged_ok(model: nn.Module) -> bool:
+    """Every split parameter says how it is split; replicated ones say nothing."""
+    for name, p in model.named_parameters():
+        if getattr(p, "tensor_model_parallel", False):
+            if p.partition_dim not in (0, 1):
+                return False
+        elif "norm" not in name and not (name.endswith("bias") and "o_proj" in name):
+            return False
+    return True
+
+
+def _model_checks(rank: int, world: int, group, flavour: str) -> dict:
+    torch.manual_seed(0)
+    cfg = config_for_flavour("debug", vocab_size=VOCAB, **CONFIGS[flavour])
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[:, :3] = -100  # prompt-style ignored positions
+    dense = build_model(cfg, seed=3)
+    par = apply_tensor_parallel(build_model(cfg, seed=3), group)
+    out = {"tagged": _tagged_ok(par)}
+    logits_d, loss_d = dense(ids, labels=labels)
+    logits_p, loss_p = par(ids, labels=labels)
+    loss_d.backward()
+    loss_p.backward()
+    out["logits"] = _diff(logits_p, logits_d)
+    out["loss"] = _diff(loss_p, loss_d)
+    dense_grads = dict(dense.named_parameters())
+    grad_diff, sharded = 0.0, 0
+    for name, p in par.named_parameters():
+        full = dense_grads[name].grad
+        if getattr(p, "tensor_model_parallel", False):
+            full, sharded = shard_tensor(full, p.partition_dim, rank, world), sharded + 1
+        grad_diff = max(grad_diff, _diff(p.grad, full))
+    out["grads"], out["num_sharded"] = grad_diff, sharded
+
+    # vocab-split logits and the vocab-parallel loss
+    tpo = apply_tensor_parallel(build_model(cfg, seed=3), group, tensor_parallel_output=True)
+    local_logits = tpo(ids)
+    out["tpo_logits"] = _diff(local_logits, shard_tensor(logits_d, 2, rank, world))
+    loss_v = vocab_parallel_causal_lm_loss(local_logits, labels, group)
+    loss_v.backward()
+    out["tpo_loss"] = _diff(loss_v, loss_d)
+    out["tpo_grad_lm_head"] = _diff(tpo.lm_head.weight.grad,
+                                    shard_tensor(dense.lm_head.weight.grad, 0, rank, world))
+    try:
+        tpo(ids, labels=labels)
+        out["tpo_rejects_labels"] = False
+    except ValueError:
+        out["tpo_rejects_labels"] = True
+
+    # state dict round trips: names equal, gather == dense, shard(gather) == local
+    full = gather_full_state_dict(par, group)
+    dense_state = dense.state_dict()
+    out["state_keys_equal"] = list(full) == list(dense_state) and list(par.state_dict()) == list(dense_state)
+    out["gather_state"] = max(_diff(full[k], dense_state[k]) for k in dense_state)
+    local = shard_state_dict(full, par)
+    out["shard_state"] = max(_diff(local[k], v) for k, v in par.state_dict().items())
+    fresh = apply_tensor_parallel(build_model(cfg, seed=99), group)
+    fresh.load_state_dict(shard_state_dict(dense_state, fresh))
+    out["reload_logits"] = _diff(fresh(ids), logits_d)
+
+    # 10 AdamW steps: same loss curve (each TP rank sees the whole batch)
+    curves = {}
+    for kind in ("dense", "tp"):
+        model = build_model(cfg, seed=3)
+        if kind == "tp":
+            model = apply_tensor_parallel(model, group)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+        losses = []
+        for step in range(10):
+            batch = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(100 + step))
+            _, loss = model(batch, labels=batch)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        curves[kind] = losses
+    out["curves"] = curves
+    return out
+
+
+def _worker(rank: int, world: int) -> dict:
+    group = dist.group.WORLD
+    return {"layers": _layer_checks(rank, world, group),
+            **{flavour: _model_checks(rank, world, group, flavour) for flavour in CONFIGS}}
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_gloo(_worker, 2)
+
+
+def _max(results, section, key):
+    return max(r[section][key] for r in results)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("layer", ["column_gather0", "column_gather1", "row_parallel_in0", "row_parallel_in1"])
+def test_linear_layers_match_dense(results, layer):
+    for part in ("fwd", "dx", "dw", "db"):
+        assert _max(results, "layers", f"{layer}_{part}") <= 1e-6, part
+
+
+@pytest.mark.multiproc
+def test_vocab_parallel_embedding_matches_dense(results):
+    assert _max(results, "layers", "embedding_fwd") <= 1e-6
+    assert _max(results, "layers", "embedding_dw") <= 1e-6
+
+
+@pytest.mark.multiproc
+def test_vocab_parallel_cross_entropy_matches_dense(results):
+    assert _max(results, "layers", "cross_entropy_fwd") <= 1e-6
+    assert _max(results, "layers", "cross_entropy_dlogits") <= 1e-6
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("flavour", list(CONFIGS))
+def test_tp2_llama_logits_loss_and_grads_match_single_process(results, flavour):
+    assert all(r[flavour]["tagged"] for r in results)
+    assert _max(results, flavour, "logits") <= 1e-5
+    assert _max(results, flavour, "loss") <= 1e-5
+    assert _max(results, flavour, "grads") <= 1e-6
+    # 2 layers x 7 projections, embedding, lm_head (tied: one parameter), q/k/v biases
+    expected = 2 * 7 + (1 if CONFIGS[flavour].get("tie_word_embeddings") else 2)
+    expected += 2 * 3 if CONFIGS[flavour].get("attention_bias") else 0
+    assert results[0][flavour]["num_sharded"] == expected
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("flavour", list(CONFIGS))
+def test_tensor_parallel_output_with_vocab_parallel_loss(results, flavour):
+    assert _max(results, flavour, "tpo_logits") <= 1e-5
+    assert _max(results, flavour, "tpo_loss") <= 1e-5
+    assert _max(results, flavour, "tpo_grad_lm_head") <= 1e-6
+    assert all(r[flavour]["tpo_rejects_labels"] for r in results)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("flavour", list(CONFIGS))
+def test_state_dict_gather_and_shard_round_trip(results, flavour):
+    assert all(r[flavour]["state_keys_equal"] for r in results)
+    assert _max(results, flavour, "gather_state") == 0.0
+    assert _max(results, flavour, "shard_state") == 0.0
+    assert _max(results, flavour, "reload_logits") <= 1e-5
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("flavour", list(CONFIGS))
+def test_tp2_adamw_loss_curve_matches_single_process(results, flavour):
+    for r in results:
+        curves = r[flavour]["curves"]
+        torch.testing.assert_close(torch.tensor(curves["tp"]), torch.tensor(curves["dense"]), rtol=1e-5, atol=0)
+    assert results[0][flavour]["curves"]["dense"][-1] < results[0][flavour]["curves"]["dense"][0]

@@ -93,24 +93,77 @@ def _check_relations(name: str, exp: dict[str, Any]) -> None:
             )
 
 
+ARCH_OVERRIDES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "tie_word_embeddings")
+
+
+def architecture(model_section: dict[str, Any]) -> dict[str, Any]:
+    """The flavour's architecture fields with the section's non-null overrides applied."""
+    from stages.model.config import FLAVOURS
+
+    arch = dict(FLAVOURS[model_section["flavour"]])
+    arch.update({k: model_section[k] for k in ARCH_OVERRIDES if model_section.get(k) is not None})
+    arch.setdefault("num_key_value_heads", arch["num_attention_heads"])
+    return arch
+
+
 def _check_group_size(name: str, exp: dict[str, Any]) -> None:
     """A group must tile the input width of every quantized Linear of the flavour (pretrained
     checkpoints are checked again by the quantize stage, which knows their real shapes)."""
-    from stages.model.config import FLAVOURS
-
     quant = exp["quantize"]
     group = quant["group_size"]
     if "wint4" not in quant["variants"] or group == -1 or exp["model"]["model_name_or_path"]:
         return
     if group == 0:
         raise ConfigError(f"experiments.{name}.quantize.group_size=0: use a positive group or -1 (per channel)")
-    arch = FLAVOURS[exp["model"]["flavour"]]
+    arch = architecture(exp["model"])
     widths = sorted({arch["hidden_size"], arch["intermediate_size"]})
     bad = [w for w in widths if w % group]
     if bad:
         raise ConfigError(f"experiments.{name}.quantize.group_size={group} does not divide the input "
                           f"width(s) {bad} of flavour {exp['model']['flavour']!r}; choose a divisor "
                           "of all of them or -1 (per channel)")
+
+
+def _check_parallel(name: str, exp: dict[str, Any]) -> None:
+    """The pretrain layout, checked before any process starts (the pretrain stage checks the
+    real checkpoint shapes again)."""
+    sec = exp["pretrain"]
+    key = f"experiments.{name}.pretrain"
+    world, tp, pp, vpp = (sec["world_size"], sec["tensor_parallel_degree"], sec["pipeline_parallel_degree"],
+                          sec["virtual_pp_degree"])
+    if world % (tp * pp):
+        raise ConfigError(f"{key}: world_size={world} is not divisible by tensor_parallel_degree={tp} x "
+                          f"pipeline_parallel_degree={pp} = {tp * pp}; the data-parallel degree is "
+                          "world_size / (tp x pp)")
+    if pp > 1 and sec["sharding"] in ("stage2", "stage3"):
+        raise ConfigError(f"{key}: sharding={sec['sharding']} with pipeline_parallel_degree={pp}: ZeRO-2/3 "
+                          "partition gradients during backward, which the pipeline schedule runs outside "
+                          "DeepSpeed; use sharding: stage1 (or none) with pipeline parallelism")
+    if vpp > 1 and pp == 1:
+        raise ConfigError(f"{key}: virtual_pp_degree={vpp} needs pipeline_parallel_degree > 1")
+    accum = sec["gradient_accumulation_steps"]
+    if pp > 1 and accum < pp:
+        raise ConfigError(f"{key}: gradient_accumulation_steps={accum} (the pipeline's micro-batches) must be "
+                          f">= pipeline_parallel_degree={pp} for the 1F1B schedules")
+    if vpp > 1 and accum % max(1, accum // pp):
+        raise ConfigError(f"{key}: interleaved 1F1B needs gradient_accumulation_steps={accum} to be a "
+                          f"multiple of gradient_accumulation_steps // pipeline_parallel_degree = {accum // pp}")
+    if exp["model"]["model_name_or_path"]:
+        return
+    arch = architecture(exp["model"])
+    layers = arch["num_hidden_layers"]
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = arch[field]
+        if value % tp:
+            raise ConfigError(f"{key}: tensor_parallel_degree={tp} does not divide {field}={value} of flavour "
+                              f"{exp['model']['flavour']!r}")
+    if pp * vpp > layers:
+        raise ConfigError(f"{key}: pipeline_parallel_degree={pp} x virtual_pp_degree={vpp} = {pp * vpp} "
+                          f"chunks exceed num_hidden_layers={layers} of flavour {exp['model']['flavour']!r}")
+    if pp > 1 and arch.get("tie_word_embeddings"):
+        raise ConfigError(f"{key}: flavour {exp['model']['flavour']!r} ties lm_head to the embedding, which "
+                          "pipeline parallelism does not support yet (they would live on two stages)")
 
 
 def check_config(config: dict[str, Any], schema: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -134,6 +187,7 @@ def check_config(config: dict[str, Any], schema: dict[str, Any] | None = None) -
     for name, exp in config["experiments"].items():
         _check_relations(name, exp)
         _check_group_size(name, exp)
+        _check_parallel(name, exp)
     return config
 
 

@@ -156,6 +156,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
         self.gradient_checkpointing = False  # activation recompute, one block at a time
+        # Replaced by tensor parallelism with the vocab-parallel loss when logits stay split.
+        self.loss_function = causal_lm_loss
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
@@ -189,7 +191,7 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(self.model.norm(x))  # (B, T, V)
         if labels is None:
             return logits
-        return logits, causal_lm_loss(logits, labels)
+        return logits, self.loss_function(logits, labels)
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

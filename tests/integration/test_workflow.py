@@ -4,49 +4,11 @@ a rerun that finds nothing to do, and a LoRA change that reruns only the LoRA br
 from __future__ import annotations
 
 import json
-import os
-import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
-import pytest
 import yaml
-
-ROOT = Path(__file__).resolve().parents[2]
-DEBUG_CONFIG = ROOT / "tests" / "integration" / "debug.yaml"
-TARGET = "results/ci/quant_eval.json"
-
-
-def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(workdir),
-           "--configfile", str(ROOT / "config" / "config.yaml"), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    if check and proc.returncode != 0:
-        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted((workdir / "results").glob("*/logs/*.log")))
-        pytest.fail(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n"
-                    f"{proc.stderr[-6000:]}\n{logs}")
-    return proc
-
-
-def planned_jobs(stdout: str) -> dict[str, int]:
-    """Rule -> job count from the 'Job stats' table of a dry run."""
-    counts, in_table = {}, False
-    for line in stdout.splitlines():
-        if line.startswith("Job stats"):
-            in_table = True
-            continue
-        if in_table:
-            m = re.match(r"^(\S+)\s+(\d+)\s*$", line.strip())
-            if m and m.group(1) != "total":
-                counts[m.group(1)] = int(m.group(2))
-            elif line.strip().startswith("total"):
-                break
-    return counts
+from workflow_helpers import DEBUG_CONFIG, TARGET, planned_jobs, snakemake
 
 
 def test_lint_is_clean(tmp_path):

@@ -58,3 +58,36 @@ def test_int4_group_size_must_tile_the_flavour_widths():
     with pytest.raises(ConfigError, match=r"group_size=40 does not divide the input width\(s\) \[64, 192\]"):
         check_config({"experiments": {"x": {"model": {"flavour": "debug"}, "quantize": {"group_size": 40}}}})
     check_config({"experiments": {"x": {"model": {"flavour": "debug"}, "quantize": {"group_size": 32}}}})
+
+
+@pytest.mark.parametrize("pretrain, message", [
+    ({"world_size": 3, "tensor_parallel_degree": 2},
+     r"world_size=3 is not divisible by tensor_parallel_degree=2 x pipeline_parallel_degree=1 = 2"),
+    ({"world_size": 2, "pipeline_parallel_degree": 2, "sharding": "stage2", "gradient_accumulation_steps": 2},
+     r"sharding=stage2 with pipeline_parallel_degree=2"),
+    ({"world_size": 2, "tensor_parallel_degree": 2, "sharding": "none"} , None),
+    ({"world_size": 8, "tensor_parallel_degree": 8},
+     r"tensor_parallel_degree=8 does not divide num_attention_heads=4 of flavour 'debug'"),
+    ({"world_size": 2, "pipeline_parallel_degree": 2, "virtual_pp_degree": 2, "gradient_accumulation_steps": 4},
+     r"4 chunks exceed num_hidden_layers=2"),
+    ({"world_size": 2, "pipeline_parallel_degree": 2, "gradient_accumulation_steps": 1},
+     r"gradient_accumulation_steps=1 \(the pipeline's micro-batches\) must be >= pipeline_parallel_degree=2"),
+    ({"virtual_pp_degree": 2}, r"virtual_pp_degree=2 needs pipeline_parallel_degree > 1"),
+])
+def test_parallel_layouts_are_checked_before_any_process_starts(pretrain, message):
+    config = {"experiments": {"x": {"model": {"flavour": "debug"}, "pretrain": pretrain}}}
+    if message is None:
+        check_config(config)
+        return
+    with pytest.raises(ConfigError, match=message):
+        check_config(config)
+
+
+def test_tied_flavour_cannot_be_pipelined_and_overrides_apply():
+    with pytest.raises(ConfigError, match="ties lm_head to the embedding"):
+        check_config({"experiments": {"x": {"model": {"flavour": "debug", "tie_word_embeddings": True},
+                                             "pretrain": {"pipeline_parallel_degree": 2,
+                                                          "gradient_accumulation_steps": 2}}}})
+    check_config({"experiments": {"x": {"model": {"flavour": "debug", "num_hidden_layers": 4},
+                                         "pretrain": {"pipeline_parallel_degree": 2, "virtual_pp_degree": 2,
+                                                      "gradient_accumulation_steps": 4}}}})

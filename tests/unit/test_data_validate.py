@@ -1,6 +1,5 @@
 """Tests of stages/data/validate.py: the parse-time checks of a `data:` section."""
 
-import json
 import subprocess
 import sys
 from pathlib import Path

@@ -45,7 +45,8 @@ def test_too_short_corpus_is_rejected_with_the_numbers():
 
 def test_deepspeed_config_follows_the_section():
     section = pretrain_section(sharding="stage3", per_device_train_batch_size=4, gradient_accumulation_steps=3)
-    ds = deepspeed_config(section, world=2)
+    ds = deepspeed_config(section, data_parallel=2)
+    assert deepspeed_config(section, 2, pipeline=True)["train_micro_batch_size_per_gpu"] == 12
     assert ds["zero_optimization"]["stage"] == 3
     assert ds["train_batch_size"] == 4 * 3 * 2
     assert ds["gradient_clipping"] == section["max_grad_norm"]
@@ -62,10 +63,11 @@ def data_dir(tmp_path_factory):
     return out
 
 
-def torchrun(nproc: int, data_dir: Path, out: Path, **section) -> pd.DataFrame:
+def torchrun(nproc: int, data_dir: Path, out: Path, model: dict | None = None, **section) -> pd.DataFrame:
+    model = check_config({"experiments": {"t": {"model": model or {"flavour": "debug"}}}})["experiments"]["t"]["model"]
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
            "-m", "stages.pretrain", "--data", str(data_dir), "--out", str(out),
-           "--model-config", json.dumps({"flavour": "debug"}), "--config", json.dumps(pretrain_section(**section))]
+           "--model-config", json.dumps(model), "--config", json.dumps(pretrain_section(**section))]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
@@ -94,3 +96,64 @@ def test_two_zero1_ranks_match_one_process(data_dir, tmp_path):
     assert hf.config.vocab_size == 320
     meta = json.loads((tmp_path / "two" / "meta.json").read_text())
     assert meta["stage"] == "pretrain" and meta["metrics"]["world_size"] == 2
+
+
+# Every layout trains from the same seed on the same global batch of 8 windows per step:
+# micro-batch x gradient_accumulation_steps x data-parallel degree = 8.
+FOUR_LAYERS = {"flavour": "debug", "num_hidden_layers": 4}  # interleaving needs pp x vpp <= layers
+COMMON = dict(max_steps=10, warmup_steps=2, max_length=32, seed=7, learning_rate=3e-3)
+LAYOUTS = {
+    "dp2": (2, dict(sharding="none", per_device_train_batch_size=4, gradient_accumulation_steps=1)),
+    "sharding_stage1": (2, dict(sharding="stage1", per_device_train_batch_size=2, gradient_accumulation_steps=2)),
+    "sharding_stage2": (2, dict(sharding="stage2", per_device_train_batch_size=2, gradient_accumulation_steps=2)),
+    "sharding_stage3": (2, dict(sharding="stage3", per_device_train_batch_size=2, gradient_accumulation_steps=2)),
+    "tp2": (2, dict(sharding="none", tensor_parallel_degree=2, per_device_train_batch_size=2,
+                    gradient_accumulation_steps=4)),
+    "tp2_vocab_parallel_loss": (2, dict(sharding="none", tensor_parallel_degree=2, tensor_parallel_output=True,
+                                        per_device_train_batch_size=2, gradient_accumulation_steps=4)),
+    "pp2_1f1b": (2, dict(sharding="none", pipeline_parallel_degree=2, per_device_train_batch_size=2,
+                         gradient_accumulation_steps=4)),
+    "pp2_interleaved": (2, dict(sharding="none", pipeline_parallel_degree=2, virtual_pp_degree=2,
+                                per_device_train_batch_size=2, gradient_accumulation_steps=4)),
+    # four processes each
+    "tp2_dp2": (4, dict(sharding="none", tensor_parallel_degree=2, per_device_train_batch_size=2,
+                        gradient_accumulation_steps=2)),
+    "tp2_pp2": (4, dict(sharding="none", tensor_parallel_degree=2, pipeline_parallel_degree=2,
+                        per_device_train_batch_size=2, gradient_accumulation_steps=4)),
+    "pp2_dp2_zero1": (4, dict(sharding="stage1", pipeline_parallel_degree=2, per_device_train_batch_size=2,
+                              gradient_accumulation_steps=2)),
+    "tp2_sharding_stage2": (4, dict(sharding="stage2", tensor_parallel_degree=2, per_device_train_batch_size=2,
+                                    gradient_accumulation_steps=2)),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(data_dir, tmp_path_factory):
+    """The single-process fp32 run every layout is compared with, and its weights."""
+    out = tmp_path_factory.mktemp("reference") / "out"
+    log = torchrun(1, data_dir, out, FOUR_LAYERS, world_size=1, sharding="none",
+                   per_device_train_batch_size=2, gradient_accumulation_steps=4, **COMMON)
+    return log, out
+
+
+def check_layout(name, layout, data_dir, reference, tmp_path):
+    from safetensors.torch import load_file
+
+    nproc, section = layout
+    log = torchrun(nproc, data_dir, tmp_path / name, FOUR_LAYERS, world_size=nproc, **section, **COMMON)
+    ref_log, ref_dir = reference
+    # fp32 on CPU: only the order of reductions differs, so 1e-5 relative is generous (measured ~1e-7).
+    np.testing.assert_allclose(log["loss"], ref_log["loss"], rtol=1e-5)
+    np.testing.assert_allclose(log["grad_norm"], ref_log["grad_norm"], rtol=1e-4)
+    # The checkpoint is the single-device layout whatever the layout: same names, same values.
+    ref, got = load_file(ref_dir / "model.safetensors"), load_file(tmp_path / name / "model.safetensors")
+    assert sorted(got) == sorted(ref)
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], rtol=1e-4, atol=2e-5, msg=key)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_the_single_process_run(name, data_dir, reference, tmp_path):
+    check_layout(name, LAYOUTS[name], data_dir, reference, tmp_path)
+

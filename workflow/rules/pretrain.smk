@@ -1,5 +1,7 @@
-# Data-parallel pretraining: torchrun launches `world_size` ranks on this node (gloo on CPU,
-# NCCL on GPU); DeepSpeed applies the ZeRO stage from `pretrain.sharding`.
+# 4D-parallel pretraining: world_size = data x tensor x pipeline parallel degrees (checked when the
+# workflow is parsed), DeepSpeed ZeRO (`pretrain.sharding`) over the data-parallel group.
+# Locally torchrun starts the ranks on this node (gloo on CPU, NCCL on GPU); inside a SLURM job
+# (the slurm profile) srun starts one task per rank, with `tasks` = world_size declared below.
 rule pretrain:
     input:
         "results/{experiment}/data",
@@ -16,13 +18,14 @@ rule pretrain:
     threads: 2
     resources:
         nodes=1,
-        tasks=1,
-        cpus_per_task=pretrain_world_size,
+        tasks=pretrain_world_size,
+        cpus_per_task=2,
         mem_mb=8000,
         runtime=120,
     conda:
         "../../environment.yml"
     shell:
-        "torchrun --standalone --nproc_per_node {params.nproc} -m stages.pretrain "
-        "--data {input} --out {output} --model-config {params.model:q} --config {params.config:q} "
-        "> {log} 2>&1"
+        "if [ -n \"${{SLURM_JOB_ID:-}}\" ]; then launch=\"srun --ntasks {params.nproc} python\"; "
+        "else launch=\"torchrun --standalone --nproc_per_node {params.nproc}\"; fi; "
+        "$launch -m stages.pretrain --data {input} --out {output} "
+        "--model-config {params.model:q} --config {params.config:q} > {log} 2>&1"

@@ -20,6 +20,9 @@ Metrics JSON (`eval/<variant>.json`, written atomically), one object:
   unigram_ppl        float  add-one unigram model of train.bin on the same target tokens (the floor to beat)
   ppl_tokens         int    validation tokens scored
   ppl_windows        int    windows of ppl_max_length tokens scored
+  dev_ppl            float  perplexity of the dev answers (target tokens) given their prompts, on the
+                            same num_dev_examples records (stages.metrics.perplexity.target_perplexity)
+  dev_ppl_tokens     int    answer tokens scored
   exact_match        float  [0, 1] on the first num_dev_examples records of data/sft/dev.json
   bleu4              float  [0, 1] corpus BLEU-4, add-one smoothing for n > 1 (stages.metrics.text)
   rouge_l            float  [0, 1] mean ROUGE-L F1
@@ -58,8 +61,8 @@ import numpy as np
 import torch
 
 from stages.checkpoint.atomic import write_json
-from stages.data.sft import encode_prompt, read_sft_file, target_text
-from stages.metrics.perplexity import model_perplexity, unigram_perplexity, validation_windows
+from stages.data.sft import encode_example, encode_prompt, read_sft_file, target_text
+from stages.metrics.perplexity import model_perplexity, target_perplexity, unigram_perplexity, validation_windows
 from stages.metrics.text import corpus_bleu, exact_match, rouge_l
 
 log = logging.getLogger(__name__)
@@ -236,6 +239,9 @@ def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, varia
     if eos is None:
         raise ValueError(f"the tokenizer in {model_dir} has no eos token; generation cannot stop")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    answers = [encode_example(tokenizer, r, settings["src_length"], settings["src_length"] + settings["max_new_tokens"])
+               for r in records]
+    dev_ppl, dev_ppl_tokens = target_perplexity(model, answers, pad, settings["per_device_eval_batch_size"])
     prompts = [encode_prompt(tokenizer, r, settings["src_length"]) for r in records]
     t_gen = time.perf_counter()
     generated = generate_greedy(model, prompts, max_new_tokens=settings["max_new_tokens"], eos_token_id=eos,
@@ -253,6 +259,8 @@ def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, varia
         "unigram_ppl": unigram,
         "ppl_tokens": ppl_tokens,
         "ppl_windows": len(windows),
+        "dev_ppl": dev_ppl,
+        "dev_ppl_tokens": dev_ppl_tokens,
         "exact_match": exact_match(predictions, references),
         "bleu4": corpus_bleu(predictions, references, smooth=True),
         "rouge_l": rouge_l(predictions, references),

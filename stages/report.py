@@ -41,7 +41,7 @@ from stages.checkpoint.atomic import atomic_file, write_json
 log = logging.getLogger(__name__)
 
 # Metrics whose quantization delta is worth a column in report.md, in display order.
-_DELTA_COLUMNS = ("ppl", "exact_match", "bleu4", "rouge_l", "gen_tokens_per_s", "size_bytes")
+_DELTA_COLUMNS = ("ppl", "dev_ppl", "exact_match", "bleu4", "rouge_l", "gen_tokens_per_s", "size_bytes")
 # Identity fields: carried into quant_eval.json but never differenced.
 _ID_FIELDS = ("variant", "model_dir", "kind")
 _TIMING_COLUMNS = ("s", "cpu_time", "max_rss", "max_uss", "mean_load", "io_in", "io_out")

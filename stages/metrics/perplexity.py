@@ -82,6 +82,39 @@ def model_perplexity(model: torch.nn.Module, windows: np.ndarray, batch_size: in
     return math.exp(mean_nll), total_tokens
 
 
+@torch.no_grad()
+def target_perplexity(model: torch.nn.Module, examples: list[tuple[list[int], list[int]]],
+                      pad_token_id: int, batch_size: int = 8) -> tuple[float, int]:
+    """(perplexity, scored tokens) of the answer tokens of SFT examples given their prompts.
+
+    `examples` are (input_ids, labels) pairs as `stages.data.sft.encode_example` makes them
+    (labels -100 on the prompt); right-padded batches; position t scores labels[t + 1]. This is
+    the perplexity a fine-tuned model is trained to lower, so it is the one that shows what
+    quantization costs the deployed model (the corpus perplexity of a fine-tuned model mostly
+    measures forgetting).
+    """
+    model.eval()
+    device = next(model.parameters()).device
+    total_nll, total_tokens = 0.0, 0
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i:i + batch_size]
+        width = max(len(ids) for ids, _ in chunk)
+        ids = torch.full((len(chunk), width), pad_token_id, dtype=torch.long)
+        labels = torch.full((len(chunk), width), -100, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, (x, y) in enumerate(chunk):
+            ids[row, :len(x)], labels[row, :len(y)], mask[row, :len(x)] = torch.tensor(x), torch.tensor(y), 1
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()  # (B, T, V)
+        targets = labels[:, 1:].to(device)
+        nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                              ignore_index=-100, reduction="sum")
+        total_nll += float(nll)
+        total_tokens += int((targets != -100).sum())
+    if total_tokens == 0:
+        raise ValueError("no answer tokens to score: every SFT example was cut to its prompt")
+    return math.exp(total_nll / total_tokens), total_tokens
+
+
 def unigram_perplexity(train_tokens: np.ndarray, targets: np.ndarray, vocab_size: int) -> float:
     """Perplexity of the add-one smoothed unigram model of the training split on `targets`.
 

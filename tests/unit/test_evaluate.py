@@ -18,7 +18,7 @@ from stages.model import build_model, config_for_flavour
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
 CONFIG = {"max_new_tokens": 6, "num_dev_examples": 6, "ppl_max_length": 16, "ppl_max_windows": 3,
           "per_device_eval_batch_size": 4}
-DOCUMENTED_KEYS = {"variant", "model_dir", "kind", "ppl", "unigram_ppl", "ppl_tokens", "ppl_windows",
+DOCUMENTED_KEYS = {"variant", "model_dir", "kind", "ppl", "unigram_ppl", "ppl_tokens", "ppl_windows", "dev_ppl", "dev_ppl_tokens",
                    "exact_match", "bleu4", "rouge_l", "num_dev_examples", "gen_tokens", "gen_seconds",
                    "gen_tokens_per_s", "size_bytes", "num_parameters", "eval_seconds", "settings", "samples"}
 
@@ -99,6 +99,7 @@ def _check_metrics(metrics, out_path, variant, kind):
     assert 1.0 < metrics["ppl"] < 10 * 120 and math.isfinite(metrics["ppl"])
     assert 1.0 < metrics["unigram_ppl"] < 120
     assert metrics["ppl_windows"] == 3 and metrics["ppl_tokens"] == 3 * 15
+    assert metrics["dev_ppl"] > 1 and metrics["dev_ppl_tokens"] > 0
     for key in ("exact_match", "bleu4", "rouge_l"):
         assert 0.0 <= metrics[key] <= 1.0
     assert metrics["num_dev_examples"] == 6

@@ -80,3 +80,24 @@ def test_unigram_baseline_rejects_ids_outside_vocab():
         unigram_perplexity(np.array([0, 5]), np.array([0]), vocab_size=3)
     with pytest.raises(ValueError, match="vocab_size=3"):
         unigram_perplexity(np.array([0, 1]), np.array([4]), vocab_size=3)
+
+
+def test_target_perplexity_scores_only_answer_tokens():
+    from stages.metrics.perplexity import target_perplexity
+
+    class Uniform(torch.nn.Module):
+        def __init__(self, vocab):
+            super().__init__()
+            self.vocab = vocab
+            self.p = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, input_ids, attention_mask=None):
+            class Out:
+                pass
+            out = Out()
+            out.logits = torch.zeros(*input_ids.shape, self.vocab) + self.p
+            return out
+
+    examples = [([1, 5, 6, 7, 2], [-100, -100, 6, 7, 2]), ([1, 5, 2], [-100, -100, 2])]
+    ppl, tokens = target_perplexity(Uniform(11), examples, pad_token_id=0, batch_size=2)
+    assert tokens == 4 and abs(ppl - 11) < 1e-5  # uniform over 11 tokens, prompts and padding skipped

@@ -28,7 +28,8 @@ def test_unknown_config_key_fails_before_any_job(tmp_path):
     bad.write_text(yaml.safe_dump({"experiments": {"x": {"finetune": {"lora": {"lora_rnak": 4}}}}}))
     proc = snakemake(tmp_path, "--configfile", str(bad), "-n", check=False)
     assert proc.returncode != 0
-    assert "lora_rnak" in proc.stderr and "lora_rank" in proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "lora_rnak" in out and "lora_rank" in out
     assert not (tmp_path / "results").exists()
 
 
@@ -37,7 +38,8 @@ def test_missing_data_path_fails_before_any_job(tmp_path):
     bad.write_text(yaml.safe_dump({"experiments": {"x": {"data": {"corpus": ["no/such/*.txt"]}}}}))
     proc = snakemake(tmp_path, "--configfile", str(bad), "-n", check=False)
     assert proc.returncode != 0
-    assert "no/such/*.txt" in proc.stderr and "data.corpus" in proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "no/such/*.txt" in out and "data.corpus" in out
 
 
 def _mtimes(workdir: Path) -> dict[str, float]:

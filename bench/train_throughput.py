@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a file from anywhere: `stages` is the repo's package
 
 from stages.config import check_config  # noqa: E402
+from stages.training.flops import flops_per_token, peak_matmul_flops  # noqa: E402
 from stages.model import build_model, config_for_flavour  # noqa: E402
 from stages.model.config import LlamaConfig  # noqa: E402
 from stages.pretrain import deepspeed_config  # noqa: E402
@@ -64,35 +65,8 @@ def machine_info() -> dict[str, Any]:
             "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform()}
 
 
-def peak_bf16_matmul_flops(n: int = 2048, iters: int = 8, repeats: int = 5) -> float:
-    """Best-of-`repeats` FLOP/s of `iters` back-to-back (n, n) @ (n, n) bf16 matmuls."""
-    a = torch.randn(n, n, dtype=torch.bfloat16)
-    b = torch.randn(n, n, dtype=torch.bfloat16)
-    torch.matmul(a, b)  # first call picks the kernel (oneDNN/AMX)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            torch.matmul(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 * iters / best
-
-
-def flops_per_token(config: LlamaConfig, seq_len: int) -> dict[str, int]:
-    """Training FLOPs per token, PaLM-style: 6 * N_matmul + 12 * L * H * hd * T.
-
-    N_matmul counts every weight a token is multiplied by: the attention and MLP projections of
-    all layers and lm_head (the embedding is a lookup, norms and biases are not matmuls). The
-    attention term is QK^T and AV (2 * 2 * T * H * hd forward per layer, x3 for forward+backward),
-    counted over the full T x T square as is customary, although a causal kernel may skip half.
-    """
-    d, L, H, K, hd = (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
-                      config.num_key_value_heads, config.head_dim)
-    per_layer = d * H * hd + 2 * d * K * hd + H * hd * d + 3 * d * config.intermediate_size
-    n_matmul = L * per_layer + d * config.vocab_size
-    attention = 12 * L * H * hd * seq_len
-    return {"n_matmul_params": n_matmul, "dense": 6 * n_matmul, "attention": attention,
-            "total": 6 * n_matmul + attention}
+def peak_bf16_matmul_flops() -> float:
+    return peak_matmul_flops(torch.bfloat16)
 
 
 def pretrain_section(**overrides: Any) -> dict[str, Any]:

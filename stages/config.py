@@ -140,6 +140,13 @@ def _check_parallel(name: str, exp: dict[str, Any]) -> None:
         raise ConfigError(f"{key}: sharding={sec['sharding']} with pipeline_parallel_degree={pp}: ZeRO-2/3 "
                           "partition gradients during backward, which the pipeline schedule runs outside "
                           "DeepSpeed; use sharding: stage1 (or none) with pipeline parallelism")
+    if sec["bf16"] and sec["fp16"]:
+        raise ConfigError(f"{key}: bf16 and fp16 are both true; choose one mixed-precision mode")
+    if pp > 1 and (sec["bf16"] or sec["fp16"]):
+        raise ConfigError(f"{key}: bf16/fp16 with pipeline_parallel_degree={pp} is not supported yet (the "
+                          "pipeline stages exchange fp32 activations); train the pipeline in fp32")
+    if sec["sharding_offload"] and sec["sharding"] == "none":
+        raise ConfigError(f"{key}: sharding_offload needs a ZeRO stage (sharding: stage1, stage2 or stage3)")
     if vpp > 1 and pp == 1:
         raise ConfigError(f"{key}: virtual_pp_degree={vpp} needs pipeline_parallel_degree > 1")
     accum = sec["gradient_accumulation_steps"]

@@ -33,6 +33,7 @@ from stages.data.corpus import load_split
 from stages.model import LlamaConfig, LlamaForCausalLM, build_model, config_for_flavour
 from stages.parallel import ParallelDegrees, Topology, apply_tensor_parallel, gather_full_state_dict
 from stages.parallel.pipeline import PipelineRunner
+from stages.training.flops import flops_per_token, peak_matmul_flops
 from stages.training.log import TrainLog
 from stages.training.schedule import build_scheduler
 from stages.training.seed import set_seed
@@ -92,9 +93,14 @@ def deepspeed_config(section: dict[str, Any], data_parallel: int, pipeline: bool
         "gradient_accumulation_steps": accum,
         "train_batch_size": micro * accum * data_parallel,
         "gradient_clipping": section["max_grad_norm"],
-        "zero_optimization": {"stage": ZERO_STAGES[section["sharding"]]},
+        "zero_optimization": {"stage": ZERO_STAGES[section["sharding"]],
+                              **({"offload_optimizer": {"device": "cpu"}} if section["sharding_offload"] else {})},
+        "zero_force_ds_cpu_optimizer": False,  # offload runs our torch AdamW on the CPU copy
         "zero_allow_untested_optimizer": True,  # torch AdamW runs on CPU; DeepSpeed's fused Adam is CUDA-only
         "bf16": {"enabled": bool(section["bf16"])},
+        # dynamic loss scaling from 2^16, halved on overflow (the step is skipped), doubled after
+        # 1000 clean steps; DeepSpeed keeps fp32 master weights in the optimizer
+        "fp16": {"enabled": bool(section["fp16"]), "loss_scale": 0, "initial_scale_power": 16},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
@@ -143,6 +149,16 @@ def _init_distributed() -> None:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+def _peak_flops(section: dict[str, Any], device: torch.device, world: int) -> float:
+    """Matmul FLOP/s of all devices of the run, measured now in the training dtype: on GPU each rank
+    has a device; on CPU the ranks of a node share its cores, so a node counts once."""
+    dtype = torch.bfloat16 if section["bf16"] else torch.float16 if section["fp16"] else torch.float32
+    per_device = peak_matmul_flops(dtype, device)
+    if torch.device(device).type == "cuda":
+        return per_device * world
+    return per_device * max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
 def _slurm_master() -> str:
@@ -274,7 +290,11 @@ def run(data_dir: str | Path, out_dir: str | Path, model_section: dict[str, Any]
     tokens_per_step = global_batch * section["max_length"]
     staging = out_dir.parent / f".{out_dir.name}.log"  # rank 0's live log, moved into the artifact
     staging.mkdir(parents=True, exist_ok=True)
-    train_log = TrainLog(staging / "train_log.csv", section["max_steps"], enabled=rank == 0, desc="pretrain")
+    fpt = flops_per_token(_build_config(model_section, index), section["max_length"])["total"]
+    peak = _peak_flops(section, engine.device, world) if rank == 0 else None
+    dist.barrier()  # the peak was measured while the other ranks waited
+    train_log = TrainLog(staging / "train_log.csv", section["max_steps"], enabled=rank == 0, desc="pretrain",
+                         flops_per_token=fpt, peak_flops=peak)
     losses: list[float] = []
     engine.train()
     since_log = 0
@@ -322,6 +342,9 @@ def run(data_dir: str | Path, out_dir: str | Path, model_section: dict[str, Any]
         "data_parallel_degree": dp, "tensor_parallel_degree": tp, "pipeline_parallel_degree": pp,
         "zero_stage": zero_stage, "tokens_seen": tokens_per_step * section["max_steps"],
         "tokens_per_s": float(np.median([float(r["tokens_per_s"]) for r in rows[1:] or rows])) if rows else None,
+        "mfu": float(np.median([float(r["mfu"]) for r in rows[1:] or rows])) if rows and peak else None,
+        "flops_per_token": fpt, "peak_flops": peak,
+        "skipped_steps": int(getattr(engine, "skipped_steps", 0)),  # fp16 overflow: update skipped
     }
     if rank == 0:
         config = _build_config(model_section, index)

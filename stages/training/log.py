@@ -13,14 +13,18 @@ from typing import Any
 
 from tqdm import tqdm
 
-COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s")
+COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "elapsed_s")
 
 
 class TrainLog:
     """Append one row per logged step; `enabled=False` (non-zero ranks) makes every call a no-op."""
 
-    def __init__(self, path: str | Path, max_steps: int, enabled: bool = True, desc: str = "train"):
+    def __init__(self, path: str | Path, max_steps: int, enabled: bool = True, desc: str = "train",
+                 flops_per_token: float | None = None, peak_flops: float | None = None):
+        """With `flops_per_token` and `peak_flops` (FLOP/s of all devices together) each row gets
+        mfu = tokens_per_s x flops_per_token / peak_flops; otherwise the column stays empty."""
         self.enabled = enabled
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.rows: list[dict[str, Any]] = []
         if not enabled:
             return
@@ -32,13 +36,17 @@ class TrainLog:
         self._last = self._start
 
     def log(self, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int) -> None:
-        """Record optimizer step `step` (1-based), which consumed `tokens` tokens in all ranks."""
+        """Record optimizer step `step` (1-based); `tokens` is the number of tokens all ranks
+        consumed since the previous logged row."""
         if not self.enabled:
             return
         now = time.perf_counter()
+        tokens_per_s = tokens / max(now - self._last, 1e-9)
+        mfu = (tokens_per_s * self.flops_per_token / self.peak_flops
+               if self.flops_per_token and self.peak_flops else None)
         row = {"step": step, "loss": f"{loss:.6f}", "lr": f"{lr:.6e}",
                "grad_norm": "" if grad_norm is None else f"{grad_norm:.6f}", "tokens": tokens,
-               "tokens_per_s": f"{tokens / max(now - self._last, 1e-9):.1f}",
+               "tokens_per_s": f"{tokens_per_s:.1f}", "mfu": "" if mfu is None else f"{mfu:.5f}",
                "elapsed_s": f"{now - self._start:.3f}"}
         self._last = now
         self.rows.append(row)

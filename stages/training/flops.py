@@ -1,0 +1,49 @@
+"""Model FLOPs per token and the measured matmul peak, for MFU (model FLOPs utilisation).
+
+MFU = tokens/s x FLOPs/token / (peak FLOP/s x devices). The peak is measured on this machine in
+the same run (a loop of large matmuls in the training dtype), not read from a data sheet.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from stages.model.config import LlamaConfig
+
+
+def flops_per_token(config: LlamaConfig, seq_len: int) -> dict[str, int]:
+    """Training FLOPs per token, PaLM-style: 6 * N_matmul + 12 * L * H * hd * T.
+
+    N_matmul counts every weight a token is multiplied by: the attention and MLP projections of
+    all layers and lm_head (the embedding is a lookup, norms and biases are not matmuls). The
+    attention term is QK^T and AV (2 * 2 * T * H * hd forward per layer, x3 for forward+backward),
+    counted over the full T x T square as is customary, although a causal kernel may skip half.
+    """
+    d, L, H, K, hd = (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
+                      config.num_key_value_heads, config.head_dim)
+    per_layer = d * H * hd + 2 * d * K * hd + H * hd * d + 3 * d * config.intermediate_size
+    n_matmul = L * per_layer + d * config.vocab_size
+    attention = 12 * L * H * hd * seq_len
+    return {"n_matmul_params": n_matmul, "dense": 6 * n_matmul, "attention": attention,
+            "total": 6 * n_matmul + attention}
+
+
+def peak_matmul_flops(dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                      n: int = 2048, iters: int = 8, repeats: int = 5) -> float:
+    """Best-of-`repeats` FLOP/s of `iters` back-to-back (n, n) @ (n, n) matmuls in `dtype`."""
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    torch.matmul(a, b)  # the first call picks the kernel (oneDNN/AMX on CPU, cuBLAS on GPU)
+    best = float("inf")
+    for _ in range(repeats):
+        if torch.cuda.is_available() and torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            torch.matmul(a, b)
+        if torch.cuda.is_available() and torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 * iters / best

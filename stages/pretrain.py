@@ -258,6 +258,11 @@ def run(data_dir: str | Path, out_dir: str | Path, model_section: dict[str, Any]
     n_params = sum(p.numel() for p in model.parameters())
     if tp > 1:
         apply_tensor_parallel(model, topology, tensor_parallel_output=section["tensor_parallel_output"])
+    if section["torch_compile"]:
+        # In place, layer by layer: names stay those of the single-device model, and the
+        # collectives of TP layers stay outside the compiled regions' hot loops as graph breaks.
+        for layer in model.model.layers.values():
+            layer.compile()
     runner = None
     micro, accum = section["per_device_train_batch_size"], section["gradient_accumulation_steps"]
     if pp > 1:

@@ -124,6 +124,10 @@ LAYOUTS = {
                               gradient_accumulation_steps=2)),
     "tp2_sharding_stage2": (4, dict(sharding="stage2", tensor_parallel_degree=2, per_device_train_batch_size=2,
                                     gradient_accumulation_steps=2)),
+    "tp2_recompute": (2, dict(sharding="stage1", tensor_parallel_degree=2, recompute=True,
+                              per_device_train_batch_size=2, gradient_accumulation_steps=4)),
+    "pp2_1f1b_recompute": (2, dict(sharding="none", pipeline_parallel_degree=2, recompute=True,
+                                   per_device_train_batch_size=2, gradient_accumulation_steps=4)),
     "sharding_stage2_cpu_offload": (2, dict(sharding="stage2", sharding_offload=True, per_device_train_batch_size=2,
                                             gradient_accumulation_steps=2)),
 }

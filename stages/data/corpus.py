@@ -26,6 +26,7 @@ from typing import Iterator
 import numpy as np
 
 from stages.checkpoint.atomic import atomic_file, write_json
+from stages.data.sft import json_lines
 from stages.data.validate import resolve_corpus
 
 log = logging.getLogger(__name__)
@@ -55,22 +56,14 @@ def _read_text(path: Path) -> str:
 
 
 def _jsonl_documents(path: Path) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CorpusError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); "
-                                  'each line must be one JSON object such as {"text": "..."}') from None
-            if not isinstance(obj, dict) or "text" not in obj:
-                have = f"keys {sorted(obj)}" if isinstance(obj, dict) else type(obj).__name__
-                raise CorpusError(f"{path}:{lineno}: no 'text' field (got {have}); "
-                                  'each line must be an object with a string field "text"')
-            if not isinstance(obj["text"], str):
-                raise CorpusError(f"{path}:{lineno}: 'text' is {type(obj['text']).__name__}, expected a string")
-            yield obj["text"]
+    for lineno, obj in json_lines(path, CorpusError, '{"text": "..."}'):
+        if not isinstance(obj, dict) or "text" not in obj:
+            have = f"keys {sorted(obj)}" if isinstance(obj, dict) else type(obj).__name__
+            raise CorpusError(f"{path}:{lineno}: no 'text' field (got {have}); "
+                              'each line must be an object with a string field "text"')
+        if not isinstance(obj["text"], str):
+            raise CorpusError(f"{path}:{lineno}: 'text' is {type(obj['text']).__name__}, expected a string")
+        yield obj["text"]
 
 
 def _parquet_documents(path: Path) -> Iterator[str]:

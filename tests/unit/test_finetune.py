@@ -83,7 +83,7 @@ def test_loss_decreases(trained, method):
     assert sum(curve[-5:]) / 5 < sum(curve[:5]) / 5 - margin
     assert metrics["dev_loss"] < metrics["first_loss"] - margin
     with open(out / "train_log.csv") as f:
-        assert next(csv.reader(f)) == ["step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"]
+        assert next(csv.reader(f)) == ["step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "elapsed_s"]
 
 
 def test_sft_writes_a_plain_hf_model(trained, debug_model_dir):

@@ -20,7 +20,7 @@ import os
 import sys
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -221,6 +221,35 @@ def _gather_full_state(engine, topology: Topology, zero_stage: int, runner) -> d
     return full
 
 
+def train_step(engine, runner: PipelineRunner | None, batches: list[torch.Tensor],
+               clip: Callable[[torch.nn.Module], float] | None) -> tuple[torch.Tensor, float | None]:
+    """One optimizer step over this rank's micro-batches; returns (mean loss, grad norm or None).
+
+    Without a pipeline DeepSpeed accumulates: backward per micro-batch (gradients reduced over data
+    parallel at the last one), the optimizer only at the boundary. With a pipeline the schedule
+    runs all micro-batches, so DeepSpeed's reduction and step are called explicitly. `clip`, when
+    given, clips and measures the gradients just before the update (ZeRO off).
+    """
+    if runner is not None:
+        batch = torch.cat(batches).to(engine.device)
+        engine.zero_grad()
+        loss = runner.train_step(batch, batch).cpu()
+        engine.allreduce_gradients()  # the schedule ran backward, not engine.backward
+        grad_norm = clip(engine.module) if clip else None
+        engine.step()
+        return loss, grad_norm
+    total, grad_norm = torch.zeros(()), None
+    for i, batch in enumerate(batches):
+        batch = batch.to(engine.device)
+        _, loss = engine(batch, labels=batch)
+        engine.backward(loss)
+        if clip and i == len(batches) - 1:
+            grad_norm = clip(engine.module)
+        engine.step()
+        total += loss.detach().float().cpu() / len(batches)
+    return total, grad_norm
+
+
 def run(data_dir: str | Path, out_dir: str | Path, model_section: dict[str, Any],
         section: dict[str, Any]) -> dict[str, Any]:
     """Train for `section['max_steps']` optimizer steps; rank 0 writes the HF checkpoint, the
@@ -259,8 +288,8 @@ def run(data_dir: str | Path, out_dir: str | Path, model_section: dict[str, Any]
     if tp > 1:
         apply_tensor_parallel(model, topology, tensor_parallel_output=section["tensor_parallel_output"])
     if section["torch_compile"]:
-        # In place, layer by layer: names stay those of the single-device model, and the
-        # collectives of TP layers stay outside the compiled regions' hot loops as graph breaks.
+        # In place, layer by layer, so parameter names stay those of the single-device model;
+        # the collectives inside tensor-parallel layers become graph breaks.
         for layer in model.model.layers.values():
             layer.compile()
     runner = None
@@ -280,13 +309,15 @@ def run(data_dir: str | Path, out_dir: str | Path, model_section: dict[str, Any]
     ds_config = deepspeed_config(section, dp, pipeline=runner is not None)
     # Without ZeRO, DeepSpeed clips but does not keep the norm: clip here (same maths, with the
     # topology's model-parallel reduction) so train_log.csv has grad_norm for every layout.
-    own_clip = ZERO_STAGES[section["sharding"]] == 0
-    if own_clip:
+    clip = None
+    if ZERO_STAGES[section["sharding"]] == 0:
         ds_config["gradient_clipping"] = 0.0
         max_norm = section["max_grad_norm"] or float("inf")
 
-        def clip(m: torch.nn.Module) -> float:
+        def clip_and_measure(m: torch.nn.Module) -> float:
             return float(clip_grad_norm_(list(m.parameters()), max_norm, mpu=topology))
+
+        clip = clip_and_measure
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=topology)
 
@@ -307,23 +338,7 @@ def run(data_dir: str | Path, out_dir: str | Path, model_section: dict[str, Any]
     for step in range(section["max_steps"]):
         lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
         batches = sampler.micro_batches(step, global_batch, dp_rank, dp, micro)
-        if runner is not None:
-            batch = torch.cat(batches).to(engine.device)
-            engine.zero_grad()
-            step_loss = runner.train_step(batch, batch).cpu()
-            engine.allreduce_gradients()  # the schedule ran backward, not engine.backward
-            grad_norm = clip(module) if own_clip else None
-            engine.step()
-        else:
-            step_loss, grad_norm = torch.zeros(()), None
-            for i, batch in enumerate(batches):
-                batch = batch.to(engine.device)
-                _, loss = engine(batch, labels=batch)
-                engine.backward(loss)  # gradients are reduced over data parallel at the last micro-batch
-                if own_clip and i == len(batches) - 1:
-                    grad_norm = clip(module)
-                engine.step()  # DeepSpeed applies the optimizer only at the accumulation boundary
-                step_loss += loss.detach().float().cpu() / accum
+        step_loss, grad_norm = train_step(engine, runner, batches, clip)
         if dp > 1:  # mean over data-parallel replicas, for the log only
             dist.all_reduce(step_loss, group=dp_group)
             step_loss /= dp

@@ -38,8 +38,8 @@ Metrics JSON (`eval/<variant>.json`, written atomically), one object:
   samples            list   first 5 dev records: {"src", "reference", "prediction"}
 
 Settings: the schema's `evaluate` keys (max_new_tokens, num_dev_examples, ppl_max_length,
-ppl_max_windows) plus `src_length` (default 64; `--src-length` passes finetune.sft.src_length) and
-`per_device_eval_batch_size` (default 8), which the schema does not hold (yet).
+ppl_max_windows, per_device_eval_batch_size) plus `src_length` (default 64; the rule passes
+finetune.sft.src_length with `--src-length`, so prompts are cut as in training).
 
 Generation: prompts are `stages.data.sft.encode_prompt` ids (bos + src, left-truncated to
 `src_length`), left-padded into batches of `per_device_eval_batch_size`, decoded greedily for at
@@ -69,7 +69,7 @@ log = logging.getLogger(__name__)
 
 # Settings not (yet) in workflow/schemas/config.schema.yaml's `evaluate` section; a schema
 # default, when one is added, takes precedence over these.
-_EXTRA_DEFAULTS = {"src_length": 64, "per_device_eval_batch_size": 8}
+_EXTRA_DEFAULTS = {"src_length": 64}
 _WEIGHT_PATTERNS = ("*.safetensors", "*.onnx", "*.onnx.data")
 _NUM_SAMPLES = 5
 

@@ -43,7 +43,7 @@ from stages.config import check_config  # noqa: E402
 from stages.training.flops import flops_per_token, peak_matmul_flops  # noqa: E402
 from stages.model import build_model, config_for_flavour  # noqa: E402
 from stages.model.config import LlamaConfig  # noqa: E402
-from stages.pretrain import deepspeed_config  # noqa: E402
+from stages.training.engine import deepspeed_config  # noqa: E402
 from stages.training.schedule import build_scheduler  # noqa: E402
 
 DEFAULT_OUT = ROOT / "bench" / "out" / "train_throughput.json"

@@ -126,10 +126,13 @@ def _check_group_size(name: str, exp: dict[str, Any]) -> None:
 
 
 def _check_parallel(name: str, exp: dict[str, Any]) -> None:
-    """The pretrain layout, checked before any process starts (the pretrain stage checks the
-    real checkpoint shapes again)."""
-    sec = exp["pretrain"]
-    key = f"experiments.{name}.pretrain"
+    """The layouts of pretraining and full SFT, checked before any process starts (the training
+    engine checks the real checkpoint shapes again)."""
+    for where, sec in (("pretrain", exp["pretrain"]), ("finetune.sft", exp["finetune"]["sft"])):
+        _check_layout(f"experiments.{name}.{where}", sec, exp)
+
+
+def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any]) -> None:
     world, tp, pp, vpp = (sec["world_size"], sec["tensor_parallel_degree"], sec["pipeline_parallel_degree"],
                           sec["virtual_pp_degree"])
     if world % (tp * pp):

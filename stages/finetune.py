@@ -29,9 +29,12 @@ import transformers
 
 from stages.adapters import ADAPTER_METHODS, attach_adapter, count_parameters
 from stages.checkpoint.atomic import atomic_dir
-from stages.checkpoint.hf import copy_tokenizer
+from stages.checkpoint.hf import copy_tokenizer, load_pretrained
 from stages.checkpoint.meta import write_meta
 from stages.data.sft import IGNORE_INDEX, encode_example, read_sft_file
+from stages.training.batches import SftBatches
+from stages.training.engine import init_distributed, parallel_degrees
+from stages.training.engine import train as engine_train
 from stages.training.log import TrainLog
 from stages.training.schedule import build_scheduler
 from stages.training.seed import set_seed
@@ -45,7 +48,7 @@ REQUIRED_KEYS = (
     "warmup_steps", "max_steps", "lr_scheduler_type", "weight_decay", "adam_beta1", "adam_beta2",
     "max_grad_norm", "seed", "logging_steps", "bf16", "src_length", "max_length",
 )
-METHOD_KEYS = {"sft": (), "lora": ("lora_rank", "lora_alpha", "lora_dropout", "target_modules"),
+METHOD_KEYS = {"sft": ("world_size", "sharding", "tensor_parallel_degree", "pipeline_parallel_degree"), "lora": ("lora_rank", "lora_alpha", "lora_dropout", "target_modules"),
                "prefix": ("num_prefix_tokens",)}
 
 Example = tuple[list[int], list[int]]  # (input_ids, labels)
@@ -225,22 +228,69 @@ def save_tokenizer(tokenizer, model_dir: Path, out: Path) -> None:
         tokenizer.save_pretrained(out)
 
 
+@torch.no_grad()
+def _dev_loss_of(model: torch.nn.Module, examples: Sequence[Example], batch_size: int, pad_token_id: int) -> float:
+    """Mean dev-target loss of the project's own model (forward(input_ids) -> logits; right
+    padding never reaches earlier positions under causal attention)."""
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(examples), batch_size):
+        batch = collate(examples[start:start + batch_size], pad_token_id)
+        logits = model(batch["input_ids"])
+        labels = batch["labels"][:, 1:]
+        total += float(F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                                       ignore_index=IGNORE_INDEX, reduction="sum"))
+        count += target_token_count(batch["labels"])
+    return total / max(count, 1)
+
+
+def run_full_sft(model_dir: Path, out_dir: str | Path, config: dict[str, Any], tokenizer,
+                 examples: Sequence[Example], dev: Sequence[Example] | None) -> dict[str, Any]:
+    """Full SFT on the shared training engine (stages.training.engine), in the section's layout:
+    world_size processes = data x tensor x pipeline parallel, DeepSpeed ZeRO from `sharding`.
+    Every layout follows the single-process curve; rank 0 writes an HF model dir."""
+    import torch.distributed as dist
+
+    parallel_degrees(config)  # bad degrees fail before any process group exists
+    init_distributed()
+    model = load_pretrained(model_dir)
+    pad = pad_id(tokenizer)
+    source = SftBatches(list(examples), config["max_length"], pad, config["seed"])
+    metrics = engine_train(model, source, config, out_dir, stage="finetune-sft", tokenizer_dir=model_dir,
+                           parent=model_dir, meta_config=config)
+    metrics.update(trainable_params=metrics["num_parameters"], total_params=metrics["num_parameters"],
+                   train_examples=len(examples), dev_loss=None)
+    if dev is not None and dist.get_rank() == 0:
+        metrics["dev_loss"] = _dev_loss_of(load_pretrained(out_dir), dev, config["per_device_train_batch_size"], pad)
+    return metrics
+
+
 def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str | Path,
         config: dict[str, Any]) -> dict[str, Any]:
     """Fine-tune the model in `model_dir` on `data_dir/sft/train.json` with `method` and the
-    validated `finetune.<method>` section `config`; write `out_dir` atomically; return metrics."""
+    validated `finetune.<method>` section `config`; write `out_dir` atomically; return metrics.
+    Full SFT runs on the distributed training engine (any layout); LoRA and prefix tuning train
+    the peft adapter in one process."""
     check_section(method, config)
     model_dir, data_dir = Path(model_dir), Path(data_dir)
     set_seed(config["seed"])
-    model, tokenizer = load_base(model_dir)
-    pad = pad_id(tokenizer)
     train_path, dev_path = data_dir / "sft" / "train.json", data_dir / "sft" / "dev.json"
     if not train_path.exists():
         raise ValueError(f"--data {data_dir}: {train_path} is missing; run the prepare stage first")
+    if method == "sft":
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        examples = load_examples(train_path, tokenizer, config["src_length"], config["max_length"])
+        dev = (load_examples(dev_path, tokenizer, config["src_length"], config["max_length"])
+               if dev_path.exists() else None)
+        metrics = run_full_sft(model_dir, out_dir, config, tokenizer, examples, dev)
+        log.info("finetune-sft: loss %.4f -> %.4f, dev loss %s", metrics["first_loss"], metrics["final_loss"],
+                 metrics["dev_loss"])
+        return metrics
+    model, tokenizer = load_base(model_dir)
+    pad = pad_id(tokenizer)
     examples = load_examples(train_path, tokenizer, config["src_length"], config["max_length"])
-    if method != "sft":
-        # Seeded above, so the adapter's initial weights (LoRA's A) repeat from run to run.
-        model = attach_adapter(model, method, config)
+    # Seeded above, so the adapter's initial weights (LoRA's A) repeat from run to run.
+    model = attach_adapter(model, method, config)
     trainable, total = count_parameters(model)
     log.info("finetune-%s: %d examples, %d of %d parameters trainable", method, len(examples), trainable, total)
     with atomic_dir(out_dir) as tmp:

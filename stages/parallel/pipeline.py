@@ -234,16 +234,20 @@ class PipelineRunner:
         for m in self.modules:
             m.zero_grad(set_to_none=True)
 
-    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                   normalizer: float | None = None) -> torch.Tensor:
         """Forward and backward of one batch (B, T) over the micro-batches; returns the batch loss
         (detached, a 0-d tensor) on every rank of the pipeline group. Gradients *accumulate* into
         the local parameters' .grad: call zero_grad() (or the optimizer's) before each step.
         Every rank passes the same batch; only the first chunk reads input_ids and only the last
-        reads labels."""
+        reads labels. `normalizer` replaces the default divisor of the summed loss (this batch's
+        learned-token count)."""
         B = input_ids.shape[0]
         if B % self.n_microbatches:
             raise ValueError(f"batch size {B} is not divisible by n_microbatches={self.n_microbatches}")
-        if self._user_loss is None:
+        if self._user_loss is None and normalizer is not None:
+            self._normalizer = float(normalizer)  # e.g. the global batch's count under data parallel
+        elif self._user_loss is None:
             counted = int((labels[:, 1:] != IGNORE_INDEX).sum())
             # all labels ignored: the single-process loss is nan (0/0); keep the gradients finite at 0
             self._normalizer = float(max(counted, 1))

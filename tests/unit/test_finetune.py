@@ -174,3 +174,49 @@ def test_src_length_must_leave_room(tmp_path, debug_model_dir, data_dir):
 def test_missing_data_names_the_file(tmp_path, debug_model_dir):
     with pytest.raises(ValueError, match=r"sft/train.json is missing; run the prepare stage"):
         finetune.run("sft", debug_model_dir, tmp_path, tmp_path / "out", finetune_section("sft"))
+
+
+# Full SFT in every layout follows the single-process engine run: same starting weights, same
+# global batch of 8 padded examples per step, loss = mean over the step's answer tokens.
+SFT_LAYOUTS = {
+    "dp2_sharding_stage1": dict(world_size=2, sharding="stage1", per_device_train_batch_size=4,
+                                gradient_accumulation_steps=1),
+    "tp2": dict(world_size=2, tensor_parallel_degree=2, per_device_train_batch_size=4, gradient_accumulation_steps=2),
+    "pp2_1f1b": dict(world_size=2, pipeline_parallel_degree=2, per_device_train_batch_size=2,
+                     gradient_accumulation_steps=4),
+}
+
+
+def torchrun_sft(nproc: int, model_dir, data_dir, out, **overrides) -> list[float]:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    config = finetune_section("sft", max_steps=6, warmup_steps=1, learning_rate=1e-2, **overrides)
+    root = Path(__file__).resolve().parents[2]
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "stages.finetune", "--method", "sft", "--model", str(model_dir), "--data", str(data_dir),
+           "--out", str(out), "--config", json.dumps(config)]
+    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # an in-process engine run of this session must not leak its world
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return losses(out)
+
+
+@pytest.fixture(scope="module")
+def sft_reference(tmp_path_factory, debug_model_dir, data_dir):
+    out = tmp_path_factory.mktemp("sft_reference") / "out"
+    return torchrun_sft(1, debug_model_dir, data_dir, out, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(SFT_LAYOUTS))
+def test_full_sft_layout_matches_the_single_process_run(name, sft_reference, debug_model_dir, data_dir, tmp_path):
+    curve = torchrun_sft(SFT_LAYOUTS[name]["world_size"], debug_model_dir, data_dir, tmp_path / name,
+                         **SFT_LAYOUTS[name])
+    assert len(curve) == len(sft_reference) == 6
+    assert curve == pytest.approx(sft_reference, rel=1e-5)
+    assert sft_reference[-1] < sft_reference[0]

@@ -16,7 +16,8 @@ import torch
 
 from stages.config import check_config
 from stages.data.corpus import write_token_files
-from stages.pretrain import WindowSampler, deepspeed_config
+from stages.training.batches import SftBatches, WindowSampler
+from stages.training.engine import deepspeed_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,12 +31,26 @@ def test_global_batch_is_the_same_for_any_number_of_ranks():
     tokens = np.arange(10 * 8, dtype=np.uint16)
     sampler = WindowSampler(tokens, seq_len=8, seed=3)
     for step in range(4):  # 4 steps x 4 windows > 10 windows: crosses an epoch boundary
-        one = torch.cat(sampler.micro_batches(step, 4, rank=0, world=1, micro=2))
-        two = torch.cat([b for r in range(2) for b in sampler.micro_batches(step, 4, rank=r, world=2, micro=1)])
+        one = torch.cat([ids for ids, _ in sampler.micro_batches(step, 4, rank=0, world=1, micro=2)])
+        two = torch.cat([ids for r in range(2) for ids, _ in sampler.micro_batches(step, 4, rank=r, world=2, micro=1)])
         torch.testing.assert_close(one, two, rtol=0, atol=0)
-    # each epoch visits every window exactly once
-    first_epoch = torch.cat([torch.cat(sampler.micro_batches(s, 5, 0, 1, 5)) for s in range(2)])
+    # each epoch visits every window exactly once; every token is learned
+    first_epoch = torch.cat([ids for s in range(2) for ids, _ in sampler.micro_batches(s, 5, 0, 1, 5)])
     assert sorted(first_epoch[:, 0].tolist()) == list(range(0, 80, 8))
+    ids, labels = sampler.micro_batches(0, 2, 0, 1, 2)[0]
+    assert torch.equal(ids, labels)
+
+
+def test_sft_batches_pad_to_a_fixed_shape_and_split_globally():
+    examples = [([1, 5, 6, 2], [-100, -100, 6, 2]), ([1, 7, 2], [-100, 7, 2]), ([1, 8, 9, 9, 2], [-100, -100, 9, 9, 2]),
+                ([1, 3, 2], [-100, 3, 2])]
+    source = SftBatches(examples, max_length=6, pad_token_id=0, seed=1)
+    one = source.micro_batches(0, 4, rank=0, world=1, micro=4)[0]
+    two = [b for r in range(2) for b in source.micro_batches(0, 4, rank=r, world=2, micro=2)]
+    assert one[0].shape == (4, 6)
+    torch.testing.assert_close(one[0], torch.cat([b[0] for b in two]), rtol=0, atol=0)
+    torch.testing.assert_close(one[1], torch.cat([b[1] for b in two]), rtol=0, atol=0)
+    assert (one[1][one[0] == 0] == -100).all()  # padding is never learned
 
 
 def test_too_short_corpus_is_rejected_with_the_numbers():

@@ -73,6 +73,11 @@ def corpus_files(wildcards):
     return files
 
 
+def finetune_world_size(wildcards):
+    """Processes of a fine-tuning job: full SFT's world_size; adapters train in one process."""
+    return experiment(wildcards)["finetune"][wildcards.method].get("world_size", 1)
+
+
 def pretrain_world_size(wildcards):
     return experiment(wildcards)["pretrain"]["world_size"]
 

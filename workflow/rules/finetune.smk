@@ -1,4 +1,6 @@
-# Full SFT, LoRA and prefix tuning of the pretrained model on the src/tgt data.
+# Full SFT (on the distributed training engine, any layout of finetune.sft), LoRA and prefix
+# tuning (peft, one process) of the pretrained model on the src/tgt data. Locally torchrun starts
+# the ranks; inside a SLURM job srun does, with `tasks` = world_size.
 rule finetune:
     input:
         model="results/{experiment}/pretrain",
@@ -11,12 +13,17 @@ rule finetune:
         "results/{experiment}/benchmarks/finetune_{method}.tsv"
     params:
         config=finetune_section,
+        nproc=finetune_world_size,
     threads: 1
     resources:
+        nodes=1,
+        tasks=finetune_world_size,
         mem_mb=4000,
         runtime=60,
     conda:
         "../../environment.yml"
     shell:
-        "python -m stages.finetune --method {wildcards.method} --model {input.model} "
+        "if [ -n \"${{SLURM_JOB_ID:-}}\" ]; then launch=\"srun --ntasks {params.nproc} python\"; "
+        "else launch=\"torchrun --standalone --nproc_per_node {params.nproc}\"; fi; "
+        "$launch -m stages.finetune --method {wildcards.method} --model {input.model} "
         "--data {input.data} --out {output} --config {params.config:q} > {log} 2>&1"

@@ -1,0 +1,81 @@
+"""Where training batches come from: fixed-length corpus windows (pretraining) and padded SFT
+examples (full fine-tuning). Both hand each optimizer step the same global batch whatever the
+number of data-parallel ranks, so every layout sees the same tokens.
+
+`micro_batches(step, global_batch, rank, world, micro)` returns this rank's micro-batches of
+step `step` as (input_ids, labels) pairs of int64 (micro, T) tensors; labels are -100 where
+nothing is learned.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from stages.data.sft import IGNORE_INDEX
+
+
+def _epoch_order(start: int, count: int, size: int, seed: int) -> np.ndarray:
+    """Items start..start+count of the endless sequence of seeded permutations of range(size)
+    (epoch e uses seed + e)."""
+    ids, pos = [], start
+    while len(ids) < count:
+        epoch, offset = divmod(pos, size)
+        order = np.random.default_rng(seed + epoch).permutation(size)
+        take = min(count - len(ids), size - offset)
+        ids.extend(order[offset:offset + take])
+        pos += take
+    return np.asarray(ids)
+
+
+def _rank_slice(ids: np.ndarray, rank: int, world: int) -> np.ndarray:
+    per_rank = len(ids) // world
+    return ids[rank * per_rank:(rank + 1) * per_rank]
+
+
+class WindowSampler:
+    """Fixed-length training windows of a token file, in a seeded order, batched globally.
+
+    Window i covers tokens [i*T, (i+1)*T). Optimizer step s consumes the `global_batch` windows
+    order[s*G : (s+1)*G] (epochs reshuffle with seed+epoch); rank r of `world` takes the r-th
+    contiguous slice of them, cut into micro-batches.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int):
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.seed = seed
+        self.num_windows = len(tokens) // seq_len
+        if self.num_windows < 1:
+            raise ValueError(f"the training split has {len(tokens)} tokens, fewer than one window of "
+                             f"pretrain.max_length={seq_len}; lower max_length or add corpus text")
+
+    def micro_batches(self, step: int, global_batch: int, rank: int, world: int,
+                      micro: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches of step `step`; every token is learned (labels = inputs)."""
+        mine = _rank_slice(_epoch_order(step * global_batch, global_batch, self.num_windows, self.seed),
+                           rank, world)
+        T = self.seq_len
+        rows = torch.from_numpy(np.stack([self.tokens[i * T:(i + 1) * T].astype(np.int64) for i in mine]))
+        return [(rows[j:j + micro], rows[j:j + micro]) for j in range(0, len(mine), micro)]
+
+
+class SftBatches:
+    """Encoded SFT examples, each right-padded to `max_length` (a fixed shape, which pipeline
+    stages need), in a seeded order per epoch; labels are -100 on prompts and padding."""
+
+    def __init__(self, examples: list[tuple[list[int], list[int]]], max_length: int, pad_token_id: int, seed: int):
+        if not examples:
+            raise ValueError("no SFT examples to train on")
+        self.ids = torch.full((len(examples), max_length), pad_token_id, dtype=torch.long)
+        self.labels = torch.full((len(examples), max_length), IGNORE_INDEX, dtype=torch.long)
+        for row, (ids, labels) in enumerate(examples):
+            self.ids[row, :len(ids)] = torch.tensor(ids[:max_length])
+            self.labels[row, :len(labels)] = torch.tensor(labels[:max_length])
+        self.seed = seed
+
+    def micro_batches(self, step: int, global_batch: int, rank: int, world: int,
+                      micro: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        mine = torch.from_numpy(_rank_slice(_epoch_order(step * global_batch, global_batch, len(self.ids),
+                                                         self.seed), rank, world))
+        return [(self.ids[mine[j:j + micro]], self.labels[mine[j:j + micro]]) for j in range(0, len(mine), micro)]

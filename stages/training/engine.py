@@ -1,0 +1,342 @@
+"""The distributed training engine shared by pretraining and full fine-tuning.
+
+One process per rank (torchrun locally, srun under SLURM); world_size = data x tensor x pipeline
+parallel degrees. Tensor parallelism shards the built model in place
+(`stages.parallel.apply_tensor_parallel`); pipeline parallelism keeps this rank's chunks and drives
+them with torch.distributed.pipelining (1F1B, or interleaved 1F1B when virtual_pp_degree > 1), the
+step's `gradient_accumulation_steps` being its micro-batches; DeepSpeed ZeRO (`sharding`) shards
+over the data-parallel group, with `mpu=topology`. Every layout starts from the full model's
+weights, sees the same global batch, and the loss of a step is the mean over every learned token
+of that global batch, so all layouts follow the single-process curve.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from stages.checkpoint.atomic import atomic_dir
+from stages.checkpoint.hf import save_pretrained
+from stages.checkpoint.meta import write_meta
+from stages.model import IGNORE_INDEX, LlamaForCausalLM, build_model
+from stages.parallel import ParallelDegrees, Topology, apply_tensor_parallel, gather_full_state_dict
+from stages.parallel.pipeline import PipelineRunner
+from stages.parallel.tensor import vocab_parallel_cross_entropy
+from stages.training.flops import flops_per_token, peak_matmul_flops
+from stages.training.log import TrainLog
+from stages.training.schedule import build_scheduler
+
+log = logging.getLogger(__name__)
+
+ZERO_STAGES = {"none": 0, "stage1": 1, "stage2": 2, "stage3": 3}
+
+
+def deepspeed_config(section: dict[str, Any], data_parallel: int, pipeline: bool = False) -> dict[str, Any]:
+    """The DeepSpeed JSON config for a validated training section over `data_parallel` replicas.
+    With `pipeline`, DeepSpeed sees one batch of micro x accum per step: the pipeline schedule,
+    not DeepSpeed, cuts it into the micro-batches."""
+    micro = section["per_device_train_batch_size"]
+    accum = section["gradient_accumulation_steps"]
+    if pipeline:
+        micro, accum = micro * accum, 1
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "train_batch_size": micro * accum * data_parallel,
+        "gradient_clipping": section["max_grad_norm"],
+        "zero_optimization": {"stage": ZERO_STAGES[section["sharding"]],
+                              **({"offload_optimizer": {"device": "cpu"}} if section["sharding_offload"] else {})},
+        "zero_force_ds_cpu_optimizer": False,  # offload runs our torch AdamW on the CPU copy
+        "zero_allow_untested_optimizer": True,  # torch AdamW runs on CPU; DeepSpeed's fused Adam is CUDA-only
+        "bf16": {"enabled": bool(section["bf16"])},
+        # dynamic loss scaling from 2^16, halved on overflow (the step is skipped), doubled after
+        # 1000 clean steps; DeepSpeed keeps fp32 master weights in the optimizer
+        "fp16": {"enabled": bool(section["fp16"]), "loss_scale": 0, "initial_scale_power": 16},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def parallel_degrees(section: dict[str, Any]) -> ParallelDegrees:
+    """The parallel degrees of a validated training section (data parallel derived)."""
+    return ParallelDegrees(world_size=section["world_size"],
+                           tensor_parallel_degree=section["tensor_parallel_degree"],
+                           pipeline_parallel_degree=section["pipeline_parallel_degree"])
+
+
+def init_distributed() -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:  # one task of `srun`
+        os.environ.update(RANK=os.environ["SLURM_PROCID"], LOCAL_RANK=os.environ["SLURM_LOCALID"],
+                          WORLD_SIZE=os.environ["SLURM_NTASKS"], MASTER_ADDR=_slurm_master(),
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+    if "RANK" not in os.environ:  # a plain `python -m stages.<verb>`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _peak_flops(section: dict[str, Any], device: torch.device, world: int) -> float:
+    """Matmul FLOP/s of all devices of the run, measured now in the training dtype: on GPU each rank
+    has a device; on CPU the ranks of a node share its cores, so a node counts once."""
+    dtype = torch.bfloat16 if section["bf16"] else torch.float16 if section["fp16"] else torch.float32
+    per_device = peak_matmul_flops(dtype, device)
+    if torch.device(device).type == "cuda":
+        return per_device * world
+    return per_device * max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+
+def _slurm_master() -> str:
+    """The first host of the SLURM allocation (rank 0 runs there)."""
+    import subprocess
+
+    nodes = os.environ.get("SLURM_JOB_NODELIST", "")
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True,
+                             timeout=30, check=True)
+        return out.stdout.split()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return nodes.split(",")[0] or "127.0.0.1"
+
+
+class PipelineModules(torch.nn.Module):
+    """This rank's pipeline chunks as one module for DeepSpeed; parameter names stay those of the
+    single-device model (the chunks hold `model.layers.<i>` under their own names)."""
+
+    def __init__(self, chunks: list[torch.nn.Module]):
+        super().__init__()
+        self.chunks = torch.nn.ModuleList(chunks)
+
+    def full_names(self) -> dict[str, str]:
+        """Local parameter/buffer name -> single-device name (drops the `chunks.<k>.` prefix)."""
+        return {k: k.split(".", 2)[2] for k in self.state_dict()}
+
+
+def gather_full_state(engine, topology: Topology, zero_stage: int, runner) -> dict[str, torch.Tensor] | None:
+    """The single-device fp32 state dict on global rank 0 (None elsewhere): ZeRO-3 shards are
+    gathered, TP slices merged along `partition_dim`, pipeline stages collected. Collective."""
+    import deepspeed
+    import torch.distributed as dist
+
+    module = engine.module
+    params = list(module.parameters())
+    ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero_stage == 3 else nullcontext()
+    with ctx:
+        if topology.degrees.tensor_parallel_degree > 1:
+            state = gather_full_state_dict(module, topology.tp_group)
+        else:
+            state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    state = {k: v.float().cpu() for k, v in state.items()}
+    if runner is not None:
+        names = module.full_names()
+        state = {names[k]: v for k, v in state.items()}
+    if topology.degrees.pipeline_parallel_degree == 1:
+        return state if dist.get_rank() == 0 else None
+    # One copy per pipeline stage: the first data-parallel, first tensor-parallel rank of each.
+    coords = topology.coordinates
+    holder = coords["tensor"] == 0 and coords["data"] == 0 and coords["sharding"] == 0
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, state if holder else None)
+    if dist.get_rank() != 0:
+        return None
+    full: dict[str, torch.Tensor] = {}
+    for part in parts:
+        if part:
+            full.update(part)
+    return full
+
+
+def _token_sum_loss(engine, ids: torch.Tensor, labels: torch.Tensor, tp_group) -> torch.Tensor:
+    """Summed next-token cross-entropy over labels != -100 (logits split over the vocabulary when
+    `tp_group` is given, i.e. tensor_parallel_output)."""
+    logits = engine(ids)  # (B, T, V) or (B, T, V/tp)
+    shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+    shift_labels = labels[:, 1:].reshape(-1)
+    if tp_group is None:
+        return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    per_token = vocab_parallel_cross_entropy(shift_logits, shift_labels, tp_group, ignore_index=IGNORE_INDEX)
+    return per_token.sum()
+
+
+def train_step(engine, runner: PipelineRunner | None, batches: list[tuple[torch.Tensor, torch.Tensor]],
+               num_tokens: int, dp: int, clip: Callable[[torch.nn.Module], float] | None,
+               tp_group=None) -> tuple[torch.Tensor, float | None]:
+    """One optimizer step over this rank's micro-batches; returns (this rank's share of the step
+    loss, grad norm or None). `num_tokens` counts the learned tokens of the whole global batch:
+    the step loss is their mean, and the shares of the data-parallel ranks add up to it.
+
+    DeepSpeed divides gradients by gradient_accumulation_steps (engine.backward) and by dp (its
+    data-parallel average), so each micro-batch's summed loss is scaled by accum x dp / num_tokens.
+    With a pipeline the schedule runs the micro-batches (normalised by num_tokens / dp) and
+    DeepSpeed's reduction and step are called explicitly. `clip`, when given, clips and measures
+    the gradients just before the update (ZeRO off).
+    """
+    if runner is not None:
+        ids = torch.cat([b[0] for b in batches]).to(engine.device)
+        labels = torch.cat([b[1] for b in batches]).to(engine.device)
+        engine.zero_grad()
+        share = runner.train_step(ids, labels, normalizer=num_tokens / dp).cpu() / dp
+        engine.allreduce_gradients()  # the schedule ran backward, not engine.backward
+        grad_norm = clip(engine.module) if clip else None
+        engine.step()
+        return share, grad_norm
+    share, grad_norm, accum = torch.zeros(()), None, len(batches)
+    for i, (ids, labels) in enumerate(batches):
+        loss_sum = _token_sum_loss(engine, ids.to(engine.device), labels.to(engine.device), tp_group)
+        engine.backward(loss_sum * (accum * dp / num_tokens))
+        if clip and i == accum - 1:
+            grad_norm = clip(engine.module)
+        engine.step()  # DeepSpeed applies the optimizer only at the accumulation boundary
+        share += loss_sum.detach().float().cpu() / num_tokens
+    return share, grad_norm
+
+
+def learned_tokens(batches: list[tuple[torch.Tensor, torch.Tensor]], dp_group) -> int:
+    """Learned (next-token) positions in the global batch: this rank's count summed over dp."""
+    import torch.distributed as dist
+
+    count = torch.tensor(sum(int((labels[:, 1:] != IGNORE_INDEX).sum()) for _, labels in batches))
+    dist.all_reduce(count, group=dp_group)
+    return max(int(count), 1)
+
+
+def train(model: LlamaForCausalLM, source, section: dict[str, Any], out_dir: str | Path, *, stage: str,
+          tokenizer_dir: str | Path | None, parent: str | Path, meta_config: dict[str, Any],
+          num_parameters: int | None = None) -> dict[str, Any]:
+    """Train `model` (the full model, identical on every rank) for `section['max_steps']` steps on
+    `source` (a `stages.training.batches` sampler) in the section's layout; rank 0 writes the
+    single-device HF checkpoint, tokenizer, train_log.csv and meta.json into `out_dir`.
+    Returns the metrics (on every rank). Call after `init_distributed()`."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    out_dir = Path(out_dir)
+    degrees = parallel_degrees(section)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != degrees.world_size:
+        raise ValueError(f"world_size={degrees.world_size} but {world} processes were launched; launch "
+                         "with torchrun --nproc_per_node equal to world_size")
+    topology = Topology(degrees)
+    dp, dp_rank = topology.get_data_parallel_world_size(), topology.get_data_parallel_rank()
+    tp, pp = degrees.tensor_parallel_degree, degrees.pipeline_parallel_degree
+    degrees.validate_for_model(model.config)
+    config = model.config
+    model.gradient_checkpointing = bool(section["recompute"])
+    n_params = num_parameters or sum(p.numel() for p in model.parameters())
+    if tp > 1:
+        apply_tensor_parallel(model, topology, tensor_parallel_output=section["tensor_parallel_output"])
+    tp_output_group = topology.tp_group if tp > 1 and section["tensor_parallel_output"] else None
+    if section["torch_compile"]:
+        # In place, layer by layer, so parameter names stay those of the single-device model;
+        # the collectives inside tensor-parallel layers become graph breaks.
+        for layer in model.model.layers.values():
+            layer.compile()
+    micro, accum = section["per_device_train_batch_size"], section["gradient_accumulation_steps"]
+    runner = None
+    if pp > 1:
+        runner = PipelineRunner(model, pp, section["virtual_pp_degree"], n_microbatches=accum,
+                                pp_group=topology.group("pipeline"))
+        module = PipelineModules(runner.modules)
+    else:
+        module = model
+    del model  # the pipeline keeps only this rank's chunks
+
+    optimizer = torch.optim.AdamW(module.parameters(), lr=section["learning_rate"],
+                                  betas=(section["adam_beta1"], section["adam_beta2"]),
+                                  weight_decay=section["weight_decay"], eps=1e-8)
+    scheduler = build_scheduler(optimizer, section)
+    ds_config = deepspeed_config(section, dp, pipeline=runner is not None)
+    # Without ZeRO, DeepSpeed clips but does not keep the norm: clip here (same maths, with the
+    # topology's model-parallel reduction) so train_log.csv has grad_norm for every layout.
+    clip = None
+    if ZERO_STAGES[section["sharding"]] == 0:
+        ds_config["gradient_clipping"] = 0.0
+        max_norm = section["max_grad_norm"] or float("inf")
+
+        def clip_and_measure(m: torch.nn.Module) -> float:
+            return float(clip_grad_norm_(list(m.parameters()), max_norm, mpu=topology))
+
+        clip = clip_and_measure
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=topology)
+
+    global_batch = micro * accum * dp
+    seq_len = section["max_length"]
+    staging = out_dir.parent / f".{out_dir.name}.log"  # rank 0's live log, moved into the artifact
+    staging.mkdir(parents=True, exist_ok=True)
+    fpt = flops_per_token(config, seq_len)["total"]
+    peak = _peak_flops(section, engine.device, world) if rank == 0 else None
+    dist.barrier()  # the peak was measured while the other ranks waited
+    train_log = TrainLog(staging / "train_log.csv", section["max_steps"], enabled=rank == 0, desc=stage,
+                         flops_per_token=fpt, peak_flops=peak)
+    losses: list[float] = []
+    engine.train()
+    since_log = 0
+    dp_group = topology.get_data_parallel_group()
+    for step in range(section["max_steps"]):
+        lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
+        batches = source.micro_batches(step, global_batch, dp_rank, dp, micro)
+        num_tokens = learned_tokens(batches, dp_group)
+        step_loss, grad_norm = train_step(engine, runner, batches, num_tokens, dp, clip, tp_output_group)
+        if dp > 1:  # the ranks' shares add up to the step loss
+            dist.all_reduce(step_loss, group=dp_group)
+        losses.append(step_loss.item())
+        since_log += global_batch * seq_len
+        train_log.advance()
+        if (step + 1) % section["logging_steps"] == 0 or step + 1 == section["max_steps"]:
+            if grad_norm is None:
+                grad_norm = engine.get_global_grad_norm()
+            train_log.log(step + 1, losses[-1], lr, None if grad_norm is None else float(grad_norm), since_log)
+            since_log = 0
+    train_log.close()
+
+    zero_stage = ZERO_STAGES[section["sharding"]]
+    state = gather_full_state(engine, topology, zero_stage, runner)
+    rows = train_log.rows
+    metrics = {
+        "first_loss": losses[0], "final_loss": losses[-1],
+        "final_loss_mean_last10": float(np.mean(losses[-10:])),
+        "steps": section["max_steps"], "num_parameters": n_params, "world_size": world,
+        "data_parallel_degree": dp, "tensor_parallel_degree": tp, "pipeline_parallel_degree": pp,
+        "zero_stage": zero_stage, "tokens_seen": global_batch * seq_len * section["max_steps"],
+        "tokens_per_s": float(np.median([float(r["tokens_per_s"]) for r in rows[1:] or rows])) if rows else None,
+        "mfu": float(np.median([float(r["mfu"]) for r in rows[1:] or rows])) if rows and peak else None,
+        "flops_per_token": fpt, "peak_flops": peak,
+        "skipped_steps": int(getattr(engine, "skipped_steps", 0)),  # fp16 overflow: update skipped
+    }
+    if rank == 0:
+        final = build_model(config, device="meta")
+        if config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        final.load_state_dict(state, assign=True, strict=not config.tie_word_embeddings)
+        if config.tie_word_embeddings:
+            final.lm_head.weight = final.model.embed_tokens.weight
+        with atomic_dir(out_dir) as tmp:
+            save_pretrained(final, tmp, tokenizer_dir=tokenizer_dir)
+            os.replace(staging / "train_log.csv", tmp / "train_log.csv")
+            write_meta(tmp, stage=stage, config=meta_config, parent=parent, seed=section["seed"], metrics=metrics)
+        staging.rmdir()
+        log.info("%s: wrote %s (final loss %.4f)", stage, out_dir, losses[-1])
+    dist.barrier()
+    return metrics

@@ -61,17 +61,20 @@ class WindowSampler:
 
 
 class SftBatches:
-    """Encoded SFT examples, each right-padded to `max_length` (a fixed shape, which pipeline
-    stages need), in a seeded order per epoch; labels are -100 on prompts and padding."""
+    """Encoded SFT examples, right-padded to one fixed length (pipeline stages need a fixed shape):
+    the longest example, at most `max_length`; in a seeded order per epoch; labels are -100 on
+    prompts and padding. Padding after a sequence never changes its loss under causal attention."""
 
     def __init__(self, examples: list[tuple[list[int], list[int]]], max_length: int, pad_token_id: int, seed: int):
         if not examples:
             raise ValueError("no SFT examples to train on")
-        self.ids = torch.full((len(examples), max_length), pad_token_id, dtype=torch.long)
-        self.labels = torch.full((len(examples), max_length), IGNORE_INDEX, dtype=torch.long)
+        width = min(max_length, max(len(ids) for ids, _ in examples))
+        self.seq_len = width  # tokens per row, padding included
+        self.ids = torch.full((len(examples), width), pad_token_id, dtype=torch.long)
+        self.labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
         for row, (ids, labels) in enumerate(examples):
-            self.ids[row, :len(ids)] = torch.tensor(ids[:max_length])
-            self.labels[row, :len(labels)] = torch.tensor(labels[:max_length])
+            self.ids[row, :len(ids)] = torch.tensor(ids[:width])
+            self.labels[row, :len(labels)] = torch.tensor(labels[:width])
         self.seed = seed
 
     def micro_batches(self, step: int, global_batch: int, rank: int, world: int,

@@ -224,8 +224,8 @@ def train(model: LlamaForCausalLM, source, section: dict[str, Any], out_dir: str
           tokenizer_dir: str | Path | None, parent: str | Path, meta_config: dict[str, Any],
           num_parameters: int | None = None) -> dict[str, Any]:
     """Train `model` (the full model, identical on every rank) for `section['max_steps']` steps on
-    `source` (a `stages.training.batches` sampler) in the section's layout; rank 0 writes the
-    single-device HF checkpoint, tokenizer, train_log.csv and meta.json into `out_dir`.
+    `source` (a `stages.training.batches` sampler: `seq_len`, `micro_batches`) in the section's
+    layout; rank 0 writes the single-device HF checkpoint, tokenizer, train_log.csv and meta.json into `out_dir`.
     Returns the metrics (on every rank). Call after `init_distributed()`."""
     import deepspeed
     import torch.distributed as dist
@@ -282,7 +282,7 @@ def train(model: LlamaForCausalLM, source, section: dict[str, Any], out_dir: str
         model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=topology)
 
     global_batch = micro * accum * dp
-    seq_len = section["max_length"]
+    seq_len = source.seq_len
     staging = out_dir.parent / f".{out_dir.name}.log"  # rank 0's live log, moved into the artifact
     staging.mkdir(parents=True, exist_ok=True)
     fpt = flops_per_token(config, seq_len)["total"]

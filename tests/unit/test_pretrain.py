@@ -44,10 +44,10 @@ def test_global_batch_is_the_same_for_any_number_of_ranks():
 def test_sft_batches_pad_to_a_fixed_shape_and_split_globally():
     examples = [([1, 5, 6, 2], [-100, -100, 6, 2]), ([1, 7, 2], [-100, 7, 2]), ([1, 8, 9, 9, 2], [-100, -100, 9, 9, 2]),
                 ([1, 3, 2], [-100, 3, 2])]
-    source = SftBatches(examples, max_length=6, pad_token_id=0, seed=1)
+    source = SftBatches(examples, max_length=8, pad_token_id=0, seed=1)
     one = source.micro_batches(0, 4, rank=0, world=1, micro=4)[0]
     two = [b for r in range(2) for b in source.micro_batches(0, 4, rank=r, world=2, micro=2)]
-    assert one[0].shape == (4, 6)
+    assert one[0].shape == (4, 5)  # the longest example, below max_length
     torch.testing.assert_close(one[0], torch.cat([b[0] for b in two]), rtol=0, atol=0)
     torch.testing.assert_close(one[1], torch.cat([b[1] for b in two]), rtol=0, atol=0)
     assert (one[1][one[0] == 0] == -100).all()  # padding is never learned

@@ -43,7 +43,8 @@ from stages.config import check_config  # noqa: E402
 from stages.training.flops import flops_per_token, peak_matmul_flops  # noqa: E402
 from stages.model import build_model, config_for_flavour  # noqa: E402
 from stages.model.config import LlamaConfig  # noqa: E402
-from stages.training.engine import deepspeed_config  # noqa: E402
+from stages.training.engine import deepspeed_config, init_distributed  # noqa: E402
+from stages.training.engine import train_step as engine_train_step  # noqa: E402
 from stages.training.schedule import build_scheduler  # noqa: E402
 
 DEFAULT_OUT = ROOT / "bench" / "out" / "train_throughput.json"
@@ -119,6 +120,44 @@ class OurStep:
         elapsed = time.perf_counter() - t0
         self.count += 1
         self.losses.append(loss.item())
+        return elapsed
+
+
+class EngineStep:
+    """The pretrain stage's own step (`stages.training.engine.train_step`): a DeepSpeed engine in a
+    world of one (ZeRO off), DeepSpeed bf16 (bf16 weights, fp32 master copy in the optimizer),
+    DeepSpeed's gradient clipping, and `torch_compile` as the stage applies it (each decoder layer
+    compiled in place). Same `step()` interface as OurStep."""
+
+    def __init__(self, config: LlamaConfig, state: dict[str, torch.Tensor], data: torch.Tensor,
+                 section: dict[str, Any], compile_layers: bool):
+        import deepspeed
+
+        init_distributed()
+        model = build_model(config)
+        model.load_state_dict(state)
+        if compile_layers:
+            for layer in model.model.layers.values():
+                layer.compile()
+        optimizer = adamw(model.parameters(), section)
+        scheduler = build_scheduler(optimizer, section)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=deepspeed_config({**section, "sharding": "none"}, 1))
+        self.engine.train()
+        self.data, self.section = data, section
+        self.count = 0
+        self.losses: list[float] = []
+
+    def step(self) -> float:
+        B = self.section["per_device_train_batch_size"]
+        start = (self.count * B) % len(self.data)
+        batch = self.data[start:start + B]
+        t0 = time.perf_counter()
+        loss, _ = engine_train_step(self.engine, None, [(batch, batch)], num_tokens=batch[:, 1:].numel(), dp=1,
+                                    clip=None)
+        elapsed = time.perf_counter() - t0
+        self.count += 1
+        self.losses.append(float(loss))
         return elapsed
 
 
@@ -366,6 +405,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     peaks = [peak_bf16_matmul_flops()]
     ours_runs = {"ours (compile)": True, "ours (eager)": False} if args.compile else {"ours (eager)": False}
     steppers = {name: OurStep(config, state, data, section, c) for name, c in ours_runs.items()}
+    stage_name = f"stage step{' (compile)' if args.compile else ''}"
+    steppers[stage_name] = EngineStep(config, state, data, section, args.compile)
     warm = {}
     for name, stepper in steppers.items():  # warm up (and compile) before the paired steps
         times = [stepper.step() for _ in range(args.warmup_steps)]
@@ -389,6 +430,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     hf = runs["hf trainer (eager)"]
     ratios = {"ours/hf (tokens/s)": ours["tokens_per_s"] / hf["tokens_per_s"],
               "ours/hf (min step time)": hf["min_step_s"] / ours["min_step_s"]}
+    ratios["stage step/hf (tokens/s)"] = runs[stage_name]["tokens_per_s"] / hf["tokens_per_s"]
     if args.compile:
         ratios["ours eager/hf eager"] = runs["ours (eager)"]["tokens_per_s"] / runs["hf trainer (eager)"]["tokens_per_s"]
     if args.hf_compile:

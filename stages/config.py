@@ -145,9 +145,9 @@ def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any]) -> None:
                           "DeepSpeed; use sharding: stage1 (or none) with pipeline parallelism")
     if sec["bf16"] and sec["fp16"]:
         raise ConfigError(f"{key}: bf16 and fp16 are both true; choose one mixed-precision mode")
-    if pp > 1 and (sec["bf16"] or sec["fp16"]):
-        raise ConfigError(f"{key}: bf16/fp16 with pipeline_parallel_degree={pp} is not supported yet (the "
-                          "pipeline stages exchange fp32 activations); train the pipeline in fp32")
+    if pp > 1 and sec["fp16"]:
+        raise ConfigError(f"{key}: fp16 with pipeline_parallel_degree={pp}: fp16's loss scaling lives in "
+                          "DeepSpeed's backward, which the pipeline schedule bypasses; use bf16 or fp32")
     if sec["sharding_offload"] and sec["sharding"] == "none":
         raise ConfigError(f"{key}: sharding_offload needs a ZeRO stage (sharding: stage1, stage2 or stage3)")
     if vpp > 1 and pp == 1:

@@ -73,6 +73,8 @@ def test_int4_group_size_must_tile_the_flavour_widths():
     ({"world_size": 2, "pipeline_parallel_degree": 2, "gradient_accumulation_steps": 1},
      r"gradient_accumulation_steps=1 \(the pipeline's micro-batches\) must be >= pipeline_parallel_degree=2"),
     ({"virtual_pp_degree": 2}, r"virtual_pp_degree=2 needs pipeline_parallel_degree > 1"),
+    ({"world_size": 2, "pipeline_parallel_degree": 2, "gradient_accumulation_steps": 2, "fp16": True},
+     r"fp16 with pipeline_parallel_degree=2: fp16's loss scaling lives in DeepSpeed's backward"),
 ])
 def test_parallel_layouts_are_checked_before_any_process_starts(pretrain, message):
     config = {"experiments": {"x": {"model": {"flavour": "debug"}, "pretrain": pretrain}}}

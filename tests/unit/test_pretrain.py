@@ -153,6 +153,8 @@ MIXED_PRECISION = {
                                      gradient_accumulation_steps=2)),
     "bf16_tp2": (2, dict(sharding="none", bf16=True, tensor_parallel_degree=2, per_device_train_batch_size=2,
                          gradient_accumulation_steps=4)),
+    "bf16_pp2_1f1b": (2, dict(sharding="stage1", bf16=True, pipeline_parallel_degree=2, per_device_train_batch_size=2,
+                              gradient_accumulation_steps=4)),
 }
 
 

@@ -28,9 +28,6 @@ from stages.training.batches import WindowSampler
 from stages.training.engine import init_distributed, parallel_degrees, train
 from stages.training.seed import set_seed
 
-log = logging.getLogger("stages.pretrain")
-
-
 def _build_config(model_section: dict[str, Any], index: dict[str, Any]) -> LlamaConfig:
     if model_section.get("model_name_or_path"):
         return load_config(model_section["model_name_or_path"])

@@ -68,21 +68,14 @@ def _parallel_module(module: nn.Module, style: str, group, tensor_parallel_outpu
     raise ValueError(f"tensor-parallel style {style!r} is unknown; choose one of {COLUMN, ROW, VOCAB, OUTPUT}")
 
 
-def _reject_labels(module, args, kwargs):
-    if kwargs.get("labels") is not None or len(args) > 1:
-        raise ValueError("this model was parallelised with tensor_parallel_output=True, so its logits are "
-                         "split along the vocabulary: call model(input_ids) and compute the loss with "
-                         "stages.parallel.tensor.vocab_parallel_causal_lm_loss(logits, labels, group)")
-
-
 def apply_tensor_parallel(model: nn.Module, topology_or_group, tensor_parallel_output: bool = False,
                           plan: dict[str, str] | None = None) -> nn.Module:
     """Shard `model` (built with its full weights) over the tensor-parallel group, in place.
 
     Each planned module is replaced by its parallel counterpart holding this rank's slice of the
     full weights; names are unchanged. With `tensor_parallel_output` the logits stay split along
-    the vocabulary (use `vocab_parallel_causal_lm_loss`); otherwise they are gathered and the
-    model's own loss applies. Tied embeddings stay tied (both are split by vocabulary rows).
+    the vocabulary and the model's `loss_function` becomes the vocab-parallel loss; otherwise
+    the logits are gathered and the model's own loss applies. Tied embeddings stay tied (both are split by vocabulary rows).
     Returns the model.
     """
     group = topology_or_group.tp_group if isinstance(topology_or_group, Topology) else topology_or_group
@@ -110,10 +103,8 @@ def apply_tensor_parallel(model: nn.Module, topology_or_group, tensor_parallel_o
 
     model.tensor_parallel_degree = tp
     if tensor_parallel_output and tp > 1:
-        if hasattr(model, "loss_function"):
-            model.loss_function = functools.partial(_causal_lm_loss_with_group, group=group)
-        else:
-            model.register_forward_pre_hook(_reject_labels, with_kwargs=True)
+        # the model's forward(input_ids, labels) then returns the vocab-parallel loss
+        model.loss_function = functools.partial(_causal_lm_loss_with_group, group=group)
     return model
 
 

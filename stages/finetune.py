@@ -244,11 +244,23 @@ def _dev_loss_of(model: torch.nn.Module, examples: Sequence[Example], batch_size
     return total / max(count, 1)
 
 
+def model_identity(model_dir: Path) -> dict[str, str]:
+    """Content hashes of a base model: its checkpoint index (which holds every weight file's sha256)
+    when a training stage wrote it, else the weight files themselves."""
+    from stages.training.checkpointing import file_digest
+
+    files = [model_dir / "checkpoint_index.json"] if (model_dir / "checkpoint_index.json").exists() else \
+        sorted(model_dir.glob("*.safetensors"))
+    return {f.name: file_digest(f) for f in [model_dir / "config.json", *files]}
+
+
 def run_full_sft(model_dir: Path, out_dir: str | Path, config: dict[str, Any], tokenizer,
-                 examples: Sequence[Example], dev: Sequence[Example] | None) -> dict[str, Any]:
+                 examples: Sequence[Example], dev: Sequence[Example] | None, train_path: Path | None = None,
+                 checkpoint_dir: str | Path | None = None) -> dict[str, Any]:
     """Full SFT on the shared training engine (stages.training.engine), in the section's layout:
     world_size processes = data x tensor x pipeline parallel, DeepSpeed ZeRO from `sharding`.
-    Every layout follows the single-process curve; rank 0 writes an HF model dir."""
+    Every layout follows the single-process curve; the ranks write an HF model dir. With
+    `checkpoint_dir`, checkpoints every `save_steps` and resumes from the newest complete one."""
     import torch.distributed as dist
 
     parallel_degrees(config)  # bad degrees fail before any process group exists
@@ -256,8 +268,13 @@ def run_full_sft(model_dir: Path, out_dir: str | Path, config: dict[str, Any], t
     model = load_pretrained(model_dir)
     pad = pad_id(tokenizer)
     source = SftBatches(list(examples), config["max_length"], pad, config["seed"])
+    identity = {"base": model_identity(model_dir)}
+    if train_path is not None:
+        from stages.training.checkpointing import file_digest
+
+        identity["train"] = file_digest(train_path)
     metrics = engine_train(model, source, config, out_dir, stage="finetune-sft", tokenizer_dir=model_dir,
-                           parent=model_dir, meta_config=config)
+                           parent=model_dir, meta_config=config, checkpoint_dir=checkpoint_dir, identity=identity)
     metrics.update(trainable_params=metrics["num_parameters"], total_params=metrics["num_parameters"],
                    train_examples=len(examples), dev_loss=None)
     if dev is not None and dist.get_rank() == 0:
@@ -266,7 +283,7 @@ def run_full_sft(model_dir: Path, out_dir: str | Path, config: dict[str, Any], t
 
 
 def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str | Path,
-        config: dict[str, Any]) -> dict[str, Any]:
+        config: dict[str, Any], checkpoint_dir: str | Path | None = None) -> dict[str, Any]:
     """Fine-tune the model in `model_dir` on `data_dir/sft/train.json` with `method` and the
     validated `finetune.<method>` section `config`; write `out_dir` atomically; return metrics.
     Full SFT runs on the distributed training engine (any layout); LoRA and prefix tuning train
@@ -282,7 +299,7 @@ def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str |
         examples = load_examples(train_path, tokenizer, config["src_length"], config["max_length"])
         dev = (load_examples(dev_path, tokenizer, config["src_length"], config["max_length"])
                if dev_path.exists() else None)
-        metrics = run_full_sft(model_dir, out_dir, config, tokenizer, examples, dev)
+        metrics = run_full_sft(model_dir, out_dir, config, tokenizer, examples, dev, train_path, checkpoint_dir)
         log.info("finetune-sft: loss %.4f -> %.4f, dev loss %s", metrics["first_loss"], metrics["final_loss"],
                  metrics["dev_loss"])
         return metrics
@@ -327,6 +344,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory, written atomically")
     parser.add_argument("--config", required=True, metavar="JSON",
                         help="the finetune.<method> config section as a JSON object, defaults filled")
+    parser.add_argument("--checkpoints", metavar="DIR",
+                        help="full SFT: working directory of checkpoints, resumed from on a rerun")
     args = parser.parse_args(argv)
     try:
         config = json.loads(args.config)
@@ -336,7 +355,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--config must be a JSON object (the finetune.{args.method} section), "
                      f"got {type(config).__name__}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run(args.method, args.model, args.data, args.out, config)
+    return run(args.method, args.model, args.data, args.out, config, args.checkpoints)
 
 
 if __name__ == "__main__":

@@ -49,11 +49,31 @@ def _build(model_section: dict[str, Any], vocab_size: int, index: dict[str, Any]
     return build_model(_build_config(model_section, index), seed=seed)
 
 
+def sharded_output(section: dict[str, Any]) -> bool:
+    """Whether the run writes tensor/pipeline-parallel slices (for `merge_tp`) instead of the HF layout."""
+    return not section["unified_checkpoint"] and (section["tensor_parallel_degree"] > 1
+                                                  or section["pipeline_parallel_degree"] > 1)
+
+
+def data_identity(data_dir: Path, model_section: dict[str, Any]) -> dict[str, Any]:
+    """What the checkpoints of a run depend on besides its config: the token files (index and
+    document offsets hashed, the token file's size) and a starting checkpoint's files."""
+    from stages.training.checkpointing import file_digest
+
+    identity = {"index": file_digest(data_dir / "index.json"), "train_idx": file_digest(data_dir / "train.idx"),
+                "train_bytes": (data_dir / "train.bin").stat().st_size}
+    source = model_section.get("model_name_or_path")
+    if source:
+        identity["init"] = {f.name: f.stat().st_size for f in sorted(Path(source).glob("*.safetensors"))}
+    return identity
+
+
 def run(data_dir: str | Path, out_dir: str | Path, model_section: dict[str, Any],
-        section: dict[str, Any]) -> dict[str, Any]:
+        section: dict[str, Any], checkpoint_dir: str | Path | None = None) -> dict[str, Any]:
     """Train for `section['max_steps']` optimizer steps in the section's layout
-    (`stages.training.engine`); rank 0 writes the HF checkpoint, the tokenizer, train_log.csv and
-    meta.json into `out_dir`. Returns the metrics (on every rank)."""
+    (`stages.training.engine`), checkpointing into `checkpoint_dir` and resuming from it; write the
+    HF checkpoint (or, with unified_checkpoint off and tp/pp > 1, the slices for merge_tp), the
+    tokenizer, train_log.csv and meta.json into `out_dir`. Returns the metrics (on every rank)."""
     data_dir = Path(data_dir)
     set_seed(section["seed"])
     index = json.loads((data_dir / "index.json").read_text())
@@ -63,18 +83,22 @@ def run(data_dir: str | Path, out_dir: str | Path, model_section: dict[str, Any]
     model = _build(model_section, index["vocab_size"], index, section["seed"])
     source = WindowSampler(tokens, section["max_length"], section["seed"])
     return train(model, source, section, out_dir, stage="pretrain", tokenizer_dir=data_dir / "tokenizer",
-                 parent=data_dir, meta_config={"model": model_section, "pretrain": section})
+                 parent=data_dir, meta_config={"model": model_section, "pretrain": section},
+                 checkpoint_dir=checkpoint_dir, identity=data_identity(data_dir, model_section),
+                 sharded_output=sharded_output(section))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stages.pretrain", description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", required=True, help="prepare's output directory (tokenizer + token files)")
     parser.add_argument("--out", required=True, help="output directory of the HF-layout checkpoint")
+    parser.add_argument("--checkpoints", help="working directory of the run's checkpoints (resumed from when "
+                        "it holds a complete one of the same recipe); none: no checkpoints")
     parser.add_argument("--model-config", required=True, help="the experiment's validated `model` section as JSON")
     parser.add_argument("--config", required=True, help="the experiment's validated `pretrain` section as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run(args.data, args.out, json.loads(args.model_config), json.loads(args.config))
+    run(args.data, args.out, json.loads(args.model_config), json.loads(args.config), args.checkpoints)
     return 0
 
 

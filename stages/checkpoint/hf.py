@@ -82,15 +82,20 @@ def save_pretrained(
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     save_state_dict(state, out_dir)
+    save_config(config, out_dir, dtype)
+    if tokenizer_dir is not None:
+        copy_tokenizer(tokenizer_dir, out_dir)
+
+
+def save_config(config: LlamaConfig, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> None:
+    """config.json (HF names, `torch_dtype` of the stored weights) and generation_config.json."""
     hf = config.to_hf_dict()
     hf["torch_dtype"] = str(dtype).removeprefix("torch.")
-    write_json(out_dir / "config.json", hf)
-    write_json(out_dir / "generation_config.json", {
+    write_json(Path(out_dir) / "config.json", hf)
+    write_json(Path(out_dir) / "generation_config.json", {
         "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
         "pad_token_id": config.pad_token_id, "do_sample": False,
     })
-    if tokenizer_dir is not None:
-        copy_tokenizer(tokenizer_dir, out_dir)
 
 
 def copy_tokenizer(src: str | Path, dst: str | Path) -> None:

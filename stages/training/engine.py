@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,15 +21,23 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stages.checkpoint.atomic import atomic_dir
-from stages.checkpoint.hf import save_pretrained
+from stages.checkpoint.hf import copy_tokenizer, save_config
 from stages.checkpoint.meta import write_meta
-from stages.model import IGNORE_INDEX, LlamaForCausalLM, build_model
-from stages.parallel import ParallelDegrees, Topology, apply_tensor_parallel, gather_full_state_dict
+from stages.model import IGNORE_INDEX, LlamaForCausalLM
+from stages.parallel import ParallelDegrees, Topology, apply_tensor_parallel
 from stages.parallel.pipeline import PipelineRunner
 from stages.parallel.tensor import vocab_parallel_cross_entropy
 from stages.training.flops import flops_per_token, peak_matmul_flops
 from stages.training.log import TrainLog
+from stages.training.checkpointing import (
+    Checkpointer,
+    OptimizerAccess,
+    engine_state,
+    load_model_weights,
+    restore_training_state,
+    run_fingerprint,
+    write_final,
+)
 from stages.training.schedule import build_scheduler
 
 log = logging.getLogger(__name__)
@@ -132,40 +139,6 @@ class PipelineModules(torch.nn.Module):
         return {k: k.split(".", 2)[2] for k in self.state_dict()}
 
 
-def gather_full_state(engine, topology: Topology, zero_stage: int, runner) -> dict[str, torch.Tensor] | None:
-    """The single-device fp32 state dict on global rank 0 (None elsewhere): ZeRO-3 shards are
-    gathered, TP slices merged along `partition_dim`, pipeline stages collected. Collective."""
-    import deepspeed
-    import torch.distributed as dist
-
-    module = engine.module
-    params = list(module.parameters())
-    ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None) if zero_stage == 3 else nullcontext()
-    with ctx:
-        if topology.degrees.tensor_parallel_degree > 1:
-            state = gather_full_state_dict(module, topology.tp_group)
-        else:
-            state = {k: v.detach().clone() for k, v in module.state_dict().items()}
-    state = {k: v.float().cpu() for k, v in state.items()}
-    if runner is not None:
-        names = module.full_names()
-        state = {names[k]: v for k, v in state.items()}
-    if topology.degrees.pipeline_parallel_degree == 1:
-        return state if dist.get_rank() == 0 else None
-    # One copy per pipeline stage: the first data-parallel, first tensor-parallel rank of each.
-    coords = topology.coordinates
-    holder = coords["tensor"] == 0 and coords["data"] == 0 and coords["sharding"] == 0
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, state if holder else None)
-    if dist.get_rank() != 0:
-        return None
-    full: dict[str, torch.Tensor] = {}
-    for part in parts:
-        if part:
-            full.update(part)
-    return full
-
-
 def _token_sum_loss(engine, ids: torch.Tensor, labels: torch.Tensor, tp_group) -> torch.Tensor:
     """Summed next-token cross-entropy over labels != -100 (logits split over the vocabulary when
     `tp_group` is given, i.e. tensor_parallel_output)."""
@@ -222,11 +195,19 @@ def learned_tokens(batches: list[tuple[torch.Tensor, torch.Tensor]], dp_group) -
 
 def train(model: LlamaForCausalLM, source, section: dict[str, Any], out_dir: str | Path, *, stage: str,
           tokenizer_dir: str | Path | None, parent: str | Path, meta_config: dict[str, Any],
-          num_parameters: int | None = None) -> dict[str, Any]:
+          num_parameters: int | None = None, checkpoint_dir: str | Path | None = None,
+          identity: dict[str, Any] | None = None, sharded_output: bool = False) -> dict[str, Any]:
     """Train `model` (the full model, identical on every rank) for `section['max_steps']` steps on
     `source` (a `stages.training.batches` sampler: `seq_len`, `micro_batches`) in the section's
-    layout; rank 0 writes the single-device HF checkpoint, tokenizer, train_log.csv and meta.json into `out_dir`.
-    Returns the metrics (on every rank). Call after `init_distributed()`."""
+    layout, and write `out_dir`: the single-device HF checkpoint (each rank writing its share), or
+    with `sharded_output` the tensor/pipeline-parallel slices for `merge_tp`; plus the tokenizer,
+    train_log.csv and meta.json.
+
+    With `checkpoint_dir`, checkpoints go to `checkpoint_dir/<fingerprint>/` every `save_steps`
+    steps, and the run resumes from the newest complete one there (any layout); the fingerprint
+    hashes the recipe (the section without its layout keys, the global batch) and `identity`
+    (what the caller knows of its inputs). Returns the metrics (on every rank). Call after
+    `init_distributed()`."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.runtime.utils import clip_grad_norm_
@@ -242,6 +223,17 @@ def train(model: LlamaForCausalLM, source, section: dict[str, Any], out_dir: str
     tp, pp = degrees.tensor_parallel_degree, degrees.pipeline_parallel_degree
     degrees.validate_for_model(model.config)
     config = model.config
+    micro, accum = section["per_device_train_batch_size"], section["gradient_accumulation_steps"]
+    global_batch = micro * accum * dp
+
+    checkpointer = resume = None
+    if checkpoint_dir is not None:
+        fingerprint = run_fingerprint(section, global_batch, {"model": config.to_hf_dict(), **(identity or {})})
+        checkpointer = Checkpointer(Path(checkpoint_dir) / fingerprint, section, topology)
+        resume = checkpointer.find()
+        if resume is not None:
+            load_model_weights(model, resume)  # before any slicing: every layout starts from whole tensors
+
     model.gradient_checkpointing = bool(section["recompute"])
     n_params = num_parameters or sum(p.numel() for p in model.parameters())
     if tp > 1:
@@ -252,7 +244,6 @@ def train(model: LlamaForCausalLM, source, section: dict[str, Any], out_dir: str
         # the collectives inside tensor-parallel layers become graph breaks.
         for layer in model.model.layers.values():
             layer.compile()
-    micro, accum = section["per_device_train_batch_size"], section["gradient_accumulation_steps"]
     runner = None
     if pp > 1:
         runner = PipelineRunner(model, pp, section["virtual_pp_degree"], n_microbatches=accum,
@@ -261,6 +252,7 @@ def train(model: LlamaForCausalLM, source, section: dict[str, Any], out_dir: str
     else:
         module = model
     del model  # the pipeline keeps only this rank's chunks
+    names = module.full_names() if runner is not None else {}
 
     optimizer = torch.optim.AdamW(module.parameters(), lr=section["learning_rate"],
                                   betas=(section["adam_beta1"], section["adam_beta2"]),
@@ -280,8 +272,17 @@ def train(model: LlamaForCausalLM, source, section: dict[str, Any], out_dir: str
         clip = clip_and_measure
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=topology)
+    access = OptimizerAccess(engine)
 
-    global_batch = micro * accum * dp
+    start_step, losses, rows = 0, [], []
+    if resume is not None:
+        state = restore_training_state(engine, access, names, topology, resume, scheduler)
+        start_step, losses, rows = state["global_step"], state["losses"], state["train_log"]
+        if rank == 0:
+            log.info("%s: resumed at step %d of %d (checkpoint saved with %s)", stage, start_step,
+                     section["max_steps"], state["layout"])
+        resume.close()
+
     seq_len = source.seq_len
     staging = out_dir.parent / f".{out_dir.name}.log"  # rank 0's live log, moved into the artifact
     staging.mkdir(parents=True, exist_ok=True)
@@ -289,12 +290,20 @@ def train(model: LlamaForCausalLM, source, section: dict[str, Any], out_dir: str
     peak = _peak_flops(section, engine.device, world) if rank == 0 else None
     dist.barrier()  # the peak was measured while the other ranks waited
     train_log = TrainLog(staging / "train_log.csv", section["max_steps"], enabled=rank == 0, desc=stage,
-                         flops_per_token=fpt, peak_flops=peak)
-    losses: list[float] = []
+                         flops_per_token=fpt, peak_flops=peak, previous=rows)
+    layout = {"world_size": world, "data_parallel_degree": dp, "tensor_parallel_degree": tp,
+              "pipeline_parallel_degree": pp, "virtual_pp_degree": section["virtual_pp_degree"],
+              "sharding": section["sharding"]}
+
+    def trainer_state(step: int) -> dict[str, Any]:
+        return {"global_step": step, "consumed_samples": step * global_batch, "global_batch_size": global_batch,
+                "max_steps": section["max_steps"], "losses": list(losses), "train_log": list(train_log.rows),
+                "layout": layout, **engine_state(engine, scheduler)}
+
     engine.train()
     since_log = 0
     dp_group = topology.get_data_parallel_group()
-    for step in range(section["max_steps"]):
+    for step in range(start_step, section["max_steps"]):
         lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
         batches = source.micro_batches(step, global_batch, dp_rank, dp, micro)
         num_tokens = learned_tokens(batches, dp_group)
@@ -309,10 +318,15 @@ def train(model: LlamaForCausalLM, source, section: dict[str, Any], out_dir: str
                 grad_norm = engine.get_global_grad_norm()
             train_log.log(step + 1, losses[-1], lr, None if grad_norm is None else float(grad_norm), since_log)
             since_log = 0
+        if checkpointer is not None:
+            checkpointer.poll()
+            if checkpointer.due(step + 1, section["max_steps"]):
+                checkpointer.save(step + 1, engine, access, names, lambda: trainer_state(step + 1))
     train_log.close()
+    if checkpointer is not None:
+        checkpointer.close()
 
     zero_stage = ZERO_STAGES[section["sharding"]]
-    state = gather_full_state(engine, topology, zero_stage, runner)
     rows = train_log.rows
     metrics = {
         "first_loss": losses[0], "final_loss": losses[-1],
@@ -324,18 +338,19 @@ def train(model: LlamaForCausalLM, source, section: dict[str, Any], out_dir: str
         "mfu": float(np.median([float(r["mfu"]) for r in rows[1:] or rows])) if rows and peak else None,
         "flops_per_token": fpt, "peak_flops": peak,
         "skipped_steps": int(getattr(engine, "skipped_steps", 0)),  # fp16 overflow: update skipped
+        "resumed_from_step": start_step or None,
+        "checkpoint_save_stall_s": [round(s, 4) for s in checkpointer.stall_s] if checkpointer else [],
     }
+
+    def extra(tmp: Path) -> None:  # rank 0: everything but the weights
+        save_config(config, tmp)
+        if tokenizer_dir is not None:
+            copy_tokenizer(tokenizer_dir, tmp)
+        os.replace(staging / "train_log.csv", tmp / "train_log.csv")
+        write_meta(tmp, stage=stage, config=meta_config, parent=parent, seed=section["seed"], metrics=metrics)
+
+    write_final(out_dir, engine, access, names, topology, unified=not sharded_output, extra=extra)
     if rank == 0:
-        final = build_model(config, device="meta")
-        if config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        final.load_state_dict(state, assign=True, strict=not config.tie_word_embeddings)
-        if config.tie_word_embeddings:
-            final.lm_head.weight = final.model.embed_tokens.weight
-        with atomic_dir(out_dir) as tmp:
-            save_pretrained(final, tmp, tokenizer_dir=tokenizer_dir)
-            os.replace(staging / "train_log.csv", tmp / "train_log.csv")
-            write_meta(tmp, stage=stage, config=meta_config, parent=parent, seed=section["seed"], metrics=metrics)
         staging.rmdir()
         log.info("%s: wrote %s (final loss %.4f)", stage, out_dir, losses[-1])
     dist.barrier()

@@ -20,19 +20,24 @@ class TrainLog:
     """Append one row per logged step; `enabled=False` (non-zero ranks) makes every call a no-op."""
 
     def __init__(self, path: str | Path, max_steps: int, enabled: bool = True, desc: str = "train",
-                 flops_per_token: float | None = None, peak_flops: float | None = None):
+                 flops_per_token: float | None = None, peak_flops: float | None = None,
+                 previous: list[dict[str, Any]] | None = None):
         """With `flops_per_token` and `peak_flops` (FLOP/s of all devices together) each row gets
-        mfu = tokens_per_s x flops_per_token / peak_flops; otherwise the column stays empty."""
+        mfu = tokens_per_s x flops_per_token / peak_flops; otherwise the column stays empty.
+        `previous` rows (a resumed run's log up to its checkpoint) are written first; elapsed_s
+        continues from the last of them."""
         self.enabled = enabled
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[dict[str, Any]] = list(previous or [])
         if not enabled:
             return
         self._file = open(path, "w", newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=COLUMNS)
         self._writer.writeheader()
-        self._bar = tqdm(total=max_steps, desc=desc, mininterval=2.0, dynamic_ncols=True)
-        self._start = time.perf_counter()
+        self._writer.writerows(self.rows)
+        done = int(self.rows[-1]["step"]) if self.rows else 0
+        self._bar = tqdm(total=max_steps, initial=done, desc=desc, mininterval=2.0, dynamic_ncols=True)
+        self._start = time.perf_counter() - (float(self.rows[-1]["elapsed_s"]) if self.rows else 0.0)
         self._last = self._start
 
     def log(self, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int) -> None:

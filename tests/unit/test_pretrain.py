@@ -101,10 +101,14 @@ def test_two_zero1_ranks_match_one_process(data_dir, tmp_path):
     np.testing.assert_allclose(dp2["lr"], single["lr"], rtol=1e-12)
     assert single["loss"].iloc[-1] < single["loss"].iloc[0] - 0.5
 
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    from stages.checkpoint.hf import load_state_dict
+
+    # one process writes model.safetensors; two ranks each write a share, tied by the HF index
+    assert (tmp_path / "one" / "model.safetensors").exists()
+    assert (tmp_path / "two" / "model.safetensors.index.json").exists()
+    a, b = load_state_dict(tmp_path / "one"), load_state_dict(tmp_path / "two")
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-6)
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "two")  # HF layout, no project code
@@ -168,7 +172,7 @@ def reference(data_dir, tmp_path_factory):
 
 
 def check_layout(name, layout, data_dir, reference, tmp_path):
-    from safetensors.torch import load_file
+    from stages.checkpoint.hf import load_state_dict
 
     nproc, section = layout
     log = torchrun(nproc, data_dir, tmp_path / name, FOUR_LAYERS, world_size=nproc, **section, **COMMON)
@@ -177,7 +181,7 @@ def check_layout(name, layout, data_dir, reference, tmp_path):
     np.testing.assert_allclose(log["loss"], ref_log["loss"], rtol=1e-5)
     np.testing.assert_allclose(log["grad_norm"], ref_log["grad_norm"], rtol=1e-4)
     # The checkpoint is the single-device layout whatever the layout: same names, same values.
-    ref, got = load_file(ref_dir / "model.safetensors"), load_file(tmp_path / name / "model.safetensors")
+    ref, got = load_state_dict(ref_dir), load_state_dict(tmp_path / name)
     assert sorted(got) == sorted(ref)
     for key in ref:
         torch.testing.assert_close(got[key], ref[key], rtol=1e-4, atol=2e-5, msg=key)

@@ -2,6 +2,7 @@
 # Validation runs when the workflow is parsed, so bad input is reported before any job starts.
 import glob
 import json
+import re
 from pathlib import Path
 
 from snakemake.utils import validate
@@ -18,6 +19,22 @@ for _name, _experiment in config["experiments"].items():
     check_data_section(_experiment["data"], _name, Path.cwd())  # paths are relative to the workdir
 
 FINETUNE_METHODS = ["sft", "lora", "prefix"]
+
+
+def _writes_shards(settings):
+    """unified_checkpoint off with tensor or pipeline parallelism: pretrain writes slices for merge_tp."""
+    pretrain = settings["pretrain"]
+    return not pretrain["unified_checkpoint"] and (
+        pretrain["tensor_parallel_degree"] > 1 or pretrain["pipeline_parallel_degree"] > 1)
+
+
+def _one_of(names):
+    """A wildcard regex matching exactly these experiment names (none: matches nothing)."""
+    return "|".join(re.escape(n) for n in names) or "(?!)"
+
+
+SHARDED_PRETRAIN = _one_of([n for n, e in config["experiments"].items() if _writes_shards(e)])
+UNIFIED_PRETRAIN = _one_of([n for n, e in config["experiments"].items() if not _writes_shards(e)])
 MODEL_VARIANTS = ["pretrain", "sft", "lora", "prefix", "lora-merged"]  # evaluated from their own dirs
 
 

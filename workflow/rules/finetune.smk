@@ -14,6 +14,7 @@ rule finetune:
     params:
         config=finetune_section,
         nproc=finetune_world_size,
+        checkpoints=lambda wildcards: f"results/{wildcards.experiment}/checkpoints/{wildcards.method}",
     threads: 1
     resources:
         nodes=1,
@@ -26,4 +27,5 @@ rule finetune:
         "if [ -n \"${{SLURM_JOB_ID:-}}\" ]; then launch=\"srun --ntasks {params.nproc} python\"; "
         "else launch=\"torchrun --standalone --nproc_per_node {params.nproc}\"; fi; "
         "$launch -m stages.finetune --method {wildcards.method} --model {input.model} "
-        "--data {input.data} --out {output} --config {params.config:q} > {log} 2>&1"
+        "--data {input.data} --out {output} --config {params.config:q} --checkpoints {params.checkpoints} "
+        "> {log} 2>&1"

@@ -1,0 +1,76 @@
+"""Merge tensor/pipeline-parallel slices into the single-device Hugging Face layout (PaddleNLP's
+`merge_tp_params`).
+
+Input: a directory written with `unified_checkpoint: false` — the pretrain stage's sharded output
+(`results/<experiment>/pretrain_shards`) or a sharded training checkpoint (`checkpoint-<step>`).
+Its `checkpoint_index.json` lists, per tensor, the file of each tensor-parallel slice and the
+`partition_dim` to join them along; pipeline stages hold disjoint tensors. Output: config.json,
+safetensors weights (fp32, sharded with an index past 2 GiB), the tokenizer, train_log.csv and
+meta.json when the input has them. Nothing is loaded with pickle; the output appears atomically.
+
+    python -m stages.merge_tp --shards results/llama/pretrain_shards --out results/llama/pretrain
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from stages.checkpoint.atomic import atomic_dir, write_json
+from stages.checkpoint.hf import TOKENIZER_FILES, save_state_dict
+from stages.checkpoint.integrity import verify
+from stages.checkpoint.store import COMPLETE, INDEX, SHARDED, StateReader, problems
+
+log = logging.getLogger(__name__)
+_CARRIED = ("config.json", "generation_config.json", "train_log.csv", *TOKENIZER_FILES)
+
+
+def merge(shards_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
+    """Write the merged HF-layout model of `shards_dir` into `out_dir`; returns what was merged."""
+    shards_dir, out_dir = Path(shards_dir), Path(out_dir)
+    if not (shards_dir / INDEX).is_file():
+        raise FileNotFoundError(f"{shards_dir / INDEX} is missing: {shards_dir} was not written by a training "
+                                "run with unified_checkpoint: false")
+    reader = StateReader(shards_dir)
+    # a training checkpoint has a completion marker; a stage output was swapped in whole
+    found = problems(shards_dir) if (shards_dir / COMPLETE).exists() else verify(shards_dir, reader.index["files"])
+    if found:
+        raise ValueError(f"cannot merge {shards_dir}: " + "; ".join(found))
+    state = {name: reader.get(name) for name in reader.keys("model")}
+    split = sorted(k for k, parts in reader.tensors.items() if len(parts) > 1 and parts[0]["file"].startswith("model"))
+    summary = {"format": reader.index["format"], "tensors": len(state), "merged_tensor_parallel": len(split),
+               "files": len(reader.index["files"])}
+    with atomic_dir(out_dir) as tmp:
+        save_state_dict(state, tmp)
+        for name in _CARRIED:
+            if (shards_dir / name).exists():
+                shutil.copy2(shards_dir / name, tmp / name)
+        if (shards_dir / "meta.json").exists():
+            meta = json.loads((shards_dir / "meta.json").read_text())
+            meta["merged_from"] = {"path": str(shards_dir), **summary}
+            write_json(tmp / "meta.json", meta)
+    reader.close()
+    log.info("merge_tp: %d tensors (%d joined along partition_dim) from %s -> %s", len(state), len(split),
+             shards_dir, out_dir)
+    if summary["format"] != SHARDED:
+        log.info("merge_tp: %s was already unified; copied tensor for tensor", shards_dir)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m stages.merge_tp", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shards", required=True, help="directory written with unified_checkpoint: false")
+    parser.add_argument("--out", required=True, help="output directory of the HF-layout model")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    merge(args.shards, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

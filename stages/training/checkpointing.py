@@ -1,0 +1,463 @@
+"""Checkpoints of the training engine: save in any layout, resume in any other.
+
+What a checkpoint holds (see `stages.checkpoint.store` for the files): the fp32 master weights
+and Adam's moments of every parameter under its single-device name, the optimizer step count,
+the LR scheduler, DeepSpeed's loss scaler and step counters, the RNG states of every rank, the
+data position (the optimizer step: batches are indexed by step) and the loss history.
+
+Saving is collective. For every parameter the ranks of its pipeline stage first make the
+tensor-parallel slice whole over the data-parallel group (DeepSpeed's fragment API under ZeRO;
+the parameter itself without), then
+
+- unified (default): all-gather it over the tensor-parallel group along `partition_dim`; the
+  stage's ranks take turns writing whole tensors, so each rank writes about 1/(tp x dp) of its
+  stage and no process gathers the model;
+- sharded (`unified_checkpoint: false`): no tensor-parallel communication; each tensor-parallel
+  rank writes its own slice (replicated tensors once), the data-parallel ranks taking turns.
+
+The tensors are copied to CPU memory in the step loop; serialising, hashing and writing run in a
+background thread when `async_save` is on, and the step loop goes on. Each step while a save is
+pending the ranks agree (one small all-reduce) whether every writer is done; then rank 0 writes
+the index, renames the directory and writes the completion marker.
+
+Resuming reads whole tensors by name (`StateReader`, which also joins sharded slices), so the new
+layout may differ in world size, ZeRO stage, tensor or pipeline degree: weights are loaded into
+the full model before it is parallelised, optimizer state is sliced for this rank and handed to
+DeepSpeed after `deepspeed.initialize`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from stages.checkpoint.integrity import FileRecord, write_tensors
+from stages.checkpoint.store import (
+    OPTIMIZER_KEYS,
+    SHARDED,
+    UNIFIED,
+    StateReader,
+    checkpoint_name,
+    finalize,
+    newest_valid,
+    optimizer_key,
+    problems,
+    prune,
+    remove_partial,
+)
+from stages.parallel.tensor import shard_tensor
+from stages.parallel.topology import Topology
+
+log = logging.getLogger(__name__)
+
+# Keys that change how a run is laid out or saved, not what it computes: checkpoints written under
+# one value resume under another.
+LAYOUT_KEYS = frozenset({
+    "world_size", "sharding", "sharding_offload", "tensor_parallel_degree", "tensor_parallel_output",
+    "pipeline_parallel_degree", "virtual_pp_degree", "recompute", "torch_compile", "logging_steps",
+    "per_device_train_batch_size", "gradient_accumulation_steps", "save_steps", "save_total_limit",
+    "unified_checkpoint", "async_save", "resume_from_checkpoint",
+})
+
+
+def run_fingerprint(section: dict[str, Any], global_batch: int, identity: dict[str, Any]) -> str:
+    """A short hash of what determines the training trajectory: the section without its layout
+    keys, the global batch, and `identity` (model config, input data). Checkpoints are kept per
+    fingerprint, so a changed recipe starts afresh while a changed layout resumes."""
+    recipe = {k: v for k, v in section.items() if k not in LAYOUT_KEYS}
+    blob = json.dumps({"recipe": recipe, "global_batch": global_batch, "identity": identity}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def file_digest(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class OptimizerAccess:
+    """The fp32 master copy and Adam moments of a model parameter, whole over the data-parallel
+    group, in the three shapes DeepSpeed keeps them: ZeRO 1/2/3 (the fragment API; collective over
+    the data-parallel group), FP16_UnfusedOptimizer (bf16/fp16 without ZeRO: one fp32 copy per
+    parameter) and the bare torch optimizer (fp32 without ZeRO: the parameter is the master)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.wrapper = engine.optimizer
+        self.inner: torch.optim.Optimizer = getattr(self.wrapper, "optimizer", None) or self.wrapper
+        params = list(engine.module.parameters())
+        self.fragments = any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in params)
+        self.master: dict[int, torch.Tensor] = {}
+        if not self.fragments and hasattr(self.wrapper, "fp32_groups") and hasattr(self.wrapper, "fp16_groups"):
+            for low, high in zip(self.wrapper.fp16_groups, self.wrapper.fp32_groups):
+                self.master.update({id(lp): hp for lp, hp in zip(low, high)})
+
+    def _hp(self, param: torch.Tensor) -> torch.Tensor:
+        return self.master.get(id(param), param)
+
+    def get(self, param: torch.nn.Parameter, key: str | None) -> torch.Tensor:
+        if self.fragments:
+            from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+            return safe_get_full_fp32_param(param) if key is None else safe_get_full_optimizer_state(param, key)
+        hp = self._hp(param)
+        if key is None:
+            return hp.detach()
+        state = self.inner.state.get(hp, {})
+        return state[key].detach() if key in state else torch.zeros_like(hp, dtype=torch.float32)
+
+    def set(self, param: torch.nn.Parameter, key: str | None, value: torch.Tensor) -> None:
+        if self.fragments:
+            from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+            value = value.to(torch.float32)
+            (safe_set_full_fp32_param(param, value) if key is None
+             else safe_set_full_optimizer_state(param, value, key))
+            return
+        hp = self._hp(param)
+        with torch.no_grad():
+            if key is None:
+                hp.copy_(value)
+                if hp is not param:
+                    param.copy_(value)
+            else:
+                self.inner.state[hp][key].copy_(value)
+
+    def step_count(self) -> int:
+        """Optimizer updates applied so far (Adam's `step`; skipped fp16 steps do not count)."""
+        steps = [float(s["step"]) for s in self.inner.state.values() if "step" in s]
+        return int(max(steps)) if steps else 0
+
+    def ensure_state(self, step: int) -> None:
+        """Create Adam's state (zeros, `step`) for every tensor the optimizer updates: torch creates
+        it lazily at the first update, and DeepSpeed links its per-parameter views only then."""
+        # ZeRO-3 points the param groups at its flat fp32 partitions only during its step
+        flat = getattr(self.wrapper, "fp32_partitioned_groups_flat", None)
+        tensors = list(flat) if flat is not None else [hp for g in self.inner.param_groups for hp in g["params"]]
+        for hp in tensors:
+            state = self.inner.state[hp]
+            state["step"] = torch.tensor(float(step), dtype=torch.float32)
+            state.setdefault("exp_avg", torch.zeros_like(hp, memory_format=torch.preserve_format))
+            state.setdefault("exp_avg_sq", torch.zeros_like(hp, memory_format=torch.preserve_format))
+        link = getattr(self.wrapper, "_lazy_init_hp_params_optimizer_state", None)
+        if link is not None:
+            link()
+
+
+def _partition_dim(param: torch.nn.Parameter) -> int | None:
+    return getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
+
+
+@dataclass
+class RankPart:
+    """What one rank writes for one checkpoint: tensors already copied to CPU memory."""
+
+    rank: int
+    files: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # file name -> tensors
+    metadata: dict[str, dict[str, Any]] = field(default_factory=dict)  # file name -> safetensors metadata
+    entries: dict[str, dict[str, Any]] = field(default_factory=dict)  # tensor key -> where it lives
+
+    def add(self, file: str, key: str, tensor: torch.Tensor, tp_rank: int = 0, tp_size: int = 1,
+            partition_dim: int | None = None) -> None:
+        self.files.setdefault(file, {})[key] = tensor
+        self.entries[key] = {"file": file, "tp_rank": tp_rank, "tp_size": tp_size, "partition_dim": partition_dim}
+
+
+def write_part(directory: Path, part: RankPart) -> dict[str, Any]:
+    """Write a rank's files into `directory`; the records and entries rank 0 needs for the index."""
+    directory.mkdir(parents=True, exist_ok=True)
+    records: list[FileRecord] = [write_tensors(directory / name, tensors, part.metadata.get(name))
+                                 for name, tensors in part.files.items()]
+    return {"rank": part.rank, "files": [r.to_json() for r in records], "entries": part.entries}
+
+
+def _rng_part(part: RankPart, rank: int) -> None:
+    """This rank's random-number generator states (torch CPU/CUDA, numpy, python)."""
+    name = f"rng_state_{rank}.safetensors"
+    np_state = np.random.get_state()
+    part.files[name] = {"torch_cpu": torch.get_rng_state(),
+                        "numpy_keys": torch.from_numpy(np_state[1].astype(np.int64))}
+    if torch.cuda.is_available():
+        part.files[name]["torch_cuda"] = torch.cuda.get_rng_state()
+    version, internal, gauss = random.getstate()
+    part.metadata[name] = {"numpy": [np_state[0], int(np_state[2]), int(np_state[3]), float(np_state[4])],
+                           "python": [version, list(internal), gauss]}
+
+
+def restore_rng(reader: StateReader, rank: int) -> None:
+    """This rank's RNG states, or rank 0's when the checkpoint had fewer ranks."""
+    from safetensors import safe_open
+
+    path = reader.path / f"rng_state_{rank}.safetensors"
+    if not path.exists():
+        path = reader.path / "rng_state_0.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        meta = {k: json.loads(v) for k, v in f.metadata().items() if k != "format"}
+        torch.set_rng_state(f.get_tensor("torch_cpu"))
+        if torch.cuda.is_available() and "torch_cuda" in f.keys():
+            torch.cuda.set_rng_state(f.get_tensor("torch_cuda"))
+        keys = f.get_tensor("numpy_keys").numpy().astype(np.uint32)
+    algo, pos, has_gauss, cached = meta["numpy"]
+    np.random.set_state((algo, keys, pos, has_gauss, cached))
+    version, internal, gauss = meta["python"]
+    random.setstate((version, tuple(internal), gauss))
+
+
+def _file_names(unified: bool, rank: int, world: int, topology: Topology) -> tuple[str, str]:
+    if not unified:
+        tag = (f"tp{topology.coordinates['tensor']:02d}-pp{topology.coordinates['pipeline']:02d}"
+               f"-dp{topology.get_data_parallel_rank():02d}")
+        return f"model-{tag}.safetensors", f"optimizer-{tag}.safetensors"
+    if world == 1:
+        return "model.safetensors", "optimizer.safetensors"
+    tag = f"{rank + 1:05d}-of-{world:05d}"
+    return f"model-{tag}.safetensors", f"optimizer-{tag}.safetensors"
+
+
+def snapshot(engine, access: OptimizerAccess, names: dict[str, str], topology: Topology, *,
+             unified: bool, optimizer: bool) -> RankPart:
+    """This rank's share of the checkpoint, copied to CPU memory. Collective over every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tp, dp = topology.degrees.tensor_parallel_degree, topology.get_data_parallel_world_size()
+    tp_rank, dp_rank = topology.coordinates["tensor"], topology.get_data_parallel_rank()
+    model_file, optim_file = _file_names(unified, rank, world, topology)
+    part = RankPart(rank)
+    keys = [None, *OPTIMIZER_KEYS] if optimizer else [None]
+    turn = 0
+    for local_name, param in engine.module.named_parameters():
+        name, dim = names.get(local_name, local_name), _partition_dim(param)
+        for key in keys:
+            tensor = access.get(param, key)  # this tensor-parallel slice, whole over data parallel
+            file, tkey = (model_file, name) if key is None else (optim_file, optimizer_key(name, key))
+            if unified:
+                if dim is not None and tp > 1:
+                    slices = [torch.empty_like(tensor) for _ in range(tp)]
+                    dist.all_gather(slices, tensor.contiguous(), group=topology.tp_group)
+                    tensor = torch.cat(slices, dim=dim)
+                if turn % (tp * dp) == dp_rank * tp + tp_rank:
+                    part.add(file, tkey, tensor.detach().float().cpu().clone())
+            elif (dim is not None or tp_rank == 0) and turn % dp == dp_rank:
+                part.add(file, tkey, tensor.detach().float().cpu().clone(), tp_rank=tp_rank,
+                         tp_size=tp if dim is not None else 1, partition_dim=dim)
+            turn += 1
+    if optimizer:
+        _rng_part(part, rank)
+    return part
+
+
+def load_model_weights(model: torch.nn.Module, reader: StateReader) -> None:
+    """Copy the checkpoint's master weights into the full (not yet parallelised) model."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(reader.get(name).to(param.dtype))
+
+
+def restore_training_state(engine, access: OptimizerAccess, names: dict[str, str], topology: Topology,
+                           reader: StateReader, scheduler) -> dict[str, Any]:
+    """Hand the checkpoint's master weights, Adam moments, step count, scheduler, loss scaler and
+    RNG to this rank's engine (sliced for its tensor-parallel rank). Returns the trainer state."""
+    state = reader.trainer_state
+    access.ensure_state(state["optimizer_step"])
+    tp, tp_rank = topology.degrees.tensor_parallel_degree, topology.coordinates["tensor"]
+    for local_name, param in engine.module.named_parameters():
+        name, dim = names.get(local_name, local_name), _partition_dim(param)
+        for key in (None, *OPTIMIZER_KEYS):
+            full = reader.get(name if key is None else optimizer_key(name, key))
+            access.set(param, key, shard_tensor(full, dim, tp_rank, tp) if dim is not None and tp > 1 else full)
+    scheduler.load_state_dict(state["lr_scheduler"])
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr
+    for holder in (engine.optimizer, getattr(engine.optimizer, "loss_scaler", None)):
+        for attr, value in state["loss_scaler"].items():
+            if holder is not None and hasattr(holder, attr):
+                setattr(holder, attr, type(getattr(holder, attr))(value))
+    engine.global_steps = state["engine"]["global_steps"]
+    engine.global_samples = state["engine"]["global_samples"]
+    engine.skipped_steps = state["engine"]["skipped_steps"]
+    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    restore_rng(reader, dist.get_rank())
+    return state
+
+
+_SCALER_ATTRS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+def engine_state(engine, scheduler) -> dict[str, Any]:
+    """The JSON part of the training state DeepSpeed and the scheduler keep."""
+    scaler = {}
+    for holder in (engine.optimizer, getattr(engine.optimizer, "loss_scaler", None)):
+        for attr in _SCALER_ATTRS:
+            value = getattr(holder, attr, None) if holder is not None else None
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                scaler[attr] = value
+            elif torch.is_tensor(value) and value.numel() == 1:
+                scaler[attr] = value.item()
+    return {"lr_scheduler": scheduler.state_dict(), "loss_scaler": scaler,
+            "engine": {"global_steps": int(engine.global_steps), "global_samples": int(engine.global_samples),
+                       "skipped_steps": int(getattr(engine, "skipped_steps", 0))}}
+
+
+class Checkpointer:
+    """Saves every `save_steps` steps into `run_dir` (rotating to `save_total_limit`), optionally in
+    a background thread, and finds the checkpoint to resume from. Every method is collective."""
+
+    def __init__(self, run_dir: Path, section: dict[str, Any], topology: Topology):
+        self.run_dir = Path(run_dir)
+        self.save_steps = int(section.get("save_steps", 0))
+        self.limit = int(section.get("save_total_limit", 0))
+        self.unified = bool(section.get("unified_checkpoint", True))
+        self.async_save = bool(section.get("async_save", False))
+        self.resume_from = section.get("resume_from_checkpoint", True)
+        self.topology = topology
+        self.rank = dist.get_rank()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint") if self.async_save else None
+        self._pending: tuple[int, Path, Future, dict[str, Any] | None, dict[str, Any]] | None = None
+        self.stall_s: list[float] = []  # time the step loop spent in each save call
+
+    # -- resume --------------------------------------------------------------------------------
+    def find(self) -> StateReader | None:
+        """The checkpoint to resume from (newest complete and intact one, or the configured path),
+        the same on every rank; interrupted saves are removed first."""
+        choice = None
+        if self.rank == 0:
+            if isinstance(self.resume_from, str):
+                path = Path(self.resume_from)
+                found = problems(path)
+                if found:
+                    raise ValueError(f"resume_from_checkpoint={self.resume_from}: " + "; ".join(found))
+                choice = str(path)
+            else:
+                remove_partial(self.run_dir)
+                if self.resume_from:
+                    newest = newest_valid(self.run_dir)
+                    choice = str(newest) if newest else None
+        box = [choice]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            return None
+        log.info("resuming from %s", box[0])
+        return StateReader(box[0])
+
+    # -- save ----------------------------------------------------------------------------------
+    def due(self, step: int, max_steps: int) -> bool:
+        return self.save_steps > 0 and step % self.save_steps == 0 and step < max_steps
+
+    def save(self, step: int, engine, access: OptimizerAccess, names: dict[str, str],
+             trainer_state: Callable[[], dict[str, Any]]) -> None:
+        """Checkpoint the state after optimizer step `step` (1-based)."""
+        import time
+
+        start = time.perf_counter()
+        self.wait()  # one save in flight at a time
+        part = snapshot(engine, access, names, self.topology, unified=self.unified, optimizer=True)
+        state = trainer_state() if self.rank == 0 else None
+        partial = self.run_dir / f"{checkpoint_name(step)}.partial"
+        header = {"format": UNIFIED if self.unified else SHARDED, "step": step,
+                  "optimizer_step": access.step_count()}
+        if self._pool is not None:
+            future = self._pool.submit(write_part, partial, part)
+        else:
+            future = Future()
+            future.set_result(write_part(partial, part))
+        self._pending = (step, partial, future, state, header)
+        if self._pool is None:
+            self._finish()
+        self.stall_s.append(time.perf_counter() - start)
+
+    def poll(self) -> None:
+        """Finish the pending save if every rank's writer is done (one small all-reduce)."""
+        if self._pending is None:
+            return
+        done = torch.tensor(int(self._pending[2].done()))
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if int(done):
+            self._finish()
+
+    def wait(self) -> None:
+        """Block until the pending save, if any, is complete."""
+        if self._pending is not None:
+            self._pending[2].result()
+            self._finish()
+
+    def close(self) -> None:
+        self.wait()
+        if self._pool is not None:
+            self._pool.shutdown()
+
+    def _finish(self) -> None:
+        step, partial, future, state, header = self._pending
+        self._pending = None
+        written = future.result()  # a failed write raises here, in the step loop
+        parts: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, written)
+        if self.rank == 0:
+            index = _index(header, parts)
+            state = {**state, "optimizer_step": header["optimizer_step"]}
+            hf_map = {k: e[0]["file"] for k, e in index["tensors"].items()
+                      if self.unified and e[0]["file"].startswith("model")}
+            finalize(partial, self.run_dir / checkpoint_name(step), index=index, trainer_state=state,
+                     hf_weight_map=hf_map if self.unified else None)
+            prune(self.run_dir, self.limit)
+            log.info("saved %s", self.run_dir / checkpoint_name(step))
+        dist.barrier()
+
+
+def _index(header: dict[str, Any], parts: list[dict[str, Any]]) -> dict[str, Any]:
+    tensors: dict[str, list[dict[str, Any]]] = {}
+    files: list[dict[str, Any]] = []
+    for written in parts:
+        files += written["files"]
+        for key, entry in written["entries"].items():
+            tensors.setdefault(key, []).append(entry)
+    return {**header, "tensors": tensors, "files": sorted(files, key=lambda r: r["name"])}
+
+
+def write_final(out_dir: Path, engine, access: OptimizerAccess, names: dict[str, str], topology: Topology, *,
+                unified: bool, extra: Callable[[Path], None]) -> None:
+    """The trained model (weights only) as an artifact directory, each rank writing its share:
+    unified = the Hugging Face layout (index when several files), sharded = the slices for
+    `merge_tp`. Rank 0 adds the rest with `extra(tmp_dir)` and swaps the directory in whole."""
+    from stages.checkpoint.atomic import atomic_dir
+
+    part = snapshot(engine, access, names, topology, unified=unified, optimizer=False)
+    rank = dist.get_rank()
+    partial = out_dir.parent / f".{out_dir.name}.partial"
+    if rank == 0 and partial.exists():
+        import shutil
+
+        shutil.rmtree(partial)
+    dist.barrier()
+    written = write_part(partial, part)
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, written)
+    if rank == 0:
+        index = _index({"format": UNIFIED if unified else SHARDED, "step": None}, parts)
+        with atomic_dir(out_dir) as tmp:
+            for record in index["files"]:
+                (partial / record["name"]).rename(tmp / record["name"])
+            from stages.checkpoint.atomic import write_json
+            from stages.checkpoint.store import HF_INDEX, INDEX
+
+            write_json(tmp / INDEX, index)
+            names_in = {r["name"] for r in index["files"]}
+            if unified and names_in != {"model.safetensors"}:
+                total = sum(r["size"] for r in index["files"])
+                write_json(tmp / HF_INDEX, {"metadata": {"total_size": total},
+                                            "weight_map": {k: e[0]["file"] for k, e in index["tensors"].items()}})
+            extra(tmp)
+        import shutil
+
+        shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier()

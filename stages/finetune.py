@@ -10,6 +10,10 @@ and the shared LR schedule, and writes atomically (docs/artifacts.md):
 - lora / prefix: a peft adapter dir (adapter_config.json, adapter_model.safetensors, tokenizer
   files) that loads with `peft.PeftModel.from_pretrained(base, dir)`, base = meta.json's parent;
 plus `train_log.csv` and `meta.json` (stage "finetune-<method>").
+
+With `--checkpoints DIR`, every method checkpoints every `save_steps` steps into
+`DIR/<fingerprint>/` and a rerun resumes from the newest complete checkpoint there: full SFT through
+the training engine, LoRA and prefix tuning through `stages.training.local_checkpoint` (same format).
 """
 
 from __future__ import annotations
@@ -31,10 +35,13 @@ from stages.adapters import ADAPTER_METHODS, attach_adapter, count_parameters
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import copy_tokenizer, load_pretrained
 from stages.checkpoint.meta import write_meta
+from stages.checkpoint.store import StateReader
 from stages.data.sft import IGNORE_INDEX, encode_example, read_sft_file
 from stages.training.batches import SftBatches
+from stages.training.checkpointing import file_digest, run_fingerprint
 from stages.training.engine import init_distributed, parallel_degrees
 from stages.training.engine import train as engine_train
+from stages.training.local_checkpoint import LocalCheckpointer, restore
 from stages.training.log import TrainLog
 from stages.training.schedule import build_scheduler
 from stages.training.seed import set_seed
@@ -84,13 +91,17 @@ def collate(examples: Sequence[Example], pad_token_id: int) -> dict[str, torch.T
 
 
 def train_batches(examples: Sequence[Example], batch_size: int, pad_token_id: int,
-                  seed: int) -> Iterator[dict[str, torch.Tensor]]:
+                  seed: int, skip: int = 0) -> Iterator[dict[str, torch.Tensor]]:
     """Endless micro-batches: each epoch is a fresh permutation drawn from (seed, epoch), so the
-    order depends only on the seed and not on any other use of the global RNG."""
+    order depends only on the seed and not on any other use of the global RNG. The first `skip`
+    micro-batches are passed over without being built (a resumed run's data position)."""
     epoch = 0
     while True:
         order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch))
         for start in range(0, len(order), batch_size):
+            if skip > 0:
+                skip -= 1
+                continue
             yield collate([examples[i] for i in order[start:start + batch_size]], pad_token_id)
         epoch += 1
 
@@ -153,25 +164,39 @@ def build_optimizer(model: torch.nn.Module, config: dict[str, Any]) -> torch.opt
 
 
 def train(model: torch.nn.Module, examples: Sequence[Example], config: dict[str, Any],
-          pad_token_id: int, train_log: TrainLog) -> dict[str, float]:
+          pad_token_id: int, train_log: TrainLog, checkpointer: LocalCheckpointer | None = None,
+          resume: StateReader | None = None) -> dict[str, Any]:
     """Run `max_steps` optimizer steps of `gradient_accumulation_steps` micro-batches each.
 
-    Returns first_loss, final_loss (per target token, of the first / last optimizer step) and
-    train_tokens_per_s (non-pad input tokens per second of training).
+    With `checkpointer`, saves every `save_steps` steps; with `resume` (a checkpoint that
+    `checkpointer` wrote), continues after its step: trainable weights, Adam, LR schedule, RNG,
+    loss history and data position as they were, so the result is that of an uninterrupted run
+    (`train_log` must already hold the checkpoint's rows).
+
+    Returns first_loss, final_loss (per target token, of the first / last optimizer step),
+    train_tokens_per_s (non-pad input tokens per second of this process's steps) and
+    resumed_from_step (None when not resumed).
     """
     optimizer = build_optimizer(model, config)
     scheduler = build_scheduler(optimizer, config)
     params = [p for p in model.parameters() if p.requires_grad]
-    batches = train_batches(examples, config["per_device_train_batch_size"], pad_token_id, config["seed"])
+    accum = config["gradient_accumulation_steps"]
+    start_step, losses, tokens_since_log = 0, [], 0
+    if resume is not None:
+        state = restore(resume, model, optimizer, scheduler)
+        start_step, losses, tokens_since_log = state["global_step"], state["losses"], state["tokens_since_log"]
+        log.info("resumed from %s at step %d of %d", resume.path, start_step, config["max_steps"])
+        resume.close()
+    batches = train_batches(examples, config["per_device_train_batch_size"], pad_token_id, config["seed"],
+                            skip=start_step * accum)
     # bf16 autocast keeps fp32 master weights; the loss is computed in fp32 either way.
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if config["bf16"] else nullcontext
     # max_grad_norm=0 disables clipping; an infinite threshold still measures the norm for the log.
     clip = config["max_grad_norm"] or math.inf
     model.train()
-    first_loss = final_loss = float("nan")
-    tokens_since_log, total_tokens, start = 0, 0, time.perf_counter()
-    for step in range(1, config["max_steps"] + 1):
-        micro = [next(batches) for _ in range(config["gradient_accumulation_steps"])]
+    total_tokens, start = 0, time.perf_counter()
+    for step in range(start_step + 1, config["max_steps"] + 1):
+        micro = [next(batches) for _ in range(accum)]
         # Normalise by the step's target tokens so a step's gradient is that of its mean token loss.
         n_targets = max(sum(target_token_count(b["labels"]) for b in micro), 1)
         step_loss = 0.0
@@ -186,16 +211,20 @@ def train(model: torch.nn.Module, examples: Sequence[Example], config: dict[str,
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        first_loss = step_loss if step == 1 else first_loss
-        final_loss = step_loss
+        losses.append(step_loss)
         if step % config["logging_steps"] == 0 or step == config["max_steps"]:
             train_log.log(step, step_loss, lr, grad_norm, tokens_since_log)
             total_tokens += tokens_since_log
             tokens_since_log = 0
         train_log.advance()
+        if checkpointer is not None and checkpointer.due(step, config["max_steps"]):
+            checkpointer.save(step, model, optimizer, scheduler, {
+                "max_steps": config["max_steps"], "losses": list(losses), "train_log": list(train_log.rows),
+                "tokens_since_log": tokens_since_log})
     elapsed = time.perf_counter() - start
-    return {"first_loss": first_loss, "final_loss": final_loss,
-            "train_tokens_per_s": total_tokens / max(elapsed, 1e-9)}
+    nan = float("nan")
+    return {"first_loss": losses[0] if losses else nan, "final_loss": losses[-1] if losses else nan,
+            "train_tokens_per_s": total_tokens / max(elapsed, 1e-9), "resumed_from_step": start_step or None}
 
 
 # -- the stage -----------------------------------------------------------------------------------
@@ -247,8 +276,6 @@ def _dev_loss_of(model: torch.nn.Module, examples: Sequence[Example], batch_size
 def model_identity(model_dir: Path) -> dict[str, str]:
     """Content hashes of a base model: its checkpoint index (which holds every weight file's sha256)
     when a training stage wrote it, else the weight files themselves."""
-    from stages.training.checkpointing import file_digest
-
     files = [model_dir / "checkpoint_index.json"] if (model_dir / "checkpoint_index.json").exists() else \
         sorted(model_dir.glob("*.safetensors"))
     return {f.name: file_digest(f) for f in [model_dir / "config.json", *files]}
@@ -270,8 +297,6 @@ def run_full_sft(model_dir: Path, out_dir: str | Path, config: dict[str, Any], t
     source = SftBatches(list(examples), config["max_length"], pad, config["seed"])
     identity = {"base": model_identity(model_dir)}
     if train_path is not None:
-        from stages.training.checkpointing import file_digest
-
         identity["train"] = file_digest(train_path)
     metrics = engine_train(model, source, config, out_dir, stage="finetune-sft", tokenizer_dir=model_dir,
                            parent=model_dir, meta_config=config, checkpoint_dir=checkpoint_dir, identity=identity)
@@ -282,12 +307,22 @@ def run_full_sft(model_dir: Path, out_dir: str | Path, config: dict[str, Any], t
     return metrics
 
 
+def adapter_checkpointer(checkpoint_dir: str | Path, method: str, config: dict[str, Any], model_dir: Path,
+                         train_path: Path) -> LocalCheckpointer:
+    """LoRA / prefix checkpoints in `checkpoint_dir/<fingerprint>`: the fingerprint hashes the
+    recipe, the base model's content, the training data and the method, so any change starts afresh."""
+    identity = {"base": model_identity(model_dir), "train": file_digest(train_path), "method": method}
+    global_batch = config["per_device_train_batch_size"] * config["gradient_accumulation_steps"]
+    return LocalCheckpointer(Path(checkpoint_dir) / run_fingerprint(config, global_batch, identity), config)
+
+
 def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str | Path,
         config: dict[str, Any], checkpoint_dir: str | Path | None = None) -> dict[str, Any]:
     """Fine-tune the model in `model_dir` on `data_dir/sft/train.json` with `method` and the
     validated `finetune.<method>` section `config`; write `out_dir` atomically; return metrics.
     Full SFT runs on the distributed training engine (any layout); LoRA and prefix tuning train
-    the peft adapter in one process."""
+    the peft adapter in one process. With `checkpoint_dir`, every method checkpoints every
+    `save_steps` steps and resumes as `resume_from_checkpoint` says."""
     check_section(method, config)
     model_dir, data_dir = Path(model_dir), Path(data_dir)
     set_seed(config["seed"])
@@ -310,10 +345,15 @@ def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str |
     model = attach_adapter(model, method, config)
     trainable, total = count_parameters(model)
     log.info("finetune-%s: %d examples, %d of %d parameters trainable", method, len(examples), trainable, total)
+    checkpointer = resume = None
+    if checkpoint_dir is not None:
+        checkpointer = adapter_checkpointer(checkpoint_dir, method, config, model_dir, train_path)
+        resume = checkpointer.find()
     with atomic_dir(out_dir) as tmp:
-        train_log = TrainLog(tmp / "train_log.csv", config["max_steps"], desc=f"finetune-{method}")
+        train_log = TrainLog(tmp / "train_log.csv", config["max_steps"], desc=f"finetune-{method}",
+                             previous=resume.trainer_state["train_log"] if resume is not None else None)
         try:
-            metrics: dict[str, Any] = train(model, examples, config, pad, train_log)
+            metrics: dict[str, Any] = train(model, examples, config, pad, train_log, checkpointer, resume)
         finally:
             train_log.close()
         metrics.update(trainable_params=trainable, total_params=total, train_examples=len(examples),
@@ -345,7 +385,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--config", required=True, metavar="JSON",
                         help="the finetune.<method> config section as a JSON object, defaults filled")
     parser.add_argument("--checkpoints", metavar="DIR",
-                        help="full SFT: working directory of checkpoints, resumed from on a rerun")
+                        help="working directory of checkpoints (every save_steps), resumed from on a rerun")
     args = parser.parse_args(argv)
     try:
         config = json.loads(args.config)

@@ -152,6 +152,9 @@ class StateReader:
             raise KeyError(f"{self.path / INDEX} has no tensor {key!r}; the checkpoint was written for "
                            "another model architecture")
         parts = sorted(self.tensors[key], key=lambda p: p["tp_rank"])
+        if [p["tp_rank"] for p in parts] != list(range(parts[0]["tp_size"])):
+            raise ValueError(f"{self.path / INDEX}: tensor {key!r} has slices of tensor-parallel ranks "
+                             f"{[p['tp_rank'] for p in parts]} of {parts[0]['tp_size']}; the checkpoint is incomplete")
         if len(parts) == 1:
             return self._read(parts[0]["file"], key)
         return torch.cat([self._read(p["file"], key) for p in parts], dim=parts[0]["partition_dim"])

@@ -32,6 +32,8 @@ import hashlib
 import json
 import logging
 import random
+import shutil
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,13 +43,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from stages.checkpoint.atomic import atomic_dir, write_json
 from stages.checkpoint.integrity import FileRecord, write_tensors
 from stages.checkpoint.store import (
+    HF_INDEX,
+    INDEX,
     OPTIMIZER_KEYS,
     SHARDED,
     UNIFIED,
     StateReader,
     checkpoint_name,
+    complete_checkpoints,
     finalize,
     newest_valid,
     optimizer_key,
@@ -343,6 +349,11 @@ class Checkpointer:
                 if self.resume_from:
                     newest = newest_valid(self.run_dir)
                     choice = str(newest) if newest else None
+                elif complete_checkpoints(self.run_dir):
+                    # starting afresh: keep the old checkpoints, out of the way of the new ones
+                    aside = self.run_dir.with_name(f"{self.run_dir.name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
+                    self.run_dir.rename(aside)
+                    log.info("resume_from_checkpoint=false: moved the earlier checkpoints to %s", aside)
         box = [choice]
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
@@ -357,8 +368,6 @@ class Checkpointer:
     def save(self, step: int, engine, access: OptimizerAccess, names: dict[str, str],
              trainer_state: Callable[[], dict[str, Any]]) -> None:
         """Checkpoint the state after optimizer step `step` (1-based)."""
-        import time
-
         start = time.perf_counter()
         self.wait()  # one save in flight at a time
         part = snapshot(engine, access, names, self.topology, unified=self.unified, optimizer=True)
@@ -427,16 +436,12 @@ def _index(header: dict[str, Any], parts: list[dict[str, Any]]) -> dict[str, Any
 def write_final(out_dir: Path, engine, access: OptimizerAccess, names: dict[str, str], topology: Topology, *,
                 unified: bool, extra: Callable[[Path], None]) -> None:
     """The trained model (weights only) as an artifact directory, each rank writing its share:
-    unified = the Hugging Face layout (index when several files), sharded = the slices for
+    unified = the Hugging Face layout (an index when several files), sharded = the slices for
     `merge_tp`. Rank 0 adds the rest with `extra(tmp_dir)` and swaps the directory in whole."""
-    from stages.checkpoint.atomic import atomic_dir
-
     part = snapshot(engine, access, names, topology, unified=unified, optimizer=False)
     rank = dist.get_rank()
     partial = out_dir.parent / f".{out_dir.name}.partial"
     if rank == 0 and partial.exists():
-        import shutil
-
         shutil.rmtree(partial)
     dist.barrier()
     written = write_part(partial, part)
@@ -447,17 +452,10 @@ def write_final(out_dir: Path, engine, access: OptimizerAccess, names: dict[str,
         with atomic_dir(out_dir) as tmp:
             for record in index["files"]:
                 (partial / record["name"]).rename(tmp / record["name"])
-            from stages.checkpoint.atomic import write_json
-            from stages.checkpoint.store import HF_INDEX, INDEX
-
             write_json(tmp / INDEX, index)
-            names_in = {r["name"] for r in index["files"]}
-            if unified and names_in != {"model.safetensors"}:
-                total = sum(r["size"] for r in index["files"])
-                write_json(tmp / HF_INDEX, {"metadata": {"total_size": total},
+            if unified and [r["name"] for r in index["files"]] != ["model.safetensors"]:
+                write_json(tmp / HF_INDEX, {"metadata": {"total_size": sum(r["size"] for r in index["files"])},
                                             "weight_map": {k: e[0]["file"] for k, e in index["tensors"].items()}})
             extra(tmp)
-        import shutil
-
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()

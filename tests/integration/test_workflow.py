@@ -62,6 +62,10 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(exp / "pretrain")  # HF layout, no project code
+    # save_steps 10: checkpoints kept outside the outputs, complete, and themselves HF-loadable
+    saved = sorted(p.parent.name for p in (exp / "checkpoints").glob("*/*/checkpoint-*/checkpoint_complete.json"))
+    assert saved == ["checkpoint-0000010", "checkpoint-0000010", "checkpoint-0000020"], saved
+    AutoModelForCausalLM.from_pretrained(next((exp / "checkpoints" / "pretrain").glob("*/checkpoint-0000020")))
     quant_eval = json.loads((exp / "quant_eval.json").read_text())
     assert quant_eval["source"] == "lora-merged"
     assert set(quant_eval["variants"]) == {"wint8", "wint4"}

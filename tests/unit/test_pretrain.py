@@ -4,27 +4,14 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 
-from stages.config import check_config
-from stages.data.corpus import write_token_files
+from pretrain_fixtures import make_data_dir, pretrain_section, torchrun
 from stages.training.batches import SftBatches, WindowSampler
 from stages.training.engine import deepspeed_config
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def pretrain_section(**overrides):
-    cfg = check_config({"experiments": {"t": {"pretrain": overrides}}})
-    return cfg["experiments"]["t"]["pretrain"]
 
 
 def test_global_batch_is_the_same_for_any_number_of_ranks():
@@ -69,24 +56,7 @@ def test_deepspeed_config_follows_the_section():
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    """A prepared data directory whose text is a repeated random phrase: quickly learnable."""
-    out = tmp_path_factory.mktemp("data")
-    rng = np.random.default_rng(0)
-    phrase = rng.integers(3, 300, size=37).tolist()
-    docs = [phrase * 20 for _ in range(8)]
-    write_token_files(out, {"train": docs, "validation": docs[:1]}, vocab_size=320, bos_id=1, eos_id=2, pad_id=0)
-    return out
-
-
-def torchrun(nproc: int, data_dir: Path, out: Path, model: dict | None = None, **section) -> pd.DataFrame:
-    model = check_config({"experiments": {"t": {"model": model or {"flavour": "debug"}}}})["experiments"]["t"]["model"]
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "stages.pretrain", "--data", str(data_dir), "--out", str(out),
-           "--model-config", json.dumps(model), "--config", json.dumps(pretrain_section(**section))]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return pd.read_csv(out / "train_log.csv")
+    return make_data_dir(tmp_path_factory.mktemp("data"))
 
 
 @pytest.mark.multiproc

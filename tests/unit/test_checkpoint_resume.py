@@ -1,0 +1,123 @@
+"""Checkpoints of the training engine across layouts (real torchrun, gloo, fp32).
+
+Every run trains the same 2-layer model from the same seed on the same global batch of 8 windows
+(micro x accumulation x data parallel = 8) for 10 steps and saves at step 5. A layout B resumes
+from layout A's checkpoint-5 — found automatically in A's checkpoint directory, because layout
+keys are not part of the run's fingerprint — and its steps 6..10 must continue the uninterrupted
+single-process curve within 1e-5 relative: the weights and Adam moments were re-split for B.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from pretrain_fixtures import make_data_dir, torchrun
+from stages.checkpoint.hf import load_state_dict
+from stages.checkpoint.store import StateReader, complete_checkpoints
+from stages.merge_tp import merge
+
+COMMON = dict(max_steps=10, warmup_steps=2, max_length=32, seed=7, learning_rate=3e-3, save_steps=5,
+              save_total_limit=0)
+LAYOUTS = {
+    "single": (1, dict(world_size=1, per_device_train_batch_size=2, gradient_accumulation_steps=4)),
+    "dp2": (2, dict(world_size=2, per_device_train_batch_size=4)),
+    "stage1x2": (2, dict(world_size=2, sharding="stage1", per_device_train_batch_size=2, gradient_accumulation_steps=2)),
+    "stage3x2": (2, dict(world_size=2, sharding="stage3", per_device_train_batch_size=4)),
+    "tp2": (2, dict(world_size=2, tensor_parallel_degree=2, per_device_train_batch_size=4, gradient_accumulation_steps=2)),
+    "pp2": (2, dict(world_size=2, pipeline_parallel_degree=2, per_device_train_batch_size=2,
+                    gradient_accumulation_steps=4)),
+    "tp2xpp2": (4, dict(world_size=4, tensor_parallel_degree=2, pipeline_parallel_degree=2,
+                        per_device_train_batch_size=2, gradient_accumulation_steps=4)),
+}
+PAIRS = [("tp2", "dp2"), ("pp2", "tp2"), ("stage3x2", "single"), ("single", "tp2xpp2"), ("dp2", "stage1x2")]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Uninterrupted runs by layout name (run on first use): (train_log, out dir, checkpoint dir)."""
+    data = make_data_dir(tmp_path_factory.mktemp("data"))
+
+    @functools.cache
+    def run(name: str, **extra):
+        nproc, layout = LAYOUTS[name]
+        root = tmp_path_factory.mktemp(name)
+        log = torchrun(nproc, data, root / "out", checkpoints=root / "ckpt", **layout, **COMMON, **extra)
+        return log, root / "out", root / "ckpt"
+
+    run.data = data
+    return run
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("saved, resumed", PAIRS, ids=[f"{a}-to-{b}" for a, b in PAIRS])
+def test_resume_in_another_layout_continues_the_curve(runs, saved, resumed, tmp_path):
+    reference, ref_out, _ = runs("single")
+    _, _, ckpt = runs(saved)
+    nproc, layout = LAYOUTS[resumed]
+    log = torchrun(nproc, runs.data, tmp_path / "out", checkpoints=ckpt, **layout, **COMMON)
+
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())["metrics"]
+    assert meta["resumed_from_step"] == 5  # found in the other layout's directory, not retrained
+    # steps 1-5 come from the checkpoint's log; 6-10 were trained in the new layout
+    np.testing.assert_allclose(log["loss"][5:], reference["loss"][5:], rtol=1e-5)
+    np.testing.assert_allclose(log["lr"], reference["lr"], rtol=1e-12)
+    ref, got = load_state_dict(ref_out), load_state_dict(tmp_path / "out")
+    assert sorted(got) == sorted(ref)
+    for key in ref:
+        torch.testing.assert_close(got[key], ref[key], rtol=1e-4, atol=2e-5, msg=key)
+
+
+@pytest.mark.multiproc
+def test_checkpoint_is_the_single_device_layout(runs):
+    """Whatever wrote it, a unified checkpoint holds whole tensors under HF names, plus Adam's moments."""
+    _, out, ckpt = runs("tp2xpp2")
+    (checkpoint,) = complete_checkpoints(next(ckpt.iterdir()))
+    reader = StateReader(checkpoint)
+    final = load_state_dict(out)
+    assert sorted(reader.keys("model")) == sorted(final)
+    assert len(reader.keys("optimizer")) == 2 * len(final)
+    assert all(len(parts) == 1 for parts in reader.tensors.values())
+    state = reader.trainer_state
+    assert state["global_step"] == 5 and state["optimizer_step"] == 5
+    assert state["layout"]["tensor_parallel_degree"] == 2 and state["layout"]["pipeline_parallel_degree"] == 2
+    # each of the 4 ranks wrote a share of the model: no process gathered it
+    assert len({p[0]["file"] for k, p in reader.tensors.items() if k in final}) == 4
+
+
+@pytest.mark.multiproc
+def test_merge_tp_equals_the_unified_checkpoint(runs, tmp_path):
+    """The same tp2 run written sharded (unified_checkpoint: false) and unified: merge_tp of the
+    slices equals the unified tensors exactly, for the final model and for checkpoint-5."""
+    _, unified_out, unified_ckpt = runs("tp2")
+    _, sharded_out, sharded_ckpt = runs("tp2", unified_checkpoint=False)
+    index = json.loads((sharded_out / "checkpoint_index.json").read_text())
+    assert index["format"] == "sharded" and not (sharded_out / "model.safetensors.index.json").exists()
+
+    merge(sharded_out, tmp_path / "merged")
+    merged, unified = load_state_dict(tmp_path / "merged"), load_state_dict(unified_out)
+    assert sorted(merged) == sorted(unified)
+    for key in unified:
+        assert torch.equal(merged[key], unified[key]), key
+    assert (tmp_path / "merged" / "tokenizer.json").exists() or not (unified_out / "tokenizer.json").exists()
+
+    (a,) = complete_checkpoints(next(unified_ckpt.iterdir()))
+    (b,) = complete_checkpoints(next(sharded_ckpt.iterdir()))
+    ua, sb = StateReader(a), StateReader(b)
+    assert any(len(parts) == 2 for parts in sb.tensors.values())  # really split
+    assert sorted(ua.tensors) == sorted(sb.tensors)
+    for key in ua.tensors:
+        assert torch.equal(ua.get(key), sb.get(key)), key
+
+
+@pytest.mark.multiproc
+def test_sharded_checkpoint_resumes_in_one_process(runs, tmp_path):
+    reference, _, _ = runs("single")
+    _, _, sharded_ckpt = runs("tp2", unified_checkpoint=False)
+    nproc, layout = LAYOUTS["single"]
+    log = torchrun(nproc, runs.data, tmp_path / "out", checkpoints=sharded_ckpt, **layout, **COMMON)
+    np.testing.assert_allclose(log["loss"][5:], reference["loss"][5:], rtol=1e-5)

@@ -16,10 +16,19 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
-def _umask() -> int:
+def _read_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+# Read once at import: setting the umask to read it is not thread-safe (checkpoints are written
+# from a background thread while the main thread creates files).
+_UMASK = _read_umask()
+
+
+def _umask() -> int:
+    return _UMASK
 
 
 def _fsync_dir(path: Path) -> None:

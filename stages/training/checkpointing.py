@@ -35,6 +35,7 @@ import random
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -189,7 +190,7 @@ def write_part(directory: Path, part: RankPart) -> dict[str, Any]:
     return {"rank": part.rank, "files": [r.to_json() for r in records], "entries": part.entries}
 
 
-def _rng_part(part: RankPart, rank: int) -> None:
+def add_rng_state(part: RankPart, rank: int) -> None:
     """This rank's random-number generator states (torch CPU/CUDA, numpy, python)."""
     name = f"rng_state_{rank}.safetensors"
     np_state = np.random.get_state()
@@ -259,7 +260,7 @@ def snapshot(engine, access: OptimizerAccess, names: dict[str, str], topology: T
                          tp_size=tp if dim is not None else 1, partition_dim=dim)
             turn += 1
     if optimizer:
-        _rng_part(part, rank)
+        add_rng_state(part, rank)
     return part
 
 
@@ -315,6 +316,26 @@ def engine_state(engine, scheduler) -> dict[str, Any]:
                        "skipped_steps": int(getattr(engine, "skipped_steps", 0))}}
 
 
+def choose_checkpoint(run_dir: Path, resume_from: bool | str) -> Path | None:
+    """Where a run resumes from, as `resume_from_checkpoint` says: a path (which must verify), the
+    newest complete and intact checkpoint of `run_dir` (true), or none (false: earlier checkpoints
+    are moved aside, not deleted). Leftovers of interrupted saves are removed first. One process
+    only (rank 0): no other writer may be running."""
+    if isinstance(resume_from, str):
+        found = problems(Path(resume_from))
+        if found:
+            raise ValueError(f"resume_from_checkpoint={resume_from}: " + "; ".join(found))
+        return Path(resume_from)
+    remove_partial(run_dir)
+    if resume_from:
+        return newest_valid(run_dir)
+    if complete_checkpoints(run_dir):
+        aside = run_dir.with_name(f"{run_dir.name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
+        run_dir.rename(aside)
+        log.info("resume_from_checkpoint=false: moved the earlier checkpoints to %s", aside)
+    return None
+
+
 class Checkpointer:
     """Saves every `save_steps` steps into `run_dir` (rotating to `save_total_limit`), optionally in
     a background thread, and finds the checkpoint to resume from. Every method is collective."""
@@ -334,27 +355,11 @@ class Checkpointer:
 
     # -- resume --------------------------------------------------------------------------------
     def find(self) -> StateReader | None:
-        """The checkpoint to resume from (newest complete and intact one, or the configured path),
-        the same on every rank; interrupted saves are removed first."""
-        choice = None
+        """The checkpoint to resume from (`choose_checkpoint`, decided by rank 0), the same on every rank."""
+        box = [None]
         if self.rank == 0:
-            if isinstance(self.resume_from, str):
-                path = Path(self.resume_from)
-                found = problems(path)
-                if found:
-                    raise ValueError(f"resume_from_checkpoint={self.resume_from}: " + "; ".join(found))
-                choice = str(path)
-            else:
-                remove_partial(self.run_dir)
-                if self.resume_from:
-                    newest = newest_valid(self.run_dir)
-                    choice = str(newest) if newest else None
-                elif complete_checkpoints(self.run_dir):
-                    # starting afresh: keep the old checkpoints, out of the way of the new ones
-                    aside = self.run_dir.with_name(f"{self.run_dir.name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
-                    self.run_dir.rename(aside)
-                    log.info("resume_from_checkpoint=false: moved the earlier checkpoints to %s", aside)
-        box = [choice]
+            chosen = choose_checkpoint(self.run_dir, self.resume_from)
+            box = [str(chosen) if chosen else None]
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
             return None
@@ -379,7 +384,10 @@ class Checkpointer:
             future = self._pool.submit(write_part, partial, part)
         else:
             future = Future()
-            future.set_result(write_part(partial, part))
+            try:
+                future.set_result(write_part(partial, part))
+            except Exception as exc:  # noqa: BLE001 - reported to every rank by _finish
+                future.set_exception(exc)
         self._pending = (step, partial, future, state, header)
         if self._pool is None:
             self._finish()
@@ -392,12 +400,14 @@ class Checkpointer:
         done = torch.tensor(int(self._pending[2].done()))
         dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if int(done):
+            start = time.perf_counter()
             self._finish()
+            self.stall_s[-1] += time.perf_counter() - start  # the index and rename are part of the stall
 
     def wait(self) -> None:
         """Block until the pending save, if any, is complete."""
         if self._pending is not None:
-            self._pending[2].result()
+            futures_wait([self._pending[2]])  # a failed write raises in _finish, on every rank
             self._finish()
 
     def close(self) -> None:
@@ -408,11 +418,17 @@ class Checkpointer:
     def _finish(self) -> None:
         step, partial, future, state, header = self._pending
         self._pending = None
-        written = future.result()  # a failed write raises here, in the step loop
+        try:
+            written = future.result()
+        except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others would hang
+            written = {"rank": self.rank, "error": f"{type(exc).__name__}: {exc}"}
         parts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, written)
+        failed = [f"rank {p['rank']}: {p['error']}" for p in parts if "error" in p]
+        if failed:
+            raise RuntimeError(f"saving {partial} failed (the previous checkpoint is intact): " + "; ".join(failed))
         if self.rank == 0:
-            index = _index(header, parts)
+            index = build_index(header, parts)
             state = {**state, "optimizer_step": header["optimizer_step"]}
             hf_map = {k: e[0]["file"] for k, e in index["tensors"].items()
                       if self.unified and e[0]["file"].startswith("model")}
@@ -423,7 +439,7 @@ class Checkpointer:
         dist.barrier()
 
 
-def _index(header: dict[str, Any], parts: list[dict[str, Any]]) -> dict[str, Any]:
+def build_index(header: dict[str, Any], parts: list[dict[str, Any]]) -> dict[str, Any]:
     tensors: dict[str, list[dict[str, Any]]] = {}
     files: list[dict[str, Any]] = []
     for written in parts:
@@ -448,7 +464,7 @@ def write_final(out_dir: Path, engine, access: OptimizerAccess, names: dict[str,
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, written)
     if rank == 0:
-        index = _index({"format": UNIFIED if unified else SHARDED, "step": None}, parts)
+        index = build_index({"format": UNIFIED if unified else SHARDED, "step": None}, parts)
         with atomic_dir(out_dir) as tmp:
             for record in index["files"]:
                 (partial / record["name"]).rename(tmp / record["name"])

@@ -19,7 +19,6 @@ and the write takes milliseconds, so a background thread would buy nothing. No t
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +29,18 @@ from stages.checkpoint.store import (
     UNIFIED,
     StateReader,
     checkpoint_name,
-    complete_checkpoints,
     finalize,
-    newest_valid,
     optimizer_key,
-    problems,
     prune,
-    remove_partial,
 )
-from stages.training.checkpointing import RankPart, _index, _rng_part, restore_rng, write_part
+from stages.training.checkpointing import (
+    RankPart,
+    add_rng_state,
+    build_index,
+    choose_checkpoint,
+    restore_rng,
+    write_part,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,25 +69,9 @@ class LocalCheckpointer:
         self.resume_from = section.get("resume_from_checkpoint", True)
 
     def find(self) -> StateReader | None:
-        """The checkpoint to resume from: the configured path (which must verify), else with
-        `resume_from_checkpoint: true` the newest complete and intact one in `run_dir`. Leftovers of
-        interrupted saves are removed; with `false`, earlier checkpoints are moved aside."""
-        if isinstance(self.resume_from, str):
-            path = Path(self.resume_from)
-            found = problems(path)
-            if found:
-                raise ValueError(f"resume_from_checkpoint={self.resume_from}: " + "; ".join(found))
-            return StateReader(path)
-        remove_partial(self.run_dir)
-        if self.resume_from:
-            newest = newest_valid(self.run_dir)
-            return StateReader(newest) if newest is not None else None
-        if complete_checkpoints(self.run_dir):
-            # starting afresh: keep the old checkpoints, out of the way of the new ones
-            aside = self.run_dir.with_name(f"{self.run_dir.name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
-            self.run_dir.rename(aside)
-            log.info("resume_from_checkpoint=false: moved the earlier checkpoints to %s", aside)
-        return None
+        """The checkpoint to resume from (`stages.training.checkpointing.choose_checkpoint`)."""
+        chosen = choose_checkpoint(self.run_dir, self.resume_from)
+        return StateReader(chosen) if chosen is not None else None
 
     def due(self, step: int, max_steps: int) -> bool:
         """Whether to save after optimizer step `step` (1-based); never after the last one, whose
@@ -102,10 +88,10 @@ class LocalCheckpointer:
             for key in OPTIMIZER_KEYS:
                 moment = state[key] if key in state else torch.zeros_like(param, dtype=torch.float32)
                 part.add(OPTIMIZER_FILE, optimizer_key(name, key), moment.detach().float())
-        _rng_part(part, 0)
+        add_rng_state(part, 0)
         partial = self.run_dir / f"{checkpoint_name(step)}.partial"
         n_updates = optimizer_step(optimizer)
-        index = _index({"format": UNIFIED, "step": step, "optimizer_step": n_updates}, [write_part(partial, part)])
+        index = build_index({"format": UNIFIED, "step": step, "optimizer_step": n_updates}, [write_part(partial, part)])
         state = {**trainer_state, "global_step": step, "optimizer_step": n_updates,
                  "lr_scheduler": scheduler.state_dict()}
         # No HF weight map: peft names do not load as a model; the adapter artifact is the output.
@@ -136,5 +122,5 @@ def restore(reader: StateReader, model: torch.nn.Module, optimizer: torch.optim.
     scheduler.load_state_dict(state["lr_scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
-    pass  # restore_rng(reader, 0)
+    restore_rng(reader, 0)
     return state

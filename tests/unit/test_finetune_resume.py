@@ -56,7 +56,7 @@ def lora_reference(tmp_path_factory, debug_model_dir, data_dir):
     return root / "out", run_dir, metrics
 
 
-def test_checkpoint_is_in_the_engine_format(lora_reference, debug_model_dir):
+def test_checkpoint_is_in_the_engine_format(lora_reference):
     out, run_dir, metrics = lora_reference
     assert metrics["resumed_from_step"] is None
     assert json.loads((out / "meta.json").read_text())["metrics"]["resumed_from_step"] is None
@@ -67,7 +67,7 @@ def test_checkpoint_is_in_the_engine_format(lora_reference, debug_model_dir):
     state = reader.trainer_state
     assert reader.index["format"] == "unified" and reader.index["optimizer_step"] == state["optimizer_step"] == 3
     assert state["global_step"] == 3 and len(state["losses"]) == 3 and len(state["train_log"]) == 3
-    trainable = {k for k in reader.keys("model")}
+    trainable = set(reader.keys("model"))
     assert trainable and all(".lora_A." in k or ".lora_B." in k for k in trainable)
     assert set(reader.keys("optimizer")) == {f"{k}.{m}" for k in trainable for m in ("exp_avg", "exp_avg_sq")}
     assert (path / "rng_state_0.safetensors").is_file()

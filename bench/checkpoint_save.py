@@ -11,8 +11,9 @@ on a synthetic prepared data dir, with its own empty checkpoints directory:
 What is measured, per mode:
 
 - stall: `metrics.checkpoint_save_stall_s` of meta.json, the seconds the step loop spent inside
-  each `Checkpointer.save` call. Sync: snapshot + serialise + write + fsync + finalize. Async: the
-  copy to CPU memory plus any wait for the previous save; the write runs in a background thread.
+  each save. Sync: snapshot + serialise + write + fsync + finalize. Async: the copy to CPU memory
+  plus any wait for the previous save, plus the deferred finish (records gathered, index, rename,
+  completion marker) at the first step where every rank's background writer is done.
 - full save: the time until the checkpoint is complete on disk. Sync: the stall. Async: the stall
   plus the time from the `checkpoint-N.partial` directory appearing (the background write starts
   right after the snapshot) to `checkpoint_complete.json` appearing, both seen by a thread of

@@ -121,3 +121,24 @@ def test_sharded_checkpoint_resumes_in_one_process(runs, tmp_path):
     nproc, layout = LAYOUTS["single"]
     log = torchrun(nproc, runs.data, tmp_path / "out", checkpoints=sharded_ckpt, **layout, **COMMON)
     np.testing.assert_allclose(log["loss"][5:], reference["loss"][5:], rtol=1e-5)
+
+
+MIXED = {  # DeepSpeed keeps the fp32 masters in two different places here: FP16_UnfusedOptimizer
+    # (no ZeRO) and the ZeRO-1 flat partitions, with fp16's dynamic loss scaler
+    "bf16_tp2": (2, dict(world_size=2, tensor_parallel_degree=2, bf16=True, per_device_train_batch_size=4,
+                         gradient_accumulation_steps=2)),
+    "fp16_stage1x2": (2, dict(world_size=2, sharding="stage1", fp16=True, per_device_train_batch_size=4)),
+}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", list(MIXED))
+def test_mixed_precision_resumes_bit_identically(runs, name, tmp_path):
+    """Same layout, bf16/fp16: the resumed run's weights (the fp32 masters) equal the uninterrupted run's bit for bit."""
+    nproc, layout = MIXED[name]
+    full = torchrun(nproc, runs.data, tmp_path / "full", checkpoints=tmp_path / "ckpt", **layout, **COMMON)
+    resumed = torchrun(nproc, runs.data, tmp_path / "resumed", checkpoints=tmp_path / "ckpt", **layout, **COMMON)
+    assert json.loads((tmp_path / "resumed" / "meta.json").read_text())["metrics"]["resumed_from_step"] == 5
+    assert (resumed["loss"] == full["loss"]).all()
+    a, b = load_state_dict(tmp_path / "full"), load_state_dict(tmp_path / "resumed")
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from stages.checkpoint.atomic import atomic_dir, write_json
+from stages.checkpoint.hf import save_config
 from stages.checkpoint.integrity import FileRecord, write_tensors
 from stages.checkpoint.store import (
     HF_INDEX,
@@ -340,8 +341,11 @@ class Checkpointer:
     """Saves every `save_steps` steps into `run_dir` (rotating to `save_total_limit`), optionally in
     a background thread, and finds the checkpoint to resume from. Every method is collective."""
 
-    def __init__(self, run_dir: Path, section: dict[str, Any], topology: Topology):
+    def __init__(self, run_dir: Path, section: dict[str, Any], topology: Topology, model_config=None):
+        """`model_config` (a LlamaConfig), when given, is written as config.json into unified
+        checkpoints, so that they load with `AutoModelForCausalLM.from_pretrained`."""
         self.run_dir = Path(run_dir)
+        self.model_config = model_config
         self.save_steps = int(section.get("save_steps", 0))
         self.limit = int(section.get("save_total_limit", 0))
         self.unified = bool(section.get("unified_checkpoint", True))
@@ -430,16 +434,20 @@ class Checkpointer:
         if self.rank == 0:
             index = build_index(header, parts)
             state = {**state, "optimizer_step": header["optimizer_step"]}
+            # unified: the weights also load with from_pretrained (sharded slices do not)
             hf_map = {k: e[0]["file"] for k, e in index["tensors"].items()
-                      if self.unified and e[0]["file"].startswith("model")}
+                      if e[0]["file"].startswith("model")} if self.unified else None
+            if self.unified and self.model_config is not None:
+                save_config(self.model_config, partial)
             finalize(partial, self.run_dir / checkpoint_name(step), index=index, trainer_state=state,
-                     hf_weight_map=hf_map if self.unified else None)
+                     hf_weight_map=hf_map)
             prune(self.run_dir, self.limit)
             log.info("saved %s", self.run_dir / checkpoint_name(step))
         dist.barrier()
 
 
 def build_index(header: dict[str, Any], parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """checkpoint_index.json from every rank's `write_part` result: tensor key -> its slices, all files."""
     tensors: dict[str, list[dict[str, Any]]] = {}
     files: list[dict[str, Any]] = []
     for written in parts:

@@ -229,7 +229,7 @@ def train(model: LlamaForCausalLM, source, section: dict[str, Any], out_dir: str
     checkpointer = resume = None
     if checkpoint_dir is not None:
         fingerprint = run_fingerprint(section, global_batch, {"model": config.to_hf_dict(), **(identity or {})})
-        checkpointer = Checkpointer(Path(checkpoint_dir) / fingerprint, section, topology)
+        checkpointer = Checkpointer(Path(checkpoint_dir) / fingerprint, section, topology, model_config=config)
         resume = checkpointer.find()
         if resume is not None:
             load_model_weights(model, resume)  # before any slicing: every layout starts from whole tensors

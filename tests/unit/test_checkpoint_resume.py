@@ -87,6 +87,10 @@ def test_checkpoint_is_the_single_device_layout(runs):
     assert state["layout"]["tensor_parallel_degree"] == 2 and state["layout"]["pipeline_parallel_degree"] == 2
     # each of the 4 ranks wrote a share of the model: no process gathered it
     assert len({p[0]["file"] for k, p in reader.tensors.items() if k in final}) == 4
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint)  # config.json + index: a plain HF model dir
+    assert torch.equal(hf.state_dict()["model.norm.weight"], reader.get("model.norm.weight"))
 
 
 @pytest.mark.multiproc

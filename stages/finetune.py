@@ -38,7 +38,8 @@ from stages.checkpoint.meta import write_meta
 from stages.checkpoint.store import StateReader
 from stages.data.sft import IGNORE_INDEX, encode_example, read_sft_file
 from stages.training.batches import SftBatches
-from stages.training.checkpointing import file_digest, run_fingerprint
+from stages.checkpoint.integrity import sha256_file
+from stages.training.checkpointing import model_identity, run_fingerprint
 from stages.training.engine import init_distributed, parallel_degrees
 from stages.training.engine import train as engine_train
 from stages.training.local_checkpoint import LocalCheckpointer, restore
@@ -273,14 +274,6 @@ def _dev_loss_of(model: torch.nn.Module, examples: Sequence[Example], batch_size
     return total / max(count, 1)
 
 
-def model_identity(model_dir: Path) -> dict[str, str]:
-    """Content hashes of a base model: its checkpoint index (which holds every weight file's sha256)
-    when a training stage wrote it, else the weight files themselves."""
-    files = [model_dir / "checkpoint_index.json"] if (model_dir / "checkpoint_index.json").exists() else \
-        sorted(model_dir.glob("*.safetensors"))
-    return {f.name: file_digest(f) for f in [model_dir / "config.json", *files]}
-
-
 def run_full_sft(model_dir: Path, out_dir: str | Path, config: dict[str, Any], tokenizer,
                  examples: Sequence[Example], dev: Sequence[Example] | None, train_path: Path | None = None,
                  checkpoint_dir: str | Path | None = None) -> dict[str, Any]:
@@ -297,7 +290,7 @@ def run_full_sft(model_dir: Path, out_dir: str | Path, config: dict[str, Any], t
     source = SftBatches(list(examples), config["max_length"], pad, config["seed"])
     identity = {"base": model_identity(model_dir)}
     if train_path is not None:
-        identity["train"] = file_digest(train_path)
+        identity["train"] = sha256_file(train_path)
     metrics = engine_train(model, source, config, out_dir, stage="finetune-sft", tokenizer_dir=model_dir,
                            parent=model_dir, meta_config=config, checkpoint_dir=checkpoint_dir, identity=identity)
     metrics.update(trainable_params=metrics["num_parameters"], total_params=metrics["num_parameters"],
@@ -311,7 +304,7 @@ def adapter_checkpointer(checkpoint_dir: str | Path, method: str, config: dict[s
                          train_path: Path) -> LocalCheckpointer:
     """LoRA / prefix checkpoints in `checkpoint_dir/<fingerprint>`: the fingerprint hashes the
     recipe, the base model's content, the training data and the method, so any change starts afresh."""
-    identity = {"base": model_identity(model_dir), "train": file_digest(train_path), "method": method}
+    identity = {"base": model_identity(model_dir), "train": sha256_file(train_path), "method": method}
     global_batch = config["per_device_train_batch_size"] * config["gradient_accumulation_steps"]
     return LocalCheckpointer(Path(checkpoint_dir) / run_fingerprint(config, global_batch, identity), config)
 

@@ -21,12 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from stages.checkpoint.hf import load_config, load_pretrained
+from stages.checkpoint.integrity import sha256_file
 from stages.config import ARCH_OVERRIDES
 from stages.data.corpus import load_split
 from stages.model import LlamaConfig, LlamaForCausalLM, build_model, config_for_flavour
 from stages.training.batches import WindowSampler
+from stages.training.checkpointing import model_identity
 from stages.training.engine import init_distributed, parallel_degrees, train
 from stages.training.seed import set_seed
+
 
 def _build_config(model_section: dict[str, Any], index: dict[str, Any]) -> LlamaConfig:
     if model_section.get("model_name_or_path"):
@@ -56,15 +59,11 @@ def sharded_output(section: dict[str, Any]) -> bool:
 
 
 def data_identity(data_dir: Path, model_section: dict[str, Any]) -> dict[str, Any]:
-    """What the checkpoints of a run depend on besides its config: the token files (index and
-    document offsets hashed, the token file's size) and a starting checkpoint's files."""
-    from stages.training.checkpointing import file_digest
-
-    identity = {"index": file_digest(data_dir / "index.json"), "train_idx": file_digest(data_dir / "train.idx"),
-                "train_bytes": (data_dir / "train.bin").stat().st_size}
-    source = model_section.get("model_name_or_path")
-    if source:
-        identity["init"] = {f.name: f.stat().st_size for f in sorted(Path(source).glob("*.safetensors"))}
+    """What the checkpoints of a run depend on besides its config: the content of the training
+    token files and of a starting checkpoint (hashing reads them once, ~1 s per GB)."""
+    identity = {name: sha256_file(data_dir / name) for name in ("index.json", "train.idx", "train.bin")}
+    if model_section.get("model_name_or_path"):
+        identity["init"] = model_identity(model_section["model_name_or_path"])
     return identity
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +46,7 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
     return write_bytes(path, save(tensors, metadata=meta))
 
 
-def sha256_file(path: Path) -> str:
+def sha256_file(path: str | Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
@@ -68,10 +67,3 @@ def verify(directory: Path, records: list[dict[str, Any]], hashes: bool = True) 
             problems.append(f"{path} does not match its sha256 in the index (corrupted)")
     return problems
 
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from stages.checkpoint.atomic import atomic_dir, write_json
 from stages.checkpoint.hf import save_config
-from stages.checkpoint.integrity import FileRecord, write_tensors
+from stages.checkpoint.integrity import FileRecord, sha256_file, write_tensors
 from stages.checkpoint.store import (
     HF_INDEX,
     INDEX,
@@ -87,12 +87,13 @@ def run_fingerprint(section: dict[str, Any], global_batch: int, identity: dict[s
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def file_digest(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
+def model_identity(model_dir: str | Path) -> dict[str, str]:
+    """Content hashes of a base model: its checkpoint index (which holds every weight file's sha256)
+    when a training stage wrote it, else the weight files themselves."""
+    model_dir = Path(model_dir)
+    files = [model_dir / "checkpoint_index.json"] if (model_dir / "checkpoint_index.json").exists() else \
+        sorted(model_dir.glob("*.safetensors"))
+    return {f.name: sha256_file(f) for f in [model_dir / "config.json", *files]}
 
 
 class OptimizerAccess:

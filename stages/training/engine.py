@@ -27,8 +27,6 @@ from stages.model import IGNORE_INDEX, LlamaForCausalLM
 from stages.parallel import ParallelDegrees, Topology, apply_tensor_parallel
 from stages.parallel.pipeline import PipelineRunner
 from stages.parallel.tensor import vocab_parallel_cross_entropy
-from stages.training.flops import flops_per_token, peak_matmul_flops
-from stages.training.log import TrainLog
 from stages.training.checkpointing import (
     Checkpointer,
     OptimizerAccess,
@@ -38,6 +36,8 @@ from stages.training.checkpointing import (
     run_fingerprint,
     write_final,
 )
+from stages.training.flops import flops_per_token, peak_matmul_flops
+from stages.training.log import TrainLog
 from stages.training.schedule import build_scheduler
 
 log = logging.getLogger(__name__)

@@ -33,8 +33,11 @@ LAYOUTS = {
                     gradient_accumulation_steps=4)),
     "tp2xpp2": (4, dict(world_size=4, tensor_parallel_degree=2, pipeline_parallel_degree=2,
                         per_device_train_batch_size=2, gradient_accumulation_steps=4)),
+    "pp2xstage1x2": (4, dict(world_size=4, pipeline_parallel_degree=2, sharding="stage1",
+                             per_device_train_batch_size=2, gradient_accumulation_steps=2)),
 }
-PAIRS = [("tp2", "dp2"), ("pp2", "tp2"), ("stage3x2", "single"), ("single", "tp2xpp2"), ("dp2", "stage1x2")]
+PAIRS = [("tp2", "dp2"), ("pp2", "tp2"), ("stage3x2", "single"), ("single", "tp2xpp2"), ("dp2", "stage1x2"),
+         ("tp2xpp2", "pp2xstage1x2")]  # the last: ZeRO's fragments under a pipeline, both ways sliced
 
 
 @pytest.fixture(scope="module")

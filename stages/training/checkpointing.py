@@ -43,6 +43,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from stages.checkpoint.atomic import atomic_dir, write_json
 from stages.checkpoint.hf import save_config
@@ -207,8 +208,6 @@ def add_rng_state(part: RankPart, rank: int) -> None:
 
 def restore_rng(reader: StateReader, rank: int) -> None:
     """This rank's RNG states, or rank 0's when the checkpoint had fewer ranks."""
-    from safetensors import safe_open
-
     path = reader.path / f"rng_state_{rank}.safetensors"
     if not path.exists():
         path = reader.path / "rng_state_0.safetensors"
@@ -291,7 +290,9 @@ def restore_training_state(engine, access: OptimizerAccess, names: dict[str, str
     for holder in (engine.optimizer, getattr(engine.optimizer, "loss_scaler", None)):
         for attr, value in state["loss_scaler"].items():
             if holder is not None and hasattr(holder, attr):
-                setattr(holder, attr, type(getattr(holder, attr))(value))
+                current = getattr(holder, attr)
+                setattr(holder, attr, torch.tensor(value, dtype=current.dtype, device=current.device)
+                        if torch.is_tensor(current) else type(current)(value))
     engine.global_steps = state["engine"]["global_steps"]
     engine.global_samples = state["engine"]["global_samples"]
     engine.skipped_steps = state["engine"]["skipped_steps"]

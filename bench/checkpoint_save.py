@@ -56,6 +56,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a file from anywhere: `stages` is the repo's package
 
+from stages.checkpoint.atomic import write_json  # noqa: E402
 from stages.checkpoint.store import COMPLETE, complete_checkpoints  # noqa: E402
 from stages.config import check_config  # noqa: E402
 from stages.data.corpus import write_token_files  # noqa: E402
@@ -270,9 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "layouts": layouts}
     print(format_report(result))
-    tmp_out = args.out.with_name(args.out.name + ".tmp")
-    tmp_out.write_text(json.dumps(result, indent=2))
-    os.replace(tmp_out, args.out)
+    write_json(args.out, result)  # atomic: a killed run leaves the previous JSON
     print(f"\nwrote {args.out}")
     return 0
 

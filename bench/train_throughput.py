@@ -39,6 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a file from anywhere: `stages` is the repo's package
 
+from stages.checkpoint.atomic import write_json  # noqa: E402
 from stages.config import check_config  # noqa: E402
 from stages.training.flops import flops_per_token, peak_matmul_flops  # noqa: E402
 from stages.model import build_model, config_for_flavour  # noqa: E402
@@ -497,9 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     print(format_report(result))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(args.out.name + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, args.out)
+    write_json(args.out, result)  # atomic: a killed run leaves the previous JSON
     print(f"\nwrote {args.out}")
     return 0
 

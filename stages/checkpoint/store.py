@@ -53,16 +53,24 @@ def optimizer_key(name: str, state_key: str) -> str:
     return f"{name}.{state_key}"
 
 
+def write_hf_index(directory: Path, index: dict[str, Any]) -> None:
+    """model.safetensors.index.json for the whole model tensors of a unified `index`, so that
+    `from_pretrained` finds them (its weight map: tensor -> file; optimizer files are left out)."""
+    weight_map = {key: parts[0]["file"] for key, parts in index["tensors"].items()
+                  if parts[0]["file"].startswith("model")}
+    total = sum(r["size"] for r in index["files"] if r["name"].startswith("model"))
+    write_json(directory / HF_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
 def finalize(partial: Path, final: Path, *, index: dict[str, Any], trainer_state: dict[str, Any] | None,
-             hf_weight_map: dict[str, str] | None) -> None:
-    """Rank 0, after every rank's files are in `partial`: write the indexes, rename to `final`,
-    then the completion marker (holding the indexes' sha256)."""
+             hf_index: bool) -> None:
+    """Rank 0, after every rank's files are in `partial`: write the indexes (with `hf_index` also
+    the Hugging Face one), rename to `final`, then the completion marker (holding the indexes' sha256)."""
     write_json(partial / INDEX, index)
     if trainer_state is not None:
         write_json(partial / TRAINER_STATE, trainer_state)
-    if hf_weight_map is not None:
-        total = sum(r["size"] for r in index["files"] if r["name"].startswith("model"))
-        write_json(partial / HF_INDEX, {"metadata": {"total_size": total}, "weight_map": hf_weight_map})
+    if hf_index:
+        write_hf_index(partial, index)
     if final.exists():  # a checkpoint of the same step from an earlier attempt
         shutil.rmtree(final)
     partial.rename(final)

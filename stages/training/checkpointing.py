@@ -49,7 +49,6 @@ from stages.checkpoint.atomic import atomic_dir, write_json
 from stages.checkpoint.hf import save_config
 from stages.checkpoint.integrity import FileRecord, sha256_file, write_tensors
 from stages.checkpoint.store import (
-    HF_INDEX,
     INDEX,
     OPTIMIZER_KEYS,
     SHARDED,
@@ -63,6 +62,7 @@ from stages.checkpoint.store import (
     problems,
     prune,
     remove_partial,
+    write_hf_index,
 )
 from stages.parallel.tensor import shard_tensor
 from stages.parallel.topology import Topology
@@ -146,9 +146,8 @@ class OptimizerAccess:
                 self.inner.state[hp][key].copy_(value)
 
     def step_count(self) -> int:
-        """Optimizer updates applied so far (Adam's `step`; skipped fp16 steps do not count)."""
-        steps = [float(s["step"]) for s in self.inner.state.values() if "step" in s]
-        return int(max(steps)) if steps else 0
+        """Optimizer updates applied so far (skipped fp16 steps do not count)."""
+        return adam_step_count(self.inner)
 
     def ensure_state(self, step: int) -> None:
         """Create Adam's state (zeros, `step`) for every tensor the optimizer updates: torch creates
@@ -164,6 +163,19 @@ class OptimizerAccess:
         link = getattr(self.wrapper, "_lazy_init_hp_params_optimizer_state", None)
         if link is not None:
             link()
+
+
+def adam_step_count(optimizer: torch.optim.Optimizer) -> int:
+    """Adam's update count (its per-tensor `step`; 0 before the first update)."""
+    steps = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
+    return int(max(steps)) if steps else 0
+
+
+def restore_scheduler(scheduler, state: dict[str, Any]) -> None:
+    """The LR scheduler of `state['lr_scheduler']`, and the optimizer's current rate to match."""
+    scheduler.load_state_dict(state["lr_scheduler"])
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+        group["lr"] = lr
 
 
 def _partition_dim(param: torch.nn.Parameter) -> int | None:
@@ -284,9 +296,7 @@ def restore_training_state(engine, access: OptimizerAccess, names: dict[str, str
         for key in (None, *OPTIMIZER_KEYS):
             full = reader.get(name if key is None else optimizer_key(name, key))
             access.set(param, key, shard_tensor(full, dim, tp_rank, tp) if dim is not None and tp > 1 else full)
-    scheduler.load_state_dict(state["lr_scheduler"])
-    for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
-        group["lr"] = lr
+    restore_scheduler(scheduler, state)
     for holder in (engine.optimizer, getattr(engine.optimizer, "loss_scaler", None)):
         for attr, value in state["loss_scaler"].items():
             if holder is not None and hasattr(holder, attr):
@@ -436,13 +446,10 @@ class Checkpointer:
         if self.rank == 0:
             index = build_index(header, parts)
             state = {**state, "optimizer_step": header["optimizer_step"]}
-            # unified: the weights also load with from_pretrained (sharded slices do not)
-            hf_map = {k: e[0]["file"] for k, e in index["tensors"].items()
-                      if e[0]["file"].startswith("model")} if self.unified else None
             if self.unified and self.model_config is not None:
                 save_config(self.model_config, partial)
             finalize(partial, self.run_dir / checkpoint_name(step), index=index, trainer_state=state,
-                     hf_weight_map=hf_map)
+                     hf_index=self.unified)  # sharded slices do not load with from_pretrained
             prune(self.run_dir, self.limit)
             log.info("saved %s", self.run_dir / checkpoint_name(step))
         dist.barrier()
@@ -480,8 +487,7 @@ def write_final(out_dir: Path, engine, access: OptimizerAccess, names: dict[str,
                 (partial / record["name"]).rename(tmp / record["name"])
             write_json(tmp / INDEX, index)
             if unified and [r["name"] for r in index["files"]] != ["model.safetensors"]:
-                write_json(tmp / HF_INDEX, {"metadata": {"total_size": sum(r["size"] for r in index["files"])},
-                                            "weight_map": {k: e[0]["file"] for k, e in index["tensors"].items()}})
+                write_hf_index(tmp, index)
             extra(tmp)
         shutil.rmtree(partial, ignore_errors=True)
     dist.barrier()

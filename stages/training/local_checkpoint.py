@@ -35,10 +35,12 @@ from stages.checkpoint.store import (
 )
 from stages.training.checkpointing import (
     RankPart,
+    adam_step_count,
     add_rng_state,
     build_index,
     choose_checkpoint,
     restore_rng,
+    restore_scheduler,
     write_part,
 )
 
@@ -50,12 +52,6 @@ MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.safetensors"
 def trainable_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The parameters the optimizer updates, by name (peft names for an adapter model)."""
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
-
-
-def optimizer_step(optimizer: torch.optim.Optimizer) -> int:
-    """Adam's update count (its per-parameter `step`; 0 before the first update)."""
-    steps = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
-    return int(max(steps)) if steps else 0
 
 
 class LocalCheckpointer:
@@ -90,13 +86,13 @@ class LocalCheckpointer:
                 part.add(OPTIMIZER_FILE, optimizer_key(name, key), moment.detach().float())
         add_rng_state(part, 0)
         partial = self.run_dir / f"{checkpoint_name(step)}.partial"
-        n_updates = optimizer_step(optimizer)
+        n_updates = adam_step_count(optimizer)
         index = build_index({"format": UNIFIED, "step": step, "optimizer_step": n_updates}, [write_part(partial, part)])
         state = {**trainer_state, "global_step": step, "optimizer_step": n_updates,
                  "lr_scheduler": scheduler.state_dict()}
         # No HF weight map: peft names do not load as a model; the adapter artifact is the output.
         final = self.run_dir / checkpoint_name(step)
-        finalize(partial, final, index=index, trainer_state=state, hf_weight_map=None)
+        finalize(partial, final, index=index, trainer_state=state, hf_index=False)
         prune(self.run_dir, self.limit)
         log.info("saved %s", final)
         return final
@@ -119,8 +115,6 @@ def restore(reader: StateReader, model: torch.nn.Module, optimizer: torch.optim.
             # Adam's state as its first update would have created it, then the saved values
             optimizer.state[param] = {"step": n_updates.clone(), **{
                 key: reader.get(optimizer_key(name, key)).to(param.dtype).clone() for key in OPTIMIZER_KEYS}}
-    scheduler.load_state_dict(state["lr_scheduler"])
-    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-        group["lr"] = lr
+    restore_scheduler(scheduler, state)
     restore_rng(reader, 0)
     return state

@@ -67,7 +67,7 @@ def _save_unified(run_dir: Path, step: int, *, name: str | None = None, seed: in
     index = {"format": UNIFIED, "step": step, "optimizer_step": step, "tensors": tensors,
              "files": sorted((r.to_json() for r in records), key=lambda r: r["name"])}
     finalize(partial, run_dir / name, index=index, trainer_state={"global_step": step, "optimizer_step": step},
-             hf_weight_map={k: MODEL_FILE for k in state})
+             hf_index=True)
     return run_dir / name
 
 
@@ -334,7 +334,7 @@ def _sharded_dir(directory: Path, state: dict[str, torch.Tensor], *, as_checkpoi
         (target / name).write_text(text)
     write_json(target / "meta.json", {"stage": "pretrain", "seed": 0})
     if as_checkpoint:
-        finalize(partial, directory, index=index, trainer_state={"global_step": 4}, hf_weight_map=None)
+        finalize(partial, directory, index=index, trainer_state={"global_step": 4}, hf_index=False)
     else:
         write_json(directory / INDEX, index)
     return directory

@@ -1,19 +1,96 @@
-"""The Llama-family model configuration and its named flavours.
+"""The Llama-family model configuration, its Hugging Face config.json, and the named flavours.
 
-One dataclass describes every size; a flavour is a named set of architecture fields. The
-vocabulary size is not part of a flavour: it comes from the tokenizer that `prepare` trained (or
-from the checkpoint being loaded), so the same flavour serves any tokenizer.
+One dataclass describes every size of three transformers families that share one architecture:
+`llama`, `qwen2` (q/k/v bias, per-layer sliding windows) and `mistral` (a sliding window on every
+layer). Field names and meanings are transformers' own, per family. A flavour is a named set of
+architecture fields; the vocabulary size is not part of it (it comes from the tokenizer or from the
+checkpoint being loaded).
+
+`LlamaConfig.from_hf_dict` sorts every key of a config.json into one of three kinds:
+
+- honoured (`HONOURED_KEYS`): read into a field and implemented exactly as transformers does,
+  in the transformers-4 layout (top-level `rope_theta`, `rope_scaling`) and the transformers-5
+  layout (`rope_parameters`);
+- carried (everything else transformers' class for that model_type does not read either, e.g.
+  `transformers_version`, `architectures`, `dtype`, `use_cache`, `pretraining_tp`): kept in
+  `extra` and written back unchanged. Keys outside `CARRIED_KEYS` are logged once as unknown;
+- refused: a value we cannot honour raises ValueError naming the file, the key, the value and
+  what is supported (`REFUSED_KEYS` lists the keys refused whenever they change the maths;
+  honoured keys are refused for unsupported values: hidden_act other than silu, rope types other
+  than `rope.SUPPORTED_ROPE_TYPES`, partial rotary factors, sliding layers without a window, ...).
+
+`to_hf_dict` writes the config back in the layout it came in (a transformers-5 config keeps
+`rope_parameters`, a transformers-4 one `rope_theta` + `rope_scaling`), with the source's
+`model_type` and `architectures`, so `AutoModelForCausalLM.from_pretrained` builds the same class.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from stages.model.rope import check_rope_scaling, rope_type
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
+ROPE_LAYOUTS = ("rope_scaling", "rope_parameters")  # transformers 4, transformers 5
+ACTIVATIONS = ("silu", "swish")  # both are SiLU in transformers' ACT2FN
+LAYER_TYPES = {"full_attention": False, "attention": False, "sliding_attention": True}  # -> slides?
+
+# transformers 5.23's defaults for the keys a config.json may omit, per family (the config classes'
+# field defaults; tests/unit/test_model_config_fidelity.py checks them against transformers).
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=None, head_dim=None, max_position_embeddings=2048,
+                  rms_norm_eps=1e-6, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",
+                  attention_dropout=0.0, attention_bias=False, mlp_bias=False),
+    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, head_dim=None, max_position_embeddings=32768,
+                  rms_norm_eps=1e-6, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",
+                  attention_dropout=0.0, use_sliding_window=False, sliding_window=4096, max_window_layers=28,
+                  layer_types=None),
+    "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=None, max_position_embeddings=131072,
+                    rms_norm_eps=1e-6, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",
+                    attention_dropout=0.0, sliding_window=4096),
+}
+# Honoured keys of each family: its defaults above, the RoPE keys and the special token ids.
+# (Qwen2's config class has no head_dim, but its modeling reads one when config.json has it.)
+_ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
+_TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+HONOURED_KEYS: dict[str, tuple[str, ...]] = {
+    family: ("model_type", *defaults, *_ROPE_KEYS, *_TOKEN_KEYS) for family, defaults in FAMILY_DEFAULTS.items()
+}
+# Bookkeeping that changes nothing in the forward pass: carried without comment.
+CARRIED_KEYS = frozenset({
+    "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache", "pretraining_tp",
+    "output_attentions", "output_hidden_states", "return_dict", "_name_or_path", "name_or_path",
+    "_commit_hash", "attn_implementation", "_attn_implementation_autoset", "id2label", "label2id",
+    "num_labels", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder",
+    "add_cross_attention", "tie_encoder_decoder", "tokenizer_class", "prefix", "task_specific_params",
+    "finetuning_task", "torchscript", "use_bfloat16", "sep_token_id", "decoder_start_token_id",
+    "max_length", "min_length", "do_sample", "temperature", "top_k", "top_p", "repetition_penalty",
+    "num_beams", "length_penalty", "no_repeat_ngram_size",
+})
+# Keys refused when present with anything but the neutral value, and why.
+REFUSED_KEYS: dict[str, tuple[Any, str]] = {
+    "quantization_config": (None, "a quantized checkpoint; this model loads float weights "
+                                  "(stages.quant.loader.load_quantized reads GPTQ checkpoints)"),
+    "is_causal": (True, "only causal (decoder) attention is implemented"),
+    "per_layer_config": (None, "per-layer configs (heterogeneous models) are not implemented"),
+    "partial_rotary_factor": (1.0, "only 1.0 (every head dimension rotated) is implemented"),
+}
 
 
 @dataclass
 class LlamaConfig:
+    """Architecture of one Llama-family model; names and meanings as in transformers' config of
+    `model_type`. Fields that belong to one family only say so."""
+
     vocab_size: int = 32000  # rows of the embedding and of lm_head
     hidden_size: int = 4096  # model width d
     intermediate_size: int = 11008  # SwiGLU inner width
@@ -21,20 +98,32 @@ class LlamaConfig:
     num_attention_heads: int = 32  # query heads
     num_key_value_heads: int | None = None  # KV heads (GQA); None means = attention heads
     head_dim: int | None = None  # None means hidden_size // num_attention_heads
-    max_position_embeddings: int = 4096  # longest sequence RoPE is prepared for
+    max_position_embeddings: int = 4096  # context length; dynamic/yarn RoPE scale relative to it
     rms_norm_eps: float = 1e-6  # epsilon inside RMSNorm
     rope_theta: float = 10000.0  # RoPE base frequency
-    rope_scaling: dict[str, Any] | None = None  # HF rope_scaling dict, e.g. {"rope_type": "llama3", ...}
-    attention_bias: bool = False  # bias on q/k/v projections (Qwen2 style)
+    rope_scaling: dict[str, Any] | None = None  # HF scaling dict with "rope_type" (see rope.py); None: plain
+    rope_layout: str = "rope_scaling"  # how config.json spells RoPE: "rope_scaling" (transformers 4:
+    #   top-level rope_theta + rope_scaling, read by 4 and 5) or "rope_parameters" (transformers 5)
+    hidden_act: str = "silu"  # MLP activation: "silu" (or its alias "swish")
+    attention_bias: bool = False  # llama: bias on q, k, v and o_proj; qwen2: q/k/v bias (always); mistral: none
+    mlp_bias: bool = False  # llama only: bias on gate/up/down_proj
+    attention_dropout: float = 0.0  # dropout on the attention probabilities, in training only
+    sliding_window: int | None = None  # mistral: window of every layer; qwen2: of its sliding layers
+    use_sliding_window: bool = False  # qwen2 only: sliding layers exist at all
+    max_window_layers: int | None = None  # qwen2 only: layers >= this index slide (when layer_types is None)
+    layer_types: list[str] | None = None  # qwen2 only: "full_attention"/"sliding_attention" per layer
     tie_word_embeddings: bool = False  # lm_head shares the embedding matrix
     initializer_range: float = 0.02  # std of the normal init of linear and embedding weights
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
-    model_type: str = "llama"  # "llama" or "qwen2": selects config.json's architecture name
-    extra: dict[str, Any] = field(default_factory=dict)  # HF config keys we carry but do not use
+    model_type: str = "llama"  # "llama", "qwen2" or "mistral": transformers' family and class
+    extra: dict[str, Any] = field(default_factory=dict)  # config.json keys carried unchanged
 
     def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type={self.model_type!r} is not supported; supported: "
+                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -49,52 +138,182 @@ class LlamaConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
-        if self.model_type not in ("llama", "qwen2"):
-            raise ValueError(f"model_type={self.model_type!r}: expected 'llama' or 'qwen2'")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; supported: "
+                             f"{', '.join(ACTIVATIONS)} (SwiGLU)")
+        if self.rope_layout not in ROPE_LAYOUTS:
+            raise ValueError(f"rope_layout={self.rope_layout!r}: expected one of {ROPE_LAYOUTS}")
+        check_rope_scaling(self.rope_scaling, self.rope_layout)
+        if not 0.0 <= self.attention_dropout < 1.0:
+            raise ValueError(f"attention_dropout={self.attention_dropout!r} must be in [0, 1)")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window={self.sliding_window!r} must be a positive number of tokens or null")
+        {"llama": self._check_llama, "qwen2": self._check_qwen2, "mistral": self._check_mistral}[self.model_type]()
+
+    def _refuse_set(self, names: tuple[str, ...], owners: str) -> None:
+        """Raise if any of `names` (options of the families `owners`) is set for this family."""
+        set_here = {n: getattr(self, n) for n in names if getattr(self, n) not in (None, False)}
+        if set_here:
+            raise ValueError(f"{set_here} exist only for model_type {owners}, not {self.model_type!r}; "
+                             f"transformers' {ARCHITECTURES[self.model_type]} has no such option")
+
+    def _check_llama(self) -> None:
+        self._refuse_set(("sliding_window", "use_sliding_window", "max_window_layers", "layer_types"),
+                         "'qwen2' / 'mistral'")
+
+    def _check_mistral(self) -> None:
+        self._refuse_set(("attention_bias", "mlp_bias"), "'llama'")
+        self._refuse_set(("use_sliding_window", "max_window_layers", "layer_types"), "'qwen2'")
+
+    def _check_qwen2(self) -> None:
+        self._refuse_set(("mlp_bias",), "'llama'")
+        self.attention_bias = True  # Qwen2 always has q/k/v bias (and never an o_proj bias)
+        if self.max_window_layers is None:
+            self.max_window_layers = FAMILY_DEFAULTS["qwen2"]["max_window_layers"]
+        if self.layer_types is not None:
+            bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+            if bad or len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types={self.layer_types!r} must list one of {sorted(LAYER_TYPES)} for "
+                                 f"each of the num_hidden_layers={self.num_hidden_layers} layers")
+            if any(LAYER_TYPES[t] for t in self.layer_types) and self._qwen2_window() is None:
+                raise ValueError(f"layer_types has sliding_attention layers but use_sliding_window="
+                                 f"{self.use_sliding_window} and sliding_window={self.sliding_window}: "
+                                 "transformers fails on this config too; set use_sliding_window: true and a "
+                                 "sliding_window, or make every layer full_attention")
+
+    def _qwen2_window(self) -> int | None:
+        return self.sliding_window if self.use_sliding_window else None
+
+    # -- what the model builds --------------------------------------------------------------------
+    @property
+    def qkv_bias(self) -> bool:
+        """Bias on q_proj, k_proj and v_proj."""
+        return self.attention_bias and self.model_type in ("llama", "qwen2")
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Bias on o_proj: transformers' Llama puts attention_bias on o_proj too, Qwen2 never does."""
+        return self.attention_bias and self.model_type == "llama"
+
+    def layer_windows(self) -> list[int | None]:
+        """Per layer, the sliding-window length in tokens (the query and the window-1 tokens before
+        it), or None for full causal attention, as transformers' class of `model_type` decides."""
+        n = self.num_hidden_layers
+        if self.model_type == "mistral":
+            return [self.sliding_window] * n
+        if self.model_type == "qwen2":
+            window = self._qwen2_window()
+            if self.layer_types is not None:
+                return [window if LAYER_TYPES[t] else None for t in self.layer_types]
+            return [window if window is not None and i >= self.max_window_layers else None for i in range(n)]
+        return [None] * n
 
     # -- Hugging Face config.json -------------------------------------------------------------
     def to_hf_dict(self) -> dict[str, Any]:
-        """The config.json that `transformers.AutoConfig` reads for this model."""
-        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.model_type]
-        d = {k: v for k, v in dataclasses.asdict(self).items() if k != "extra"}
-        d["architectures"] = [arch]
-        d["hidden_act"] = "silu"
-        d["torch_dtype"] = "float32"
-        if self.model_type == "qwen2":
-            d.pop("attention_bias")  # Qwen2 always has q/k/v bias
-        d.update(self.extra)
+        """The config.json that `transformers.AutoConfig` reads for this model: the carried keys
+        unchanged, then every honoured field of the family, RoPE in `rope_layout`."""
+        d = dict(self.extra)
+        d.setdefault("architectures", [ARCHITECTURES[self.model_type]])
+        if "dtype" not in d:
+            d.setdefault("torch_dtype", "float32")
+        family = [k for k in FAMILY_DEFAULTS[self.model_type] if k != "head_dim"]
+        d.update({k: getattr(self, k) for k in ("model_type", *family, *_TOKEN_KEYS)})
+        if self.model_type != "qwen2" or self.head_dim != self.hidden_size // self.num_attention_heads:
+            d["head_dim"] = self.head_dim  # Qwen2's config class has none; written only when it differs
+        if self.model_type == "qwen2" and self.layer_types is None:
+            d.pop("layer_types")  # absent (transformers 4): max_window_layers decides, as it was read
+        if self.rope_layout == "rope_parameters":
+            d["rope_parameters"] = {**(self.rope_scaling or {"rope_type": "default"}), "rope_theta": self.rope_theta}
+        else:
+            d["rope_theta"], d["rope_scaling"] = self.rope_theta, self.rope_scaling
         return d
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
-        """Read a Llama or Qwen2 config.json (unknown keys are kept in `extra`)."""
-        model_type = d.get("model_type", "llama")
-        if model_type not in ("llama", "qwen2"):
-            raise ValueError(
-                f"config.json has model_type={model_type!r}; this project loads 'llama' and "
-                "'qwen2' checkpoints"
-            )
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        known = {k: v for k, v in d.items() if k in names}
-        if model_type == "qwen2":
-            known["attention_bias"] = True
-        ignored = {"architectures", "hidden_act", "torch_dtype", "dtype", "transformers_version"}
-        extra = {k: v for k, v in d.items() if k not in names and k not in ignored}
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json has hidden_act={d['hidden_act']!r}; only 'silu' is supported")
-        return cls(**known, extra=extra)
+    def from_hf_dict(cls, d: dict[str, Any], source: str | Path | None = None) -> "LlamaConfig":
+        """Read a Llama, Qwen2 or Mistral config.json (either RoPE layout). Keys the config omits
+        take transformers' defaults for that model_type. Raises ValueError naming `source` (the
+        config.json path, when known), the key, its value and what is supported, for anything
+        that cannot be honoured."""
+        where = str(source) if source is not None else "config.json"
+        try:
+            return cls(**_fields_from_hf(d, where))
+        except ValueError as e:
+            if str(e).startswith(where):
+                raise
+            raise ValueError(f"{where}: {e}") from None
 
     def num_parameters(self) -> int:
         """Parameter count, computed from the shapes (no model is built)."""
-        d, h, kv, hd = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        d, h, kv, hd, f = (self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim,
+                           self.intermediate_size)
         attn = d * h * hd + 2 * d * kv * hd + h * hd * d
-        if self.attention_bias:
-            attn += h * hd + 2 * kv * hd
-        mlp = 3 * d * self.intermediate_size
+        attn += (h * hd + 2 * kv * hd) * self.qkv_bias + d * self.o_proj_bias
+        mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
         per_layer = attn + mlp + 2 * d
         emb = self.vocab_size * d
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return emb + self.num_hidden_layers * per_layer + d + head
+
+
+def _fields_from_hf(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """LlamaConfig keyword arguments from a config.json dict (see the module docstring)."""
+    model_type = d.get("model_type", "llama")
+    if model_type not in FAMILY_DEFAULTS:
+        raise ValueError(f"{where}: model_type={model_type!r} is not supported; supported model types: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)} (architectures {', '.join(ARCHITECTURES.values())})")
+    for key, (neutral, why) in REFUSED_KEYS.items():
+        if d.get(key, neutral) != neutral:
+            raise ValueError(f"{where}: {key}={d[key]!r} is not supported: {why}")
+    fields = {k: d.get(k, default) for k, default in FAMILY_DEFAULTS[model_type].items()}
+    fields.update({k: d.get(k) for k in _TOKEN_KEYS})
+    fields.update(_rope_from_hf(d, where))
+    extra = {k: v for k, v in d.items() if k not in HONOURED_KEYS[model_type]}
+    unknown = set(extra) - CARRIED_KEYS
+    if model_type == "mistral" and "layer_types" in extra:
+        _check_mistral_layer_types(extra["layer_types"], fields, where)
+        unknown.discard("layer_types")  # agrees with what MistralForCausalLM runs
+    if unknown:
+        log.warning("%s: carrying keys that transformers' %s does not read either: %s", where,
+                    ARCHITECTURES[model_type], sorted(unknown))
+    return {**fields, "model_type": model_type, "extra": extra}
+
+
+def _rope_from_hf(d: dict[str, Any], where: str) -> dict[str, Any]:
+    """rope_theta, rope_scaling and rope_layout from either layout, with transformers' precedence
+    (a theta inside rope_parameters wins over a top-level one; absent: 10000)."""
+    params, scaling = d.get("rope_parameters"), d.get("rope_scaling")
+    if params is not None and scaling is not None:
+        raise ValueError(f"{where}: both rope_parameters={params!r} and rope_scaling={scaling!r} are set; keep "
+                         "one (rope_parameters for transformers 5, rope_theta + rope_scaling for 4)")
+    if params is not None:
+        if any(isinstance(v, dict) for v in params.values()):
+            raise ValueError(f"{where}: rope_parameters={params!r} is nested per layer type; only one RoPE "
+                             "for all layers is supported")
+        params = dict(params)
+        theta = params.pop("rope_theta", d.get("rope_theta", 10000.0))
+        out = dict(rope_theta=theta, rope_scaling=params, rope_layout="rope_parameters")
+    else:
+        out = dict(rope_theta=d.get("rope_theta", 10000.0), rope_scaling=scaling, rope_layout="rope_scaling")
+    top_original = d.get("original_max_position_embeddings")
+    scaled = out["rope_scaling"] or {}
+    if top_original is not None and rope_type(scaled) in ("llama3", "yarn") and \
+            scaled.get("original_max_position_embeddings") != top_original:
+        raise ValueError(f"{where}: original_max_position_embeddings={top_original!r} at the top level differs from "
+                         f"{out['rope_layout']}.original_max_position_embeddings="
+                         f"{scaled.get('original_max_position_embeddings')!r}; transformers takes the top-level "
+                         f"one: move it into {out['rope_layout']}")
+    return out
+
+
+def _check_mistral_layer_types(layer_types: Any, fields: dict[str, Any], where: str) -> None:
+    """transformers' Mistral ignores layer_types (a sliding window on every layer, or on none);
+    a list that says otherwise belongs to another class (Ministral), so it is refused."""
+    kind = "full_attention" if fields["sliding_window"] is None else "sliding_attention"
+    if any(t != kind and LAYER_TYPES.get(t) != LAYER_TYPES[kind] for t in layer_types):
+        raise ValueError(f"{where}: layer_types={layer_types!r} with model_type='mistral': transformers' "
+                         f"MistralForCausalLM ignores it and gives every layer {kind} (sliding_window="
+                         f"{fields['sliding_window']}); per-layer windows are supported for model_type "
+                         "'qwen2' only (or remove layer_types)")
 
 
 # Architecture fields of each named flavour. Real sizes follow the published Llama 2 / 3.2 shapes.

@@ -1,4 +1,4 @@
-"""The Llama family (Llama 1/2/3, Qwen2-style q/k/v bias, GQA, RoPE scaling) written once.
+"""The Llama family (Llama 1/2/3, Qwen2, Mistral: biases, GQA, RoPE scaling, sliding windows) written once.
 
 Single-device and parallelism-free: tensor and pipeline parallelism are applied to a built model
 by `stages.parallel`, not written in here. Parameter names equal Hugging Face's
@@ -11,7 +11,7 @@ Shapes: B batch, T sequence, d hidden, H query heads, K kv heads, hd head dim, V
 
 from __future__ import annotations
 
-import math
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from stages.model.config import LlamaConfig
+from stages.model.rope import RotaryEmbedding
 
 IGNORE_INDEX = -100  # label value excluded from the loss (prompt tokens, padding)
 
@@ -38,30 +39,6 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inverse_frequencies(config: LlamaConfig) -> torch.Tensor:
-    """Per-pair rotation frequencies (hd/2,), with the rope_scaling rules of HF's Llama."""
-    hd = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-    scaling = config.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        # long wavelengths are slowed down by `factor`, short ones kept, the band between blended
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, blended, scaled)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3)")
-
-
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -72,20 +49,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-class Attention(nn.Module):
-    """Causal multi-head attention with grouped KV heads and rotary positions."""
+def sliding_window_causal_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """(T, T) bool, True where query i may attend key j: i - window < j <= i (the query and the
+    window - 1 tokens before it, as transformers' sliding_window_overlay on the causal mask)."""
+    pos = torch.arange(seq_len, device=device)
+    distance = pos[:, None] - pos[None, :]  # (T, T) query index minus key index
+    return (distance >= 0) & (distance < window)
 
-    def __init__(self, config: LlamaConfig):
+
+class Attention(nn.Module):
+    """Causal multi-head attention with grouped KV heads, rotary positions and, on the layers the
+    config marks sliding, a window of `sliding_window` tokens."""
+
+    def __init__(self, config: LlamaConfig, layer_idx: int):
         super().__init__()
         d, hd = config.hidden_size, config.head_dim
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = hd
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=bias)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=False)
+        self.sliding_window = config.layer_windows()[layer_idx]  # None: full causal attention
+        self.attention_dropout = config.attention_dropout
+        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * hd, d, bias=config.o_proj_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -99,7 +86,13 @@ class Attention(nn.Module):
         if groups > 1:  # each KV head serves `groups` query heads
             k = k.repeat_interleave(groups, dim=1)  # (B, H, T, hd)
             v = v.repeat_interleave(groups, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+        dropout = self.attention_dropout if self.training else 0.0
+        if self.sliding_window is None or T <= self.sliding_window:
+            # the window covers the whole sequence: keep SDPA's causal fast path, no mask tensor
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)  # (B, H, T, hd)
+        else:
+            mask = sliding_window_causal_mask(T, self.sliding_window, x.device)  # (T, T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*hd)
         return self.o_proj(y)
 
@@ -109,10 +102,10 @@ class MLP(nn.Module):
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(d, f, bias=False)
-        self.up_proj = nn.Linear(d, f, bias=False)
-        self.down_proj = nn.Linear(f, d, bias=False)
+        d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = nn.Linear(d, f, bias=bias)
+        self.up_proj = nn.Linear(d, f, bias=bias)
+        self.down_proj = nn.Linear(f, d, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -121,10 +114,10 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
 
-    def __init__(self, config: LlamaConfig):
+    def __init__(self, config: LlamaConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -139,7 +132,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(config) for i in range(config.num_hidden_layers)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_hidden_layers)})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -154,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inverse_frequencies(config), persistent=False)
+        self.rotary_emb = RotaryEmbedding(config)  # also called by every pipeline stage
         self.gradient_checkpointing = False  # activation recompute, one block at a time
         # Replaced by tensor parallelism with the vocab-parallel loss when logits stay split.
         self.loss_function = causal_lm_loss
@@ -170,28 +163,26 @@ class LlamaForCausalLM(nn.Module):
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
-        self.inv_freq.copy_(rope_inverse_frequencies(self.config))
-
-    def rope(self, seq_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(seq_len, device=device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq.to(device))  # (T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
-        return emb.cos(), emb.sin()
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
-        B, T = input_ids.shape
         x = self.model.embed_tokens(input_ids)  # (B, T, d)
-        cos, sin = self.rope(T, x.device)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        for layer in self.model.layers.values():
-            if self.gradient_checkpointing and self.training:
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin)
+        x = run_layers(self.model.layers.values(), x, self.rotary_emb,
+                       recompute=self.gradient_checkpointing and self.training)
         logits = self.lm_head(self.model.norm(x))  # (B, T, V)
         if labels is None:
             return logits
         return logits, self.loss_function(logits, labels)
+
+
+def run_layers(layers: Iterable[DecoderLayer], x: torch.Tensor, rotary_emb: RotaryEmbedding,
+               recompute: bool = False) -> torch.Tensor:
+    """Hidden states (B, T, d) through `layers` in order, with the RoPE tables of T positions.
+    The one code path of the whole model and of each pipeline stage; `recompute` checkpoints
+    one block at a time (activations are recomputed in backward)."""
+    cos, sin = rotary_emb(x.shape[1], x.device, x.dtype)  # (T, hd) each
+    for layer in layers:
+        x = checkpoint(layer, x, cos, sin, use_reentrant=False) if recompute else layer(x, cos, sin)
+    return x
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -32,9 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from stages.model.llama import IGNORE_INDEX, LlamaForCausalLM
+from stages.model.llama import IGNORE_INDEX, LlamaForCausalLM, run_layers
 
 
 def split_layers(num_layers: int, pipeline_parallel_degree: int, virtual_pp_degree: int = 1,
@@ -94,7 +93,9 @@ class PipelineStageModule(nn.Module):
     hidden; last chunk: hidden -> logits (B, T, V). A chunk that is both maps ids to logits.
 
     Parameter names equal the single-device model's (`model.layers.<global index>...`). RoPE
-    cos/sin are recomputed here from the sequence length of the incoming tensor, never sent.
+    cos/sin are recomputed here from the sequence length of the incoming tensor, never sent, by
+    the model's own `RotaryEmbedding` and `run_layers`: every rope type (dynamic NTK, YaRN's
+    attention factor) and each layer's sliding window behave exactly as in the whole model.
     """
 
     def __init__(self, model: LlamaForCausalLM, layer_ids: Sequence[int], is_first: bool, is_last: bool):
@@ -109,24 +110,14 @@ class PipelineStageModule(nn.Module):
         )
         if is_last:
             self.lm_head = model.lm_head
-        self.register_buffer("inv_freq", model.inv_freq.detach().clone(), persistent=False)
+        self.rotary_emb = model.rotary_emb  # the same object: one RoPE for the model and its stages
         self.gradient_checkpointing = model.gradient_checkpointing
-
-    def rope(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(seq_len, device=device, dtype=torch.float32)
-        freqs = torch.outer(pos, self.inv_freq.to(device))  # (T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
             x = self.model.embed_tokens(x)  # (B, T) ids -> (B, T, d)
-        cos, sin = self.rope(x.shape[1], x.device, x.dtype)
-        for layer in self.model.layers.values():
-            if self.gradient_checkpointing and self.training:
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin)
+        x = run_layers(self.model.layers.values(), x, self.rotary_emb,
+                       recompute=self.gradient_checkpointing and self.training)
         if self.is_last:
             x = self.lm_head(self.model.norm(x))  # (B, T, V)
         return x

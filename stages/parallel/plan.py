@@ -8,9 +8,12 @@ without any per-model table.
 Megatron's pairing inside a block: q/k/v and gate/up are column-parallel (each rank owns
 heads/tp query heads, kv_heads/tp KV heads and intermediate/tp MLP channels), o_proj and down_proj
 are row-parallel (their all-reduce restores the replicated residual stream). Norm weights stay
-replicated. Attention reads its head counts from the projection widths, so the unchanged
-`Attention.forward` runs on the local heads; GQA's query-to-KV grouping survives the split
-because rank r holds query heads [r*H/tp, ...) and exactly their KV heads [r*K/tp, ...).
+replicated. Biases follow their weight: q/k/v (and gate/up with mlp_bias) are split with the
+columns; o_proj (Llama's attention_bias) and down_proj (mlp_bias) keep one replicated bias that
+RowParallelLinear adds once, after the all-reduce, never once per rank. Attention reads its head
+counts from the projection widths, so the unchanged `Attention.forward` (sliding windows included)
+runs on the local heads; GQA's query-to-KV grouping survives the split because rank r holds query
+heads [r*H/tp, ...) and exactly their KV heads [r*K/tp, ...).
 """
 
 from __future__ import annotations

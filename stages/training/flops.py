@@ -14,18 +14,21 @@ from stages.model.config import LlamaConfig
 
 
 def flops_per_token(config: LlamaConfig, seq_len: int) -> dict[str, int]:
-    """Training FLOPs per token, PaLM-style: 6 * N_matmul + 12 * L * H * hd * T.
+    """Training FLOPs per token, PaLM-style: 6 * N_matmul + 12 * H * hd * sum over layers of T_l.
 
     N_matmul counts every weight a token is multiplied by: the attention and MLP projections of
-    all layers and lm_head (the embedding is a lookup, norms and biases are not matmuls). The
-    attention term is QK^T and AV (2 * 2 * T * H * hd forward per layer, x3 for forward+backward),
-    counted over the full T x T square as is customary, although a causal kernel may skip half.
+    all layers (with head_dim, which may differ from d / H) and lm_head (the embedding is a lookup,
+    norms and biases are not matmuls). The attention term is QK^T and AV (2 * 2 * T_l * H * hd
+    forward per layer, x3 for forward+backward), counted over the full T x T square as is
+    customary, although a causal kernel may skip half; T_l is T, or the window of a sliding-window
+    layer when that is shorter (each query then sees at most `window` keys).
     """
     d, L, H, K, hd = (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
                       config.num_key_value_heads, config.head_dim)
     per_layer = d * H * hd + 2 * d * K * hd + H * hd * d + 3 * d * config.intermediate_size
     n_matmul = L * per_layer + d * config.vocab_size
-    attention = 12 * L * H * hd * seq_len
+    keys_seen = sum(seq_len if w is None else min(seq_len, w) for w in config.layer_windows())
+    attention = 12 * H * hd * keys_seen
     return {"n_matmul_params": n_matmul, "dense": 6 * n_matmul, "attention": attention,
             "total": 6 * n_matmul + attention}
 

@@ -1,4 +1,6 @@
-"""Our Llama against transformers' LlamaForCausalLM / Qwen2ForCausalLM from the same weights."""
+"""Our Llama saved by us and run by transformers (LlamaForCausalLM / Qwen2ForCausalLM /
+MistralForCausalLM) from the same weights. The other direction, checkpoints that transformers wrote
+read by us, is tests/unit/test_model_config_fidelity.py."""
 
 import pytest
 import torch
@@ -17,21 +19,27 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
     {"num_key_value_heads": 4, "tie_word_embeddings": True},  # MHA, tied embeddings (Llama 3.2 style)
     {"rope_scaling": LLAMA3_SCALING, "rope_theta": 500000.0},  # Llama 3.1 RoPE scaling
     {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-    {"model_type": "qwen2", "attention_bias": True},  # Qwen2: q/k/v bias
-], ids=["gqa", "tied-mha", "llama3-rope", "linear-rope", "qwen2-bias"])
+    {"model_type": "qwen2", "attention_bias": True},  # Qwen2: q/k/v bias, none on o_proj
+    {"attention_bias": True, "mlp_bias": True, "head_dim": 32},  # Llama: q/k/v/o and MLP biases
+    {"model_type": "mistral", "sliding_window": 8},  # window shorter than the 40-token probe
+    {"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    {"rope_layout": "rope_parameters", "max_position_embeddings": 16,  # transformers-5 layout
+     "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}},
+    {"max_position_embeddings": 16, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+], ids=["gqa", "tied-mha", "llama3-rope", "linear-rope", "qwen2-bias", "llama-biases-head-dim", "mistral-window",
+        "qwen2-window", "yarn-rope-parameters", "dynamic-rope"])
 def test_logits_match_transformers(tmp_path, overrides):
     config = config_for_flavour("debug", vocab_size=301, **overrides)
     ours = build_model(config, seed=0).eval()
-    if config.attention_bias:  # zero-init biases would hide a bias bug
-        with torch.no_grad():
-            for layer in ours.model.layers.values():
-                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                    proj.bias.normal_(0, 0.1)
+    with torch.no_grad():  # zero-init biases would hide a bias bug
+        for name, p in ours.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0, 0.1)
     with atomic_dir(tmp_path / "m") as out:
         save_pretrained(ours, out)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
-    expected_cls = "Qwen2ForCausalLM" if config.model_type == "qwen2" else "LlamaForCausalLM"
-    assert type(theirs).__name__ == expected_cls
+    expected_cls = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+    assert type(theirs).__name__ == expected_cls[config.model_type]
     ids = torch.randint(0, 301, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), theirs(ids).logits, rtol=0, atol=1e-5)
@@ -67,6 +75,11 @@ def test_same_seed_same_weights_and_meta_device_builds_large_flavours():
         config = config_for_flavour(flavour, vocab_size=32000)
         big = build_model(config, device="meta")
         assert sum(p.numel() for p in big.parameters()) == config.num_parameters()
+    for overrides in ({"attention_bias": True, "mlp_bias": True, "head_dim": 32}, {"model_type": "qwen2"},
+                      {"model_type": "mistral", "head_dim": 8, "tie_word_embeddings": True}):
+        config = config_for_flavour("debug", vocab_size=64, **overrides)
+        small = build_model(config, device="meta")
+        assert sum(p.numel() for p in small.parameters()) == config.num_parameters(), overrides
     assert 6.5e9 < config_for_flavour("7b", vocab_size=32000).num_parameters() < 7e9
 
 

@@ -1,0 +1,178 @@
+"""Rotary position embeddings (RoPE) exactly as transformers computes them, one rope type at a time.
+
+`RotaryEmbedding(config)(seq_len, device, dtype)` returns the cos/sin tables of positions
+0..seq_len-1. The model and every pipeline stage call the same object, so a stage that holds
+layers 4..7 rotates by the same angles as the whole model, whatever the rope type.
+
+Each `_inv_freq_*` function follows `transformers/modeling_rope_utils.py` (5.23) operation by
+operation, in fp32 on the CPU (the tables are built before any `.to(device)`, as transformers
+builds its `inv_freq` buffer), so the tables equal transformers' bit for bit rather than being
+merely close. Rope types and their parameters (HF names, in `rope_parameters` / `rope_scaling`):
+
+- `default`: inv_freq = 1 / theta^(2i/hd).
+- `linear`: default / factor.
+- `dynamic` (NTK-aware): for a sequence longer than `max_position_embeddings` the base becomes
+  theta * (factor * T / max_pos - (factor - 1))^(hd / (hd - 2)), recomputed from T at every forward.
+  transformers caches the longest length seen so far and keeps using it for shorter sequences
+  until one is shorter than max_pos; ours is stateless (each forward uses its own T), which equals
+  transformers' for a fresh model and for non-decreasing lengths.
+- `llama3`: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings.
+- `yarn`: factor (None: max_pos / original), original_max_position_embeddings, beta_fast (32),
+  beta_slow (1), truncate (True), and attention_factor (or mscale / mscale_all_dim) that scales
+  cos and sin.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from stages.model.config import LlamaConfig
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+# Keys each rope type cannot do without (transformers raises KeyError without them as well).
+REQUIRED_ROPE_KEYS: dict[str, tuple[str, ...]] = {
+    "default": (), "linear": ("factor",), "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"), "yarn": ("factor",),
+}
+
+
+def rope_type(scaling: dict[str, Any] | None) -> str:
+    """The rope type of an HF scaling dict (`rope_type`, or the older `type`); `default` when None."""
+    scaling = scaling or {}
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def check_rope_scaling(scaling: dict[str, Any] | None, key: str) -> None:
+    """Raise ValueError, naming `key` (e.g. 'rope_parameters'), when the scaling dict asks for a
+    rope type or parameter this module does not compute."""
+    kind = rope_type(scaling)
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"{key}.rope_type={kind!r} is not supported; supported rope types: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    missing = [k for k in REQUIRED_ROPE_KEYS[kind] if k not in (scaling or {})]
+    if missing:
+        raise ValueError(f"{key} with rope_type={kind!r} lacks {missing}; transformers needs them too")
+    partial = (scaling or {}).get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise ValueError(f"{key}.partial_rotary_factor={partial!r} is not supported; only 1.0 (every "
+                         "head dimension rotated): transformers' Llama/Qwen2/Mistral ignore it for the "
+                         "default rope type and fail for the others")
+
+
+def _exponents(dim: int) -> torch.Tensor:
+    """2i/dim for i < dim/2, fp32 on the CPU (transformers: arange(0, dim, 2, int64).float() / dim)."""
+    return torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+
+
+def _inv_freq_default(theta: float, dim: int) -> torch.Tensor:
+    return 1.0 / (theta ** _exponents(dim))
+
+
+def _inv_freq_dynamic(theta: float, dim: int, factor: float, max_pos: int, seq_len: int | None) -> torch.Tensor:
+    """NTK-aware base for `seq_len` tokens (None: the model's own max_pos, i.e. the default base).
+    transformers passes max(position_ids) + 1 as an int64 tensor, so the base is an fp32 tensor."""
+    if seq_len is None:
+        seq = max_pos
+    else:
+        seq = torch.maximum(torch.tensor(seq_len, device="cpu"), torch.tensor(max_pos, device="cpu"))
+    base = theta * ((factor * seq / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+    return 1.0 / (base ** _exponents(dim))
+
+
+def _inv_freq_llama3(theta: float, dim: int, s: dict[str, Any], original_max: int) -> torch.Tensor:
+    """Llama 3.1: long wavelengths slowed by `factor`, short ones kept, the band between blended."""
+    inv_freq = _inv_freq_default(theta, dim)
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    low_freq_wavelen, high_freq_wavelen = original_max / low, original_max / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original_max / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_attention_factor(s: dict[str, Any], factor: float) -> float:
+    """YaRN's cos/sin multiplier: `attention_factor`, else 0.1 ln(factor) + 1 (with mscale ratios)."""
+    if s.get("attention_factor") is not None:
+        return s["attention_factor"]
+
+    def get_mscale(scale: float, mscale: float = 1) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    mscale, mscale_all_dim = s.get("mscale"), s.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+    return get_mscale(factor)
+
+
+def _inv_freq_yarn(theta: float, dim: int, s: dict[str, Any], original_max: int,
+                   max_pos: int) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate the low frequencies by `factor`, keep the high ones, ramp between the
+    dimensions whose rotation counts over `original_max` lie between beta_slow and beta_fast."""
+    factor = s["factor"] if s["factor"] is not None else max_pos / original_max
+    attention_factor = _yarn_attention_factor(s, factor)
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:  # dimension that turns `rotations` times over original_max
+        return (dim * math.log(original_max / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width would divide by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+
+    pos_freqs = theta ** _exponents(dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp  # 1: keep the original frequency (high frequencies), 0: interpolate
+    return interpolation * (1 - keep) + extrapolation * keep, attention_factor
+
+
+def rope_tables(config: "LlamaConfig", seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq (head_dim/2,) fp32 on the CPU, attention_factor) of `config`'s rope type, for a
+    sequence of `seq_len` tokens (only `dynamic` depends on it; None: max_position_embeddings)."""
+    s = config.rope_scaling or {}
+    kind, theta, dim = rope_type(s), config.rope_theta, config.head_dim
+    original_max = s.get("original_max_position_embeddings", config.max_position_embeddings)
+    if kind == "default":
+        return _inv_freq_default(theta, dim), 1.0
+    if kind == "linear":
+        return _inv_freq_default(theta, dim) / s["factor"], 1.0
+    if kind == "dynamic":
+        return _inv_freq_dynamic(theta, dim, s["factor"], config.max_position_embeddings, seq_len), 1.0
+    if kind == "llama3":
+        return _inv_freq_llama3(theta, dim, s, original_max), 1.0
+    if kind == "yarn":
+        return _inv_freq_yarn(theta, dim, s, original_max, config.max_position_embeddings)
+    raise ValueError(f"rope_type={kind!r} is not supported; supported rope types: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+class RotaryEmbedding:
+    """The cos/sin tables of one model's RoPE; shared by the model and its pipeline stages.
+
+    A plain object, not an nn.Module: its fp32 CPU frequencies are no state-dict entry, and
+    `model.to(torch.bfloat16)` (or DeepSpeed's cast) cannot round them to 8 bits of mantissa.
+    """
+
+    def __init__(self, config: "LlamaConfig"):
+        self.config = config
+        self.dynamic = rope_type(config.rope_scaling) == "dynamic"
+        self.inv_freq, self.attention_factor = rope_tables(config)  # (hd/2,), at the original length
+
+    def __call__(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of positions 0..seq_len-1, each (T, hd) in `dtype`, scaled by the attention factor."""
+        inv_freq = self.inv_freq
+        if self.dynamic and seq_len > self.config.max_position_embeddings:
+            inv_freq, _ = rope_tables(self.config, seq_len)  # NTK: a larger base for a longer sequence
+        pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq.to(device))  # (T, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+        cos, sin = emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)

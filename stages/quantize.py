@@ -5,9 +5,13 @@ Variants (the `quantize.variants` entries of the config):
   wint4  4-bit, one scale and zero point per `quantize.group_size` input features of each row
          (group_size -1 means per channel)
 
+Any causal LM that transformers builds from config.json (Llama, Qwen2, Mistral, GPT-2, OPT, Bloom,
+GPT-NeoX, ...): the quantized layers are the Linear / Conv1D layers of its decoder blocks, found on
+the model built on the meta device (`stages.quant.layers`).
+
 Output (`quant/<variant>/`, written atomically): the GPTQ-layout safetensors
-(`<layer>.qweight/qzeros/scales/g_idx`, see `stages.quant.gptq_format`; embeddings, norms and
-lm_head stay floating point), config.json with `quantization_config`, generation_config.json,
+(`<layer>.qweight/qzeros/scales/g_idx`, see `stages.quant.gptq_format`; embeddings, norms,
+lm_head and biases stay floating point), config.json with `quantization_config`, generation_config.json,
 the tokenizer files and meta.json. `stages.quant.load_quantized(dir)` reads it back on CPU.
 
 Metrics (meta.json `metrics`):
@@ -32,10 +36,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import transformers
+
 from stages.checkpoint.atomic import atomic_dir, write_json
 from stages.checkpoint.hf import copy_tokenizer, load_state_dict, save_state_dict
 from stages.checkpoint.meta import write_meta
 from stages.quant import quantization_config, quantize_model
+from stages.quant.layers import decoder_linear_layers, meta_model
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +77,10 @@ def run(source_dir: str | Path, out_dir: str | Path, variant: str, group_size: i
     if "quantization_config" in hf_config:
         raise ValueError(f"{source_dir} is already quantized; quantize.source must name a float model")
 
+    layers = decoder_linear_layers(meta_model(transformers.AutoConfig.from_pretrained(
+        source_dir, local_files_only=True, trust_remote_code=False)))
     # Quantize fully before opening the output: a bad group size fails without touching out_dir.
-    packed, errors = quantize_model(load_state_dict(source_dir), bits, group_size)
+    packed, errors = quantize_model(load_state_dict(source_dir), layers, bits, group_size)
     hf_config["quantization_config"] = quantization_config(bits, group_size)
 
     with atomic_dir(out_dir) as tmp:

@@ -10,7 +10,9 @@ padding, repeated calls) gives the same tokens as step-by-step full forwards wit
 per-step logits within 3e-7; save/load round-trips exactly; GQA models get prefixes of
 `num_key_value_heads * head_dim` per layer; the real tokens keep RoPE positions 0, 1, ... (the
 prefix takes cache slots, not positions). tests/unit/test_adapters.py keeps these checks, so an
-upgrade that breaks one of them fails there first.
+upgrade that breaks one of them fails there first. Qwen2, Mistral, GPT-2, OPT, Bloom and GPT-NeoX
+train and evaluate (batched left-padded generation included) with a prefix too:
+tests/unit/test_families.py (slow).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 import peft
 import torch
 
-from stages.adapters.lora import build_lora_config, check_target_modules
+from stages.adapters.lora import build_lora_config, check_target_modules, targets_conv1d
 from stages.adapters.prefix import build_prefix_config
 
 ADAPTER_METHODS = ("lora", "prefix")
@@ -19,7 +19,7 @@ def attach_adapter(model: torch.nn.Module, method: str, section: dict) -> peft.P
     """
     if method == "lora":
         check_target_modules(model, section["target_modules"])
-        config = build_lora_config(section)
+        config = build_lora_config(section, fan_in_fan_out=targets_conv1d(model, section["target_modules"]))
     elif method == "prefix":
         config = build_prefix_config(section)
     else:

@@ -1,5 +1,10 @@
 """Loading a GPTQ-layout checkpoint as a plain float `transformers` model, on CPU, with no GPTQ
-runtime: every `<name>.qweight/qzeros/scales/g_idx` group is dequantized back to `<name>.weight`.
+runtime: every `<name>.qweight/qzeros/scales/g_idx` group is dequantized back to `<name>.weight`
+(transposed back to (in, out) where `<name>` is a Conv1D, as in GPT-2).
+
+The float tensors are then loaded by transformers itself (`from_pretrained(None, config=...,
+state_dict=...)`), so its checkpoint-name conversions (e.g. GPT-NeoX's `embed_out` -> `lm_head`)
+and weight tying apply exactly as for an unquantized directory.
 
 This is how the project evaluates its own quantized artifacts: the numbers equal what a GPTQ
 kernel computes up to float accumulation order, since the weights are exactly s * (q - z).
@@ -16,6 +21,7 @@ import transformers
 
 from stages.checkpoint.hf import load_state_dict
 from stages.quant.gptq_format import QUANT_SUFFIXES, dequantize_packed
+from stages.quant.layers import linear_layers, meta_model
 
 log = logging.getLogger(__name__)
 
@@ -36,36 +42,38 @@ def read_quantization_config(model_dir: str | Path) -> tuple[dict, dict]:
     return config, qcfg
 
 
-def dequantize_state_dict(state: dict[str, torch.Tensor], bits: int) -> dict[str, torch.Tensor]:
-    """Turn each `<name>.qweight` group into a float32 `<name>.weight`; other tensors become float32."""
+def dequantize_state_dict(state: dict[str, torch.Tensor], bits: int,
+                          transposed: dict[str, bool] | None = None) -> dict[str, torch.Tensor]:
+    """Turn each `<name>.qweight` group into a float32 `<name>.weight`, (out, in), or (in, out) when
+    `transposed[name]` is True (a Conv1D); every other tensor becomes float32."""
+    transposed = transposed or {}
     prefixes = [k.removesuffix(".qweight") for k in state if k.endswith(".qweight")]
-    out = {k: v.float() for k, v in state.items()
-           if not any(k == f"{p}.{s}" for p in prefixes for s in QUANT_SUFFIXES)}
+    packed_keys = {f"{p}.{s}" for p in prefixes for s in QUANT_SUFFIXES}
+    out = {k: v.float() for k, v in state.items() if k not in packed_keys}
     for p in prefixes:
-        tensors = {s: state[f"{p}.{s}"] for s in QUANT_SUFFIXES}
-        out[f"{p}.weight"] = dequantize_packed(tensors, bits)
+        w = dequantize_packed({s: state[f"{p}.{s}"] for s in QUANT_SUFFIXES}, bits)  # (out, in)
+        out[f"{p}.weight"] = w.t().contiguous() if transposed.get(p, False) else w
     return out
 
 
 def load_quantized(model_dir: str | Path) -> transformers.PreTrainedModel:
-    """A float32 `transformers` causal LM (e.g. LlamaForCausalLM) with dequantized weights, in eval mode.
-
-    Built from config.json with its quantization_config removed; weights read with safetensors only.
-    """
+    """A float32 `transformers` causal LM (e.g. LlamaForCausalLM, GPT2LMHeadModel) with dequantized
+    weights, in eval mode. Built from config.json with its quantization_config removed; weights read
+    with safetensors only. ValueError when the tensors do not fill the model exactly."""
+    model_dir = Path(model_dir)
     config_dict, qcfg = read_quantization_config(model_dir)
-    config_dict["torch_dtype"] = "float32"
+    config_dict.pop("torch_dtype", None)
+    config_dict.pop("dtype", None)
     config = transformers.AutoConfig.for_model(**config_dict)
     packed = load_state_dict(model_dir)
     n_layers = sum(k.endswith(".qweight") for k in packed)
-    state = dequantize_state_dict(packed, int(qcfg["bits"]))
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # shared with the embedding, which tie_weights restores
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"{model_dir}: dequantized weights do not match config.json: "
-                         f"missing={missing[:5]} unexpected={unexpected[:5]}")
-    model.tie_weights()
+    state = dequantize_state_dict(packed, int(qcfg["bits"]), linear_layers(meta_model(config)))
+    model_class = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    model, info = model_class.from_pretrained(None, config=config, state_dict=state, dtype=torch.float32,
+                                              output_loading_info=True)
+    problems = {k: sorted(v)[:5] for k, v in info.items()
+                if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if problems:
+        raise ValueError(f"{model_dir}: dequantized weights do not match config.json: {problems}")
     log.info("loaded %s with %d dequantized layers (%d bits)", model_dir, n_layers, qcfg["bits"])
     return model.eval()

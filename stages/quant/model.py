@@ -1,17 +1,19 @@
-"""Quantizing a whole decoder state dict into GPTQ tensors, and the matching quantization_config.
+"""Quantizing a checkpoint's decoder Linears into GPTQ tensors, and the matching quantization_config.
 
-Quantized: every Linear of the decoder blocks, i.e. the weights named
-`model.layers.<i>.self_attn.{q,k,v,o}_proj.weight` and `model.layers.<i>.mlp.{gate,up,down}_proj.weight`.
-Kept in floating point: the token embedding, the RMSNorm weights, lm_head and every bias. These are
-what GPTQ runtimes keep unquantized too (their QuantLinear replaces only the block Linears), and
-the embedding / lm_head are the layers most sensitive to rounding.
+Which layers: `stages.quant.layers.decoder_linear_layers` (every Linear / Conv1D of the decoder
+blocks, found on the model built from config.json). Everything else (embeddings, norms, lm_head,
+every bias) passes through unchanged in floating point: GPTQ runtimes keep those unquantized too,
+and the embedding / lm_head are the layers most sensitive to rounding.
+
+The GPTQ layout wants W as (out, in). A Conv1D weight is stored as W^T (in, out), so it is
+transposed before quantizing, as GPTQModel and AutoGPTQ do when they pack GPT-2 (their QuantLinear
+then has in_features = weight.shape[0]); `stages.quant.loader` transposes back.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import re
 from typing import Any
 
 import torch
@@ -21,20 +23,13 @@ from stages.quant.rtn import dequantize_weight, quantize_weight, relative_error
 
 log = logging.getLogger(__name__)
 
-# HF parameter names of the decoder Linears (ours match HF's, see stages/model/llama.py).
-QUANTIZED_WEIGHT = re.compile(
-    r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$"
-)
-
-
-def is_quantized_weight(name: str) -> bool:
-    return QUANTIZED_WEIGHT.match(name) is not None
-
 
 def quantization_config(bits: int, group_size: int) -> dict[str, Any]:
     """The `quantization_config` entry of config.json for RTN weights in the classic GPTQ layout.
 
-    damp_percent is left out: no Hessian (and so no dampening) is used by RTN.
+    damp_percent is left out: no Hessian (and so no dampening) is used by RTN. No
+    `modules_in_block_to_quantize` either: every Linear / Conv1D of the blocks is quantized, which
+    is what runtimes assume without it.
     """
     return {
         "quant_method": "gptq",
@@ -47,44 +42,64 @@ def quantization_config(bits: int, group_size: int) -> dict[str, Any]:
     }
 
 
-def _check_group_size(state: dict[str, torch.Tensor], group_size: int) -> None:
-    """Raise one error listing every input width that `group_size` does not divide."""
-    if group_size == -1:
-        return
-    widths = {t.shape[1] for n, t in state.items() if is_quantized_weight(n)}
-    bad = sorted(w for w in widths if group_size <= 0 or w % group_size)
-    if bad:
-        gcd = math.gcd(*widths)
-        raise ValueError(
-            f"quantize.group_size={group_size} does not divide the input width(s) {bad} of the decoder "
-            f"Linears (all widths: {sorted(widths)}); choose a divisor of {gcd} or -1 for per channel"
-        )
+def layer_weights(state: dict[str, torch.Tensor], layers: dict[str, bool]) -> dict[str, torch.Tensor]:
+    """{layer name: W (out, in)} for each of `layers` ({name: stored transposed}), read from the
+    checkpoint tensors `state` (Conv1D weights transposed to (out, in)). ValueError naming the
+    first layer whose `<name>.weight` the checkpoint lacks."""
+    missing = [f"{name}.weight" for name in layers if f"{name}.weight" not in state]
+    if missing:
+        raise ValueError(f"the checkpoint has no tensor {missing[0]} ({len(missing)} of {len(layers)} decoder "
+                         "Linear weights missing); its tensor names do not follow the module names of the "
+                         "model built from its config.json, so it cannot be quantized here")
+    return {name: state[f"{name}.weight"].t() if transposed else state[f"{name}.weight"]
+            for name, transposed in layers.items()}
+
+
+def check_shapes(weights: dict[str, torch.Tensor], bits: int, group_size: int) -> None:
+    """Raise one ValueError naming the layer widths that `group_size` does not divide, or the layer
+    whose width the packer cannot store (a multiple of 32 // bits is needed in and out)."""
+    in_widths: dict[int, str] = {}
+    for name, w in weights.items():
+        in_widths.setdefault(w.shape[1], name)
+    if group_size != -1:
+        bad = sorted(width for width in in_widths if group_size <= 0 or width % group_size)
+        if bad:
+            examples = ", ".join(f"{in_widths[width]} has {width}" for width in bad)
+            raise ValueError(
+                f"quantize.group_size={group_size} does not divide the input width(s) {bad} of the decoder "
+                f"Linears ({examples}; all widths: {sorted(in_widths)}); choose a divisor of "
+                f"{math.gcd(*in_widths)} or -1 for per channel"
+            )
+    per_word = 32 // bits
+    for name, w in weights.items():
+        out_f, in_f = w.shape
+        if out_f % per_word or in_f % per_word:
+            raise ValueError(f"{name}: weight (out={out_f}, in={in_f}) cannot be packed at {bits} bits: the "
+                             f"GPTQ layout needs both widths divisible by {per_word}")
 
 
 def quantize_model(
-    state: dict[str, torch.Tensor], bits: int, group_size: int,
+    state: dict[str, torch.Tensor], layers: dict[str, bool], bits: int, group_size: int,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Replace each decoder Linear `<name>.weight` by `<name>.{qweight,qzeros,scales,g_idx}`.
+    """Replace the weight of each of `layers` ({name: stored transposed}) by
+    `<name>.{qweight,qzeros,scales,g_idx}`; every other tensor of `state` passes through unchanged.
 
-    Returns the new state dict (other tensors passed through unchanged) and, per quantized layer,
-    the relative reconstruction error ||W - W_hat||_F / ||W||_F of the weight as stored (float16
-    scales included). Raises ValueError if group_size does not divide a layer's input width or if
-    no decoder Linear is found.
+    Returns the new state dict and, per quantized layer, the relative reconstruction error
+    ||W - W_hat||_F / ||W||_F of the weight as stored (float16 scales included). Raises ValueError
+    before quantizing anything if a layer is missing, group_size does not divide a layer's input
+    width, or a width cannot be packed.
     """
-    _check_group_size(state, group_size)
-    out: dict[str, torch.Tensor] = {}
+    if not layers:
+        raise ValueError("no decoder Linear layers were given to quantize")
+    weights = layer_weights(state, layers)
+    check_shapes(weights, bits, group_size)
+    replaced = {f"{name}.weight" for name in weights}
+    out = {k: v for k, v in state.items() if k not in replaced}
     errors: dict[str, float] = {}
-    for name, tensor in state.items():
-        if not is_quantized_weight(name):
-            out[name] = tensor
-            continue
-        prefix = name.removesuffix(".weight")
-        q = quantize_weight(tensor, bits, group_size, name=name)
+    for name, w in weights.items():
+        q = quantize_weight(w, bits, group_size, name=name)
         for suffix, packed in gptq_format.pack(q).items():
-            out[f"{prefix}.{suffix}"] = packed
-        errors[prefix] = relative_error(tensor, dequantize_weight(q))
-    if not errors:
-        raise ValueError("no decoder Linear weights (model.layers.<i>.self_attn/mlp ... .weight) were "
-                         "found to quantize; is this a Llama/Qwen2 Hugging Face checkpoint?")
+            out[f"{name}.{suffix}"] = packed
+        errors[name] = relative_error(w, dequantize_weight(q))
     log.info("quantized %d layers to %d bits (group_size=%d)", len(errors), bits, group_size)
     return out, errors

@@ -95,3 +95,55 @@ def test_prefix_forward_and_generate_agree(base):
     assert out.sequences.tolist() == cur.tolist() == again.tolist()
     for i, score in enumerate(out.scores):  # cached decoding = full forward, 1e-5 for fp32 reordering
         torch.testing.assert_close(score[0], full[0, ids.shape[1] - 1 + i], rtol=0, atol=1e-5)
+
+
+def test_all_linear_on_llama_is_the_default_list(debug_model_dir):
+    """"all-linear" wraps exactly q, k, v, o, gate, up, down of every block (not lm_head) and, from
+    the same seed, gives the very adapter the schema's default list gives."""
+    default = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapters = {}
+    for targets in (default, "all-linear"):
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_pretrained(debug_model_dir, dtype=torch.float32)
+        section = finetune_section("lora", target_modules=default) | {"target_modules": targets}
+        model = attach_adapter(base, "lora", section)
+        wrapped = {n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)}
+        assert wrapped == set(default)
+        adapters[str(targets)] = peft.get_peft_model_state_dict(model)
+    a, b = adapters.values()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_target_modules_string_must_be_all_linear(base):
+    check_target_modules(base, "all-linear")
+    with pytest.raises(ValueError, match=r"target_modules='q_proj': a string must be 'all-linear'"):
+        check_target_modules(base, "q_proj")
+
+
+def test_gpt2_conv1d_layers_are_targets():
+    """GPT-2's Conv1D layers (weight (in, out)) are LoRA targets; a dotted suffix picks one of two
+    layers sharing a leaf name; fan_in_fan_out is set so peft applies B A transposed."""
+    from transformers import GPT2Config
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=16, vocab_size=64))
+    assert {"c_attn", "c_fc", "c_proj", "lm_head"} <= set(lora_modules(base))
+    check_target_modules(base, ["c_attn", "mlp.c_proj"])
+    with pytest.raises(ValueError, match=r"\['mlp\.c_attn'\]"):
+        check_target_modules(base, ["mlp.c_attn"])
+    section = finetune_section("lora", lora_rank=2) | {"target_modules": ["c_attn", "mlp.c_proj"]}
+    model = attach_adapter(base, "lora", section)
+    assert model.peft_config["default"].fan_in_fan_out
+    wrapped = sorted(n for n, m in model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer))
+    assert [n.removeprefix("base_model.model.") for n in wrapped] == ["transformer.h.0.attn.c_attn",
+                                                                     "transformer.h.0.mlp.c_proj"]
+    with torch.no_grad():  # a non-zero B: the adapter's output must be B A x on the (in, out) weight
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    ids = torch.randint(0, 64, (1, 8))
+    model.eval()  # GPT-2's dropout
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        merged = model.merge_and_unload()(input_ids=ids).logits
+    torch.testing.assert_close(merged, adapted, rtol=0, atol=1e-5)

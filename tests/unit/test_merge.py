@@ -40,6 +40,7 @@ def probe(vocab_size: int) -> torch.Tensor:
 def test_merged_logits_equal_adapter_logits(merged, adapter_dir, debug_model_dir):
     out, metrics = merged
     assert metrics["max_abs_logit_diff"] <= TOL and metrics["lora_rank"] == 4
+    assert metrics["rel_err"] == metrics["max_abs_logit_diff"] / metrics["logit_scale"] <= merge.RTOL
     assert metrics["merged_modules"] == 2 * 3  # (q_proj, v_proj, down_proj) x 2 layers
     base = AutoModelForCausalLM.from_pretrained(debug_model_dir, dtype=torch.float32).eval()
     ids = probe(base.config.vocab_size)
@@ -80,9 +81,25 @@ def test_mismatch_raises_with_the_numbers_and_writes_nothing(tmp_path, adapter_d
         return real(model, ids) + (1e-3 if len(calls) == 2 else 0.0)
 
     monkeypatch.setattr(merge, "logits_of", drifting)
-    with pytest.raises(merge.MergeMismatchError, match=r"max \|diff\|=1\.0\d*e-03 > atol=1\.0e-04"):
+    with pytest.raises(merge.MergeMismatchError,
+                       match=r"max \|diff\|=1\.0\d*e-03, .* of the logit scale .* > rtol=1\.0e-04"):
         merge.run(adapter_dir, tmp_path / "m")
     assert not (tmp_path / "m").exists()
+
+
+def test_tolerance_scales_with_the_logits(tmp_path, adapter_dir, monkeypatch):
+    """Logits 1000x larger (a trained model's range) with an extra 2e-4 of float noise pass: the
+    bound is relative (an absolute 1e-4 failed a correct 135M merge, 2.2e-4 off)."""
+    calls = []
+    real = merge.logits_of
+
+    def large(model, ids):
+        calls.append(1)
+        return real(model, ids) * 1000 + (2e-4 if len(calls) == 2 else 0.0)
+
+    monkeypatch.setattr(merge, "logits_of", large)
+    metrics = merge.run(adapter_dir, tmp_path / "m")
+    assert metrics["max_abs_logit_diff"] > 1e-4 and metrics["rel_err"] <= merge.RTOL
 
 
 def test_prefix_adapter_is_refused(tmp_path, debug_model_dir):

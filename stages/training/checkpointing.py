@@ -46,7 +46,6 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from stages.checkpoint.atomic import atomic_dir, write_json
-from stages.checkpoint.hf import save_config
 from stages.checkpoint.integrity import FileRecord, sha256_file, write_tensors
 from stages.checkpoint.store import (
     INDEX,
@@ -66,6 +65,7 @@ from stages.checkpoint.store import (
 )
 from stages.parallel.tensor import shard_tensor
 from stages.parallel.topology import Topology
+from stages.training.families import write_config
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +278,9 @@ def snapshot(engine, access: OptimizerAccess, names: dict[str, str], topology: T
 
 
 def load_model_weights(model: torch.nn.Module, reader: StateReader) -> None:
-    """Copy the checkpoint's master weights into the full (not yet parallelised) model."""
+    """Copy the checkpoint's master weights into the full (not yet parallelised) model. A tied
+    lm_head is one parameter under its embedding's name (`named_parameters` lists it once, and a
+    checkpoint holds it once), so loading the embedding loads both and the tie stays."""
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(reader.get(name).to(param.dtype))
@@ -354,8 +356,9 @@ class Checkpointer:
     a background thread, and finds the checkpoint to resume from. Every method is collective."""
 
     def __init__(self, run_dir: Path, section: dict[str, Any], topology: Topology, model_config=None):
-        """`model_config` (a LlamaConfig), when given, is written as config.json into unified
-        checkpoints, so that they load with `AutoModelForCausalLM.from_pretrained`."""
+        """`model_config` (our LlamaConfig or a transformers config), when given, is written as
+        config.json into unified checkpoints, so that they load with
+        `AutoModelForCausalLM.from_pretrained`."""
         self.run_dir = Path(run_dir)
         self.model_config = model_config
         self.save_steps = int(section.get("save_steps", 0))
@@ -447,7 +450,7 @@ class Checkpointer:
             index = build_index(header, parts)
             state = {**state, "optimizer_step": header["optimizer_step"]}
             if self.unified and self.model_config is not None:
-                save_config(self.model_config, partial)
+                write_config(self.model_config, partial)
             finalize(partial, self.run_dir / checkpoint_name(step), index=index, trainer_state=state,
                      hf_index=self.unified)  # sharded slices do not load with from_pretrained
             prune(self.run_dir, self.limit)

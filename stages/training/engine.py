@@ -7,11 +7,18 @@ them with torch.distributed.pipelining (1F1B, or interleaved 1F1B when virtual_p
 step's `gradient_accumulation_steps` being its micro-batches; DeepSpeed ZeRO (`sharding`) shards
 over the data-parallel group, with `mpu=topology`. Every layout starts from the full model's
 weights, sees the same global batch, and the loss of a step is the mean over every learned token
-of that global batch, so all layouts follow the single-process curve.
+of that global batch, so all layouts follow the single-process curve (exactly so without dropout:
+each rank draws the dropout masks of its own examples).
+
+The model is our LlamaForCausalLM (every layout) or any transformers causal LM (data parallel and
+ZeRO only; `stages.training.families` says which families go where and holds what differs: the
+config written and hashed, gradient checkpointing, the FLOPs estimate). Parameters are named as in
+the single-device model, a tied lm_head under its embedding's name only, as Hugging Face saves it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -21,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from stages.checkpoint.hf import copy_tokenizer, save_config
+from stages.checkpoint.hf import copy_tokenizer
 from stages.checkpoint.meta import write_meta
 from stages.model import IGNORE_INDEX, LlamaForCausalLM
 from stages.parallel import ParallelDegrees, Topology, apply_tensor_parallel
@@ -35,6 +42,14 @@ from stages.training.checkpointing import (
     restore_training_state,
     run_fingerprint,
     write_final,
+)
+from stages.training.capabilities import fp16_unsupported_reason
+from stages.training.families import (
+    check_transformers_model,
+    config_identity,
+    estimated_flops_per_token,
+    prepare_transformers_model,
+    write_config,
 )
 from stages.training.flops import flops_per_token, peak_matmul_flops
 from stages.training.log import TrainLog
@@ -104,13 +119,22 @@ def _free_port() -> int:
 
 
 def _peak_flops(section: dict[str, Any], device: torch.device, world: int) -> float:
-    """Matmul FLOP/s of all devices of the run, measured now in the training dtype: on GPU each rank
-    has a device; on CPU the ranks of a node share its cores, so a node counts once."""
+    """Matmul FLOP/s of all devices of the run, measured in the training dtype (once per process):
+    on GPU each rank has a device; on CPU the ranks of a node share its cores, so a node counts once."""
     dtype = torch.bfloat16 if section["bf16"] else torch.float16 if section["fp16"] else torch.float32
-    per_device = peak_matmul_flops(dtype, device)
+    per_device = _measured_peak(dtype, str(device))
     if torch.device(device).type == "cuda":
         return per_device * world
     return per_device * max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+
+@functools.lru_cache(maxsize=None)
+def _measured_peak(dtype: torch.dtype, device: str) -> float:
+    """`peak_matmul_flops`, kept for the process (one that trains several times, tests or sweeps,
+    measures once). On a CPU, 1024-wide matmuls reach the rate of the default 2048-wide loop (fp32,
+    one thread: 36 vs 35 GFLOP/s) in ~1 s instead of ~20 s, which a short CPU run would feel."""
+    size = dict(n=1024, iters=4, repeats=3) if torch.device(device).type == "cpu" else {}
+    return peak_matmul_flops(dtype, device, **size)
 
 
 def _slurm_master() -> str:
@@ -141,8 +165,10 @@ class PipelineModules(torch.nn.Module):
 
 def _token_sum_loss(engine, ids: torch.Tensor, labels: torch.Tensor, tp_group) -> torch.Tensor:
     """Summed next-token cross-entropy over labels != -100 (logits split over the vocabulary when
-    `tp_group` is given, i.e. tensor_parallel_output)."""
-    logits = engine(ids)  # (B, T, V) or (B, T, V/tp)
+    `tp_group` is given, i.e. tensor_parallel_output). Our model returns the logits, a transformers
+    model a ModelOutput holding them; right padding needs no attention mask under causal attention."""
+    output = engine(input_ids=ids)
+    logits = output if torch.is_tensor(output) else output.logits  # (B, T, V) or (B, T, V/tp)
     shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
     shift_labels = labels[:, 1:].reshape(-1)
     if tp_group is None:
@@ -193,72 +219,58 @@ def learned_tokens(batches: list[tuple[torch.Tensor, torch.Tensor]], dp_group) -
     return max(int(count), 1)
 
 
-def train(model: LlamaForCausalLM, source, section: dict[str, Any], out_dir: str | Path, *, stage: str,
-          tokenizer_dir: str | Path | None, parent: str | Path, meta_config: dict[str, Any],
-          num_parameters: int | None = None, checkpoint_dir: str | Path | None = None,
-          identity: dict[str, Any] | None = None, sharded_output: bool = False) -> dict[str, Any]:
-    """Train `model` (the full model, identical on every rank) for `section['max_steps']` steps on
-    `source` (a `stages.training.batches` sampler: `seq_len`, `micro_batches`) in the section's
-    layout, and write `out_dir`: the single-device HF checkpoint (each rank writing its share), or
-    with `sharded_output` the tensor/pipeline-parallel slices for `merge_tp`; plus the tokenizer,
-    train_log.csv and meta.json.
+def check_model_fits(model: torch.nn.Module, section: dict[str, Any], degrees: ParallelDegrees) -> None:
+    """Raise ValueError when the section's layout cannot train `model`: our model's degrees must
+    divide its shapes; a transformers model takes data parallel and ZeRO only."""
+    if isinstance(model, LlamaForCausalLM):
+        degrees.validate_for_model(model.config)
+    else:
+        check_transformers_model(model, section, degrees.tensor_parallel_degree, degrees.pipeline_parallel_degree)
 
-    With `checkpoint_dir`, checkpoints go to `checkpoint_dir/<fingerprint>/` every `save_steps`
-    steps, and the run resumes from the newest complete one there (any layout); the fingerprint
-    hashes the recipe (the section without its layout keys, the global batch) and `identity`
-    (what the caller knows of its inputs). Returns the metrics (on every rank). Call after
-    `init_distributed()`."""
-    import deepspeed
-    import torch.distributed as dist
-    from deepspeed.runtime.utils import clip_grad_norm_
 
-    out_dir = Path(out_dir)
-    degrees = parallel_degrees(section)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world != degrees.world_size:
-        raise ValueError(f"world_size={degrees.world_size} but {world} processes were launched; launch "
-                         "with torchrun --nproc_per_node equal to world_size")
-    topology = Topology(degrees)
-    dp, dp_rank = topology.get_data_parallel_world_size(), topology.get_data_parallel_rank()
-    tp, pp = degrees.tensor_parallel_degree, degrees.pipeline_parallel_degree
-    degrees.validate_for_model(model.config)
-    config = model.config
-    micro, accum = section["per_device_train_batch_size"], section["gradient_accumulation_steps"]
-    global_batch = micro * accum * dp
+def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> int:
+    """Training FLOPs per token: exact for our model, a 6N estimate for a transformers model."""
+    if isinstance(model, LlamaForCausalLM):
+        return flops_per_token(model.config, seq_len)["total"]
+    return estimated_flops_per_token(model, seq_len)["total"]
 
-    checkpointer = resume = None
-    if checkpoint_dir is not None:
-        fingerprint = run_fingerprint(section, global_batch, {"model": config.to_hf_dict(), **(identity or {})})
-        checkpointer = Checkpointer(Path(checkpoint_dir) / fingerprint, section, topology, model_config=config)
-        resume = checkpointer.find()
-        if resume is not None:
-            load_model_weights(model, resume)  # before any slicing: every layout starts from whole tensors
 
-    model.gradient_checkpointing = bool(section["recompute"])
-    n_params = num_parameters or sum(p.numel() for p in model.parameters())
-    if tp > 1:
+def parallelize(model: torch.nn.Module, section: dict[str, Any],
+                topology: Topology) -> tuple[torch.nn.Module, PipelineRunner | None]:
+    """Apply the section's layout to the full `model` in place, in the torchtitan order (tensor
+    parallel, activation recompute, compile, pipeline split). Returns the module DeepSpeed wraps
+    (this rank's pipeline chunks under a pipeline) and the pipeline runner, if any."""
+    if not isinstance(model, LlamaForCausalLM):  # data parallel and ZeRO only (check_model_fits)
+        prepare_transformers_model(model, section)
+        return model, None
+    degrees = topology.degrees
+    if degrees.tensor_parallel_degree > 1:
         apply_tensor_parallel(model, topology, tensor_parallel_output=section["tensor_parallel_output"])
-    tp_output_group = topology.tp_group if tp > 1 and section["tensor_parallel_output"] else None
+    model.gradient_checkpointing = bool(section["recompute"])
     if section["torch_compile"]:
         # In place, layer by layer, so parameter names stay those of the single-device model;
         # the collectives inside tensor-parallel layers become graph breaks.
         for layer in model.model.layers.values():
             layer.compile()
-    runner = None
-    if pp > 1:
-        runner = PipelineRunner(model, pp, section["virtual_pp_degree"], n_microbatches=accum,
-                                pp_group=topology.group("pipeline"))
-        module = PipelineModules(runner.modules)
-    else:
-        module = model
-    del model  # the pipeline keeps only this rank's chunks
-    names = module.full_names() if runner is not None else {}
+    if degrees.pipeline_parallel_degree == 1:
+        return model, None
+    runner = PipelineRunner(model, degrees.pipeline_parallel_degree, section["virtual_pp_degree"],
+                            n_microbatches=section["gradient_accumulation_steps"], pp_group=topology.group("pipeline"))
+    return PipelineModules(runner.modules), runner
+
+
+def build_engine(module: torch.nn.Module, section: dict[str, Any], topology: Topology, *, pipeline: bool):
+    """DeepSpeed over `module`: torch AdamW, the LR schedule and ZeRO as the section says. Returns
+    (engine, scheduler, OptimizerAccess, clip); `clip` clips and measures the gradient norm when
+    ZeRO is off (see `train_step`), else None."""
+    import deepspeed
+    from deepspeed.runtime.utils import clip_grad_norm_
 
     optimizer = torch.optim.AdamW(module.parameters(), lr=section["learning_rate"],
                                   betas=(section["adam_beta1"], section["adam_beta2"]),
                                   weight_decay=section["weight_decay"], eps=1e-8)
     scheduler = build_scheduler(optimizer, section)
-    ds_config = deepspeed_config(section, dp, pipeline=runner is not None)
+    ds_config = deepspeed_config(section, topology.get_data_parallel_world_size(), pipeline=pipeline)
     # Without ZeRO, DeepSpeed clips but does not keep the norm: clip here (same maths, with the
     # topology's model-parallel reduction) so train_log.csv has grad_norm for every layout.
     clip = None
@@ -272,7 +284,79 @@ def train(model: LlamaForCausalLM, source, section: dict[str, Any], out_dir: str
         clip = clip_and_measure
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=topology)
-    access = OptimizerAccess(engine)
+    return engine, scheduler, OptimizerAccess(engine), clip
+
+
+def open_checkpoints(model: torch.nn.Module, section: dict[str, Any], topology: Topology, checkpoint_dir: Path,
+                     global_batch: int, identity: dict[str, Any] | None):
+    """The run's Checkpointer in `checkpoint_dir/<fingerprint>/` and the checkpoint to resume from
+    (a StateReader, or None). When resuming, the checkpoint's weights are already loaded into the
+    full `model`, before any slicing: every layout starts from whole tensors."""
+    fingerprint = run_fingerprint(section, global_batch, {"model": config_identity(model.config), **(identity or {})})
+    checkpointer = Checkpointer(checkpoint_dir / fingerprint, section, topology, model_config=model.config)
+    resume = checkpointer.find()
+    if resume is not None:
+        load_model_weights(model, resume)
+    return checkpointer, resume
+
+
+def layout_metrics(section: dict[str, Any], topology: Topology) -> dict[str, int]:
+    """The degrees of the run, for meta.json."""
+    degrees = topology.degrees
+    return {"world_size": degrees.world_size, "data_parallel_degree": topology.get_data_parallel_world_size(),
+            "tensor_parallel_degree": degrees.tensor_parallel_degree,
+            "pipeline_parallel_degree": degrees.pipeline_parallel_degree,
+            "zero_stage": ZERO_STAGES[section["sharding"]]}
+
+
+def train(model: torch.nn.Module, source, section: dict[str, Any], out_dir: str | Path, *, stage: str,
+          tokenizer_dir: str | Path | None, parent: str | Path, meta_config: dict[str, Any],
+          num_parameters: int | None = None, checkpoint_dir: str | Path | None = None,
+          identity: dict[str, Any] | None = None, sharded_output: bool = False) -> dict[str, Any]:
+    """Train `model` (the full fp32 model, identical on every rank: our LlamaForCausalLM, or a
+    transformers causal LM for data parallel and ZeRO only) for `section['max_steps']` steps on
+    `source` (a `stages.training.batches` sampler: `seq_len`, `micro_batches`) in the section's
+    layout, and write `out_dir`: the single-device HF checkpoint (each rank writing its share), or
+    with `sharded_output` the tensor/pipeline-parallel slices for `merge_tp`; plus the tokenizer,
+    train_log.csv and meta.json. A transformers model's config.json is its own, every field kept.
+
+    With `checkpoint_dir`, checkpoints go to `checkpoint_dir/<fingerprint>/` every `save_steps`
+    steps, and the run resumes from the newest complete one there (any layout); the fingerprint
+    hashes the recipe (the section without its layout keys, the global batch) and `identity`
+    (what the caller knows of its inputs). Returns the metrics (on every rank). Call after
+    `init_distributed()`."""
+    import torch.distributed as dist
+
+    out_dir = Path(out_dir)
+    degrees = parallel_degrees(section)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != degrees.world_size:
+        raise ValueError(f"world_size={degrees.world_size} but {world} processes were launched; launch "
+                         "with torchrun --nproc_per_node equal to world_size")
+    topology = Topology(degrees)
+    dp, dp_rank = topology.get_data_parallel_world_size(), topology.get_data_parallel_rank()
+    tp, pp = degrees.tensor_parallel_degree, degrees.pipeline_parallel_degree
+    check_model_fits(model, section, degrees)
+    if section["fp16"] and fp16_unsupported_reason():  # the config check, for runs outside Snakemake
+        raise ValueError(f"fp16=true: {fp16_unsupported_reason()}")
+    config = model.config
+    micro, accum = section["per_device_train_batch_size"], section["gradient_accumulation_steps"]
+    global_batch = micro * accum * dp
+
+    checkpointer = resume = None
+    if checkpoint_dir is not None:
+        checkpointer, resume = open_checkpoints(model, section, topology, Path(checkpoint_dir), global_batch, identity)
+
+    # Counted on the whole model, before tensor parallelism slices it or ZeRO-3 partitions it.
+    n_params = num_parameters or sum(p.numel() for p in model.parameters())
+    seq_len = source.seq_len
+    fpt = model_flops_per_token(model, seq_len)
+    generation_config = getattr(model, "generation_config", None)  # a transformers model's, for out_dir
+    module, runner = parallelize(model, section, topology)
+    del model  # the pipeline keeps only this rank's chunks
+    names = module.full_names() if runner is not None else {}
+    tp_output_group = topology.tp_group if tp > 1 and section["tensor_parallel_output"] else None
+    engine, scheduler, access, clip = build_engine(module, section, topology, pipeline=runner is not None)
 
     start_step, losses, rows = 0, [], []
     if resume is not None:
@@ -283,10 +367,8 @@ def train(model: LlamaForCausalLM, source, section: dict[str, Any], out_dir: str
                      section["max_steps"], state["layout"])
         resume.close()
 
-    seq_len = source.seq_len
     staging = out_dir.parent / f".{out_dir.name}.log"  # rank 0's live log, moved into the artifact
     staging.mkdir(parents=True, exist_ok=True)
-    fpt = flops_per_token(config, seq_len)["total"]
     peak = _peak_flops(section, engine.device, world) if rank == 0 else None
     dist.barrier()  # the peak was measured while the other ranks waited
     train_log = TrainLog(staging / "train_log.csv", section["max_steps"], enabled=rank == 0, desc=stage,
@@ -326,14 +408,12 @@ def train(model: LlamaForCausalLM, source, section: dict[str, Any], out_dir: str
     if checkpointer is not None:
         checkpointer.close()
 
-    zero_stage = ZERO_STAGES[section["sharding"]]
     rows = train_log.rows
     metrics = {
         "first_loss": losses[0], "final_loss": losses[-1],
         "final_loss_mean_last10": float(np.mean(losses[-10:])),
-        "steps": section["max_steps"], "num_parameters": n_params, "world_size": world,
-        "data_parallel_degree": dp, "tensor_parallel_degree": tp, "pipeline_parallel_degree": pp,
-        "zero_stage": zero_stage, "tokens_seen": global_batch * seq_len * section["max_steps"],
+        "steps": section["max_steps"], "num_parameters": n_params, **layout_metrics(section, topology),
+        "tokens_seen": global_batch * seq_len * section["max_steps"],
         "tokens_per_s": float(np.median([float(r["tokens_per_s"]) for r in rows[1:] or rows])) if rows else None,
         "mfu": float(np.median([float(r["mfu"]) for r in rows[1:] or rows])) if rows and peak else None,
         "flops_per_token": fpt, "peak_flops": peak,
@@ -343,7 +423,7 @@ def train(model: LlamaForCausalLM, source, section: dict[str, Any], out_dir: str
     }
 
     def extra(tmp: Path) -> None:  # rank 0: everything but the weights
-        save_config(config, tmp)
+        write_config(config, tmp, generation_config)
         if tokenizer_dir is not None:
             copy_tokenizer(tokenizer_dir, tmp)
         os.replace(staging / "train_log.csv", tmp / "train_log.csv")

@@ -11,11 +11,22 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from stages.config import check_config
 from stages.data.corpus import write_token_files
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _fp16_reason() -> str | None:
+    from stages.training.capabilities import fp16_unsupported_reason
+
+    return fp16_unsupported_reason()
+
+
+# fp16 needs a GPU or a CPU with oneDNN fp16 kernels (not AMD EPYC): skipped elsewhere, with the reason.
+requires_fp16 = pytest.mark.skipif(_fp16_reason() is not None, reason=f"fp16: {_fp16_reason()}")
 
 
 def pretrain_section(**overrides):

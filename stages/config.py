@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import os
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,69 @@ def _check_parallel(name: str, exp: dict[str, Any]) -> None:
         _check_layout(f"experiments.{name}.{where}", sec, exp)
 
 
+def pretrain_enabled(exp: dict[str, Any]) -> bool:
+    """Whether the experiment pretrains: `pretrain.enabled`, where null means "only when there is no
+    starting checkpoint" (a random-init flavour must be pretrained; a checkpoint is fine-tuned as is)."""
+    enabled = exp["pretrain"]["enabled"]
+    return not exp["model"]["model_name_or_path"] if enabled is None else bool(enabled)
+
+
+def finetune_source(exp: dict[str, Any]) -> str:
+    """The artifact fine-tuning starts from: `pretrain` when pretraining runs, else `base`."""
+    return "pretrain" if pretrain_enabled(exp) else "base"
+
+
+def _check_model_source(name: str, exp: dict[str, Any]) -> None:
+    """A starting checkpoint is checked here, before any job: it exists, holds config.json, a
+    supported architecture, safetensors weights and a tokenizer; and the experiment's other keys
+    agree with it (no pretraining without weights to start from, a quantize source that exists)."""
+    from stages.checkpoint.source import ModelSourceError, family_of, read_source_config
+
+    path = exp["model"]["model_name_or_path"]
+    key = f"experiments.{name}.model.model_name_or_path"
+    if path is None:
+        if exp["pretrain"]["enabled"] is False:
+            raise ConfigError(f"experiments.{name}.pretrain.enabled=false needs {key}: a random-init model "
+                              "must be pretrained before it can be fine-tuned")
+        if exp["quantize"]["source"] == "base":
+            raise ConfigError(f"experiments.{name}.quantize.source=base needs {key} (the imported checkpoint)")
+        return
+    try:
+        source = read_source_config(path, key)
+    except ModelSourceError as e:
+        raise ConfigError(str(e)) from None
+    if exp["pretrain"]["enabled"] and not family_of(source).ours:
+        raise ConfigError(f"experiments.{name}.pretrain.enabled=true with a {family_of(source).name} checkpoint: "
+                          "continued pretraining runs on the project's own model (Llama, Qwen2, Mistral); "
+                          "fine-tune it directly (pretrain.enabled: null)")
+    if family_of(source).ours:  # our Llama must honour every field, or refuse it now (imports torch)
+        from stages.model.config import LlamaConfig
+
+        try:
+            LlamaConfig.from_hf_dict({k: v for k, v in source.items() if not k.startswith("_")},
+                                     source=f"{path}/config.json")
+        except ValueError as e:
+            raise ConfigError(f"{key}: {e}") from None
+    exp["model"]["_source_config"] = source  # for the layout checks below; dropped before returning
+    if exp["quantize"]["source"] == "pretrain" and not pretrain_enabled(exp):
+        raise ConfigError(f"experiments.{name}.quantize.source=pretrain, but pretraining is skipped for a "
+                          f"starting checkpoint; use source: base (the checkpoint as imported), lora-merged or "
+                          f"sft, or set pretrain.enabled: true for continued pretraining")
+
+
+def _check_device(key: str, sec: dict[str, Any]) -> None:
+    """Mixed precision this machine cannot run is refused here, not inside the job. Skipped with
+    LLM_LIFECYCLE_DEVICE_CHECK=0 (a SLURM login node without the compute nodes' GPU)."""
+    if os.environ.get("LLM_LIFECYCLE_DEVICE_CHECK", "1") == "0" or not (sec["fp16"] or sec["bf16"]):
+        return
+    from stages.training.capabilities import bf16_unsupported_reason, fp16_unsupported_reason  # imports torch
+
+    for flag, reason in (("fp16", sec["fp16"] and fp16_unsupported_reason()),
+                         ("bf16", sec["bf16"] and bf16_unsupported_reason())):
+        if reason:
+            raise ConfigError(f"{key}.{flag}=true: {reason}")
+
+
 def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any]) -> None:
     world, tp, pp, vpp = (sec["world_size"], sec["tensor_parallel_degree"], sec["pipeline_parallel_degree"],
                           sec["virtual_pp_degree"])
@@ -148,6 +212,7 @@ def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any]) -> None:
     if pp > 1 and sec["fp16"]:
         raise ConfigError(f"{key}: fp16 with pipeline_parallel_degree={pp}: fp16's loss scaling lives in "
                           "DeepSpeed's backward, which the pipeline schedule bypasses; use bf16 or fp32")
+    _check_device(key, sec)
     if sec["sharding_offload"] and sec["sharding"] == "none":
         raise ConfigError(f"{key}: sharding_offload needs a ZeRO stage (sharding: stage1, stage2 or stage3)")
     if vpp > 1 and pp == 1:
@@ -160,6 +225,7 @@ def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any]) -> None:
         raise ConfigError(f"{key}: interleaved 1F1B needs gradient_accumulation_steps={accum} to be a "
                           f"multiple of gradient_accumulation_steps // pipeline_parallel_degree = {accum // pp}")
     if exp["model"]["model_name_or_path"]:
+        _check_layout_for_source(key, sec, exp["model"]["_source_config"])
         return
     arch = architecture(exp["model"])
     layers = arch["num_hidden_layers"]
@@ -174,6 +240,36 @@ def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any]) -> None:
     if pp > 1 and arch.get("tie_word_embeddings"):
         raise ConfigError(f"{key}: flavour {exp['model']['flavour']!r} ties lm_head to the embedding, which "
                           "pipeline parallelism does not support yet (they would live on two stages)")
+
+
+def _check_layout_for_source(key: str, sec: dict[str, Any], source: dict[str, Any]) -> None:
+    """Tensor/pipeline parallelism needs our own model (Llama, Qwen2, Mistral) and degrees that
+    divide the checkpoint's real head counts and layers."""
+    from stages.checkpoint.source import FAMILIES, family_of
+
+    tp, pp = sec["tensor_parallel_degree"], sec["pipeline_parallel_degree"]
+    if tp == 1 and pp == 1:
+        return
+    family = family_of(source)
+    if not family.ours:
+        ours = ", ".join(f.name for f in FAMILIES.values() if f.ours)
+        raise ConfigError(f"{key}: tensor_parallel_degree={tp} / pipeline_parallel_degree={pp} with a "
+                          f"{family.name} checkpoint: model parallelism runs on the project's own model "
+                          f"({ours}); {family.name} trains through transformers with data parallel and "
+                          "ZeRO (world_size + sharding) only")
+    heads = source.get("num_attention_heads")
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = source.get(field, heads if field == "num_key_value_heads" else None)
+        if value is not None and value % tp:
+            raise ConfigError(f"{key}: tensor_parallel_degree={tp} does not divide {field}={value} of the "
+                              "starting checkpoint")
+    layers = source.get("num_hidden_layers")
+    if layers is not None and pp * sec["virtual_pp_degree"] > layers:
+        raise ConfigError(f"{key}: pipeline_parallel_degree={pp} x virtual_pp_degree={sec['virtual_pp_degree']} "
+                          f"chunks exceed num_hidden_layers={layers} of the starting checkpoint")
+    if pp > 1 and source.get("tie_word_embeddings"):
+        raise ConfigError(f"{key}: the starting checkpoint ties lm_head to the embedding, which pipeline "
+                          "parallelism does not support yet (they would live on two stages)")
 
 
 def check_config(config: dict[str, Any], schema: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -196,8 +292,10 @@ def check_config(config: dict[str, Any], schema: dict[str, Any] | None = None) -
         raise ConfigError(f"config key {key!r}: {e.message}")
     for name, exp in config["experiments"].items():
         _check_relations(name, exp)
+        _check_model_source(name, exp)
         _check_group_size(name, exp)
         _check_parallel(name, exp)
+        exp["model"].pop("_source_config", None)
     return config
 
 

@@ -16,6 +16,7 @@ Metrics JSON (`eval/<variant>.json`, written atomically), one object:
   variant            str    the name given with --variant
   model_dir          str    the directory evaluated
   kind               str    "hf", "adapter" or "quantized"
+  sft_format         str    "chat_template" or "plain": how dev records were rendered (data/index.json)
   ppl                float  exp(token-weighted mean NLL) on validation windows (stages.metrics.perplexity)
   unigram_ppl        float  add-one unigram model of train.bin on the same target tokens (the floor to beat)
   ppl_tokens         int    validation tokens scored
@@ -62,6 +63,7 @@ import torch
 
 from stages.checkpoint.atomic import write_json
 from stages.data.sft import encode_example, encode_prompt, read_sft_file, target_text
+from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
 from stages.metrics.perplexity import model_perplexity, target_perplexity, unigram_perplexity, validation_windows
 from stages.metrics.text import corpus_bleu, exact_match, rouge_l
 
@@ -144,8 +146,6 @@ def adapter_base_dir(adapter_dir: Path) -> Path:
 
 def load_variant(model_dir: str | Path) -> tuple[torch.nn.Module, Any, str]:
     """(model in eval mode, tokenizer, kind) for whatever `model_dir` holds (see module docstring)."""
-    from transformers import AutoTokenizer
-
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ValueError(f"--model {model_dir} is not a directory; pass a stage's output directory")
@@ -161,7 +161,7 @@ def load_variant(model_dir: str | Path) -> tuple[torch.nn.Module, Any, str]:
     if not (model_dir / "tokenizer.json").exists() and not (model_dir / "tokenizer_config.json").exists():
         raise ValueError(f"{model_dir} holds no tokenizer files (tokenizer.json); every model and adapter "
                          "dir must carry its tokenizer (stages.checkpoint.hf.copy_tokenizer)")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+    tokenizer = load_model_tokenizer(model_dir)
     return model.eval(), tokenizer, kind
 
 
@@ -229,6 +229,8 @@ def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, varia
     model, tokenizer, kind = load_variant(model_dir)
 
     valid, index = read_split(data_dir, "validation")
+    check_same_tokenizer(tokenizer, model_dir, index, data_dir)
+    chat = index.get("sft_format") == "chat_template"
     train, _ = read_split(data_dir, "train")
     windows = validation_windows(valid, settings["ppl_max_length"], settings["ppl_max_windows"])
     ppl, ppl_tokens = model_perplexity(model, windows, batch_size=settings["per_device_eval_batch_size"])
@@ -239,10 +241,10 @@ def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, varia
     if eos is None:
         raise ValueError(f"the tokenizer in {model_dir} has no eos token; generation cannot stop")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    answers = [encode_example(tokenizer, r, settings["src_length"], settings["src_length"] + settings["max_new_tokens"])
-               for r in records]
+    answers = [encode_example(tokenizer, r, settings["src_length"], settings["src_length"] + settings["max_new_tokens"],
+                              chat) for r in records]
     dev_ppl, dev_ppl_tokens = target_perplexity(model, answers, pad, settings["per_device_eval_batch_size"])
-    prompts = [encode_prompt(tokenizer, r, settings["src_length"]) for r in records]
+    prompts = [encode_prompt(tokenizer, r, settings["src_length"], chat) for r in records]
     t_gen = time.perf_counter()
     generated = generate_greedy(model, prompts, max_new_tokens=settings["max_new_tokens"], eos_token_id=eos,
                                 pad_token_id=pad, batch_size=settings["per_device_eval_batch_size"])
@@ -255,6 +257,7 @@ def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, varia
         "variant": variant,
         "model_dir": str(model_dir),
         "kind": kind,
+        "sft_format": "chat_template" if chat else "plain",
         "ppl": ppl,
         "unigram_ppl": unigram,
         "ppl_tokens": ppl_tokens,

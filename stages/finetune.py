@@ -33,10 +33,12 @@ import transformers
 
 from stages.adapters import ADAPTER_METHODS, attach_adapter, count_parameters
 from stages.checkpoint.atomic import atomic_dir
-from stages.checkpoint.hf import copy_tokenizer, load_pretrained
+from stages.checkpoint.hf import copy_tokenizer
 from stages.checkpoint.meta import write_meta
 from stages.checkpoint.store import StateReader
+from stages.data.corpus import read_index
 from stages.data.sft import IGNORE_INDEX, encode_example, read_sft_file
+from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
 from stages.training.batches import SftBatches
 from stages.checkpoint.integrity import sha256_file
 from stages.training.checkpointing import model_identity, run_fingerprint
@@ -63,10 +65,11 @@ Example = tuple[list[int], list[int]]  # (input_ids, labels)
 
 
 # -- data ----------------------------------------------------------------------------------------
-def load_examples(path: Path, tokenizer, src_length: int, max_length: int) -> list[Example]:
-    """Encode every record of an SFT file; examples whose targets were cut off entirely by
-    `max_length` are dropped (they carry no loss), with a warning counting them."""
-    examples = [encode_example(tokenizer, r, src_length, max_length) for r in read_sft_file(path)]
+def load_examples(path: Path, tokenizer, src_length: int, max_length: int, chat: bool = False) -> list[Example]:
+    """Encode every record of an SFT file (with `chat`, through the tokenizer's chat template);
+    examples whose targets were cut off entirely by `max_length` are dropped (they carry no
+    loss), with a warning counting them."""
+    examples = [encode_example(tokenizer, r, src_length, max_length, chat) for r in read_sft_file(path)]
     kept = [ex for ex in examples if any(label != IGNORE_INDEX for label in ex[1][1:])]
     if len(kept) < len(examples):
         log.warning("%s: dropped %d of %d examples with no target token left after max_length=%d",
@@ -237,8 +240,7 @@ def load_base(model_dir: str | Path) -> tuple[transformers.PreTrainedModel, Any]
                          "directory such as results/<experiment>/pretrain")
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=False)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    return model, tokenizer
+    return model, load_model_tokenizer(model_dir)
 
 
 def pad_id(tokenizer) -> int:
@@ -279,13 +281,18 @@ def run_full_sft(model_dir: Path, out_dir: str | Path, config: dict[str, Any], t
                  checkpoint_dir: str | Path | None = None) -> dict[str, Any]:
     """Full SFT on the shared training engine (stages.training.engine), in the section's layout:
     world_size processes = data x tensor x pipeline parallel, DeepSpeed ZeRO from `sharding`.
-    Every layout follows the single-process curve; the ranks write an HF model dir. With
-    `checkpoint_dir`, checkpoints every `save_steps` and resumes from the newest complete one."""
+    The families our model implements train through it in every layout; any other causal LM
+    transformers supports trains through transformers' model with data parallel and ZeRO only
+    (`stages.training.families`). Every layout follows the single-process curve; the ranks write
+    an HF model dir. With `checkpoint_dir`, checkpoints every `save_steps` and resumes from the
+    newest complete one."""
     import torch.distributed as dist
+
+    from stages.training.families import load_causal_lm
 
     parallel_degrees(config)  # bad degrees fail before any process group exists
     init_distributed()
-    model = load_pretrained(model_dir)
+    model = load_causal_lm(model_dir)
     pad = pad_id(tokenizer)
     source = SftBatches(list(examples), config["max_length"], pad, config["seed"])
     identity = {"base": model_identity(model_dir)}
@@ -296,8 +303,24 @@ def run_full_sft(model_dir: Path, out_dir: str | Path, config: dict[str, Any], t
     metrics.update(trainable_params=metrics["num_parameters"], total_params=metrics["num_parameters"],
                    train_examples=len(examples), dev_loss=None)
     if dev is not None and dist.get_rank() == 0:
-        metrics["dev_loss"] = _dev_loss_of(load_pretrained(out_dir), dev, config["per_device_train_batch_size"], pad)
+        final = load_causal_lm(out_dir)  # transformers' models take the attention mask, ours does not need it
+        score = dev_loss if isinstance(final, transformers.PreTrainedModel) else _dev_loss_of
+        metrics["dev_loss"] = score(final, dev, config["per_device_train_batch_size"], pad)
     return metrics
+
+
+def sft_format(tokenizer, model_dir: Path, data_dir: Path) -> bool:
+    """Whether SFT records are rendered with the chat template, as prepare decided for this data
+    (index.json's `sft_format`); first checks that the model's tokenizer is the data's. A data dir
+    with SFT files but no index.json (not written by prepare) is read in the plain format."""
+    if not (data_dir / "index.json").exists():
+        log.warning("%s has no index.json (not written by prepare): plain SFT format, tokenizer not checked", data_dir)
+        return False
+    index = read_index(data_dir)
+    check_same_tokenizer(tokenizer, model_dir, index, data_dir)
+    chat = index.get("sft_format") == "chat_template"
+    log.info("SFT format: %s", "the tokenizer's chat template" if chat else "plain (bos src tgt eos)")
+    return chat
 
 
 def adapter_checkpointer(checkpoint_dir: str | Path, method: str, config: dict[str, Any], model_dir: Path,
@@ -323,17 +346,19 @@ def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str |
     if not train_path.exists():
         raise ValueError(f"--data {data_dir}: {train_path} is missing; run the prepare stage first")
     if method == "sft":
-        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        examples = load_examples(train_path, tokenizer, config["src_length"], config["max_length"])
-        dev = (load_examples(dev_path, tokenizer, config["src_length"], config["max_length"])
+        tokenizer = load_model_tokenizer(model_dir)
+        chat = sft_format(tokenizer, model_dir, data_dir)
+        examples = load_examples(train_path, tokenizer, config["src_length"], config["max_length"], chat)
+        dev = (load_examples(dev_path, tokenizer, config["src_length"], config["max_length"], chat)
                if dev_path.exists() else None)
         metrics = run_full_sft(model_dir, out_dir, config, tokenizer, examples, dev, train_path, checkpoint_dir)
         log.info("finetune-sft: loss %.4f -> %.4f, dev loss %s", metrics["first_loss"], metrics["final_loss"],
                  metrics["dev_loss"])
         return metrics
     model, tokenizer = load_base(model_dir)
+    chat = sft_format(tokenizer, model_dir, data_dir)
     pad = pad_id(tokenizer)
-    examples = load_examples(train_path, tokenizer, config["src_length"], config["max_length"])
+    examples = load_examples(train_path, tokenizer, config["src_length"], config["max_length"], chat)
     # Seeded above, so the adapter's initial weights (LoRA's A) repeat from run to run.
     model = attach_adapter(model, method, config)
     trainable, total = count_parameters(model)
@@ -352,7 +377,7 @@ def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str |
         metrics.update(trainable_params=trainable, total_params=total, train_examples=len(examples),
                        dev_loss=None)
         if dev_path.exists():
-            dev = load_examples(dev_path, tokenizer, config["src_length"], config["max_length"])
+            dev = load_examples(dev_path, tokenizer, config["src_length"], config["max_length"], chat)
             metrics["dev_loss"] = dev_loss(model, dev, config["per_device_train_batch_size"], pad)
         else:
             log.warning("%s is missing; meta.json gets dev_loss=null", dev_path)

@@ -27,8 +27,9 @@ from stages.checkpoint.meta import write_meta
 from stages.data import attributes
 from stages.data.corpus import (SFT_TARGETS, TokenFile, encode_documents, read_documents, split_documents,
                                 unigram_entropy_bits, write_token_files)
-from stages.data.sft import SftRecord, write_sft_file
-from stages.data.tokenizer import save_tokenizer, train_tokenizer
+from stages.data.sft import SftRecord, uses_chat_template, write_sft_file
+from stages.data.tokenizer import (TokenizerError, copy_tokenizer_files, load_model_tokenizer, save_tokenizer,
+                                   tokenizer_fingerprint, train_tokenizer)
 from stages.data.validate import read_sft_dir, resolve_corpus, resolve_sft
 
 log = logging.getLogger(__name__)
@@ -66,9 +67,24 @@ def target_documents(records: list[SftRecord]) -> list[str]:
             for i in range(0, len(lines), TARGETS_PER_DOCUMENT)]
 
 
+def model_tokenizer(model_dir: str | os.PathLike):
+    """(tokenizer, vocabulary size) of a starting checkpoint: the vocabulary is the embedding's row
+    count from config.json (it may exceed the tokenizer's length: padding rows); a tokenizer with
+    ids beyond the embedding is refused."""
+    tokenizer = load_model_tokenizer(model_dir)
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    rows = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    if rows is None:
+        raise TokenizerError(f"{model_dir}/config.json has no vocab_size")
+    if len(tokenizer) > rows:
+        raise TokenizerError(f"{model_dir}: the tokenizer has {len(tokenizer)} tokens but the embedding only "
+                             f"{rows} rows (config.json vocab_size); ids past {rows - 1} would index nothing")
+    return tokenizer, rows
+
+
 def run(corpus: list[str], sft: str, out_dir: str | os.PathLike, vocab_size: int, validation_fraction: float,
-        num_sft_train: int, num_sft_dev: int, seed: int,
-        base_dir: str | os.PathLike | None = None) -> dict[str, Any]:
+        num_sft_train: int, num_sft_dev: int, seed: int, chat_template: bool = True,
+        base_dir: str | os.PathLike | None = None, tokenizer_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     """Build the data artifact in `out_dir` and return its metrics.
 
     Args:
@@ -81,7 +97,11 @@ def run(corpus: list[str], sft: str, out_dir: str | os.PathLike, vocab_size: int
             (rule in `stages.data.corpus.split_documents`).
         num_sft_train, num_sft_dev: records of the builtin task.
         seed: seed of the document split and of the builtin task.
+        chat_template: render SFT records with the tokenizer's chat template when it has one
+            (recorded as index.json's `sft_format`, which fine-tuning and evaluation follow).
         base_dir: what relative paths resolve against (default: the current directory).
+        tokenizer_dir: a starting checkpoint's directory: its tokenizer is used as is (copied into
+            tokenizer/) and the vocabulary is its embedding's; `vocab_size` is then ignored.
 
     Returns metrics: vocab_size (real), num_documents_<split>, num_tokens_<split> (eos included),
     num_sft_train, num_sft_dev, train_unigram_entropy_bits, chars_per_token.
@@ -89,7 +109,8 @@ def run(corpus: list[str], sft: str, out_dir: str | os.PathLike, vocab_size: int
     t0 = time.perf_counter()
     config = {"corpus": list(corpus), "sft": sft, "vocab_size": vocab_size,
               "validation_fraction": validation_fraction, "num_sft_train": num_sft_train,
-              "num_sft_dev": num_sft_dev, "seed": seed}
+              "num_sft_dev": num_sft_dev, "seed": seed, "chat_template": chat_template,
+              "tokenizer": str(tokenizer_dir) if tokenizer_dir else None}
     # Read and check every input first: nothing is written unless all of it is usable. Paths are
     # resolved before any file is read so that a typo fails at once, not after a long corpus read.
     resolve_corpus(corpus, base_dir)
@@ -100,16 +121,27 @@ def run(corpus: list[str], sft: str, out_dir: str | os.PathLike, vocab_size: int
     if SFT_TARGETS in corpus:
         docs += target_documents(sft_train)
 
-    # The SFT train texts join the tokenizer's training text so that task words become tokens;
-    # dev texts stay out so that evaluation sees only what training saw.
-    tokenizer = train_tokenizer(docs + _sft_texts(sft_train), vocab_size)
-    actual_vocab = len(tokenizer)
+    if tokenizer_dir is None:
+        # The SFT train texts join the tokenizer's training text so that task words become tokens;
+        # dev texts stay out so that evaluation sees only what training saw.
+        tokenizer = train_tokenizer(docs + _sft_texts(sft_train), vocab_size)
+        actual_vocab = len(tokenizer)
+    else:  # a starting checkpoint: its own tokenizer, its embedding's vocabulary
+        tokenizer, actual_vocab = model_tokenizer(tokenizer_dir)
+    chat = uses_chat_template(tokenizer, chat_template)
     splits = split_documents(encode_documents(tokenizer, docs), validation_fraction, seed)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     with atomic_dir(out_dir) as tmp:
-        save_tokenizer(tokenizer, tmp / "tokenizer")
+        if tokenizer_dir is None:
+            save_tokenizer(tokenizer, tmp / "tokenizer")
+        else:
+            copy_tokenizer_files(tokenizer_dir, tmp / "tokenizer")
+        identity = {"tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+                    "tokenizer_source": str(tokenizer_dir) if tokenizer_dir else "trained by prepare",
+                    "sft_format": "chat_template" if chat else "plain"}
         index = write_token_files(tmp, splits, vocab_size=actual_vocab, bos_id=tokenizer.bos_token_id,
-                                  eos_id=tokenizer.eos_token_id, pad_id=tokenizer.pad_token_id)
+                                  eos_id=tokenizer.eos_token_id, pad_id=pad, extra=identity)
         write_sft_file(tmp / "sft" / "train.json", sft_train)
         write_sft_file(tmp / "sft" / "dev.json", sft_dev)
         train_tokens = TokenFile.open(tmp, "train").tokens  # re-read: also checks what was written
@@ -129,7 +161,8 @@ def run(corpus: list[str], sft: str, out_dir: str | os.PathLike, vocab_size: int
     return metrics
 
 
-RUN_KEYS = ("corpus", "sft", "vocab_size", "validation_fraction", "num_sft_train", "num_sft_dev", "seed")
+RUN_KEYS = ("corpus", "sft", "vocab_size", "validation_fraction", "num_sft_train", "num_sft_dev", "seed",
+            "chat_template")
 
 
 class PrepareArgumentError(ValueError):
@@ -160,6 +193,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--config", required=True,
                         help="the experiment's validated `data` section as one JSON object "
                              "(keys: " + ", ".join(RUN_KEYS) + ")")
+    parser.add_argument("--tokenizer", type=Path, default=None, metavar="MODEL_DIR",
+                        help="use this checkpoint's tokenizer (and its embedding's vocabulary) instead of "
+                             "training one: the imported model.model_name_or_path (results/<name>/base)")
     parser.add_argument("--base-dir", type=Path, default=None,
                         help="directory that relative corpus/sft paths resolve against "
                              "(default: the current directory, Snakemake's workdir)")
@@ -169,7 +205,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         config = parse_config(args.config)
     except PrepareArgumentError as e:
         parser.error(str(e))  # usage + message, exit status 2
-    return run(out_dir=args.out, base_dir=args.base_dir, **config)
+    return run(out_dir=args.out, base_dir=args.base_dir, tokenizer_dir=args.tokenizer, **config)
 
 
 if __name__ == "__main__":

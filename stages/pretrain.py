@@ -40,16 +40,30 @@ def _build_config(model_section: dict[str, Any], index: dict[str, Any]) -> Llama
                               pad_token_id=index["pad_token_id"], **overrides)
 
 
-def _build(model_section: dict[str, Any], vocab_size: int, index: dict[str, Any], seed: int) -> LlamaForCausalLM:
-    """The full model on every rank: from a local checkpoint, or initialised from `seed` (the same
-    weights whatever the layout; parallelism slices them afterwards)."""
-    if model_section.get("model_name_or_path"):
-        model = load_pretrained(model_section["model_name_or_path"])
-        if model.config.vocab_size < vocab_size:
-            raise ValueError(f"model.model_name_or_path has vocab_size={model.config.vocab_size} but the "
-                             f"tokenizer has {vocab_size} tokens")
+def _build(model_section: dict[str, Any], vocab_size: int, index: dict[str, Any], seed: int,
+           init_dir: Path | None = None) -> LlamaForCausalLM:
+    """The full model on every rank: continued pretraining from `init_dir` (the imported
+    checkpoint), or initialised from `seed` (the same weights whatever the layout; parallelism
+    slices them afterwards)."""
+    if init_dir is not None:
+        model = load_pretrained(init_dir)
+        if model.config.vocab_size != vocab_size:
+            raise ValueError(f"--init {init_dir} has vocab_size={model.config.vocab_size} but the data was "
+                             f"tokenized for {vocab_size}; prepare the data with this checkpoint's tokenizer "
+                             "(prepare --tokenizer)")
         return model
     return build_model(_build_config(model_section, index), seed=seed)
+
+
+def recorded_model_section(model_section: dict[str, Any], init_dir: Path | None,
+                           model: LlamaForCausalLM) -> dict[str, Any]:
+    """The model section meta.json records: for continued pretraining the real source and
+    architecture (the flavour and overrides did not apply), else the section as given."""
+    if init_dir is None:
+        return model_section
+    return {"model_name_or_path": model_section.get("model_name_or_path"), "init": str(init_dir),
+            "model_type": model.config.model_type, "num_hidden_layers": model.config.num_hidden_layers,
+            "hidden_size": model.config.hidden_size}
 
 
 def sharded_output(section: dict[str, Any]) -> bool:
@@ -58,17 +72,18 @@ def sharded_output(section: dict[str, Any]) -> bool:
                                                   or section["pipeline_parallel_degree"] > 1)
 
 
-def data_identity(data_dir: Path, model_section: dict[str, Any]) -> dict[str, Any]:
+def data_identity(data_dir: Path, init_dir: Path | None) -> dict[str, Any]:
     """What the checkpoints of a run depend on besides its config: the content of the training
     token files and of a starting checkpoint (hashing reads them once, ~1 s per GB)."""
     identity = {name: sha256_file(data_dir / name) for name in ("index.json", "train.idx", "train.bin")}
-    if model_section.get("model_name_or_path"):
-        identity["init"] = model_identity(model_section["model_name_or_path"])
+    if init_dir is not None:
+        identity["init"] = model_identity(init_dir)
     return identity
 
 
 def run(data_dir: str | Path, out_dir: str | Path, model_section: dict[str, Any],
-        section: dict[str, Any], checkpoint_dir: str | Path | None = None) -> dict[str, Any]:
+        section: dict[str, Any], checkpoint_dir: str | Path | None = None,
+        init_dir: str | Path | None = None) -> dict[str, Any]:
     """Train for `section['max_steps']` optimizer steps in the section's layout
     (`stages.training.engine`), checkpointing into `checkpoint_dir` and resuming from it; write the
     HF checkpoint (or, with unified_checkpoint off and tp/pp > 1, the slices for merge_tp), the
@@ -79,11 +94,13 @@ def run(data_dir: str | Path, out_dir: str | Path, model_section: dict[str, Any]
     tokens, _ = load_split(data_dir, "train")
     parallel_degrees(section)  # bad degrees fail here, before any process group exists
     init_distributed()
-    model = _build(model_section, index["vocab_size"], index, section["seed"])
+    init_dir = Path(init_dir) if init_dir is not None else None
+    model = _build(model_section, index["vocab_size"], index, section["seed"], init_dir)
     source = WindowSampler(tokens, section["max_length"], section["seed"])
+    recorded = recorded_model_section(model_section, init_dir, model)
     return train(model, source, section, out_dir, stage="pretrain", tokenizer_dir=data_dir / "tokenizer",
-                 parent=data_dir, meta_config={"model": model_section, "pretrain": section},
-                 checkpoint_dir=checkpoint_dir, identity=data_identity(data_dir, model_section),
+                 parent=init_dir or data_dir, meta_config={"model": recorded, "pretrain": section},
+                 checkpoint_dir=checkpoint_dir, identity=data_identity(data_dir, init_dir),
                  sharded_output=sharded_output(section))
 
 
@@ -95,9 +112,14 @@ def main(argv: list[str] | None = None) -> int:
                         "it holds a complete one of the same recipe); none: no checkpoints")
     parser.add_argument("--model-config", required=True, help="the experiment's validated `model` section as JSON")
     parser.add_argument("--config", required=True, help="the experiment's validated `pretrain` section as JSON")
+    parser.add_argument("--init", default=None, metavar="DIR",
+                        help="continued pretraining: start from this HF checkpoint (results/<name>/base) "
+                             "instead of a random-init flavour")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run(args.data, args.out, json.loads(args.model_config), json.loads(args.config), args.checkpoints)
+    model_section = json.loads(args.model_config)
+    init = args.init or model_section.get("model_name_or_path")  # a direct call without --init
+    run(args.data, args.out, model_section, json.loads(args.config), args.checkpoints, init)
     return 0
 
 

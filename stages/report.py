@@ -145,10 +145,27 @@ def markdown_table(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def _markdown_report(experiment: str, table: pd.DataFrame, timings: pd.DataFrame, quant: dict[str, Any]) -> str:
+def start_deltas(table: pd.DataFrame, start: str) -> pd.DataFrame:
+    """Every other variant's change in the headline metrics against the starting model `start`
+    (what fine-tuning gained, and quantization lost, relative to it)."""
+    columns = [c for c in _DELTA_COLUMNS if c in table.columns]
+    base = table.loc[start, columns]
+    rows = {name: {f"Δ {c}": (row[c] - base[c]) if _is_number(row[c]) and _is_number(base[c]) else None
+                   for c in columns}
+            for name, row in table[columns].iterrows() if name != start}
+    deltas = pd.DataFrame.from_dict(rows, orient="index")
+    deltas.index.name = "variant"
+    return deltas
+
+
+def _markdown_report(experiment: str, table: pd.DataFrame, timings: pd.DataFrame, quant: dict[str, Any],
+                     start: str | None = None) -> str:
     parts = [f"# Report: {experiment}", "", "## Metrics per variant", "",
-             markdown_table(table.drop(columns=[c for c in ("model_dir",) if c in table.columns])), "",
-             "## Stage timings (Snakemake benchmarks)", ""]
+             markdown_table(table.drop(columns=[c for c in ("model_dir",) if c in table.columns])), ""]
+    if start is not None and start in table.index:
+        parts += [f"## Change against the starting model `{start}`", "",
+                  markdown_table(start_deltas(table, start)), ""]
+    parts += ["## Stage timings (Snakemake benchmarks)", ""]
     parts.append(markdown_table(timings) if len(timings) else "No benchmark files found.")
     parts += ["", f"## Quantization: change against `{quant['source']}`", ""]
     if quant["variants"]:
@@ -164,21 +181,23 @@ def _markdown_report(experiment: str, table: pd.DataFrame, timings: pd.DataFrame
 
 # -- the stage -----------------------------------------------------------------------------------
 def run(experiment_dir: str | Path, source_variant: str, out_csv: str | Path, out_md: str | Path,
-        out_quant_eval: str | Path, variants: list[str]) -> dict[str, Any]:
-    """Write report.csv, report.md and quant_eval.json; return the quant_eval object."""
+        out_quant_eval: str | Path, variants: list[str], start_variant: str | None = None) -> dict[str, Any]:
+    """Write report.csv, report.md and quant_eval.json; return the quant_eval object. With
+    `start_variant` (the model fine-tuning started from: `base` or `pretrain`), report.md also
+    shows every variant's change against it."""
     experiment_dir = Path(experiment_dir)
     if source_variant in variants:
         raise ValueError(f"source variant {source_variant!r} is also listed in variants {list(variants)}; "
                          "variants are the ones compared against the source")
-    evals = read_evals(experiment_dir, [source_variant, *variants])
-    table = metrics_table(evals, first=[source_variant, *variants])
+    evals = read_evals(experiment_dir, [source_variant, *variants, *([start_variant] if start_variant else [])])
+    table = metrics_table(evals, first=[*([start_variant] if start_variant else []), source_variant, *variants])
     timings = read_benchmarks(experiment_dir)
     quant = quant_eval(evals, experiment_dir.name, source_variant, variants)
 
     with atomic_file(out_csv) as f:
         table.to_csv(f)
     with atomic_file(out_md) as f:
-        f.write(_markdown_report(experiment_dir.name, table, timings, quant))
+        f.write(_markdown_report(experiment_dir.name, table, timings, quant, start_variant))
     write_json(out_quant_eval, quant)
     log.info("report of %d variants and %d benchmarks -> %s, %s, %s", len(table), len(timings),
              out_csv, out_md, out_quant_eval)
@@ -190,12 +209,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--experiment-dir", "--experiment", dest="experiment", required=True, help="experiment dir (results/<name>) holding eval/ and benchmarks/")
     parser.add_argument("--source", required=True, help="variant the quantized ones are compared with (e.g. lora-merged)")
     parser.add_argument("--variants", nargs="*", default=[], help="quantized variants to compare (eval/<name>.json each)")
+    parser.add_argument("--start", default=None,
+                        help="the variant fine-tuning started from (base or pretrain); report.md shows every "
+                             "variant's change against it")
     parser.add_argument("--csv", required=True, help="per-variant metrics table to write (report.csv)")
     parser.add_argument("--md", required=True, help="markdown report to write (report.md)")
     parser.add_argument("--quant-eval", required=True, help="quantization comparison JSON to write (quant_eval.json)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run(args.experiment, args.source, args.csv, args.md, args.quant_eval, args.variants)
+    return run(args.experiment, args.source, args.csv, args.md, args.quant_eval, args.variants, args.start)
 
 
 if __name__ == "__main__":

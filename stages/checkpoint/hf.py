@@ -13,12 +13,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from stages.checkpoint.atomic import write_json
+from stages.data.tokenizer import TOKENIZER_FILES  # every tokenizer file, chat template included
 from stages.model import LlamaConfig, LlamaForCausalLM, build_model
-from stages.model.llama import rope_inverse_frequencies
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def _shards(state: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
@@ -88,9 +87,12 @@ def save_pretrained(
 
 
 def save_config(config: LlamaConfig, out_dir: str | Path, dtype: torch.dtype = torch.float32) -> None:
-    """config.json (HF names, `torch_dtype` of the stored weights) and generation_config.json."""
+    """config.json (HF names; the source checkpoint's fields and layout, see `LlamaConfig.to_hf_dict`)
+    and generation_config.json. The dtype of the stored weights goes into whichever of `dtype`
+    (transformers 5) and `torch_dtype` (4, still read by 5) the config has, `torch_dtype` if neither."""
     hf = config.to_hf_dict()
-    hf["torch_dtype"] = str(dtype).removeprefix("torch.")
+    for key in [k for k in ("dtype", "torch_dtype") if k in hf] or ["torch_dtype"]:
+        hf[key] = str(dtype).removeprefix("torch.")
     write_json(Path(out_dir) / "config.json", hf)
     write_json(Path(out_dir) / "generation_config.json", {
         "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
@@ -106,14 +108,16 @@ def copy_tokenizer(src: str | Path, dst: str | Path) -> None:
 
 
 def load_config(model_dir: str | Path) -> LlamaConfig:
+    """The LlamaConfig of an HF checkpoint directory; ValueError naming config.json's path and the
+    key for any field our model cannot honour (see stages.model.config)."""
     path = Path(model_dir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing; expected a Hugging Face checkpoint directory")
-    return LlamaConfig.from_hf_dict(json.loads(path.read_text()))
+    return LlamaConfig.from_hf_dict(json.loads(path.read_text()), source=path)
 
 
 def load_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    """Build our model from an HF-layout directory (ours or a real Llama/Qwen2 checkpoint)."""
+    """Build our model from an HF-layout directory (ours or a real Llama/Qwen2/Mistral checkpoint)."""
     config = load_config(model_dir)
     model = build_model(config, device="meta")
     state = load_state_dict(model_dir)
@@ -126,5 +130,4 @@ def load_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32) -
                          f"unexpected={unexpected[:5]}")
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = rope_inverse_frequencies(config)  # buffers built on meta hold no values
     return model.to(dtype)

@@ -126,7 +126,9 @@ def encode_documents(tokenizer, docs: list[str], batch_size: int = 1024) -> list
 
     Uses the Rust tokenizer's batch encoding (parallel across cores) in batches to bound memory.
     """
-    backend = tokenizer.backend_tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a slow (Python) tokenizer
+        return [tokenizer(doc, add_special_tokens=False)["input_ids"] for doc in docs]
     ids: list[list[int]] = []
     for start in range(0, len(docs), batch_size):
         ids += [e.ids for e in backend.encode_batch(docs[start:start + batch_size], add_special_tokens=False)]
@@ -204,8 +206,9 @@ def write_split(out_dir: str | os.PathLike, split: str, docs: list[list[int]], e
 
 
 def write_token_files(out_dir: str | os.PathLike, splits: dict[str, list[list[int]]], *, vocab_size: int,
-                      bos_id: int, eos_id: int, pad_id: int) -> dict[str, object]:
-    """Write every split and `index.json`; returns the index."""
+                      bos_id: int | None, eos_id: int, pad_id: int, extra: dict | None = None) -> dict[str, object]:
+    """Write every split and `index.json` (with the `extra` fields, e.g. the tokenizer's
+    fingerprint); returns the index."""
     dtype = token_dtype(vocab_size)
     index = {
         "dtype": dtype.name,  # "uint16" / "uint32"; the files are little-endian
@@ -213,6 +216,7 @@ def write_token_files(out_dir: str | os.PathLike, splits: dict[str, list[list[in
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
         "pad_token_id": pad_id,
+        **(extra or {}),
         "splits": {name: write_split(out_dir, name, splits[name], eos_id, dtype) for name in SPLITS},
     }
     write_json(Path(out_dir) / INDEX_NAME, index)

@@ -86,26 +86,82 @@ def _ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def encode_prompt(tokenizer, record: SftRecord, src_length: int) -> list[int]:
-    """Ids the model generates from: all earlier rounds in full, then the last src; [bos] first;
-    truncated from the left to `src_length` so the most recent context is kept."""
+def _bos(tokenizer) -> list[int]:
+    """[bos] for tokenizers that have one (GPT-2-style ones may not)."""
+    return [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+
+
+def uses_chat_template(tokenizer, chat_template: bool) -> bool:
+    """Whether SFT records are rendered with the tokenizer's chat template: asked for
+    (`data.chat_template`) and the tokenizer has one."""
+    return bool(chat_template and getattr(tokenizer, "chat_template", None))
+
+
+def chat_segments(tokenizer, record: SftRecord) -> list[tuple[str, bool]]:
+    """The chat template's rendering of the conversation (user = src, assistant = tgt, round by
+    round) cut into (text, learned) pieces: learned pieces are exactly the assistant turns, each
+    with the template's end-of-turn marker (e.g. `three big red boxes<|im_end|>`); everything else
+    (system prompt, role headers, the whitespace between turns) is context.
+
+    The cut comes from rendering growing prefixes of the conversation, so it needs a template whose
+    rendering of a prefix is a prefix of the whole; SftDataError otherwise (set data.chat_template:
+    false to use the plain format)."""
+    messages: list[dict[str, str]] = []
+    segments: list[tuple[str, bool]] = []
+    done = ""
+    for src, tgt in zip(record.src, record.tgt):
+        messages.append({"role": "user", "content": src})
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        messages.append({"role": "assistant", "content": tgt})
+        full = tokenizer.apply_chat_template(messages, tokenize=False)
+        if not prompt.startswith(done) or not full.startswith(prompt):
+            raise SftDataError("the tokenizer's chat template renders a conversation prefix that is not a prefix "
+                               "of the whole conversation, so the assistant turns cannot be located; set "
+                               "data.chat_template: false")
+        turn = full[len(prompt):]
+        answer = turn.rstrip()  # the answer and its end-of-turn token; trailing newlines are glue
+        segments += [(prompt[len(done):], False), (answer, True)]
+        done = prompt + answer
+    return segments
+
+
+def encode_prompt(tokenizer, record: SftRecord, src_length: int, chat: bool = False) -> list[int]:
+    """Ids the model generates from: all earlier rounds in full, then the last src (with `chat`,
+    rendered by the chat template up to the assistant header); truncated from the left to
+    `src_length` so the most recent context is kept. Plain format: [bos] first."""
+    if chat:
+        ids = [i for text, _ in chat_segments(tokenizer, record)[:-1] for i in _ids(tokenizer, text)]
+        return ids[-src_length:]
     ids: list[int] = []
     for src, tgt in zip(record.src[:-1], record.tgt[:-1]):
         ids += _ids(tokenizer, src) + _ids(tokenizer, tgt) + [tokenizer.eos_token_id]
     ids += _ids(tokenizer, record.src[-1])
-    return [tokenizer.bos_token_id] + ids[-(src_length - 1):] if src_length > 1 else [tokenizer.bos_token_id]
+    bos = _bos(tokenizer)
+    keep = src_length - len(bos)
+    return bos + (ids[-keep:] if keep > 0 else [])
 
 
-def encode_example(tokenizer, record: SftRecord, src_length: int, max_length: int) -> tuple[list[int], list[int]]:
-    """(input_ids, labels) for training: every target round (plus eos) is learned, prompts are not.
+def encode_example(tokenizer, record: SftRecord, src_length: int, max_length: int,
+                   chat: bool = False) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) for training: every target round is learned, prompts are not.
+    Plain format: [bos] src tgt [eos] per round, eos learned. With `chat`: the chat template's
+    rendering (`chat_segments`), the assistant turns learned with their end-of-turn token.
     Each round's prompt is cut from the left to `src_length`, the whole example to `max_length`."""
-    input_ids = [tokenizer.bos_token_id]
-    labels = [IGNORE_INDEX]
-    for src, tgt in zip(record.src, record.tgt):
-        prompt = _ids(tokenizer, src)[-(src_length - 1):] if src_length > 1 else []
-        target = _ids(tokenizer, tgt) + [tokenizer.eos_token_id]
-        input_ids += prompt + target
-        labels += [IGNORE_INDEX] * len(prompt) + target
+    if chat:
+        pieces = [(_ids(tokenizer, text), learned) for text, learned in chat_segments(tokenizer, record)]
+    else:
+        pieces = [(_bos(tokenizer), False)]
+        for src, tgt in zip(record.src, record.tgt):
+            pieces += [(_ids(tokenizer, src), False), (_ids(tokenizer, tgt) + [tokenizer.eos_token_id], True)]
+    # Plain prompts keep src_length - 1 tokens of src, leaving room for the bos in front.
+    limit = src_length if chat else src_length - 1
+    input_ids: list[int] = []
+    labels: list[int] = []
+    for ids, learned in pieces:
+        if not learned:
+            ids = ids[-limit:] if limit > 0 else []
+        input_ids += ids
+        labels += ids if learned else [IGNORE_INDEX] * len(ids)
     return input_ids[:max_length], labels[:max_length]
 
 

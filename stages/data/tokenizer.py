@@ -101,3 +101,82 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
                              f"eos={tok.eos_token_id}, pad={tok.pad_token_id}); set them in "
                              "tokenizer_config.json or rerun prepare")
     return tok
+
+
+# -- a checkpoint's own tokenizer ----------------------------------------------------------------
+# Files a Hugging Face tokenizer directory may hold; all that exist are carried from artifact to
+# artifact byte for byte (the chat template lives in tokenizer_config.json or chat_template.jinja).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
+
+
+def load_model_tokenizer(model_dir: str | os.PathLike):
+    """The tokenizer a checkpoint ships (local files only, never remote code); TokenizerError naming
+    the directory when it has none or it lacks an eos token (generation could not stop)."""
+    model_dir = Path(model_dir)
+    if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise TokenizerError(f"{model_dir} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json); "
+                             "save the checkpoint's tokenizer beside it with tokenizer.save_pretrained(dir)")
+    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False,
+                                        **_files_decide(model_dir))
+    if tok.eos_token_id is None:
+        raise TokenizerError(f"{model_dir}: the tokenizer has no eos token; set eos_token in tokenizer_config.json")
+    return tok
+
+
+def _files_decide(model_dir: Path) -> dict:
+    """Keyword arguments that make a generic tokenizer load the same from any directory: transformers
+    5 picks the tokenizer class from config.json when one lies beside it (a Qwen2 model dir gives
+    Qwen2Tokenizer, which adds `<|endoftext|>`), but not from an adapter dir without config.json,
+    so one tokenizer's files would load as two vocabularies. A tokenizer_config.json that names the
+    generic class therefore loads with an empty model config."""
+    import json
+
+    from transformers import PretrainedConfig
+
+    path = model_dir / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    declared = json.loads(path.read_text(encoding="utf-8")).get("tokenizer_class")
+    return {"config": PretrainedConfig()} if declared in ("PreTrainedTokenizerFast", "TokenizersBackend") else {}
+
+
+def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
+    """Copy every tokenizer file of `src` that exists into `dst` (created); returns the names."""
+    import shutil
+
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    copied = [name for name in TOKENIZER_FILES if (src / name).is_file()]
+    for name in copied:
+        shutil.copy2(src / name, dst / name)
+    return copied
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of the token -> id map (special and added tokens included): two tokenizers with the
+    same fingerprint give every text the same ids, whatever files they were saved as."""
+    import hashlib
+    import json
+
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))
+    return hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode("utf-8")).hexdigest()
+
+
+def check_same_tokenizer(tokenizer, model_dir: str | os.PathLike, index: dict, data_dir: str | os.PathLike) -> None:
+    """Raise TokenizerError when `tokenizer` (loaded from `model_dir`) is not the one `data_dir` was
+    tokenized with (index.json's `tokenizer_fingerprint`): the ids would mean other tokens. Data
+    written before fingerprints were recorded is compared by vocabulary size only."""
+    want = index.get("tokenizer_fingerprint")
+    got = tokenizer_fingerprint(tokenizer)
+    if want is None:
+        if len(tokenizer) != index.get("vocab_size", len(tokenizer)):
+            raise TokenizerError(f"tokenizer mismatch: {model_dir} has {len(tokenizer)} tokens but {data_dir} was "
+                                 f"tokenized with {index['vocab_size']}; rerun prepare for this model")
+        return
+    if got != want:
+        raise TokenizerError(
+            f"tokenizer mismatch: {model_dir} carries tokenizer {got[:12]} ({len(tokenizer)} tokens) but {data_dir} "
+            f"was tokenized with tokenizer {want[:12]} ({index.get('vocab_size')} tokens, from "
+            f"{index.get('tokenizer_source', 'prepare')}); evaluate and fine-tune a model on data prepared with "
+            "its own tokenizer (rerun prepare, or point model.model_name_or_path at this model)")

@@ -21,10 +21,9 @@ def test_a_bare_experiment_gets_every_default_and_experiments_do_not_share_state
     config = check_config({"experiments": {"a": {}, "b": {"model": {"flavour": "debug"}}}})
     a, b = config["experiments"]["a"], config["experiments"]["b"]
     assert a["model"]["flavour"] == "tiny" and b["model"]["flavour"] == "debug"
-    a["finetune"]["lora"]["target_modules"].append("x")
-    assert "x" not in b["finetune"]["lora"]["target_modules"]
-    assert "x" not in load_schema()["$defs"]["experiment"]["properties"]["finetune"]["properties"]["lora"][
-        "properties"]["target_modules"]["default"]
+    a["data"]["corpus"].append("x")  # a mutable default: deep-copied into each experiment
+    assert "x" not in b["data"]["corpus"]
+    assert "x" not in load_schema()["$defs"]["experiment"]["properties"]["data"]["properties"]["corpus"]["default"]
 
 
 def test_a_section_overrides_the_shared_training_default():
@@ -93,3 +92,28 @@ def test_tied_flavour_cannot_be_pipelined_and_overrides_apply():
     check_config({"experiments": {"x": {"model": {"flavour": "debug", "num_hidden_layers": 4},
                                          "pretrain": {"pipeline_parallel_degree": 2, "virtual_pp_degree": 2,
                                                       "gradient_accumulation_steps": 4}}}})
+
+
+def test_fp16_is_checked_against_this_machine(monkeypatch):
+    """fp16 where DeepSpeed cannot run it is a parse-time error naming the key and the fix; where it
+    can (or with the check switched off for a SLURM login node) the config passes."""
+    from stages.training import capabilities
+
+    config = {"experiments": {"x": {"model": {"flavour": "debug"}, "pretrain": {"fp16": True}}}}
+    monkeypatch.setattr(capabilities, "fp16_unsupported_reason", lambda: "no fp16 kernels here; use bf16: true")
+    with pytest.raises(ConfigError, match=r"experiments\.x\.pretrain\.fp16=true: no fp16 kernels here; use bf16"):
+        check_config(config)
+    monkeypatch.setenv("LLM_LIFECYCLE_DEVICE_CHECK", "0")
+    check_config(config)
+    monkeypatch.delenv("LLM_LIFECYCLE_DEVICE_CHECK")
+    monkeypatch.setattr(capabilities, "fp16_unsupported_reason", lambda: None)
+    check_config(config)
+
+
+def test_fp16_verdict_matches_deepspeed():
+    """Our up-front verdict is DeepSpeed's own: the accelerator refuses fp16 exactly when we do."""
+    from deepspeed.accelerator import get_accelerator
+
+    from stages.training.capabilities import fp16_unsupported_reason
+
+    assert (fp16_unsupported_reason() is None) == bool(get_accelerator().is_fp16_supported())

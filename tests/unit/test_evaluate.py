@@ -18,7 +18,7 @@ from stages.model import build_model, config_for_flavour
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
 CONFIG = {"max_new_tokens": 6, "num_dev_examples": 6, "ppl_max_length": 16, "ppl_max_windows": 3,
           "per_device_eval_batch_size": 4}
-DOCUMENTED_KEYS = {"variant", "model_dir", "kind", "ppl", "unigram_ppl", "ppl_tokens", "ppl_windows", "dev_ppl", "dev_ppl_tokens",
+DOCUMENTED_KEYS = {"variant", "model_dir", "kind", "sft_format", "ppl", "unigram_ppl", "ppl_tokens", "ppl_windows", "dev_ppl", "dev_ppl_tokens",
                    "exact_match", "bleu4", "rouge_l", "num_dev_examples", "gen_tokens", "gen_seconds",
                    "gen_tokens_per_s", "size_bytes", "num_parameters", "eval_seconds", "settings", "samples"}
 

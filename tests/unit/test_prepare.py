@@ -14,7 +14,7 @@ from stages.data.sft import read_sft_file
 from stages.data.validate import DataConfigError
 
 SMALL = dict(corpus=["builtin:pydoc"], sft="builtin:attributes", vocab_size=512, validation_fraction=0.05,
-             num_sft_train=200, num_sft_dev=16, seed=42)
+             num_sft_train=200, num_sft_dev=16, seed=42, chat_template=True)
 FILES = ["index.json", "meta.json", "sft/dev.json", "sft/train.json", "tokenizer/special_tokens_map.json",
          "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json", "train.bin", "train.idx",
          "validation.bin", "validation.idx"]
@@ -40,7 +40,7 @@ def test_meta_and_metrics(pydoc_run):
     out, metrics = pydoc_run
     meta = json.loads((out / "meta.json").read_text())
     assert meta["stage"] == "prepare" and meta["parent"] is None and meta["seed"] == 42
-    assert meta["config"] == SMALL and meta["metrics"] == metrics
+    assert meta["config"] == {**SMALL, "tokenizer": None} and meta["metrics"] == metrics
     index = json.loads((out / "index.json").read_text())
     assert metrics["vocab_size"] == index["vocab_size"] == 512 and index["dtype"] == "uint16"
     assert metrics["num_documents_train"] + metrics["num_documents_validation"] == len(topics)
@@ -151,3 +151,53 @@ def test_main_rejects_bad_config(tmp_path, capsys, config, match):
     assert e.value.code == 2
     assert re.search(match, capsys.readouterr().err)
     assert not (tmp_path / "d").exists()
+
+
+# -- a starting checkpoint's own tokenizer ------------------------------------------------------
+@pytest.fixture(scope="module")
+def chat_checkpoint(tmp_path_factory, tiny_tokenizer_dir):
+    from checkpoint_fixtures import chat_tokenizer, save_checkpoint
+
+    return save_checkpoint(tmp_path_factory.mktemp("ckpt") / "m", chat_tokenizer(tiny_tokenizer_dir))
+
+
+def test_a_checkpoint_keeps_its_tokenizer(chat_checkpoint, tmp_path):
+    """No tokenizer is trained: the corpus is tokenized with the checkpoint's own (its files copied
+    byte for byte, chat template included), the vocabulary is its embedding's, and index.json
+    records the tokenizer's fingerprint and the chat format."""
+    from stages.data.tokenizer import tokenizer_fingerprint
+
+    config = {**SMALL, "num_sft_train": 20, "num_sft_dev": 4}
+    metrics = prepare.run(**config, out_dir=tmp_path / "d", tokenizer_dir=chat_checkpoint)
+    index = json.loads((tmp_path / "d" / "index.json").read_text())
+    own = AutoTokenizer.from_pretrained(chat_checkpoint)
+    assert metrics["vocab_size"] == index["vocab_size"] == json.loads(
+        (chat_checkpoint / "config.json").read_text())["vocab_size"] == len(own) + 3
+    assert index["tokenizer_fingerprint"] == tokenizer_fingerprint(own)
+    assert index["sft_format"] == "chat_template" and index["bos_token_id"] is None
+    assert index["eos_token_id"] == own.convert_tokens_to_ids("<|im_end|>")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (tmp_path / "d" / "tokenizer" / name).read_bytes() == (chat_checkpoint / name).read_bytes()
+    tokens, offsets = load_split(tmp_path / "d", "train")
+    first = np.asarray(tokens[offsets[0]:offsets[1] - 1]).tolist()
+    assert own.decode(first) in {topics[k] for k in topics}  # the model's ids, decoded by the model
+    plain = prepare.run(**{**config, "chat_template": False}, out_dir=tmp_path / "p", tokenizer_dir=chat_checkpoint)
+    assert plain["vocab_size"] == metrics["vocab_size"]
+    assert json.loads((tmp_path / "p" / "index.json").read_text())["sft_format"] == "plain"
+
+
+def test_a_model_evaluated_on_data_of_another_tokenizer_is_refused(chat_checkpoint, debug_model_dir, tmp_path):
+    """The ids of data prepared with one tokenizer mean other tokens to a model of another: the
+    stages that read both (finetune, evaluate) refuse, naming both."""
+    from stages import evaluate, finetune
+    from sft_fixtures import finetune_section
+
+    prepare.run(**{**SMALL, "num_sft_train": 20, "num_sft_dev": 4}, out_dir=tmp_path / "d",
+                tokenizer_dir=chat_checkpoint)
+    match = (rf"tokenizer mismatch: {debug_model_dir} carries tokenizer \w{{12}} \(\d+ tokens\) but "
+             rf"{tmp_path / 'd'} was tokenized with tokenizer \w{{12}}.*from {chat_checkpoint}")
+    with pytest.raises(ValueError, match=match):
+        evaluate.run(debug_model_dir, tmp_path / "d", tmp_path / "e.json", "x", {})
+    with pytest.raises(ValueError, match=match):
+        finetune.run("lora", debug_model_dir, tmp_path / "d", tmp_path / "lora", finetune_section("lora"))
+    assert not (tmp_path / "e.json").exists() and not (tmp_path / "lora").exists()

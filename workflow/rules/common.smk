@@ -7,7 +7,7 @@ from pathlib import Path
 
 from snakemake.utils import validate
 
-from stages.config import check_config
+from stages.config import check_config, finetune_source, pretrain_enabled
 from stages.data.validate import check_data_section
 
 _checked = check_config(config)  # unknown keys (closest name), types, relations; fills defaults
@@ -35,7 +35,9 @@ def _one_of(names):
 
 SHARDED_PRETRAIN = _one_of([n for n, e in config["experiments"].items() if _writes_shards(e)])
 UNIFIED_PRETRAIN = _one_of([n for n, e in config["experiments"].items() if not _writes_shards(e)])
-MODEL_VARIANTS = ["pretrain", "sft", "lora", "prefix", "lora-merged"]  # evaluated from their own dirs
+# Experiments that start from a local checkpoint (model.model_name_or_path): rule import_base.
+FROM_CHECKPOINT = _one_of([n for n, e in config["experiments"].items() if e["model"]["model_name_or_path"]])
+FINETUNED_VARIANTS = ["sft", "lora", "prefix", "lora-merged"]
 
 
 wildcard_constraints:
@@ -90,6 +92,59 @@ def corpus_files(wildcards):
     return files
 
 
+def model_variants(wildcards):
+    """Variants evaluated from their own dirs: the starting checkpoint (`base`), the pretrained
+    model when pretraining runs, and every fine-tuned one."""
+    exp = experiment(wildcards)
+    start = ["base"] if exp["model"]["model_name_or_path"] else []
+    return start + (["pretrain"] if pretrain_enabled(exp) else []) + FINETUNED_VARIANTS
+
+
+def finetune_base(wildcards):
+    """The model fine-tuning starts from: results/<name>/pretrain, or results/<name>/base when the
+    experiment fine-tunes a checkpoint without pretraining it."""
+    return f"results/{wildcards.experiment}/{finetune_source(experiment(wildcards))}"
+
+
+def start_variant(wildcards):
+    """The variant fine-tuning starts from (`base` or `pretrain`): the report's reference."""
+    return finetune_source(experiment(wildcards))
+
+
+def base_source_files(wildcards):
+    """The starting checkpoint's files (editing one re-imports it)."""
+    path = Path(experiment(wildcards)["model"]["model_name_or_path"])
+    return sorted(str(p) for p in path.iterdir() if p.is_file())
+
+
+def prepare_inputs(wildcards):
+    """Corpus files, plus the imported checkpoint whose tokenizer prepare uses."""
+    inputs = corpus_files(wildcards)
+    if experiment(wildcards)["model"]["model_name_or_path"]:
+        inputs.append(f"results/{wildcards.experiment}/base")
+    return inputs
+
+
+def tokenizer_flag(wildcards):
+    """`--tokenizer results/<name>/base` for an experiment with a starting checkpoint, else nothing."""
+    if experiment(wildcards)["model"]["model_name_or_path"]:
+        return f"--tokenizer results/{wildcards.experiment}/base"
+    return ""
+
+
+def pretrain_inputs(wildcards):
+    inputs = {"data": f"results/{wildcards.experiment}/data"}
+    if experiment(wildcards)["model"]["model_name_or_path"]:
+        inputs["init"] = f"results/{wildcards.experiment}/base"  # continued pretraining
+    return inputs
+
+
+def init_flag(wildcards):
+    if experiment(wildcards)["model"]["model_name_or_path"]:
+        return f"--init results/{wildcards.experiment}/base"
+    return ""
+
+
 def finetune_world_size(wildcards):
     """Processes of a fine-tuning job: full SFT's world_size; adapters train in one process."""
     return experiment(wildcards)["finetune"][wildcards.method].get("world_size", 1)
@@ -109,22 +164,22 @@ def quant_variants(wildcards):
 
 def variant_dir(wildcards):
     """The artifact a variant name stands for: a model/adapter dir or a quantized dir."""
-    if wildcards.variant in MODEL_VARIANTS:
+    if wildcards.variant in model_variants(wildcards):
         return f"results/{wildcards.experiment}/{wildcards.variant}"
     if wildcards.variant in quant_variants(wildcards):
         return f"results/{wildcards.experiment}/quant/{wildcards.variant}"
     raise ValueError(f"unknown variant {wildcards.variant!r} for experiment {wildcards.experiment!r}: "
-                     f"expected one of {MODEL_VARIANTS + quant_variants(wildcards)}")
+                     f"expected one of {model_variants(wildcards) + quant_variants(wildcards)}")
 
 
 def variant_inputs(wildcards):
     """What evaluating a variant needs: its dir, plus the base model for adapter dirs."""
     inputs = [variant_dir(wildcards)]
     if wildcards.variant in ("lora", "prefix"):
-        inputs.append(f"results/{wildcards.experiment}/pretrain")
+        inputs.append(finetune_base(wildcards))
     return inputs
 
 
 def all_eval_files(wildcards):
-    variants = MODEL_VARIANTS + quant_variants(wildcards)
+    variants = model_variants(wildcards) + quant_variants(wildcards)
     return [f"results/{wildcards.experiment}/eval/{v}.json" for v in variants]

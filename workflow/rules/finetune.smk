@@ -1,9 +1,10 @@
 # Full SFT (on the distributed training engine, any layout of finetune.sft), LoRA and prefix
-# tuning (peft, one process) of the pretrained model on the src/tgt data. Locally torchrun starts
+# tuning (peft, one process) of the pretrained model (or the imported checkpoint, results/{experiment}/base)
+# on the src/tgt data. Locally torchrun starts
 # the ranks; inside a SLURM job srun does, with `tasks` = world_size.
 rule finetune:
     input:
-        model="results/{experiment}/pretrain",
+        model=finetune_base,
         data="results/{experiment}/data",
     output:
         directory("results/{experiment}/{method}"),

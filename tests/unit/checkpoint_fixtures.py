@@ -1,0 +1,71 @@
+"""Small "published" checkpoints for the tests: random-init models saved by the installed
+transformers (not by our code), with a tokenizer that may carry a ChatML chat template, as a user's
+downloaded Llama/Qwen2/SmolLM directory would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+# Words the unit tests' toy data is made of, so that they become single tokens.
+_CORPUS = [
+    "the colour of the apple is red", "the colour of the sky is blue", "the colour of grass is green",
+    "a banana is yellow and a plum is purple", "snow is white, coal is black, an orange is orange",
+    "what colour is it? question answer: one two three four five six seven eight nine ten",
+    "def main(argv): return 0  # Python code, numbers 0123456789",
+]
+
+
+def save_tiny_tokenizer(out: Path) -> Path:
+    """A byte-level BPE PreTrainedTokenizerFast (~300 tokens) saved in `out`: `<pad>`=0, `<s>`=1
+    (bos), `</s>`=2 (eos), as docs/artifacts.md specifies for data/tokenizer/."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    assert (fast.pad_token_id, fast.bos_token_id, fast.eos_token_id) == (0, 1, 2)
+    fast.save_pretrained(out)
+    return out
+
+
+# ChatML, as SmolLM2 / Qwen2 ship it (without their default system prompt).
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
+          "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def chat_tokenizer(tokenizer_dir: Path, chat_template: bool = True) -> PreTrainedTokenizerFast:
+    """The test BPE with ChatML's two special tokens added; eos is `<|im_end|>` (the end of an
+    assistant turn, where generation stops), pad `<pad>`, no bos, as in SmolLM2-Instruct."""
+    tok = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.eos_token = "<|im_end|>"
+    tok.bos_token = None
+    if chat_template:
+        tok.chat_template = CHATML
+    return tok
+
+
+def save_checkpoint(out: Path, tokenizer, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A random-init `model_type` causal LM (tiny: hidden 64, 2 layers) saved with `tokenizer` by
+    transformers' own save_pretrained; returns `out`."""
+    torch.manual_seed(seed)
+    vocab = len(tokenizer) + 3  # a few padding rows, as real checkpoints often have
+    common = dict(vocab_size=vocab, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
+    if model_type in ("llama", "qwen2", "mistral"):
+        common.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, rope_theta=100000.0)
+    elif model_type == "gpt2":
+        common.update(n_embd=64, n_layer=2, n_head=4, n_positions=256)
+    config = transformers.AutoConfig.for_model(model_type, **{**common, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,110 @@
+"""A starting checkpoint (`model.model_name_or_path`) is checked when the config is parsed: every
+unusable directory is refused before any job starts, with the path, the reason and the fix."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from checkpoint_fixtures import chat_tokenizer, save_checkpoint
+from stages.config import ConfigError, check_config, finetune_source, pretrain_enabled
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny_tokenizer_dir):
+    return save_checkpoint(tmp_path_factory.mktemp("ckpt") / "llama", chat_tokenizer(tiny_tokenizer_dir))
+
+
+def experiment(path, **sections):
+    return {"experiments": {"x": {"model": {"model_name_or_path": str(path)}, **sections}}}
+
+
+def test_a_checkpoint_skips_pretraining_unless_asked(checkpoint):
+    exp = check_config(experiment(checkpoint))["experiments"]["x"]
+    assert not pretrain_enabled(exp) and finetune_source(exp) == "base"
+    exp = check_config(experiment(checkpoint, pretrain={"enabled": True}))["experiments"]["x"]
+    assert pretrain_enabled(exp) and finetune_source(exp) == "pretrain"
+    default = check_config({"experiments": {"y": {}}})["experiments"]["y"]
+    assert pretrain_enabled(default) and finetune_source(default) == "pretrain"
+
+
+def copy_without(src, dst, *names):
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(*names))
+    return dst
+
+
+@pytest.mark.parametrize("case, match", [
+    ("missing", r"model_name_or_path='.*nowhere': no such directory; give a local Hugging Face checkpoint"),
+    ("no_config", r"config.json is missing; a Hugging Face checkpoint directory has a config.json"),
+    ("bad_json", r"config.json is not valid JSON"),
+    ("unsupported", r"architecture 'T5ForConditionalGeneration' is not supported; supported: LlamaForCausalLM "
+                    r"\(llama\), Qwen2ForCausalLM"),
+    ("pickle", r"the weights are pickle files \(pytorch_model.bin\), which this pipeline never loads.*"
+               r"save_pretrained\(dir, safe_serialization=True\)"),
+    ("no_tokenizer", r"no tokenizer in .* tokenizer.save_pretrained\(dir\)"),
+])
+def test_unusable_checkpoints_are_refused_at_parse_time(checkpoint, tmp_path, case, match):
+    path = tmp_path / case
+    if case == "no_config":
+        copy_without(checkpoint, path, "config.json")
+    elif case == "bad_json":
+        copy_without(checkpoint, path)
+        (path / "config.json").write_text("{ not json")
+    elif case == "unsupported":
+        copy_without(checkpoint, path)
+        config = json.loads((path / "config.json").read_text())
+        (path / "config.json").write_text(json.dumps({**config, "architectures": ["T5ForConditionalGeneration"],
+                                                      "model_type": "t5"}))
+    elif case == "pickle":
+        copy_without(checkpoint, path, "*.safetensors")
+        (path / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    elif case == "no_tokenizer":
+        copy_without(checkpoint, path, "tokenizer*", "chat_template.jinja")
+    elif case == "missing":
+        path = tmp_path / "nowhere"
+    with pytest.raises(ConfigError, match=match):
+        check_config(experiment(path))
+
+
+@pytest.mark.parametrize("sections, match", [
+    ({"quantize": {"source": "pretrain"}}, r"quantize.source=pretrain, but pretraining is skipped"),
+    ({"finetune": {"sft": {"world_size": 2, "tensor_parallel_degree": 2}}}, None),
+    ({"finetune": {"sft": {"world_size": 4, "tensor_parallel_degree": 4}}},
+     r"tensor_parallel_degree=4 does not divide num_key_value_heads=2 of the starting checkpoint"),
+])
+def test_keys_that_contradict_the_checkpoint(checkpoint, sections, match):
+    if match is None:
+        check_config(experiment(checkpoint, **sections))
+        return
+    with pytest.raises(ConfigError, match=match):
+        check_config(experiment(checkpoint, **sections))
+
+
+def test_model_parallelism_needs_our_model(tmp_path, tiny_tokenizer_dir):
+    from transformers import PreTrainedTokenizerFast
+
+    gpt2 = save_checkpoint(tmp_path / "gpt2", PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir), "gpt2")
+    check_config(experiment(gpt2, finetune={"sft": {"world_size": 2, "sharding": "stage1"}}))
+    with pytest.raises(ConfigError, match=r"pretrain.enabled=true with a GPT-2 checkpoint: continued pretraining"):
+        check_config(experiment(gpt2, pretrain={"enabled": True}))
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_degree=2 with a GPT-2 checkpoint: model parallelism "
+                                          r"runs on the project's own model \(Llama, Qwen2, Mistral\)"):
+        check_config(experiment(gpt2, finetune={"sft": {"world_size": 2, "pipeline_parallel_degree": 2,
+                                                        "gradient_accumulation_steps": 2}}))
+
+
+def test_no_checkpoint_no_skipping():
+    with pytest.raises(ConfigError, match=r"pretrain.enabled=false needs experiments.x.model.model_name_or_path"):
+        check_config({"experiments": {"x": {"pretrain": {"enabled": False}}}})
+    with pytest.raises(ConfigError, match=r"quantize.source=base needs"):
+        check_config({"experiments": {"x": {"quantize": {"source": "base"}}}})
+
+
+def test_a_field_our_model_cannot_honour_is_refused_at_parse_time(checkpoint, tmp_path):
+    path = copy_without(checkpoint, tmp_path / "partial", "nothing")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
+    with pytest.raises(ConfigError, match=r"model_name_or_path: .*config.json.*hidden_act.*gelu"):
+        check_config(experiment(path))

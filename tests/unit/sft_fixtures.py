@@ -6,6 +6,11 @@ Not a conftest: test modules import these functions directly (pytest puts tests/
 from __future__ import annotations
 
 import copy
+import csv
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 from stages.config import check_config
@@ -42,3 +47,29 @@ def finetune_section(method: str, **overrides) -> dict:
     small.update(overrides)
     config = check_config({"experiments": {"t": {"finetune": {method: small}}}})
     return copy.deepcopy(config["experiments"]["t"]["finetune"][method])
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def train_losses(out_dir: Path) -> list[float]:
+    """The loss column of a training stage's train_log.csv."""
+    with open(Path(out_dir) / "train_log.csv") as f:
+        return [float(row["loss"]) for row in csv.DictReader(f)]
+
+
+def torchrun_finetune_sft(nproc: int, model_dir: Path, data_dir: Path, out: Path, config: dict,
+                          checkpoints: Path | None = None) -> list[float]:
+    """`python -m stages.finetune --method sft` on `nproc` gloo ranks (real torchrun); returns the
+    losses of its train_log.csv."""
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "stages.finetune", "--method", "sft", "--model", str(model_dir), "--data", str(data_dir),
+           "--out", str(out), "--config", json.dumps(config)]
+    if checkpoints is not None:
+        cmd += ["--checkpoints", str(checkpoints)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # an in-process engine run of this session must not leak its world
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return train_losses(out)

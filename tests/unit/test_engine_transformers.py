@@ -16,7 +16,6 @@ dropout the layouts would agree only in distribution.
 
 from __future__ import annotations
 
-import csv
 import functools
 import json
 import os
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from sft_fixtures import finetune_section, toy_records, write_toy_data
+from sft_fixtures import finetune_section, toy_records, torchrun_finetune_sft, train_losses, write_toy_data
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from stages.checkpoint.hf import load_state_dict
@@ -72,11 +71,6 @@ def model_dir(tmp_path_factory, tiny_tokenizer_dir):
     return functools.cache(lambda model_type: save_family(model_type, tiny_tokenizer_dir, root / model_type))
 
 
-def train_log(out: Path) -> list[float]:
-    with open(out / "train_log.csv") as f:
-        return [float(row["loss"]) for row in csv.DictReader(f)]
-
-
 # -- one process, every family --------------------------------------------------------------------------
 @pytest.mark.parametrize("model_type", list(FAMILY_CONFIGS))
 def test_family_trains_and_writes_what_transformers_loads(model_type, model_dir, tmp_path):
@@ -89,7 +83,7 @@ def test_family_trains_and_writes_what_transformers_loads(model_type, model_dir,
     engine.init_distributed()  # a world of one, in this process
     metrics = engine.train(model, SftBatches(examples, 24, 0, seed=0), section, tmp_path / "out",
                            stage="finetune-sft", tokenizer_dir=source_dir, parent=source_dir, meta_config=section)
-    losses = train_log(tmp_path / "out")
+    losses = train_losses(tmp_path / "out")
     assert len(losses) == 8 and sum(losses[-3:]) < sum(losses[:3]) - 1.0, losses
     assert metrics["flops_per_token"] > 6 * metrics["num_parameters"] // 2
 
@@ -124,17 +118,7 @@ def torchrun_sft(nproc: int, model: Path, data: Path, out: Path, checkpoints: Pa
                  **overrides) -> list[float]:
     """`python -m stages.finetune --method sft` on `nproc` gloo ranks; returns train_log.csv's losses."""
     config = finetune_section("sft", **{**SFT, **STEPS, **overrides})
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "stages.finetune", "--method", "sft", "--model", str(model), "--data", str(data),
-           "--out", str(out), "--config", json.dumps(config)]
-    if checkpoints is not None:
-        cmd += ["--checkpoints", str(checkpoints)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)  # an in-process engine run of this session must not leak its world
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    return train_log(out)
+    return torchrun_finetune_sft(nproc, model, data, out, config, checkpoints)
 
 
 @pytest.fixture(scope="module")

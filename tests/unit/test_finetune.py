@@ -9,7 +9,7 @@ import json
 import peft
 import pytest
 import torch
-from sft_fixtures import finetune_section, toy_records, write_toy_data
+from sft_fixtures import finetune_section, toy_records, torchrun_finetune_sft, train_losses, write_toy_data
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from stages import finetune
@@ -38,11 +38,6 @@ def trained(tmp_path_factory, debug_model_dir, data_dir):
         config = finetune_section(method, learning_rate=FAST_LR[method], lr_scheduler_type="constant")
         runs[method] = (out, finetune.run(method, debug_model_dir, data_dir, out, config))
     return runs
-
-
-def losses(out_dir) -> list[float]:
-    with open(out_dir / "train_log.csv") as f:
-        return [float(row["loss"]) for row in csv.DictReader(f)]
 
 
 def test_labels_mask_the_prompt(data_dir, tokenizer):
@@ -74,7 +69,7 @@ def test_batches_repeat_epochs_in_a_seeded_order():
 @pytest.mark.parametrize("method", finetune.METHODS)
 def test_loss_decreases(trained, method):
     out, metrics = trained[method]
-    curve = losses(out)
+    curve = train_losses(out)
     assert len(curve) == 30 and curve[0] == pytest.approx(metrics["first_loss"], abs=1e-5)
     # A random debug model moves far only with full SFT (5.8 -> 0.5 here); a frozen one with an
     # adapter still learns, slowly (LoRA 5.8 -> 5.1, prefix 5.8 -> 5.3). Windows of 5 steps
@@ -125,13 +120,13 @@ def test_prefix_output_loads_and_generates(trained, debug_model_dir, tokenizer):
     assert gen.shape[1] > ids.shape[1] and gen[0, :ids.shape[1]].tolist() == ids[0].tolist()
 
 
-def test_same_seed_same_losses(tmp_path, debug_model_dir, data_dir):
+def test_same_seed_same_train_losses(tmp_path, debug_model_dir, data_dir):
     """Reruns reproduce every logged loss, LoRA dropout and adapter init included; through the CLI."""
     config = json.dumps(finetune_section("lora", max_steps=5, lora_dropout=0.1, seed=7))
     for name in ("a", "b"):
         finetune.main(["--method", "lora", "--model", str(debug_model_dir), "--data", str(data_dir),
                        "--out", str(tmp_path / name), "--config", config])
-    assert losses(tmp_path / "a") == losses(tmp_path / "b")
+    assert train_losses(tmp_path / "a") == train_losses(tmp_path / "b")
 
 
 def test_accumulation_weighs_tokens_like_one_big_batch(tmp_path, debug_model_dir, data_dir):
@@ -188,22 +183,8 @@ SFT_LAYOUTS = {
 
 
 def torchrun_sft(nproc: int, model_dir, data_dir, out, **overrides) -> list[float]:
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     config = finetune_section("sft", max_steps=6, warmup_steps=1, learning_rate=1e-2, **overrides)
-    root = Path(__file__).resolve().parents[2]
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "stages.finetune", "--method", "sft", "--model", str(model_dir), "--data", str(data_dir),
-           "--out", str(out), "--config", json.dumps(config)]
-    env = dict(os.environ, PYTHONPATH=str(root), OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)  # an in-process engine run of this session must not leak its world
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return losses(out)
+    return torchrun_finetune_sft(nproc, model_dir, data_dir, out, config)
 
 
 @pytest.fixture(scope="module")

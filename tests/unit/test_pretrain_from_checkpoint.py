@@ -5,6 +5,7 @@ that keeps the source's config fields and records where it came from."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +35,10 @@ def test_continued_pretraining_starts_from_the_checkpoint(tmp_path, tiny_tokeniz
     cmd = [sys.executable, "-m", "stages.pretrain", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"),
            "--model-config", json.dumps(exp["model"]), "--config", json.dumps(exp["pretrain"]),
            "--init", str(tmp_path / "base")]
-    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True, timeout=600)
+    env = {k: v for k, v in os.environ.items()  # an in-process engine run of this session must not leak its world
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
 
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
     assert meta["parent"] == str(tmp_path / "base") and meta["config"]["model"]["model_type"] == "llama"

@@ -150,13 +150,13 @@ def encode_example(tokenizer, record: SftRecord, src_length: int, max_length: in
     if chat:
         pieces = [(_ids(tokenizer, text), learned) for text, learned in chat_segments(tokenizer, record)]
     else:
-        pieces = [(_bos(tokenizer), False)]
+        pieces = []
         for src, tgt in zip(record.src, record.tgt):
             pieces += [(_ids(tokenizer, src), False), (_ids(tokenizer, tgt) + [tokenizer.eos_token_id], True)]
     # Plain prompts keep src_length - 1 tokens of src, leaving room for the bos in front.
     limit = src_length if chat else src_length - 1
-    input_ids: list[int] = []
-    labels: list[int] = []
+    input_ids: list[int] = [] if chat else _bos(tokenizer)
+    labels: list[int] = [IGNORE_INDEX] * len(input_ids)
     for ids, learned in pieces:
         if not learned:
             ids = ids[-limit:] if limit > 0 else []

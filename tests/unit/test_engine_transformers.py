@@ -45,6 +45,13 @@ FAMILY_CONFIGS = {
     "gpt_neox": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
                      max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0),
 }
+# Families our model implements, saved by transformers: full SFT trains them through our model.
+OUR_FAMILY_CONFIGS = {
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64),
+    "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=64, sliding_window=16),
+}
 SFT = dict(learning_rate=1e-2, warmup_steps=1, per_device_train_batch_size=4, gradient_accumulation_steps=2)
 
 
@@ -52,7 +59,7 @@ def save_family(model_type: str, tokenizer_dir: Path, out: Path) -> Path:
     """A random-init `model_type` model and the tiny tokenizer, saved by transformers into `out`."""
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tokenizer_dir)
     config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2,
-                                  pad_token_id=0, **FAMILY_CONFIGS[model_type])
+                                  pad_token_id=0, **{**FAMILY_CONFIGS, **OUR_FAMILY_CONFIGS}[model_type])
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -72,6 +79,34 @@ def model_dir(tmp_path_factory, tiny_tokenizer_dir):
 
 
 # -- one process, every family --------------------------------------------------------------------------
+@pytest.mark.parametrize("model_type", list(OUR_FAMILY_CONFIGS))
+def test_our_families_train_through_our_model_and_stay_theirs(model_type, model_dir, tmp_path):
+    """A Qwen2 / Mistral checkpoint saved by transformers trains on our model (every layout open to
+    it) and comes out as the same transformers class, config fields kept, logits equal to ours."""
+    from stages.model import LlamaForCausalLM
+
+    source_dir = model_dir(model_type)
+    model = families.load_causal_lm(source_dir)
+    assert isinstance(model, LlamaForCausalLM) and model.config.model_type == model_type
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(source_dir)
+    examples = [encode_example(tokenizer, r, 16, 24) for r in toy_records()[:48]]
+    section = finetune_section("sft", max_steps=8, **SFT)
+    engine.init_distributed()
+    engine.train(model, SftBatches(examples, 24, 0, seed=0), section, tmp_path / "out",
+                 stage="finetune-sft", tokenizer_dir=source_dir, parent=source_dir, meta_config=section)
+    losses = train_losses(tmp_path / "out")
+    assert sum(losses[-3:]) < sum(losses[:3]) - 1.0, losses
+    source = json.loads((source_dir / "config.json").read_text())
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert {k: written.get(k) for k in source if k not in ("transformers_version",)} == \
+        {k: v for k, v in source.items() if k != "transformers_version"}
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    assert loaded.config.model_type == model_type
+    ids = torch.tensor([examples[0][0] * 2])  # 2 x the example: longer than Mistral's window of 16
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(ids), loaded(ids).logits, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("model_type", list(FAMILY_CONFIGS))
 def test_family_trains_and_writes_what_transformers_loads(model_type, model_dir, tmp_path):
     source_dir = model_dir(model_type)

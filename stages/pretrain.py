@@ -24,6 +24,7 @@ from stages.checkpoint.hf import load_config, load_pretrained
 from stages.checkpoint.integrity import sha256_file
 from stages.config import ARCH_OVERRIDES
 from stages.data.corpus import load_split
+from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
 from stages.model import LlamaConfig, LlamaForCausalLM, build_model, config_for_flavour
 from stages.training.batches import WindowSampler
 from stages.training.checkpointing import model_identity
@@ -95,6 +96,8 @@ def run(data_dir: str | Path, out_dir: str | Path, model_section: dict[str, Any]
     parallel_degrees(section)  # bad degrees fail here, before any process group exists
     init_distributed()
     init_dir = Path(init_dir) if init_dir is not None else None
+    if init_dir is not None:  # the data must be tokenized by the checkpoint's own tokenizer
+        check_same_tokenizer(load_model_tokenizer(init_dir), init_dir, index, data_dir)
     model = _build(model_section, index["vocab_size"], index, section["seed"], init_dir)
     source = WindowSampler(tokens, section["max_length"], section["seed"])
     recorded = recorded_model_section(model_section, init_dir, model)

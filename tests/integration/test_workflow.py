@@ -23,6 +23,16 @@ def test_dry_run_plans_every_stage(tmp_path):
                     "export": 1, "evaluate": 7, "report": 1}, proc.stdout
 
 
+def test_the_plain_command_uses_the_default_profile(tmp_path):
+    """profiles/default/ is in force without any flag: its printshellcmds shows each job's command
+    in a dry run, which Snakemake's own default does not."""
+    proc = snakemake(tmp_path, "-n", "results/llama/data")
+    assert "Using workflow specific profile profiles/default" in proc.stdout + proc.stderr
+    assert "python -m stages.prepare --out results/llama/data" in proc.stdout
+    plain = snakemake(tmp_path, "--workflow-profile", "none", "-n", "results/llama/data")
+    assert "python -m stages.prepare" not in plain.stdout  # the setting comes from the profile
+
+
 def test_unknown_config_key_fails_before_any_job(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"experiments": {"x": {"finetune": {"lora": {"lora_rnak": 4}}}}}))

@@ -126,11 +126,12 @@ def _check_group_size(name: str, exp: dict[str, Any]) -> None:
                           "of all of them or -1 (per channel)")
 
 
-def _check_parallel(name: str, exp: dict[str, Any]) -> None:
-    """The layouts of pretraining and full SFT, checked before any process starts (the training
-    engine checks the real checkpoint shapes again)."""
+def _check_parallel(name: str, exp: dict[str, Any], source: dict[str, Any] | None) -> None:
+    """The layouts of pretraining and full SFT, checked before any process starts against the
+    flavour or the starting checkpoint's config.json `source` (the training engine checks the real
+    shapes again)."""
     for where, sec in (("pretrain", exp["pretrain"]), ("finetune.sft", exp["finetune"]["sft"])):
-        _check_layout(f"experiments.{name}.{where}", sec, exp)
+        _check_layout(f"experiments.{name}.{where}", sec, exp, source)
 
 
 def pretrain_enabled(exp: dict[str, Any]) -> bool:
@@ -145,10 +146,11 @@ def finetune_source(exp: dict[str, Any]) -> str:
     return "pretrain" if pretrain_enabled(exp) else "base"
 
 
-def _check_model_source(name: str, exp: dict[str, Any]) -> None:
+def _check_model_source(name: str, exp: dict[str, Any]) -> dict[str, Any] | None:
     """A starting checkpoint is checked here, before any job: it exists, holds config.json, a
     supported architecture, safetensors weights and a tokenizer; and the experiment's other keys
-    agree with it (no pretraining without weights to start from, a quantize source that exists)."""
+    agree with it (no pretraining without weights to start from, a quantize source that exists).
+    Returns its config.json (None without a starting checkpoint)."""
     from stages.checkpoint.source import ModelSourceError, family_of, read_source_config
 
     path = exp["model"]["model_name_or_path"]
@@ -159,28 +161,28 @@ def _check_model_source(name: str, exp: dict[str, Any]) -> None:
                               "must be pretrained before it can be fine-tuned")
         if exp["quantize"]["source"] == "base":
             raise ConfigError(f"experiments.{name}.quantize.source=base needs {key} (the imported checkpoint)")
-        return
+        return None
     try:
         source = read_source_config(path, key)
     except ModelSourceError as e:
         raise ConfigError(str(e)) from None
-    if exp["pretrain"]["enabled"] and not family_of(source).ours:
-        raise ConfigError(f"experiments.{name}.pretrain.enabled=true with a {family_of(source).name} checkpoint: "
+    family = family_of(source)
+    if exp["pretrain"]["enabled"] and not family.ours:
+        raise ConfigError(f"experiments.{name}.pretrain.enabled=true with a {family.name} checkpoint: "
                           "continued pretraining runs on the project's own model (Llama, Qwen2, Mistral); "
                           "fine-tune it directly (pretrain.enabled: null)")
-    if family_of(source).ours:  # our Llama must honour every field, or refuse it now (imports torch)
+    if family.ours:  # our Llama must honour every field, or refuse it now (imports torch)
         from stages.model.config import LlamaConfig
 
         try:
-            LlamaConfig.from_hf_dict({k: v for k, v in source.items() if not k.startswith("_")},
-                                     source=f"{path}/config.json")
+            LlamaConfig.from_hf_dict(source, source=f"{path}/config.json")
         except ValueError as e:
             raise ConfigError(f"{key}: {e}") from None
-    exp["model"]["_source_config"] = source  # for the layout checks below; dropped before returning
     if exp["quantize"]["source"] == "pretrain" and not pretrain_enabled(exp):
         raise ConfigError(f"experiments.{name}.quantize.source=pretrain, but pretraining is skipped for a "
                           f"starting checkpoint; use source: base (the checkpoint as imported), lora-merged or "
                           f"sft, or set pretrain.enabled: true for continued pretraining")
+    return source
 
 
 def _check_device(key: str, sec: dict[str, Any]) -> None:
@@ -196,7 +198,7 @@ def _check_device(key: str, sec: dict[str, Any]) -> None:
             raise ConfigError(f"{key}.{flag}=true: {reason}")
 
 
-def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any]) -> None:
+def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any], source: dict[str, Any] | None) -> None:
     world, tp, pp, vpp = (sec["world_size"], sec["tensor_parallel_degree"], sec["pipeline_parallel_degree"],
                           sec["virtual_pp_degree"])
     if world % (tp * pp):
@@ -224,8 +226,8 @@ def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any]) -> None:
     if vpp > 1 and accum % max(1, accum // pp):
         raise ConfigError(f"{key}: interleaved 1F1B needs gradient_accumulation_steps={accum} to be a "
                           f"multiple of gradient_accumulation_steps // pipeline_parallel_degree = {accum // pp}")
-    if exp["model"]["model_name_or_path"]:
-        _check_layout_for_source(key, sec, exp["model"]["_source_config"])
+    if source is not None:
+        _check_layout_for_source(key, sec, source)
         return
     arch = architecture(exp["model"])
     layers = arch["num_hidden_layers"]
@@ -292,10 +294,9 @@ def check_config(config: dict[str, Any], schema: dict[str, Any] | None = None) -
         raise ConfigError(f"config key {key!r}: {e.message}")
     for name, exp in config["experiments"].items():
         _check_relations(name, exp)
-        _check_model_source(name, exp)
+        source = _check_model_source(name, exp)
         _check_group_size(name, exp)
-        _check_parallel(name, exp)
-        exp["model"].pop("_source_config", None)
+        _check_parallel(name, exp, source)
     return config
 
 

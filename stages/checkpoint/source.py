@@ -64,7 +64,7 @@ def read_source_config(path: str | Path, key: str = "model.model_name_or_path") 
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelSourceError(f"{where}: {config_path} is not valid JSON ({e}); re-save the checkpoint") from None
-    family = family_of(config, config_path)
+    family_of(config, config_path)  # an unsupported architecture is refused before anything else
     weights = sorted(p.name for p in path.glob("*.safetensors"))
     pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if not weights and pickles:
@@ -79,7 +79,6 @@ def read_source_config(path: str | Path, key: str = "model.model_name_or_path") 
         raise ModelSourceError(
             f"{where}: no tokenizer in {path} (none of {', '.join(TOKENIZER_MARKERS)}); the chain keeps the "
             f"checkpoint's own tokenizer: save it beside the weights with tokenizer.save_pretrained(dir)")
-    config["_family"] = family.name
     return config
 
 

@@ -55,19 +55,20 @@ def test_a_truncated_weight_file_is_named_and_nothing_is_written(llama, tmp_path
 
 
 def test_a_config_our_model_reads_differently_fails_the_parity_check(llama, tmp_path, monkeypatch):
-    """The guard itself: were our model to read a field differently (here: RoPE base), the stage
-    stops with the figures instead of importing a model that trains as another."""
+    """The guard itself: were our model to compute anything differently (simulated here by scaling
+    one projection after loading), the stage stops with the figures instead of importing a model
+    that trains as another."""
     from stages.checkpoint import hf
 
     real = hf.load_pretrained
 
-    def wrong_rope(path, *args, **kwargs):
+    def scaled_q_proj(path, *args, **kwargs):
         model = real(path, *args, **kwargs)
         with torch.no_grad():
             model.model.layers["0"].self_attn.q_proj.weight.mul_(1.5)
         return model
 
-    monkeypatch.setattr(hf, "load_pretrained", wrong_rope)
+    monkeypatch.setattr(hf, "load_pretrained", scaled_q_proj)
     with pytest.raises(ValueError, match=r"our Llama and transformers' LlamaForCausalLM disagree"):
         import_base.run(llama, tmp_path / "base")
     assert not (tmp_path / "base").exists()

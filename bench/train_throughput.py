@@ -44,7 +44,7 @@ from stages.config import check_config  # noqa: E402
 from stages.training.flops import flops_per_token, peak_matmul_flops  # noqa: E402
 from stages.model import build_model, config_for_flavour  # noqa: E402
 from stages.model.config import LlamaConfig  # noqa: E402
-from stages.training.engine import deepspeed_config, init_distributed  # noqa: E402
+from stages.training.engine import deepspeed_config, finish_distributed, init_distributed  # noqa: E402
 from stages.training.engine import train_step as engine_train_step  # noqa: E402
 from stages.training.schedule import build_scheduler  # noqa: E402
 
@@ -329,8 +329,13 @@ def memory_worker(args: argparse.Namespace) -> None:
               "peak_rss_bytes": peak_rss, "baseline_rss_bytes": baseline_rss, "held": held,
               "zero_optimizer": type(engine.optimizer).__name__}
     Path(args.memory_dir, f"{args.memory_worker}_rank{rank}.json").write_text(json.dumps(record))
-    dist.barrier()
-    dist.destroy_process_group()
+    del engine, optimizer, model  # ZeRO-3's gather handles go while their process group exists
+    finish_distributed()
+    # Skip interpreter finalization: once in CI a stage-3 worker aborted there ("terminate called
+    # without an active exception", SIGABRT) after its record was written, failing the run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def bench_memory(args: argparse.Namespace) -> list[dict[str, Any]]:

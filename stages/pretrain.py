@@ -28,7 +28,7 @@ from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
 from stages.model import LlamaConfig, LlamaForCausalLM, build_model, config_for_flavour
 from stages.training.batches import WindowSampler
 from stages.training.checkpointing import model_identity
-from stages.training.engine import init_distributed, parallel_degrees, train
+from stages.training.engine import finish_distributed, init_distributed, parallel_degrees, train
 from stages.training.seed import set_seed
 
 
@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     model_section = json.loads(args.model_config)
     init = args.init or model_section.get("model_name_or_path")  # a direct call without --init
     run(args.data, args.out, model_section, json.loads(args.config), args.checkpoints, init)
+    finish_distributed()
     return 0
 
 

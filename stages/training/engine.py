@@ -52,6 +52,7 @@ from stages.training.families import (
     write_config,
 )
 from stages.training.flops import flops_per_token, peak_matmul_flops
+from stages.training.launcher_watch import exit_with_launcher
 from stages.training.log import TrainLog
 from stages.training.schedule import build_scheduler
 
@@ -99,6 +100,7 @@ def init_distributed() -> None:
 
     if dist.is_initialized():
         return
+    exit_with_launcher()  # torchrun's ranks have a session of their own: die with torchrun, not after it
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:  # one task of `srun`
         os.environ.update(RANK=os.environ["SLURM_PROCID"], LOCAL_RANK=os.environ["SLURM_LOCALID"],
@@ -108,6 +110,22 @@ def init_distributed() -> None:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
+
+
+def finish_distributed() -> None:
+    """End a successful run: every rank waits for the others, then the process groups are destroyed
+    while the interpreter is whole. Left to interpreter exit, gloo's worker threads can be torn down
+    mid-destruction and abort the process ("terminate called without an active exception", SIGABRT),
+    failing a job whose outputs were already written. Engines left in reference cycles (ZeRO-3
+    keeps communication handles) are collected first, while their process groups still exist."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _free_port() -> int:

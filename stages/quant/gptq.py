@@ -1,0 +1,468 @@
+"""GPTQ (Frantar et al. 2022, "GPTQ: Accurate Post-Training Quantization for Generative Pre-trained
+Transformers"): weight quantization that feeds each column's rounding error into the columns not yet
+quantized, so that the layer's *output* on calibration inputs X changes as little as possible.
+
+For a linear layer y = x W^T with W (out, in), GPTQ minimises ||X W^T - X W_hat^T||^2 one input
+column at a time. With H = 2 X^T X / n (in, in), the proxy Hessian of that loss, and U the upper
+Cholesky factor of H^-1 (H^-1 = U^T U), quantizing column j to q_j and then updating
+
+    e_j      = (w_j - q_j) / U[j, j]
+    w_k     -= e_j * U[j, k]            for every k > j
+
+is the optimal (OBS) correction of the remaining columns. The updates are applied lazily: inside a
+block of `block_size` columns immediately, to the columns after the block once per block (one
+matmul), which gives the same result with far fewer memory passes.
+
+Options, as GPTQModel / AutoGPTQ name them:
+- dead columns (H_jj = 0: the feature is always 0 in the calibration data) are set to W[:, j] = 0
+  and H_jj = 1; their weight cannot matter on such inputs.
+- damp_percent: damp_percent * mean(diag(H)) is added to the diagonal before inverting.
+- group_size: -1 is one scale / zero point per output row; otherwise each run of `group_size`
+  columns gets its own, computed from the *error-updated* weights when the group's first column is
+  reached (static_groups: from the original weights, all groups up front). When group_size does
+  not divide `in`, the last group is narrower: g_idx[k] = k // group_size, ceil(in / group_size)
+  groups, which is what GPTQ runtimes allocate.
+- desc_act (act-order): columns are processed in descending order of diag(H), the most active
+  input features first. Without static_groups the groups are runs of the *processing* order, so the
+  group index of the original feature k is g_idx[k] = position_of_k // group_size, not monotonic
+  in k; with static_groups the groups stay those of the original order and g_idx = k // group_size.
+- sym: the zero point is fixed at 2**(bits - 1) and s = 2 * max|w| / (2**bits - 1); asymmetric
+  groups use `stages.quant.rtn`'s grid (range containing 0, zero point in [1, 2**bits - 1]).
+
+Two details differ from the reference code (IST-DASLab/gptq, which AutoGPTQ and GPTQModel follow),
+both towards the stated maths: a group's parameters are computed from its weights with *every*
+earlier column's update applied (the reference omits the updates from earlier columns of the same
+lazy block when a group starts mid-block, so its result depends on block_size; this one does not),
+and per-channel parameters are computed after dead columns are zeroed (the reference includes
+their original weights in the range). With block_size == group_size and no dead column the codes
+equal the reference loop's bit for bit.
+
+Scales are float16-exact (rounded up, as in rtn.py) and zero points lie in [1, 2**bits - 1], so a
+result packs into the classic GPTQ layout, which stores z - 1. The weights are always
+
+    W_hat[o, k] = scales[o, g_idx[k]] * (codes[o, k] - zeros[o, g_idx[k]])
+
+and `dequantize_gptq` computes exactly the values the error feedback used (`GPTQResult.weight`).
+
+The layer-by-layer driver (`quantize_layer_sequential`, `gptq_quantize_model`) runs the calibration
+batches through one decoder block at a time: inside a block the Linears are quantized in the order
+the forward pass calls them ("true sequential": q/k/v, then o, then gate/up, then down), each group
+calibrated on inputs produced by the already-quantized earlier ones, and the block's quantized
+output is the input of the next block.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+from tqdm import tqdm
+from transformers.pytorch_utils import Conv1D
+
+from stages.quant.layers import LINEAR_TYPES
+from stages.quant.rtn import _MIN_SCALE, QuantizedWeight, _round_up_to_fp16
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    """GPTQ options; defaults are AutoGPTQ's BaseQuantizeConfig except desc_act (False: the packer
+    in `gptq_format` stores only a monotonic g_idx)."""
+
+    bits: int = 4  # 2, 3, 4 or 8
+    group_size: int = 128  # input features per scale / zero point; -1 = one per output row
+    sym: bool = True  # zero point fixed at 2**(bits - 1)
+    desc_act: bool = False  # act-order: quantize columns by descending diag(H)
+    static_groups: bool = False  # group parameters from the original weights, before any update
+    damp_percent: float = 0.01  # fraction of mean(diag(H)) added to the diagonal
+    block_size: int = 128  # columns per lazy batch update
+
+    def __post_init__(self) -> None:
+        if self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"quantize.bits={self.bits} is not supported by GPTQ; choose one of {SUPPORTED_BITS}")
+        if self.group_size != -1 and self.group_size <= 0:
+            raise ValueError(f"quantize.group_size={self.group_size} must be positive or -1 (per channel)")
+        if not 0.0 < self.damp_percent < 1.0:
+            raise ValueError(f"quantize.damp_percent={self.damp_percent} must lie in (0, 1); 0.01 is usual")
+        if self.block_size <= 0:
+            raise ValueError(f"quantize.block_size={self.block_size} must be positive")
+
+
+class GPTQHessian:
+    """H = 2 X^T X / n over every calibration row x (in,) seen by one linear layer, kept as a running
+    mean in float32 so batches of any size (and count) can be added. The rows are the layer's inputs:
+    (..., in) is flattened to (n, in), e.g. (batch, seq, in) gives batch * seq rows. A Conv1D's input
+    is (..., in) too; only its weight is transposed, which the caller handles."""
+
+    def __init__(self, in_features: int, device: torch.device | str | None = None):
+        self.in_features = in_features
+        self.hessian = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
+        self.num_rows = 0
+
+    @torch.no_grad()
+    def add_batch(self, x: torch.Tensor) -> None:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"calibration input of shape {tuple(x.shape)} does not end in "
+                             f"in_features={self.in_features}")
+        rows = x.detach().reshape(-1, self.in_features).to(self.hessian.device, torch.float32)  # (n, in)
+        n = rows.shape[0]
+        if n == 0:
+            return
+        total = self.num_rows + n
+        self.hessian.mul_(self.num_rows / total)
+        self.hessian.addmm_(rows.t(), rows, alpha=2.0 / total)
+        self.num_rows = total
+
+
+@dataclass
+class GPTQResult:
+    """One quantized weight W (out, in), columns in the original order.
+
+    codes:   (out, in) int32 in [0, 2**bits - 1]
+    scales:  (out, G) float32, float16-exact; G = ceil(in / group_size), 1 per channel
+    zeros:   (out, G) int32 in [1, 2**bits - 1]
+    g_idx:   (in,) int32, the group of each input feature
+    perm:    (in,) int64 processing order (perm[j] = the original column quantized j-th), None
+             without desc_act
+    weight:  (out, in) float32, the dequantized weights, = dequantize_gptq(self)
+    loss:    GPTQ's proxy loss, sum_j ||w_j - q_j||^2 / (2 U[j, j]^2), for logging
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    g_idx: torch.Tensor
+    perm: torch.Tensor | None
+    weight: torch.Tensor
+    bits: int
+    group_size: int
+    sym: bool
+    loss: float = 0.0
+
+
+def group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale (out,) float32 (float16-exact) and zero point (out,) float32 holding integers in
+    [1, 2**bits - 1] for the columns `w` (out, cols) of one group.
+
+    Asymmetric: `stages.quant.rtn`'s grid, written for one group. Symmetric: z = 2**(bits - 1) and
+    s = 2 * max|w| / maxq, so every element is within s / 2 of the grid (the top code, z - 1 steps
+    above zero, is half a step short of max|w|).
+    """
+    maxq = 2**bits - 1
+    lo = w.amin(dim=1).clamp(max=0.0)
+    hi = w.amax(dim=1).clamp(min=0.0)
+    if sym:
+        amax = torch.maximum(-lo, hi)
+        span = torch.where(amax > 0, 2 * amax, torch.ones_like(amax))  # all-zero row: any scale is exact
+        scale = _round_up_to_fp16((span / maxq).clamp(min=_MIN_SCALE))
+        return scale, torch.full_like(scale, 2 ** (bits - 1))
+    span = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
+    scale = _round_up_to_fp16((span / maxq).clamp(min=_MIN_SCALE))
+    zero = torch.round(-lo / scale)
+    # z = 0 cannot be stored as z - 1: widen the scale so that z = 1 covers [0, hi] (as rtn.py).
+    needs_widen = zero < 1
+    wide_scale = _round_up_to_fp16((hi / (maxq - 1)).clamp(min=_MIN_SCALE))
+    scale = torch.where(needs_widen, wide_scale, scale)
+    zero = torch.where(needs_widen, torch.ones_like(zero), zero).clamp(1, maxq)
+    return scale, zero
+
+
+def _inverse_hessian_factor(hessian: torch.Tensor, damp_percent: float, name: str) -> torch.Tensor:
+    """Upper Cholesky factor U of (H + damp I)^-1; the damping grows tenfold while H is not
+    positive definite (float32 round-off on nearly singular H), up to 100% of mean(diag(H))."""
+    mean_diag = torch.diag(hessian).mean()
+    eye = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
+    damps = [damp_percent]
+    while damps[-1] < 1.0:
+        damps.append(min(damps[-1] * 10, 1.0))
+    for damp in damps:
+        chol, info = torch.linalg.cholesky_ex(hessian + damp * mean_diag * eye)
+        if info == 0:
+            # = torch.cholesky_inverse(chol), which is ~100x slower on multi-threaded CPU LAPACK
+            inverse = torch.cholesky_solve(eye, chol)
+            upper, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            if info == 0:
+                if damp != damp_percent:
+                    log.warning("%s: Hessian not positive definite at damp_percent=%g; used %g",
+                                name, damp_percent, damp)
+                return upper
+    raise ValueError(f"{name}: the calibration Hessian is not positive definite even with damp_percent=1; "
+                     "check the calibration inputs for inf / nan")
+
+
+@torch.no_grad()
+def gptq_quantize(
+    weight: torch.Tensor, hessian: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True,
+    desc_act: bool = False, static_groups: bool = False, damp_percent: float = 0.01, block_size: int = 128,
+    name: str = "weight",
+) -> GPTQResult:
+    """GPTQ of `weight` (out, in) given the Hessian (in, in) of its calibration inputs (see the
+    module docstring for the maths and the options). Neither argument is modified."""
+    GPTQConfig(bits, group_size, sym, desc_act, static_groups, damp_percent, block_size)  # validates
+    if weight.dim() != 2:
+        raise ValueError(f"{name}: expected a 2-D weight (out, in), got shape {tuple(weight.shape)}")
+    out_f, in_f = weight.shape
+    if hessian.shape != (in_f, in_f):
+        raise ValueError(f"{name}: hessian of shape {tuple(hessian.shape)} does not match in_features={in_f}")
+    W = weight.detach().to(torch.float32).clone()  # (out, in)
+    if not torch.isfinite(W).all():
+        raise ValueError(f"{name} holds inf or nan values; it cannot be quantized")
+    H = hessian.detach().to(W.device, torch.float32).clone()
+    maxq = 2**bits - 1
+    gs = in_f if group_size == -1 else group_size
+    n_groups = math.ceil(in_f / gs)
+
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+
+    scales = torch.zeros(out_f, n_groups, device=W.device)
+    zeros = torch.zeros(out_f, n_groups, device=W.device)
+    # Groups whose parameters come from the weights before any update: per channel (one group,
+    # as GPTQ does) and static_groups (original column order).
+    upfront = group_size == -1 or static_groups
+    if upfront:
+        for g in range(n_groups):
+            scales[:, g], zeros[:, g] = group_params(W[:, g * gs:(g + 1) * gs], bits, sym)
+
+    perm = None
+    if desc_act:
+        perm = torch.argsort(torch.diag(H), descending=True, stable=True)
+        W, H = W[:, perm], H[perm][:, perm]
+    # group of the j-th processed column: its original column's group when the groups are fixed in
+    # the original order, else its position's
+    position = torch.arange(in_f, device=W.device)
+    column_group = (perm if (perm is not None and upfront) else position) // gs  # (in,)
+
+    U = _inverse_hessian_factor(H, damp_percent, name)  # (in, in) upper
+    Q = torch.zeros_like(W)  # dequantized weights, processing order
+    codes = torch.zeros_like(W)  # integer-valued, processing order
+    Err = torch.zeros_like(W)  # (w_j - q_j) / U[j, j]
+    groups = column_group.tolist()  # plain ints: tensor indexing per column costs more than the maths
+    for i1 in range(0, in_f, block_size):
+        i2 = min(i1 + block_size, in_f)
+        W1 = W[:, i1:i2].clone()  # (out, b): updated eagerly inside the block
+        Err1 = Err[:, i1:i2]
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            j = i1 + i
+            if not upfront and j % gs == 0:
+                g_end = min(j + gs, in_f)
+                cols = W1[:, i:min(g_end, i2) - i1]
+                if g_end > i2:  # the group runs past this block: add the block's pending updates
+                    rest = W[:, i2:g_end] - Err1[:, :i] @ U[i1:j, i2:g_end]
+                    cols = torch.cat([cols, rest], dim=1)
+                scales[:, j // gs], zeros[:, j // gs] = group_params(cols, bits, sym)
+            s, z = scales[:, groups[j]], zeros[:, groups[j]]
+            w = W1[:, i]
+            q = torch.clamp(torch.round(w / s) + z, 0, maxq)
+            dq = s * (q - z)
+            codes[:, j], Q[:, j] = q, dq
+            err = (w - dq) / U1[i, i]
+            W1[:, i:].sub_(torch.outer(err, U1[i, i:]))
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+    loss = float((Err * Err).sum() / 2)
+    codes = codes.to(torch.int32)
+
+    g_idx = column_group.to(torch.int32)  # processing order
+    if perm is not None:
+        inverse = torch.argsort(perm)
+        Q, codes, g_idx = Q[:, inverse], codes[:, inverse], g_idx[inverse]
+    return GPTQResult(codes=codes, scales=scales, zeros=zeros.to(torch.int32), g_idx=g_idx, perm=perm,
+                      weight=Q, bits=bits, group_size=group_size, sym=sym, loss=loss)
+
+
+def dequantize_gptq(result: GPTQResult, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W_hat[o, k] = scales[o, g_idx[k]] * (codes[o, k] - zeros[o, g_idx[k]]), (out, in) in `dtype`."""
+    g = result.g_idx.long()
+    w = result.scales[:, g] * (result.codes.float() - result.zeros[:, g].float())
+    return w.to(dtype)
+
+
+def to_quantized_weight(result: GPTQResult) -> QuantizedWeight:
+    """The result as rtn's QuantizedWeight, which `gptq_format.pack` takes: only when g_idx is
+    k // group_size (no desc_act, or static_groups) and group_size divides in_features."""
+    in_f = result.codes.shape[1]
+    gs = in_f if result.group_size == -1 else result.group_size
+    if in_f % gs or not torch.equal(result.g_idx, (torch.arange(in_f, device=result.g_idx.device) // gs).int()):
+        raise ValueError("this GPTQ result has a permuted g_idx or a narrower last group; "
+                         "pack it with stages.quant.gptq_pack.pack_gptq")
+    return QuantizedWeight(codes=result.codes, scales=result.scales, zeros=result.zeros, bits=result.bits,
+                           group_size=result.group_size)
+
+
+# ---------------------------------------------------------------- layer-by-layer calibration
+
+
+@dataclass
+class BlockInput:
+    """One calibration batch as a decoder block receives it: the hidden states (B, T, d) and the
+    other arguments of its forward (our Llama: cos, sin; transformers: position_embeddings,
+    attention_mask, ... as keywords)."""
+
+    hidden: torch.Tensor
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+class _StopForward(Exception):
+    """Raised from a hook to end a forward pass once the inputs it wanted are recorded."""
+
+
+def _run_block(block: nn.Module, inp: BlockInput) -> torch.Tensor:
+    out = block(inp.hidden, *inp.args, **inp.kwargs)
+    return out[0] if isinstance(out, tuple) else out  # transformers 4 blocks return a tuple
+
+
+def _linear_weight(module: nn.Module) -> torch.Tensor:
+    """W (out, in) of a Linear, or of a Conv1D (which stores W^T)."""
+    return module.weight.t() if isinstance(module, Conv1D) else module.weight
+
+
+def sequential_groups(block: nn.Module, inp: BlockInput) -> list[list[str]]:
+    """The block's Linear / Conv1D names in the order its forward calls them, grouped by shared
+    input: consecutive layers fed the same tensor (q/k/v, gate/up) form one group."""
+    calls: list[tuple[str, torch.Tensor]] = []
+    hooks = [m.register_forward_hook(lambda mod, args, out, name=name: calls.append((name, args[0])))
+             for name, m in block.named_modules() if isinstance(m, LINEAR_TYPES)]
+    try:
+        with torch.no_grad():
+            _run_block(block, inp)
+    finally:
+        for h in hooks:
+            h.remove()
+    groups: list[list[str]] = []
+    for k, (name, x) in enumerate(calls):  # `calls` keeps every input alive: no storage is reused
+        if k and x is calls[k - 1][1]:
+            groups[-1].append(name)
+        else:
+            groups.append([name])
+    return groups
+
+
+@torch.no_grad()
+def quantize_layer_sequential(
+    block: nn.Module, inputs: Sequence[BlockInput], config: GPTQConfig,
+    sequential: Sequence[Sequence[str]] | None = None, prefix: str = "",
+) -> tuple[list[torch.Tensor], dict[str, GPTQResult]]:
+    """GPTQ every Linear / Conv1D of one decoder block in true-sequential order, replacing each
+    weight by its dequantized value before the next group is calibrated.
+
+    `sequential` lists groups of submodule names (default: `sequential_groups`, the call order).
+    Returns the block's outputs on `inputs` with every weight quantized (the next block's inputs),
+    and {f"{prefix}.{name}": result} in quantization order.
+    """
+    groups = [list(g) for g in sequential] if sequential is not None else sequential_groups(block, inputs[0])
+    modules = dict(block.named_modules())
+    dot = f"{prefix}." if prefix else ""
+    results: dict[str, GPTQResult] = {}
+    for group in groups:
+        hessians = {name: GPTQHessian(_linear_weight(modules[name]).shape[1], modules[name].weight.device)
+                    for name in group}
+        seen: set[str] = set()
+
+        def record(mod, args, out, name):
+            hessians[name].add_batch(args[0])
+            seen.add(name)
+            if len(seen) == len(group):  # the rest of the block cannot change these inputs
+                raise _StopForward
+
+        hooks = [modules[name].register_forward_hook(lambda mod, args, out, name=name: record(mod, args, out, name))
+                 for name in group]
+        try:
+            for inp in inputs:
+                seen.clear()
+                try:
+                    _run_block(block, inp)
+                except _StopForward:
+                    pass
+        finally:
+            for h in hooks:
+                h.remove()
+        for name in group:
+            if hessians[name].num_rows == 0:
+                raise ValueError(f"{dot}{name} received no calibration input: the block's forward does not "
+                                 "call it; pass `sequential` without it")
+            module = modules[name]
+            r = gptq_quantize(_linear_weight(module), hessians[name].hessian, config.bits, config.group_size,
+                              config.sym, config.desc_act, config.static_groups, config.damp_percent,
+                              config.block_size, name=f"{dot}{name}")
+            w = r.weight.t() if isinstance(module, Conv1D) else r.weight
+            module.weight.copy_(w.to(module.weight.dtype))
+            results[f"{dot}{name}"] = r
+            log.debug("%s%s: GPTQ loss %.4g", dot, name, r.loss)
+    return [_run_block(block, inp) for inp in inputs], results
+
+
+def _capture_block_inputs(model: nn.Module, first_block: nn.Module,
+                          calibration: Iterable[torch.Tensor]) -> list[BlockInput]:
+    """Run `model(input_ids)` for each calibration batch up to the first block and keep that
+    block's arguments. A KV cache is dropped: calibration runs the blocks repeatedly."""
+    captured: list[BlockInput] = []
+
+    def grab(mod, args, kwargs):
+        kwargs = dict(kwargs)
+        if args:
+            hidden, args = args[0], tuple(args[1:])
+        else:
+            hidden = kwargs.pop("hidden_states")
+        if "past_key_values" in kwargs:
+            kwargs["past_key_values"] = None
+        if "use_cache" in kwargs:
+            kwargs["use_cache"] = False
+        captured.append(BlockInput(hidden=hidden, args=args, kwargs=kwargs))
+        raise _StopForward
+
+    hook = first_block.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        for ids in calibration:
+            try:
+                model(ids)
+            except _StopForward:
+                pass
+    finally:
+        hook.remove()
+    return captured
+
+
+@torch.no_grad()
+def gptq_quantize_model(
+    model: nn.Module, blocks: nn.ModuleList | nn.ModuleDict | Mapping[str, nn.Module],
+    calibration: Iterable[torch.Tensor], config: GPTQConfig, prefix: str = "",
+) -> dict[str, GPTQResult]:
+    """GPTQ every Linear / Conv1D of `blocks` (the decoder blocks of `model`, in order) in place,
+    block by block, calibrated on `calibration` (input_ids batches, each (B, T), unpadded: the model
+    is called with input_ids alone, so every token counts in the Hessians).
+
+    Works for any model that calls each block as block(hidden, ...) with the same other arguments
+    for every block: our Llama (`model.model.layers`) and transformers' causal LMs
+    (`model.get_submodule(stages.quant.layers.decoder_blocks(model))`). Result names are
+    f"{prefix}.{block key}.{submodule}", the checkpoint names when `prefix` is the blocks' path.
+    """
+    named = list(blocks.items()) if isinstance(blocks, (nn.ModuleDict, Mapping)) else \
+        [(str(i), b) for i, b in enumerate(blocks)]
+    if not named:
+        raise ValueError("no decoder blocks were given to quantize")
+    was_training = model.training
+    model.eval()
+    inputs = _capture_block_inputs(model, named[0][1], calibration)
+    if not inputs:
+        raise ValueError("the calibration set is empty")
+    results: dict[str, GPTQResult] = {}
+    dot = f"{prefix}." if prefix else ""
+    for key, block in tqdm(named, desc="GPTQ", unit="block", disable=len(named) < 4):
+        outputs, block_results = quantize_layer_sequential(block, inputs, config, prefix=f"{dot}{key}")
+        results.update(block_results)
+        inputs = [replace(inp, hidden=out) for inp, out in zip(inputs, outputs)]
+        log.info("GPTQ block %s: %d layers, mean loss %.4g", key, len(block_results),
+                 sum(r.loss for r in block_results.values()) / len(block_results))
+    model.train(was_training)
+    return results

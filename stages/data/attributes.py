@@ -25,6 +25,7 @@ import itertools
 import random
 
 from stages.data.sft import SftRecord
+from stages.errors import InputError
 
 SIZES = ("big", "small", "tiny", "huge", "large", "enormous")
 COLORS = ("red", "blue", "green", "yellow", "black", "white", "orange", "purple")
@@ -36,7 +37,7 @@ ATTRIBUTE_NAMES = ("size", "color", "shape", "count")
 Combo = tuple[str, str, str, int]  # (size, color, shape, count)
 
 
-class AttributesTaskError(ValueError):
+class AttributesTaskError(InputError):
     """An impossible request for the generated task (e.g. more records than distinct inputs)."""
 
 

@@ -26,8 +26,9 @@ from typing import Iterator
 import numpy as np
 
 from stages.checkpoint.atomic import atomic_file, write_json
-from stages.data.sft import json_lines
+from stages.data.files import json_lines, read_text
 from stages.data.validate import resolve_corpus
+from stages.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ INDEX_NAME = "index.json"
 SPLITS = ("train", "validation")
 
 
-class CorpusError(ValueError):
+class CorpusError(InputError):
     """Unusable corpus content or token files; names the file (and line or row) and the fix."""
 
 
@@ -48,21 +49,14 @@ def _pydoc_documents() -> Iterator[str]:
         yield topics[key]
 
 
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise CorpusError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason}); convert it to UTF-8") from None
-
-
 def _jsonl_documents(path: Path) -> Iterator[str]:
     for lineno, obj in json_lines(path, CorpusError, '{"text": "..."}'):
-        if not isinstance(obj, dict) or "text" not in obj:
-            have = f"keys {sorted(obj)}" if isinstance(obj, dict) else type(obj).__name__
-            raise CorpusError(f"{path}:{lineno}: no 'text' field (got {have}); "
+        if "text" not in obj:
+            raise CorpusError(f"{path}:{lineno}: no 'text' field (got keys {sorted(obj)}); "
                               'each line must be an object with a string field "text"')
         if not isinstance(obj["text"], str):
-            raise CorpusError(f"{path}:{lineno}: 'text' is {type(obj['text']).__name__}, expected a string")
+            raise CorpusError(f"{path}:{lineno}: 'text' is {type(obj['text']).__name__}, expected a string; "
+                              'each line must be an object with a string field "text"')
         yield obj["text"]
 
 
@@ -72,7 +66,9 @@ def _parquet_documents(path: Path) -> Iterator[str]:
     try:
         frame = pd.read_parquet(path)
     except Exception as e:  # pyarrow raises several types for a bad file
-        raise CorpusError(f"{path}: cannot read as parquet ({type(e).__name__}: {e})") from None
+        raise CorpusError(f"{path}: cannot read as parquet ({type(e).__name__}: {e}); the file is not parquet or "
+                          "is truncated: write it again (e.g. pandas DataFrame.to_parquet) or remove it from "
+                          "data.corpus") from None
     if "text" not in frame.columns:
         raise CorpusError(f"{path}: no 'text' column (columns: {list(frame.columns)}); "
                           "put the documents in a string column named 'text'")
@@ -96,7 +92,7 @@ def iter_documents(sources: list[str], base_dir: str | os.PathLike | None = None
         if path is None:
             yield from _pydoc_documents()  # builtin:pydoc; resolve_corpus rejects unknown builtins
         elif path.suffix.lower() == ".txt":
-            yield _read_text(path)
+            yield read_text(path, CorpusError)
         elif path.suffix.lower() == ".jsonl":
             yield from _jsonl_documents(path)
         else:

@@ -10,7 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
+
+from stages.data.files import json_lines
+from stages.errors import InputError
 
 IGNORE_INDEX = -100
 
@@ -21,7 +24,7 @@ class SftRecord:
     tgt: list[str]
 
 
-class SftDataError(ValueError):
+class SftDataError(InputError):
     """A malformed SFT file; the message names the file, the line and the fix."""
 
 
@@ -47,28 +50,12 @@ def parse_record(obj: Any, where: str) -> SftRecord:
     return SftRecord(src=fields["src"], tgt=fields["tgt"])
 
 
-def json_lines(path: str | Path, error: type[ValueError], example: str) -> Iterator[tuple[int, Any]]:
-    """(line number, decoded object) of every non-blank line of a JSON-lines file; a malformed line
-    raises `error` naming `path:line`, the parser's complaint and an `example` of a good line."""
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise error(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno}); "
-                            f"each line must be one JSON object such as {example}") from None
-
-
 def read_sft_file(path: str | Path) -> list[SftRecord]:
-    """Read a JSON-lines SFT file; a bad line raises SftDataError with `path:line`."""
+    """Read a JSON-lines SFT file; a bad line (or an empty file) raises SftDataError naming
+    `path:line` (`stages.data.files.json_lines`)."""
     path = Path(path)
-    records = [parse_record(obj, f"{path}:{lineno}")
-               for lineno, obj in json_lines(path, SftDataError, '{"src": "...", "tgt": "..."}')]
-    if not records:
-        raise SftDataError(f"{path}: no records; expected one JSON object per line")
-    return records
+    return [parse_record(obj, f"{path}:{lineno}")
+            for lineno, obj in json_lines(path, SftDataError, '{"src": "...", "tgt": "..."}')]
 
 
 def write_sft_file(path: str | Path, records: Sequence[SftRecord]) -> None:

@@ -25,6 +25,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from stages.checkpoint.atomic import write_json
+from stages.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)  # trainer assigns ids in thi
 MIN_VOCAB_SIZE = 256 + len(SPECIAL_TOKENS)  # the byte alphabet plus the special tokens
 
 
-class TokenizerError(ValueError):
+class TokenizerError(InputError):
     """A tokenizer that cannot be trained or loaded; the message names the cause and the fix."""
 
 

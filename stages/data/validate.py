@@ -2,10 +2,10 @@
 
 Snakemake's common.smk calls `check_data_section` for every experiment while it parses the
 workflow, so that a typo in a corpus path fails in a second instead of after an hour of jobs.
-It must stay light: stdlib and `stages.data.sft` only (no numpy, torch, tokenizers,
-transformers). It checks what can be checked cheaply: every corpus source resolves to files with
-a supported extension that are not empty, and the SFT directory holds readable train and dev
-records. Reading corpus contents (malformed JSON lines in a .jsonl corpus, a parquet file
+It must stay light: stdlib, `stages.data.sft` and `stages.data.files` only (no numpy, torch,
+tokenizers, transformers). It checks what can be checked cheaply: every corpus source resolves to
+files with a supported extension that are not empty, and the SFT directory holds readable train
+and dev records. Reading corpus contents (malformed JSON lines in a .jsonl corpus, a parquet file
 without a `text` column) is left to `stages.data.corpus`, which reports the same way.
 
 Path rules (one place, used by both this module and `prepare`):
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from stages.data.sft import SftDataError, SftRecord, read_sft_file
+from stages.errors import InputError
 
 SUPPORTED_EXTENSIONS = (".txt", ".jsonl", ".parquet")
 BUILTIN_CORPORA = ("builtin:pydoc", "builtin:sft_targets")
@@ -31,7 +32,7 @@ SFT_SPLITS = ("train", "dev")
 _GLOB_CHARS = set("*?[")
 
 
-class DataConfigError(ValueError):
+class DataConfigError(InputError):
     """A `data:` setting that points at missing or unusable data; names the key, file and fix."""
 
 
@@ -64,8 +65,7 @@ def resolve_corpus_source(source: str, base_dir: str | os.PathLike | None, key: 
                               "fix the path or glob, relative paths resolve against the workflow directory")
     for p in paths:
         if p.is_dir():
-            raise DataConfigError(f"{key}: {source!r} is a directory ({p}); name its files with a glob "
-                                  f"such as {str(Path(source) / '*.txt')!r}")
+            raise DataConfigError(f"{key}: {source!r} is a directory ({p}); {_directory_hint(p, source)}")
         if p.suffix.lower() not in SUPPORTED_EXTENSIONS:
             raise DataConfigError(f"{key}: {p} has unsupported extension {p.suffix or '(none)'!r}; "
                                   f"supported corpus files are {', '.join(SUPPORTED_EXTENSIONS)} "
@@ -73,6 +73,19 @@ def resolve_corpus_source(source: str, base_dir: str | os.PathLike | None, key: 
         if p.stat().st_size == 0:
             raise DataConfigError(f"{key}: {p} is empty; remove it from the corpus or give it text")
     return paths
+
+
+def _directory_hint(directory: Path, source: str) -> str:
+    """How to name the corpus files of a directory given as a source: a glob per supported
+    extension it holds, or, when it holds none, what it does hold."""
+    suffixes = {f.suffix.lower() or "(no extension)" for f in directory.rglob("*") if f.is_file()}
+    usable = [x for x in SUPPORTED_EXTENSIONS if x in suffixes]
+    if usable:
+        globs = ", ".join(repr(str(Path(source) / ("*" + x))) for x in usable)
+        return f"name its files with a glob such as {globs}"
+    found = ", ".join(sorted(suffixes)) or "nothing"
+    return (f"it holds no {', '.join(SUPPORTED_EXTENSIONS)} file (found: {found}); "
+            "convert the documents to one of those formats")
 
 
 def resolve_corpus(sources: list[str], base_dir: str | os.PathLike | None,
@@ -106,7 +119,11 @@ def sft_split_files(sft_dir: str | os.PathLike, split: str, key: str = "data.sft
         return [single]
     if parts:
         return parts
-    raise DataConfigError(f"{key}: {sft_dir} has no {split!r} split; expected {single} or "
+    # Name what is there instead (train.jsonl, train/part-0.jsonl): the fix is then a rename.
+    near = sorted(p.name for p in sft_dir.glob(f"{split}.*") if p.is_file())
+    near += sorted(f"{folder.name}/{p.name}" for p in folder.iterdir()) if folder.is_dir() else []
+    found = f" (found {', '.join(near[:5])}{', ...' if len(near) > 5 else ''}: rename to .json)" if near else ""
+    raise DataConfigError(f"{key}: {sft_dir} has no {split!r} split{found}; expected {single} or "
                           f"{folder}/*.json (JSON lines, one {{\"src\": ..., \"tgt\": ...}} per line)")
 
 

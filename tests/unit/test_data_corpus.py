@@ -48,11 +48,14 @@ def test_corpus_without_text_is_an_error(tmp_path):
 @pytest.mark.parametrize("content, where, match", [
     ('{"text": "ok"}\n\n{"text": broken\n', ":3:", "malformed JSON"),
     ('{"text": "ok"}\n{"body": "no text"}\n', ":2:", r"no 'text' field \(got keys \['body'\]\)"),
-    ('["a list"]\n', ":1:", r"no 'text' field \(got list\)"),
+    ('["a list"]\n', ":1:", r"expected a JSON object, got an array; each line must be one JSON object"),
     ('{"text": 5}\n', ":1:", "'text' is int, expected a string"),
+    ('{"text": "ok"}\n{"text": "caf\udce9"}\n', ":2:",
+     r"not UTF-8 \(byte 0xe9 at byte 14 of the line, offset 28 of the file: invalid continuation byte\); convert"),
 ])
 def test_bad_jsonl_names_file_and_line(tmp_path, content, where, match):
-    path = write(tmp_path / "bad.jsonl", content)
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content.encode("utf-8", "surrogateescape"))  # \udce9: the raw byte 0xe9
     with pytest.raises(CorpusError, match=match) as e:
         read_documents([str(path)])
     assert f"{path}{where}" in str(e.value)
@@ -74,9 +77,28 @@ def test_parquet_with_missing_or_wrong_values_names_the_row(tmp_path):
 
 
 def test_not_utf8_text(tmp_path):
-    (tmp_path / "latin.txt").write_bytes("caf\xe9".encode("latin-1"))
-    with pytest.raises(CorpusError, match=r"latin.txt: not UTF-8"):
+    (tmp_path / "latin.txt").write_bytes("first line\ncaf\xe9".encode("latin-1"))
+    with pytest.raises(CorpusError, match=r"latin.txt:2: not UTF-8 \(byte 0xe9 at byte 4 of the line, offset 14 "
+                                          r"of the file.*convert the file to UTF-8"):
         read_documents([str(tmp_path / "latin.txt")])
+
+
+def test_text_newlines_are_normalised_and_jsonl_may_start_with_a_bom(tmp_path):
+    (tmp_path / "dos.txt").write_bytes(b"one\r\ntwo\rthree\n")
+    (tmp_path / "bom.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "after the mark"}\r\n')
+    assert read_documents(["dos.txt", "bom.jsonl"], base_dir=tmp_path) == ["one\ntwo\nthree\n", "after the mark"]
+
+
+def test_blank_jsonl_file_is_an_error(tmp_path):
+    write(tmp_path / "blank.jsonl", "\n  \n")
+    with pytest.raises(CorpusError, match=r"blank.jsonl: no JSON lines \(the file is empty or blank\); expected one"):
+        read_documents([str(tmp_path / "blank.jsonl")])
+
+
+def test_unreadable_parquet_names_the_file_and_the_fix(tmp_path):
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 this is not parquet")
+    with pytest.raises(CorpusError, match=r"broken.parquet: cannot read as parquet \(.*\); .*write it again"):
+        read_documents([str(tmp_path / "broken.parquet")])
 
 
 @pytest.mark.parametrize("source, match", [
@@ -85,12 +107,19 @@ def test_not_utf8_text(tmp_path):
     ("builtin:wiki", r"data.corpus\[0\]: unknown builtin corpus 'builtin:wiki'.*builtin:pydoc"),
     ("doc.md", r"doc.md has unsupported extension '.md'.*\.txt, \.jsonl, \.parquet"),
     ("empty.txt", r"empty.txt is empty"),
-    ("sub", r"'sub' is a directory.*glob"),
+    ("sub", r"'sub' is a directory.*glob such as 'sub/\*.txt', 'sub/\*.jsonl'$"),
+    ("notes", r"'notes' is a directory .*holds no .txt, .jsonl, .parquet file \(found: .csv, .md\); convert"),
+    ("only_dirs/**", r"'only_dirs/\*\*' .* matches no file"),
 ])
 def test_bad_sources(tmp_path, source, match):
     write(tmp_path / "doc.md", "markdown")
     write(tmp_path / "empty.txt", "")
     write(tmp_path / "sub" / "a.txt", "x")
+    write(tmp_path / "sub" / "b.jsonl", '{"text": "x"}')
+    write(tmp_path / "sub" / "deeper" / "c.jsonl", '{"text": "x"}')
+    write(tmp_path / "notes" / "a.md", "x")
+    write(tmp_path / "notes" / "b.csv", "x")
+    (tmp_path / "only_dirs" / "empty").mkdir(parents=True)
     with pytest.raises(DataConfigError, match=match):
         read_documents([source], base_dir=tmp_path)
 

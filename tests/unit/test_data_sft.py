@@ -1,5 +1,6 @@
-"""SFT encoding (stages/data/sft.py): the plain format and the chat-template format, whose loss
-covers exactly the assistant turns."""
+"""SFT data (stages/data/sft.py): reading the JSON-lines files (every malformed line named by file
+and line), the plain format and the chat-template format, whose loss covers exactly the assistant
+turns."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 from checkpoint_fixtures import chat_tokenizer
 from stages.data.sft import (IGNORE_INDEX, SftDataError, SftRecord, chat_segments, encode_example, encode_prompt,
-                             uses_chat_template)
+                             read_sft_file, uses_chat_template)
 
 RECORD = SftRecord(src=["count: 3; shape: box", "and two?"], tgt=["three boxes", "two boxes"])
 
@@ -75,3 +76,37 @@ def test_a_template_that_rewrites_history_is_refused(tiny_tokenizer_dir):
     weird.chat_template = "{{ messages[-1]['content'] }}{% if add_generation_prompt %}>{% endif %}"
     with pytest.raises(SftDataError, match="set data.chat_template: false"):
         chat_segments(weird, RECORD)
+
+
+# --- reading SFT files (stages.data.files.json_lines underneath) -------------------------------
+
+@pytest.mark.parametrize("content, match", [
+    (b'{"src": "a", "tgt": "b"}\n{"src": "caf\xe9", "tgt": "b"}\n',
+     r"train.json:2: not UTF-8 \(byte 0xe9 at byte 13 of the line, offset 37 of the file.*convert the file to UTF-8"),
+    (b'{"src": "a", "tgt": "b"}\n\n{"src": "a", "tgt": \n',
+     r"train.json:3: malformed JSON \(.*\); each line must be one JSON object such as "
+     r"\{\"src\": \"...\", \"tgt\": \"...\"\}"),
+    (b'[1, 2]\n', r"train.json:1: expected a JSON object, got an array"),
+    (b'{"src": "a", "tgt": "b"}\n{"src": "a"}\n', r"train.json:2: record has no 'tgt' \(keys present: \['src'\]\); "
+                                                  r"each line needs both 'src' and 'tgt'"),
+    (b'{"src": 3, "tgt": "b"}\n', r"train.json:1: 'src' must be a string or a non-empty list of strings"),
+    (b'', r"train.json: no JSON lines \(the file is empty or blank\)"),
+    (b'\n \n', r"train.json: no JSON lines"),
+])
+def test_bad_sft_file_names_file_line_and_fix(tmp_path, content, match):
+    (tmp_path / "train.json").write_bytes(content)
+    with pytest.raises(SftDataError, match=match):
+        read_sft_file(tmp_path / "train.json")
+
+
+def test_sft_file_that_is_a_directory_or_missing(tmp_path):
+    (tmp_path / "train.json").mkdir()
+    with pytest.raises(SftDataError, match=r"train.json is a directory, not a file"):
+        read_sft_file(tmp_path / "train.json")
+    with pytest.raises(SftDataError, match=r"gone.json cannot be read \(No such file or directory\)"):
+        read_sft_file(tmp_path / "gone.json")
+
+
+def test_sft_file_with_bom_and_crlf(tmp_path):
+    (tmp_path / "train.json").write_bytes(b'\xef\xbb\xbf{"src": "a", "tgt": "b"}\r\n{"src": ["c"], "tgt": ["d"]}\r\n')
+    assert read_sft_file(tmp_path / "train.json") == [SftRecord(["a"], ["b"]), SftRecord(["c"], ["d"])]

@@ -87,6 +87,22 @@ def test_split_folders_are_accepted_and_sorted(repo):
     assert [r.src for r in read_sft_dir(repo / "sft", "train")] == [["1"], ["2"]]
 
 
+@pytest.mark.parametrize("layout, match", [
+    (["dev.jsonl"], r"has no 'dev' split \(found dev.jsonl: rename to .json\); expected .*dev.json"),
+    (["dev/part-0.jsonl", "dev/part-1.txt"], r"has no 'dev' split \(found dev/part-0.jsonl, dev/part-1.txt: rename"),
+    (["dev/"], r"has no 'dev' split; expected .*dev.json or .*dev/\*.json"),
+])
+def test_split_in_the_wrong_format_names_what_is_there(repo, layout, match):
+    (repo / "sft" / "dev.json").unlink()
+    for name in layout:
+        if name.endswith("/"):
+            (repo / "sft" / name).mkdir()
+        else:
+            write(repo / "sft" / name, GOOD)
+    with pytest.raises(DataConfigError, match=match):
+        check(repo)
+
+
 def test_file_and_folder_for_one_split_is_ambiguous(repo):
     write(repo / "sft" / "dev" / "x.json", GOOD)
     with pytest.raises(DataConfigError, match=r"both dev.json and dev/\*.json.*keep one"):
@@ -98,10 +114,13 @@ def test_file_and_folder_for_one_split_is_ambiguous(repo):
     ('{"src": "a", "tgt": "b"}\n\n{"src": "a"}\n', r"dev.json:3: record has no 'tgt'"),
     ('{"src": ["a", "b"], "tgt": ["c"]}\n', r"dev.json:1: 'src' has 2 rounds but 'tgt' has 1"),
     ("", r"dev.json is empty"),
-    ("\n\n", r"dev.json: no records"),
+    ("\n\n", r"dev.json: no JSON lines \(the file is empty or blank\)"),
+    ('"a string"\n', r"dev.json:1: expected a JSON object, got a string"),
+    ('{"src": "a", "tgt": "b"}\n{"src": "caf\udce9", "tgt": "b"}\n', r"dev.json:2: not UTF-8 \(byte 0xe9 at byte 13"),
 ])
 def test_bad_sft_file_names_key_file_and_line(repo, content, match):
-    path = write(repo / "sft" / "dev.json", content)
+    path = repo / "sft" / "dev.json"
+    path.write_bytes(content.encode("utf-8", "surrogateescape"))  # \udce9: the raw byte 0xe9
     with pytest.raises(DataConfigError, match=match) as e:
         check(repo)
     assert str(e.value).startswith("experiments.exp.data.sft: ")

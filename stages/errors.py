@@ -1,0 +1,36 @@
+"""Errors the user can fix, and how a stage's command line reports them.
+
+Every check of user input (config keys, data files, model directories, weight files) raises a
+subclass of `InputError` whose message names the file, line or config key and the fix. A stage run
+from the command line prints that message as one line and exits with status 2, without a Python
+traceback (which would bury the message under frames of our code); any other exception is a bug
+and keeps its traceback. LLM_LIFECYCLE_TRACEBACK=1 shows the traceback of input errors too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+INPUT_ERROR_STATUS = 2  # as argparse uses for a bad command line
+
+
+class InputError(ValueError):
+    """Bad input the user can fix; the message names where it is and how to fix it."""
+
+
+def run_cli(main: Callable[[], Any], verb: str) -> None:
+    """Run a stage's `main()` as the process's entry point and exit: 0 on success (whatever main
+    returns unless it is an int), 2 with `<verb>: error: <message>` on stderr for an InputError."""
+    try:
+        status = main()
+    except InputError as e:
+        if os.environ.get("LLM_LIFECYCLE_TRACEBACK") == "1":
+            raise
+        rank = os.environ.get("RANK")
+        where = f" (rank {rank})" if rank not in (None, "0") else ""
+        print(f"{verb}{where}: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(INPUT_ERROR_STATUS)
+    sys.exit(status if isinstance(status, int) else 0)

@@ -9,7 +9,10 @@ What is loaded depends on what `--model` holds:
                                         `peft.PeftModel.from_pretrained(base, dir)`
   * config.json with `quantization_config` -> `stages.quant.load_quantized(dir)` (float weights)
   * otherwise                        -> plain HF dir, `AutoModelForCausalLM` in fp32, local files
-                                        only, never `trust_remote_code`
+                                        only, safetensors only, never `trust_remote_code`
+Every directory passes `stages.checkpoint.weights` first: the sha256 its meta.json records, no
+pickle weights (`pytorch_model.bin`, `adapter_model.bin` are refused with the conversion), whole
+safetensors files; a failure names the file and stops the stage.
 The tokenizer always comes from `--model` (adapter dirs carry the tokenizer files too).
 
 Metrics JSON (`eval/<variant>.json`, written atomically), one object:
@@ -62,8 +65,10 @@ import numpy as np
 import torch
 
 from stages.checkpoint.atomic import write_json
+from stages.checkpoint.weights import check_adapter_dir, check_model_dir
 from stages.data.sft import encode_example, encode_prompt, read_sft_file, target_text
 from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
+from stages.errors import run_cli
 from stages.metrics.perplexity import model_perplexity, target_perplexity, unigram_perplexity, validation_windows
 from stages.metrics.text import corpus_bleu, exact_match, rouge_l
 
@@ -113,11 +118,12 @@ def _load_full_model(model_dir: Path) -> tuple[torch.nn.Module, str]:
         # Imported lazily: plain evaluations must not depend on the quantization code.
         from stages.quant import load_quantized
 
-        return load_quantized(model_dir), "quantized"
+        return load_quantized(model_dir), "quantized"  # its weights go through check_model_dir too
     from transformers import AutoModelForCausalLM
 
+    check_model_dir(model_dir)  # sha256 against meta.json, no pickle, whole safetensors
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=False)
+        model_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=False, use_safetensors=True)
     return model, "hf"
 
 
@@ -153,6 +159,7 @@ def load_variant(model_dir: str | Path) -> tuple[torch.nn.Module, Any, str]:
         import peft
 
         base_dir = adapter_base_dir(model_dir)
+        check_adapter_dir(model_dir)  # before the base loads: a bad adapter fails fast
         base, _ = _load_full_model(base_dir)
         model, kind = peft.PeftModel.from_pretrained(base, model_dir, is_trainable=False), "adapter"
         log.info("loaded adapter %s on base %s", model_dir, base_dir)
@@ -307,4 +314,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, "evaluate")

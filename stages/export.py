@@ -6,7 +6,8 @@ Which torch model is exported (`load_for_export`):
   * otherwise transformers' own model (`AutoModelForCausalLM`, attn_implementation="eager", the one
     implementation every family has and torch.export traces), called as
     `model(input_ids=..., use_cache=False).logits`: GPT-2, OPT, Bloom, GPT-NeoX, ...
-Either way the graph is `input_ids (batch, seq) int64 -> logits (batch, seq, vocab) float32` with
+Either way the weights pass `stages.checkpoint.weights` first (meta.json's sha256, no pickle, whole
+safetensors files). The graph is `input_ids (batch, seq) int64 -> logits (batch, seq, vocab) float32` with
 no KV cache and no attention mask (all tokens attend causally), dynamic batch and sequence axes.
 
 Exporter: `torch.onnx.export(..., dynamo=True)` (torch.export + onnxscript) works with torch 2.13
@@ -54,6 +55,8 @@ import torch
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import copy_tokenizer, load_config, load_pretrained
 from stages.checkpoint.meta import write_meta
+from stages.checkpoint.weights import check_model_dir
+from stages.errors import run_cli
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +113,10 @@ def load_for_export(model_dir: Path) -> ExportModel:
                            config.vocab_size, config.max_position_embeddings)
     import transformers
 
+    check_model_dir(model_dir)  # load_pretrained above runs the same checks itself
     model = transformers.AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32, attn_implementation="eager", local_files_only=True,
-        trust_remote_code=False)
+        trust_remote_code=False, use_safetensors=True)
     config = model.config.get_text_config()
     return ExportModel(_TransformersLogits(model).eval(), "transformers", config.vocab_size,
                        getattr(config, "max_position_embeddings", None))
@@ -286,4 +290,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, "export")

@@ -9,14 +9,17 @@ with its tokenizer, fine-tuning starts from its weights (pretraining is skipped 
 What it does, in order, before anything is written:
 1. checks the directory (`stages.checkpoint.source.read_source_config`): config.json with a
    supported architecture, safetensors weights (pickle files are refused), a tokenizer;
-2. opens every safetensors file (a truncated or foreign file is named) and loads the tokenizer;
+2. checks every safetensors file (`stages.checkpoint.weights`: a truncated or foreign file, a shard
+   the index lists but the directory lacks, a pickle renamed `.safetensors` is named) and loads the
+   tokenizer;
 3. for the families our own Llama implements (Llama, Qwen2, Mistral), loads the checkpoint into
    our model and into transformers' and compares their logits on a fixed probe batch: the model
    our training engine trains must be the one transformers evaluates (max |diff| / max |logit|
    <= 1e-4 in fp32, else the stage fails naming the config field to look at).
 Then it copies config.json, generation_config.json, the weights (byte for byte, index included)
 and the tokenizer files into `out` atomically, with meta.json: the source path, family,
-architecture, parameter count, the weight files' sha256, the parity figures.
+architecture, parameter count, the weight files' sha256, the parity figures, and (`files`) the
+size and sha256 of every weight file, which every later stage verifies before loading `base/`.
 """
 
 from __future__ import annotations
@@ -35,26 +38,15 @@ from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.integrity import sha256_file
 from stages.checkpoint.meta import write_meta
 from stages.checkpoint.source import FAMILIES, family_of, read_source_config
+from stages.checkpoint.weights import check_model_dir, read_header
 from stages.data.tokenizer import copy_tokenizer_files, load_model_tokenizer
+from stages.errors import run_cli
 
 log = logging.getLogger(__name__)
 
 PARITY_RTOL = 1e-4  # max |ours - transformers| / max |transformers| on the probe, fp32
 PROBE_SHAPE = (2, 48)  # (batch, tokens)
 MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
-
-
-def check_safetensors(path: Path) -> int:
-    """Open a safetensors file's header; returns its tensor count. ValueError naming the file
-    when it is truncated or not safetensors."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return len(list(f.keys()))
-    except Exception as e:  # safetensors raises SafetensorError, OSError, ...
-        raise ValueError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e}); "
-                         "re-save the checkpoint with save_pretrained(dir, safe_serialization=True)") from None
 
 
 @torch.no_grad()
@@ -66,7 +58,7 @@ def our_model_parity(model_dir: Path, vocab_size: int) -> dict[str, float]:
 
     ids = torch.randint(0, vocab_size, PROBE_SHAPE, generator=torch.Generator().manual_seed(0))
     theirs = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True,
-                                                  trust_remote_code=False).eval()
+                                                  trust_remote_code=False, use_safetensors=True).eval()
     want = theirs(input_ids=ids).logits.float()
     del theirs
     ours = load_pretrained(model_dir).eval()
@@ -83,8 +75,9 @@ def run(source: str | Path, out_dir: str | Path, check_parity: bool = True) -> d
     source, out_dir = Path(source), Path(out_dir)
     config = read_source_config(source, key="--source")
     family = family_of(config, source / "config.json")
+    check_model_dir(source)  # every shard its index lists is there and whole (meta.json's sha256 if any)
     weights = sorted(source.glob("*.safetensors"))
-    num_tensors = sum(check_safetensors(p) for p in weights)
+    num_tensors = sum(len(read_header(p)) for p in weights)
     tokenizer = load_model_tokenizer(source)
     metrics: dict[str, Any] = {
         "family": family.name, "model_type": config.get("model_type"),
@@ -122,13 +115,8 @@ def run(source: str | Path, out_dir: str | Path, check_parity: bool = True) -> d
 
 def _num_parameters(model_dir: Path) -> int:
     """Elements of every tensor in the directory's safetensors files (read from the headers)."""
-    from safetensors import safe_open
-
-    total = 0
-    for path in sorted(model_dir.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            total += sum(math.prod(f.get_slice(key).get_shape()) for key in f.keys())
-    return total
+    return sum(math.prod(entry["shape"]) for path in sorted(model_dir.glob("*.safetensors"))
+               for entry in read_header(path).values())
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -145,4 +133,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, "import_base")

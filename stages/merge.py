@@ -11,6 +11,9 @@ The merge is checked, not trusted: logits of a fixed probe batch are computed th
 fp32 reordering grows with the logits: ~5e-7 of the scale on a debug model, ~7e-6 on a 135M Llama
 (2.2e-4 absolute, over the old absolute bound of 1e-4), while a wrong merge is off by ~1e-1.
 
+Both inputs pass `stages.checkpoint.weights` before transformers or peft reads them (the sha256
+their meta.json records, no pickle weights, whole safetensors files).
+
 The output has no `lora_` weights, so it loads with `transformers.AutoModelForCausalLM.from_pretrained(dir)`
 and no peft; merging it again is impossible by construction (it is not an adapter directory).
 """
@@ -30,6 +33,8 @@ import transformers
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import copy_tokenizer
 from stages.checkpoint.meta import META_NAME, write_meta
+from stages.checkpoint.weights import check_adapter_dir, check_model_dir
+from stages.errors import run_cli
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +100,10 @@ def run(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | Non
     adapter_dir = Path(adapter_dir)
     adapter_config = read_adapter_config(adapter_dir)
     base_dir = resolve_base(adapter_dir, adapter_config, base_dir)
+    check_adapter_dir(adapter_dir)  # sha256 against meta.json, no pickle, a whole safetensors file
+    check_model_dir(base_dir)
     base = transformers.AutoModelForCausalLM.from_pretrained(
-        base_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=False)
+        base_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=False, use_safetensors=True)
     model = peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=False)
     model.eval()
     merged_modules = sum(1 for m in model.modules() if isinstance(m, peft.tuners.lora.LoraLayer))
@@ -145,4 +152,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, "merge")

@@ -17,14 +17,14 @@ import argparse
 import json
 import logging
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 from stages.checkpoint.atomic import atomic_dir, write_json
 from stages.checkpoint.hf import TOKENIZER_FILES, save_state_dict
-from stages.checkpoint.integrity import verify
+from stages.checkpoint.integrity import verify, weight_records
 from stages.checkpoint.store import COMPLETE, INDEX, SHARDED, StateReader, problems
+from stages.errors import run_cli
 
 log = logging.getLogger(__name__)
 _CARRIED = ("config.json", "generation_config.json", "train_log.csv", *TOKENIZER_FILES)
@@ -53,6 +53,7 @@ def merge(shards_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
         if (shards_dir / "meta.json").exists():
             meta = json.loads((shards_dir / "meta.json").read_text())
             meta["merged_from"] = {"path": str(shards_dir), **summary}
+            meta["files"] = weight_records(tmp)  # the merged weights, which later stages verify
             write_json(tmp / "meta.json", meta)
     reader.close()
     log.info("merge_tp: %d tensors (%d joined along partition_dim) from %s -> %s", len(state), len(split),
@@ -73,4 +74,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main, "merge_tp")

@@ -41,6 +41,7 @@ import transformers
 from stages.checkpoint.atomic import atomic_dir, write_json
 from stages.checkpoint.hf import copy_tokenizer, load_state_dict, save_state_dict
 from stages.checkpoint.meta import write_meta
+from stages.errors import run_cli
 from stages.quant import quantization_config, quantize_model
 from stages.quant.layers import decoder_linear_layers, meta_model
 
@@ -80,6 +81,7 @@ def run(source_dir: str | Path, out_dir: str | Path, variant: str, group_size: i
     layers = decoder_linear_layers(meta_model(transformers.AutoConfig.from_pretrained(
         source_dir, local_files_only=True, trust_remote_code=False)))
     # Quantize fully before opening the output: a bad group size fails without touching out_dir.
+    # load_state_dict checks the weights first (meta.json's sha256, no pickle, whole safetensors).
     packed, errors = quantize_model(load_state_dict(source_dir), layers, bits, group_size)
     hf_config["quantization_config"] = quantization_config(bits, group_size)
 
@@ -133,4 +135,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, "quantize")

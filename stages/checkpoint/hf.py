@@ -1,6 +1,7 @@
 """Hugging Face layout on disk: config.json, safetensors (sharded with an index when large),
 generation_config.json and the tokenizer files, loadable by `AutoModelForCausalLM.from_pretrained`
-with no project code. Weights are read with safetensors only (no pickle).
+with no project code. Weights are read with safetensors only (no pickle), through the checks of
+`stages.checkpoint.weights`.
 """
 
 from __future__ import annotations
@@ -10,14 +11,14 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from stages.checkpoint import weights
 from stages.checkpoint.atomic import write_json
 from stages.data.tokenizer import TOKENIZER_FILES  # every tokenizer file, chat template included
 from stages.model import LlamaConfig, LlamaForCausalLM, build_model
 
-WEIGHTS_NAME = "model.safetensors"
-INDEX_NAME = "model.safetensors.index.json"
+WEIGHTS_NAME, INDEX_NAME = weights.WEIGHTS_NAME, weights.INDEX_NAME
 
 
 def _shards(state: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
@@ -52,22 +53,9 @@ def save_state_dict(state: dict[str, torch.Tensor], out_dir: Path, max_shard_byt
 
 
 def load_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Read every tensor of an HF-layout directory (single file or sharded with an index)."""
-    model_dir = Path(model_dir)
-    index = model_dir / INDEX_NAME
-    if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    elif (model_dir / WEIGHTS_NAME).exists():
-        files = [WEIGHTS_NAME]
-    else:
-        raise FileNotFoundError(
-            f"{model_dir} has neither {WEIGHTS_NAME} nor {INDEX_NAME}; expected a Hugging Face "
-            "checkpoint directory written with safetensors"
-        )
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(model_dir / f)))
-    return state
+    """Read every tensor of an HF-layout directory (single file or sharded with an index), after
+    the checks of `stages.checkpoint.weights` (meta.json's sha256, no pickle, whole files)."""
+    return weights.load_state_dict(model_dir)
 
 
 def save_pretrained(

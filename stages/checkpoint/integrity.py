@@ -4,6 +4,10 @@ A training checkpoint is several safetensors files written by several ranks. Eac
 serialised in memory, hashed, written to a temporary name, fsynced and renamed; the writer returns
 a `FileRecord` (name, size, sha256) that goes into the checkpoint's index, so a truncated, missing
 or altered file is found by `verify` before anything is loaded from it. Nothing here uses pickle.
+
+Artifact directories (a stage's output) carry the same records for their weight files in
+`meta.json`'s `files` (`weight_records`, called by `stages.checkpoint.meta.write_meta`), which
+`stages.checkpoint.weights` verifies whenever a stage loads the artifact.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from safetensors.torch import save
 from stages.checkpoint.atomic import atomic_file
 
 _CHUNK = 16 * 1024 * 1024
+# The files of an artifact that hold weights (or say where they are): recorded in meta.json.
+WEIGHT_PATTERNS = ("*.safetensors", "*.safetensors.index.json", "*.onnx", "*.onnx.data")
 
 
 @dataclass(frozen=True)
@@ -54,16 +60,31 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
-def verify(directory: Path, records: list[dict[str, Any]], hashes: bool = True) -> list[str]:
-    """Problems with the files `records` describe (missing, wrong size, wrong sha256); [] when whole."""
+def file_record(path: Path) -> FileRecord:
+    """The record of a file already on disk (hashed in chunks: weights may be gigabytes)."""
+    return FileRecord(path.name, path.stat().st_size, sha256_file(path))
+
+
+def weight_records(directory: str | Path) -> list[dict[str, Any]]:
+    """Records of the weight files directly in `directory` (`WEIGHT_PATTERNS`), sorted by name."""
+    paths = {p for pattern in WEIGHT_PATTERNS for p in Path(directory).glob(pattern) if p.is_file()}
+    return [file_record(p).to_json() for p in sorted(paths)]
+
+
+def verify(directory: Path, records: list[dict[str, Any]], hashes: bool = True,
+           source: str = "the index") -> list[str]:
+    """Problems with the files `records` describe (missing, wrong size, wrong sha256); [] when whole.
+    `source` names where the records come from, in the messages."""
     problems = []
     for record in records:
         path = directory / record["name"]
         if not path.is_file():
-            problems.append(f"{path} is missing")
+            problems.append(f"{path} is missing ({source} lists it)")
         elif path.stat().st_size != record["size"]:
-            problems.append(f"{path} has {path.stat().st_size} bytes, the index says {record['size']} (truncated?)")
-        elif hashes and sha256_file(path) != record["sha256"]:
-            problems.append(f"{path} does not match its sha256 in the index (corrupted)")
+            problems.append(f"{path} has {path.stat().st_size} bytes, {source} records {record['size']} "
+                            "(truncated or replaced)")
+        elif hashes and (digest := sha256_file(path)) != record["sha256"]:
+            problems.append(f"{path} has sha256 {digest[:16]}..., {source} records {record['sha256'][:16]}... "
+                            "(corrupted or changed)")
     return problems
 

@@ -1,4 +1,7 @@
-"""The `meta.json` sidecar every artifact carries: where it came from and what it measured."""
+"""The `meta.json` sidecar every artifact carries: where it came from, what it measured, and the
+size and sha256 of its weight files (`files`), which every stage that loads the artifact checks
+(`stages.checkpoint.weights.verify_artifact`): a byte flipped on disk fails the load, naming the
+file and the stage to rerun, instead of evaluating a silently different model."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.checkpoint.atomic import write_json
+from stages.checkpoint.integrity import weight_records
 
 META_NAME = "meta.json"
 _PACKAGES = ("torch", "transformers", "peft", "deepspeed", "safetensors", "tokenizers", "snakemake")
@@ -38,7 +42,8 @@ def write_meta(
     out_dir: str | Path, *, stage: str, config: dict[str, Any], parent: str | Path | None,
     seed: int | None, metrics: dict[str, Any],
 ) -> dict[str, Any]:
-    """Write `out_dir/meta.json` atomically and return its content."""
+    """Write `out_dir/meta.json` atomically and return its content. Call it last, once the weights
+    are in `out_dir`: `files` records the weight files present now (name, size, sha256)."""
     meta = {
         "stage": stage,
         "config": config,
@@ -47,6 +52,7 @@ def write_meta(
         "packages": package_versions(),
         "seed": seed,
         "metrics": metrics,
+        "files": weight_records(out_dir),
     }
     write_json(Path(out_dir) / META_NAME, meta)
     return meta

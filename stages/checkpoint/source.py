@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stages.errors import InputError
+
 
 @dataclass(frozen=True)
 class Family:
@@ -36,7 +38,15 @@ TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any o
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 
 
-class ModelSourceError(ValueError):
+def pickle_conversion_hint(path: str | Path) -> str:
+    """How to turn a model directory's pickle weights into safetensors, as one shell line (also used
+    by `stages.checkpoint.weights` for every stage's refusal)."""
+    return ("convert them once with transformers, in an environment you trust: python -c \"from transformers "
+            f"import AutoModelForCausalLM as M; dir = '{path}'; "
+            "M.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)\"")
+
+
+class ModelSourceError(InputError):
     """A starting checkpoint the chain cannot use; the message names the path and the fix."""
 
 
@@ -70,9 +80,7 @@ def read_source_config(path: str | Path, key: str = "model.model_name_or_path") 
     if not weights and pickles:
         raise ModelSourceError(
             f"{where}: the weights are pickle files ({', '.join(pickles[:3])}), which this pipeline never "
-            "loads (unpickling can run code); convert them once with transformers: "
-            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True) "
-            "in an environment you trust")
+            f"loads (unpickling can run code); {pickle_conversion_hint(path)}")
     if not weights:
         raise ModelSourceError(f"{where}: no *.safetensors weights in {path}")
     if not any((path / name).is_file() for name in TOKENIZER_MARKERS):

@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from stages.checkpoint.atomic import write_json
 from stages.checkpoint.integrity import sha256_file, verify
+from stages.checkpoint.weights import open_safetensors, read_tensor
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,8 @@ def prune(run_dir: Path, keep: int) -> None:
 
 class StateReader:
     """Tensors of a checkpoint (unified or sharded) by key, always whole (single-device shape);
-    files are opened lazily with safetensors, one tensor read at a time."""
+    files are opened lazily with safetensors (through `stages.checkpoint.weights`, so a bad file is
+    named), one tensor read at a time."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -151,9 +152,9 @@ class StateReader:
         return [k for k, parts in self.tensors.items() if parts[0]["file"].startswith(kind)]
 
     def _read(self, file: str, key: str) -> torch.Tensor:
-        if file not in self._handles:
-            self._handles[file] = safe_open(str(self.path / file), framework="pt")
-        return self._handles[file].get_tensor(key)
+        if file not in self._handles:  # header checked once, then kept open (memory-mapped)
+            self._handles[file] = open_safetensors(self.path / file)
+        return read_tensor(self._handles[file], self.path / file, key)
 
     def get(self, key: str) -> torch.Tensor:
         if key not in self.tensors:

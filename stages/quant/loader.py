@@ -59,13 +59,15 @@ def dequantize_state_dict(state: dict[str, torch.Tensor], bits: int,
 def load_quantized(model_dir: str | Path) -> transformers.PreTrainedModel:
     """A float32 `transformers` causal LM (e.g. LlamaForCausalLM, GPT2LMHeadModel) with dequantized
     weights, in eval mode. Built from config.json with its quantization_config removed; weights read
-    with safetensors only. ValueError when the tensors do not fill the model exactly."""
+    with safetensors only, after the checks of `stages.checkpoint.weights` (meta.json's sha256,
+    whole files; `WeightsError` naming the file otherwise). ValueError when the tensors do not fill
+    the model exactly."""
     model_dir = Path(model_dir)
     config_dict, qcfg = read_quantization_config(model_dir)
     config_dict.pop("torch_dtype", None)
     config_dict.pop("dtype", None)
     config = transformers.AutoConfig.for_model(**config_dict)
-    packed = load_state_dict(model_dir)
+    packed = load_state_dict(model_dir)  # checked before transformers sees a tensor
     n_layers = sum(k.endswith(".qweight") for k in packed)
     state = dequantize_state_dict(packed, int(qcfg["bits"]), linear_layers(meta_model(config)))
     model_class = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]

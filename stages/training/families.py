@@ -68,24 +68,31 @@ def _refuse_model_parallel(model_type: str, tp: int, pp: int, model_class: str =
 def load_causal_lm(model_dir: str | Path):
     """The fp32 model of a local HF directory for the training engine: our LlamaForCausalLM when our
     config reader takes its config.json (the families we implement), else transformers'
-    `AutoModelForCausalLM` (no hub, no remote code). Raises FileNotFoundError without config.json
-    and ValueError when our loader takes the config but the weights do not match it."""
+    `AutoModelForCausalLM` (no hub, no remote code, safetensors only). Raises FileNotFoundError
+    without config.json, `WeightsError` (a ValueError) for weights that fail the checks of
+    `stages.checkpoint.weights`, and ValueError when our loader takes the config but the weights
+    do not match it."""
     from stages.checkpoint.hf import load_config, load_pretrained
 
     try:
         load_config(model_dir)
     except ValueError as exc:  # a family (or a variant) our model does not implement
-        import torch
-        import transformers
+        declined = str(exc)
+    else:
+        return load_pretrained(model_dir)
+    import torch
+    import transformers
 
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=False)
-        # A family of ours whose config.json our model declines (a variant) is worth a warning.
-        level = logging.WARNING if supports_model_parallel(model.config.model_type) else logging.INFO
-        log.log(level, "%s: training transformers' %s (data parallel and ZeRO only): %s", model_dir,
-                type(model).__name__, exc)
-        return model
-    return load_pretrained(model_dir)
+    from stages.checkpoint.weights import check_model_dir
+
+    check_model_dir(model_dir)  # outside the except: a refusal here is not "during" the decline
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=False, use_safetensors=True)
+    # A family of ours whose config.json our model declines (a variant) is worth a warning.
+    level = logging.WARNING if supports_model_parallel(model.config.model_type) else logging.INFO
+    log.log(level, "%s: training transformers' %s (data parallel and ZeRO only): %s", model_dir,
+            type(model).__name__, declined)
+    return model
 
 
 # -- what the engine writes and hashes ----------------------------------------------------------------

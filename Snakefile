@@ -3,7 +3,12 @@
 # `snakemake --cores all results/llama/quant_eval.json` builds the chain for experiment `llama`.
 from snakemake.utils import min_version
 
+from stages.config import check_yaml_syntax
+
 min_version("9.0")
+
+# A YAML syntax error is reported as file:line:column (Snakemake's loader drops the position).
+check_yaml_syntax("config/config.yaml")
 
 
 configfile: "config/config.yaml"

@@ -17,11 +17,36 @@ from typing import Any
 import jsonschema
 import yaml
 
+from stages.errors import InputError, run_cli
+
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "workflow" / "schemas" / "config.schema.yaml"
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError):
     """A config value the pipeline cannot use; the message names the key and the fix."""
+
+
+def load_yaml(path: str | Path) -> Any:
+    """A config file's content; a YAML syntax error is a ConfigError naming `file:line:column`
+    (Snakemake's own loader reports only that the file is not valid YAML)."""
+    try:
+        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        context = ""
+        if e.context and e.context_mark and e.context_mark is not mark:
+            context = f" ({e.context} at line {e.context_mark.line + 1}, column {e.context_mark.column + 1})"
+        raise ConfigError(f"{where}: {e.problem or e.context}{context}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def check_yaml_syntax(*paths: str | Path) -> None:
+    """`load_yaml` each of `paths` that exists (ConfigError with file:line:column on a syntax error)."""
+    for path in paths:
+        if Path(path).is_file():
+            load_yaml(Path(path).absolute())
 
 
 def load_schema(path: str | Path = SCHEMA_PATH) -> dict[str, Any]:
@@ -108,6 +133,39 @@ def architecture(model_section: dict[str, Any]) -> dict[str, Any]:
     return arch
 
 
+def _check_architecture(name: str, exp: dict[str, Any]) -> None:
+    """The relations our model enforces when it is built (stages/model/config.py), checked for a
+    random-init flavour with its overrides, so that a bad head count stops Snakemake with the key
+    instead of failing inside the pretrain job."""
+    from stages.model.config import config_for_flavour
+
+    model = exp["model"]
+    arch = architecture(model)
+    key = f"experiments.{name}.model"
+
+    def named(field: str) -> str:  # the key the user wrote, or the flavour that set the value
+        if model.get(field) is not None:
+            return f"{key}.{field}={arch[field]}"
+        return f"{field}={arch[field]} (flavour {model['flavour']!r})"
+
+    hidden, heads, kv = arch["hidden_size"], arch["num_attention_heads"], arch["num_key_value_heads"]
+    if hidden % heads:
+        raise ConfigError(f"{named('num_attention_heads')} does not divide {named('hidden_size')}: every "
+                          "attention head gets hidden_size / num_attention_heads channels")
+    if (hidden // heads) % 2:
+        raise ConfigError(f"{named('hidden_size')} / {named('num_attention_heads')} = head_dim {hidden // heads} "
+                          "is odd; rotary embeddings rotate pairs of channels, so head_dim must be even")
+    if heads % kv:
+        raise ConfigError(f"{named('num_key_value_heads')} does not divide {named('num_attention_heads')}: "
+                          "grouped-query attention shares each KV head among num_attention_heads / "
+                          "num_key_value_heads query heads")
+    try:  # every other rule of the model's own config (one source of truth)
+        config_for_flavour(model["flavour"], vocab_size=exp["data"]["vocab_size"],
+                           **{k: model[k] for k in ARCH_OVERRIDES if model.get(k) is not None})
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
+
+
 def _check_group_size(name: str, exp: dict[str, Any]) -> None:
     """A group must tile the input width of every quantized Linear of the flavour (pretrained
     checkpoints are checked again by the quantize stage, which knows their real shapes)."""
@@ -164,8 +222,8 @@ def _check_model_source(name: str, exp: dict[str, Any]) -> dict[str, Any] | None
         return None
     try:
         source = read_source_config(path, key)
-    except ModelSourceError as e:
-        raise ConfigError(str(e)) from None
+    except ModelSourceError as e:  # every message names the key (family_of names only the file)
+        raise ConfigError(str(e) if str(e).startswith(key) else f"{key}={path!r}: {e}") from None
     family = family_of(source)
     if exp["pretrain"]["enabled"] and not family.ours:
         raise ConfigError(f"experiments.{name}.pretrain.enabled=true with a {family.name} checkpoint: "
@@ -236,6 +294,11 @@ def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any], source: di
         if value % tp:
             raise ConfigError(f"{key}: tensor_parallel_degree={tp} does not divide {field}={value} of flavour "
                               f"{exp['model']['flavour']!r}")
+    vocab = exp["data"]["vocab_size"]
+    if vocab % tp:
+        raise ConfigError(f"{key}: tensor_parallel_degree={tp} does not divide data.vocab_size={vocab}: the "
+                          "embedding and lm_head are split by vocabulary rows (not padded); choose a multiple "
+                          f"of {tp}")
     if pp * vpp > layers:
         raise ConfigError(f"{key}: pipeline_parallel_degree={pp} x virtual_pp_degree={vpp} = {pp * vpp} "
                           f"chunks exceed num_hidden_layers={layers} of flavour {exp['model']['flavour']!r}")
@@ -260,7 +323,7 @@ def _check_layout_for_source(key: str, sec: dict[str, Any], source: dict[str, An
                           f"({ours}); {family.name} trains through transformers with data parallel and "
                           "ZeRO (world_size + sharding) only")
     heads = source.get("num_attention_heads")
-    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         value = source.get(field, heads if field == "num_key_value_heads" else None)
         if value is not None and value % tp:
             raise ConfigError(f"{key}: tensor_parallel_degree={tp} does not divide {field}={value} of the "
@@ -295,6 +358,8 @@ def check_config(config: dict[str, Any], schema: dict[str, Any] | None = None) -
     for name, exp in config["experiments"].items():
         _check_relations(name, exp)
         source = _check_model_source(name, exp)
+        if source is None:
+            _check_architecture(name, exp)
         _check_group_size(name, exp)
         _check_parallel(name, exp, source)
     return config
@@ -309,3 +374,47 @@ def experiment(config: dict[str, Any], name: str) -> dict[str, Any]:
         raise ConfigError(f"experiment {name!r} is not in config 'experiments'{hint} "
                           f"(defined: {', '.join(sorted(experiments))})")
     return experiments[name]
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`extra` deep-merged into a copy of `base`, as Snakemake merges several --configfile files."""
+    merged = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Check config files without Snakemake: YAML syntax (file:line:column), then the merged config
+    as the workflow checks it. Snakemake reads --configfile files before the workflow's code runs
+    and reports a syntax error in them without its line; this names it."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m stages.config", description=main.__doc__)
+    parser.add_argument("configfiles", nargs="+", help="config files, merged in order as Snakemake's --configfile")
+    args = parser.parse_args(argv)
+    from stages.data.validate import check_data_section
+
+    merged: dict[str, Any] = {}
+    try:
+        for path in args.configfiles:
+            content = load_yaml(path)
+            if not isinstance(content, dict):
+                raise ConfigError(f"{path}: a config file is a mapping (experiments: ...), not {type(content).__name__}")
+            merged = merge(merged, content)
+        for name, exp in check_config(merged)["experiments"].items():
+            check_data_section(exp["data"], name, Path.cwd())  # as the workflow does, relative to the cwd
+    except ValueError as e:  # ConfigError, DataConfigError
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(f"{', '.join(args.configfiles)}: valid ({', '.join(merged['experiments'])})")
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main, "config")
+

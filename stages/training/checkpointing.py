@@ -43,11 +43,11 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 
 from stages.checkpoint.atomic import atomic_dir, write_json
 from stages.checkpoint.integrity import FileRecord, sha256_file, write_tensors
 from stages.checkpoint.store import (
+    COMPLETE,
     INDEX,
     OPTIMIZER_KEYS,
     SHARDED,
@@ -56,13 +56,13 @@ from stages.checkpoint.store import (
     checkpoint_name,
     complete_checkpoints,
     finalize,
-    newest_valid,
     optimizer_key,
     problems,
     prune,
     remove_partial,
     write_hf_index,
 )
+from stages.checkpoint.weights import open_safetensors
 from stages.parallel.tensor import shard_tensor
 from stages.parallel.topology import Topology
 from stages.training.families import write_config
@@ -223,7 +223,7 @@ def restore_rng(reader: StateReader, rank: int) -> None:
     path = reader.path / f"rng_state_{rank}.safetensors"
     if not path.exists():
         path = reader.path / "rng_state_0.safetensors"
-    with safe_open(str(path), framework="pt") as f:
+    with open_safetensors(path) as f:
         meta = {k: json.loads(v) for k, v in f.metadata().items() if k != "format"}
         torch.set_rng_state(f.get_tensor("torch_cpu"))
         if torch.cuda.is_available() and "torch_cuda" in f.keys():
@@ -331,6 +331,21 @@ def engine_state(engine, scheduler) -> dict[str, Any]:
                        "skipped_steps": int(getattr(engine, "skipped_steps", 0))}}
 
 
+def newest_resumable(run_dir: Path) -> Path | None:
+    """The newest complete and intact checkpoint of `run_dir`. Every newer `checkpoint-<step>`
+    directory is logged as `skipping checkpoint <path>: <reason>` (no completion marker: its save
+    did not finish; or files that do not match its index), so that a resume from further back than
+    expected says why."""
+    steps = [(int(p.name.removeprefix("checkpoint-")), p) for p in run_dir.glob("checkpoint-*")
+             if p.is_dir() and p.name.removeprefix("checkpoint-").isdigit()] if run_dir.is_dir() else []
+    for _, path in sorted(steps, reverse=True):
+        found = problems(path) if (path / COMPLETE).is_file() else [f"no {COMPLETE} (the save did not finish)"]
+        if not found:
+            return path
+        log.warning("skipping checkpoint %s: %s", path, "; ".join(found))
+    return None
+
+
 def choose_checkpoint(run_dir: Path, resume_from: bool | str) -> Path | None:
     """Where a run resumes from, as `resume_from_checkpoint` says: a path (which must verify), the
     newest complete and intact checkpoint of `run_dir` (true), or none (false: earlier checkpoints
@@ -341,9 +356,12 @@ def choose_checkpoint(run_dir: Path, resume_from: bool | str) -> Path | None:
         if found:
             raise ValueError(f"resume_from_checkpoint={resume_from}: " + "; ".join(found))
         return Path(resume_from)
+    interrupted = sorted(run_dir.glob("checkpoint-*.partial")) if run_dir.is_dir() else []
     remove_partial(run_dir)
     if resume_from:
-        return newest_valid(run_dir)
+        for path in interrupted:
+            log.warning("skipping checkpoint %s: the save was interrupted (removed)", path)
+        return newest_resumable(run_dir)
     if complete_checkpoints(run_dir):
         aside = run_dir.with_name(f"{run_dir.name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
         run_dir.rename(aside)

@@ -150,3 +150,38 @@ def test_mixed_precision_resumes_bit_identically(runs, name, tmp_path):
     assert (resumed["loss"] == full["loss"]).all()
     a, b = load_state_dict(tmp_path / "full"), load_state_dict(tmp_path / "resumed")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_every_skipped_checkpoint_is_logged_with_its_path_and_reason(tmp_path, caplog):
+    """Resume takes the newest checkpoint that is complete and intact; each newer candidate (an
+    interrupted save, a directory without its completion marker, one whose files do not match the
+    index) is logged as one `skipping checkpoint <path>: <reason>` line, newest first."""
+    import logging
+    import shutil
+
+    from stages.checkpoint.store import COMPLETE, checkpoint_name
+    from stages.training.checkpointing import choose_checkpoint
+    from stages.training.local_checkpoint import LocalCheckpointer
+
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    saver = LocalCheckpointer(tmp_path, {"save_steps": 1, "save_total_limit": 0})
+    good, corrupt, unmarked = (saver.save(step, model, optimizer, scheduler, {}) for step in (1, 2, 3))
+    (unmarked / COMPLETE).unlink()  # killed between the rename and the marker
+    with open(corrupt / "model.safetensors", "r+b") as f:  # a flipped byte
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0xFF]))
+    interrupted = tmp_path / f"{checkpoint_name(4)}.partial"
+    shutil.copytree(good, interrupted)
+
+    with caplog.at_level(logging.WARNING, logger="stages.training.checkpointing"):
+        assert choose_checkpoint(tmp_path, True) == good
+        assert saver.find().path == good  # LoRA / prefix tuning resume the same way
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("skipping checkpoint")]
+    assert lines[:2] == [f"skipping checkpoint {interrupted}: the save was interrupted (removed)",
+                         f"skipping checkpoint {unmarked}: no {COMPLETE} (the save did not finish)"]
+    assert lines[2].startswith(f"skipping checkpoint {corrupt}: {corrupt / 'model.safetensors'}") and "sha256" in lines[2]
+    assert lines[3:] == lines[1:3] and not interrupted.exists()  # the second find: the partial save is gone

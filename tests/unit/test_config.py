@@ -117,3 +117,63 @@ def test_fp16_verdict_matches_deepspeed():
     from stages.training.capabilities import fp16_unsupported_reason
 
     assert (fp16_unsupported_reason() is None) == bool(get_accelerator().is_fp16_supported())
+
+
+@pytest.mark.parametrize("model, message", [
+    ({"num_key_value_heads": 3}, r"experiments\.x\.model\.num_key_value_heads=3 does not divide "
+                                 r"num_attention_heads=4 \(flavour 'debug'\): grouped-query attention"),
+    ({"num_attention_heads": 1}, r"num_key_value_heads=2 \(flavour 'debug'\) does not divide "
+                                 r"experiments\.x\.model\.num_attention_heads=1"),
+    ({"hidden_size": 66}, r"num_attention_heads=4 \(flavour 'debug'\) does not divide "
+                          r"experiments\.x\.model\.hidden_size=66: every attention head"),
+    ({"hidden_size": 36}, r"head_dim 9 is odd; rotary embeddings rotate pairs of channels"),
+    ({"num_attention_heads": 2, "num_key_value_heads": 2, "hidden_size": 128}, None),
+])
+def test_the_model_architecture_is_checked_at_parse_time(model, message):
+    config = {"experiments": {"x": {"model": {"flavour": "debug", **model}}}}
+    if message is None:
+        check_config(config)
+        return
+    with pytest.raises(ConfigError, match=message):
+        check_config(config)
+
+
+def test_tensor_parallelism_needs_a_divisible_vocabulary():
+    with pytest.raises(ConfigError, match=r"experiments\.x\.pretrain: tensor_parallel_degree=2 does not divide "
+                                          r"data\.vocab_size=515: the embedding and lm_head are split"):
+        check_config({"experiments": {"x": {"model": {"flavour": "debug"}, "data": {"vocab_size": 515},
+                                             "pretrain": {"world_size": 2, "tensor_parallel_degree": 2}}}})
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", r"experiments\.x\.model\.model_name_or_path='.*/nowhere': no such directory"),
+    ("no_config", r"experiments\.x\.model\.model_name_or_path='.*/model': .*/model/config\.json is missing"),
+    ("unsupported", r"experiments\.x\.model\.model_name_or_path='.*/model': .*/model/config\.json: architecture "
+                    r"'BertModel' is not supported; supported: LlamaForCausalLM \(llama\)"),
+])
+def test_a_starting_checkpoint_error_names_the_key_and_the_file(tmp_path, case, message):
+    path = tmp_path / ("nowhere" if case == "missing" else "model")
+    if case != "missing":
+        path.mkdir()
+    if case == "unsupported":
+        (path / "config.json").write_text('{"architectures": ["BertModel"], "model_type": "bert"}')
+    with pytest.raises(ConfigError, match=message):
+        check_config({"experiments": {"x": {"model": {"model_name_or_path": str(path)}}}})
+
+
+def test_a_yaml_syntax_error_names_file_line_and_column(tmp_path, capsys):
+    from stages.config import check_yaml_syntax, load_yaml, main
+
+    bad = tmp_path / "my.yaml"
+    bad.write_text("experiments:\n  x:\n    model: {flavour: debug\n    data: {}\n")
+    with pytest.raises(ConfigError, match=rf"^{bad}:4:9: expected ',' or '\}}', but got ':' \(while parsing a "
+                                          r"flow mapping at line 3, column 12\)$"):
+        load_yaml(bad)
+    with pytest.raises(ConfigError, match=rf"{bad}:4:9"):
+        check_yaml_syntax(tmp_path / "absent.yaml", bad)  # an absent file is Snakemake's to report
+    assert main([str(ROOT / "config" / "config.yaml"), str(bad)]) == 1
+    assert f"ConfigError: {bad}:4:9: expected" in capsys.readouterr().err
+    good = tmp_path / "good.yaml"
+    good.write_text("experiments: {x: {model: {flavour: debug}}}\n")
+    assert main([str(ROOT / "config" / "config.yaml"), str(good)]) == 0
+    assert "valid (llama, x)" in capsys.readouterr().out

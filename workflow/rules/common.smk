@@ -7,7 +7,8 @@ from pathlib import Path
 
 from snakemake.utils import validate
 
-from stages.config import check_config, finetune_source, pretrain_enabled
+from stages.config import ConfigError, check_config, finetune_source, load_schema, pretrain_enabled
+from stages.config import experiment as named_experiment
 from stages.data.validate import check_data_section
 
 _checked = check_config(config)  # unknown keys (closest name), types, relations; fills defaults
@@ -18,7 +19,13 @@ validate(config, "../schemas/config.schema.yaml")
 for _name, _experiment in config["experiments"].items():
     check_data_section(_experiment["data"], _name, Path.cwd())  # paths are relative to the workdir
 
-FINETUNE_METHODS = ["sft", "lora", "prefix"]
+# The names a target path may hold come from the schema and the config, so that a path naming
+# anything else is refused while the DAG is built, before any job starts.
+_ROOT_SCHEMA = load_schema()
+_SCHEMA = _ROOT_SCHEMA["$defs"]["experiment"]["properties"]
+EXPERIMENT_NAME = _ROOT_SCHEMA["properties"]["experiments"]["propertyNames"]["pattern"].strip("^$")
+FINETUNE_METHODS = list(_SCHEMA["finetune"]["properties"])  # sft, lora, prefix
+QUANT_VARIANTS = _SCHEMA["quantize"]["properties"]["variants"]["items"]["enum"]  # wint8, wint4
 
 
 def _writes_shards(settings):
@@ -41,13 +48,14 @@ FINETUNED_VARIANTS = ["sft", "lora", "prefix", "lora-merged"]
 
 
 wildcard_constraints:
-    experiment=r"[A-Za-z0-9][A-Za-z0-9_.-]*",
+    experiment=EXPERIMENT_NAME,  # a name the schema allows; an undefined one is refused by experiment()
     method="|".join(FINETUNE_METHODS),
     variant=r"[A-Za-z0-9_-]+",
 
 
 def experiment(wildcards):
-    return config["experiments"][wildcards.experiment]
+    """The experiment a target path names; an unknown name is an error listing the defined ones."""
+    return named_experiment(config, wildcards.experiment)
 
 
 def section(*keys):
@@ -133,6 +141,11 @@ def tokenizer_flag(wildcards):
 
 
 def pretrain_inputs(wildcards):
+    if not pretrain_enabled(experiment(wildcards)):
+        raise ConfigError(f"results/{wildcards.experiment}/pretrain: experiment {wildcards.experiment!r} skips "
+                          f"pretraining (experiments.{wildcards.experiment}.pretrain.enabled is "
+                          f"{json.dumps(experiment(wildcards)['pretrain']['enabled'])} with model.model_name_or_path); set "
+                          "pretrain.enabled: true for continued pretraining")
     inputs = {"data": f"results/{wildcards.experiment}/data"}
     if experiment(wildcards)["model"]["model_name_or_path"]:
         inputs["init"] = f"results/{wildcards.experiment}/base"  # continued pretraining
@@ -162,14 +175,25 @@ def quant_variants(wildcards):
     return experiment(wildcards)["quantize"]["variants"]
 
 
+def quantize_input(wildcards):
+    """The model a quantized variant is made of; a variant outside the experiment's
+    `quantize.variants` is refused here, before its whole chain is trained."""
+    if wildcards.variant not in quant_variants(wildcards):
+        raise ConfigError(f"results/{wildcards.experiment}/quant/{wildcards.variant}: unknown quantize variant "
+                          f"{wildcards.variant!r}; experiments.{wildcards.experiment}.quantize.variants lists "
+                          f"{', '.join(quant_variants(wildcards))} (the schema allows {', '.join(QUANT_VARIANTS)})")
+    return quant_source_dir(wildcards)
+
+
 def variant_dir(wildcards):
     """The artifact a variant name stands for: a model/adapter dir or a quantized dir."""
     if wildcards.variant in model_variants(wildcards):
         return f"results/{wildcards.experiment}/{wildcards.variant}"
     if wildcards.variant in quant_variants(wildcards):
         return f"results/{wildcards.experiment}/quant/{wildcards.variant}"
-    raise ValueError(f"unknown variant {wildcards.variant!r} for experiment {wildcards.experiment!r}: "
-                     f"expected one of {model_variants(wildcards) + quant_variants(wildcards)}")
+    raise ConfigError(f"results/{wildcards.experiment}/eval/{wildcards.variant}.json: unknown variant "
+                      f"{wildcards.variant!r} for experiment {wildcards.experiment!r}; expected one of "
+                      f"{', '.join(model_variants(wildcards) + quant_variants(wildcards))}")
 
 
 def variant_inputs(wildcards):

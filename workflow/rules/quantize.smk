@@ -1,7 +1,7 @@
 # Weight-only post-training quantization of `quantize.source`, one output per variant.
 rule quantize:
     input:
-        quant_source_dir,
+        quantize_input,
     output:
         directory("results/{experiment}/quant/{variant}"),
     log:

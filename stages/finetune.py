@@ -36,14 +36,17 @@ from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import copy_tokenizer
 from stages.checkpoint.meta import write_meta
 from stages.checkpoint.store import StateReader
+from stages.checkpoint.weights import check_model_dir
 from stages.data.corpus import read_index
 from stages.data.sft import IGNORE_INDEX, encode_example, read_sft_file
 from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
+from stages.errors import run_cli
 from stages.training.batches import SftBatches
 from stages.checkpoint.integrity import sha256_file
 from stages.training.checkpointing import model_identity, run_fingerprint
-from stages.training.engine import init_distributed, parallel_degrees
+from stages.training.engine import finish_distributed, init_distributed, parallel_degrees
 from stages.training.engine import train as engine_train
+from stages.training.launcher_watch import exit_with_launcher
 from stages.training.local_checkpoint import LocalCheckpointer, restore
 from stages.training.log import TrainLog
 from stages.training.schedule import build_scheduler
@@ -233,13 +236,14 @@ def train(model: torch.nn.Module, examples: Sequence[Example], config: dict[str,
 
 # -- the stage -----------------------------------------------------------------------------------
 def load_base(model_dir: str | Path) -> tuple[transformers.PreTrainedModel, Any]:
-    """The fp32 model and tokenizer of a local HF directory (no hub, no remote code)."""
+    """The fp32 model and tokenizer of a local HF directory (no hub, no remote code, no pickle)."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").exists():
         raise ValueError(f"--model {model_dir}: no config.json; expected a Hugging Face model "
                          "directory such as results/<experiment>/pretrain")
+    check_model_dir(model_dir)  # sha256 against meta.json, no pickle, whole safetensors files
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=False)
+        model_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=False, use_safetensors=True)
     return model, load_model_tokenizer(model_dir)
 
 
@@ -413,8 +417,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--config must be a JSON object (the finetune.{args.method} section), "
                      f"got {type(config).__name__}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run(args.method, args.model, args.data, args.out, config, args.checkpoints)
+    exit_with_launcher()  # LoRA / prefix ranks never reach init_distributed's watch
+    metrics = run(args.method, args.model, args.data, args.out, config, args.checkpoints)
+    finish_distributed()  # no-op for the single-process LoRA / prefix loop
+    return metrics
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, "finetune")

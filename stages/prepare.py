@@ -31,6 +31,7 @@ from stages.data.sft import SftRecord, uses_chat_template, write_sft_file
 from stages.data.tokenizer import (TokenizerError, copy_tokenizer_files, load_model_tokenizer, save_tokenizer,
                                    tokenizer_fingerprint, train_tokenizer)
 from stages.data.validate import read_sft_dir, resolve_corpus, resolve_sft
+from stages.errors import InputError, run_cli
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ RUN_KEYS = ("corpus", "sft", "vocab_size", "validation_fraction", "num_sft_train
             "chat_template")
 
 
-class PrepareArgumentError(ValueError):
+class PrepareArgumentError(InputError):
     """A --config JSON that does not hold exactly the data section's keys."""
 
 
@@ -209,4 +210,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, "prepare")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from stages.checkpoint.integrity import sha256_file
 from stages.config import ARCH_OVERRIDES
 from stages.data.corpus import load_split
 from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
+from stages.errors import run_cli
 from stages.model import LlamaConfig, LlamaForCausalLM, build_model, config_for_flavour
 from stages.training.batches import WindowSampler
 from stages.training.checkpointing import model_identity
@@ -128,4 +128,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_cli(main, "pretrain")

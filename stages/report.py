@@ -37,6 +37,7 @@ from typing import Any, Sequence
 import pandas as pd
 
 from stages.checkpoint.atomic import atomic_file, write_json
+from stages.errors import run_cli
 
 log = logging.getLogger(__name__)
 
@@ -221,4 +222,4 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli(main, "report")

@@ -1,46 +1,77 @@
-"""Packing RTN codes into the Hugging Face GPTQ checkpoint layout ("gptq", i.e. AutoGPTQ v1).
+"""Packing quantized weights (RTN or GPTQ) into the Hugging Face GPTQ checkpoint layout ("gptq",
+i.e. AutoGPTQ v1).
 
-For a Linear layer `<name>` with W (out, in), `bits` in {4, 8}, P = 32 // bits codes per int32 and
-G groups along the input features, the checkpoint holds:
+For a Linear layer `<name>` with W (out, in), `bits` in {2, 3, 4, 8} and G groups along the input
+features, the checkpoint holds:
 
-    <name>.qweight  int32   (in // P, out)   codes of W^T, P input features per word
-    <name>.qzeros   int32   (G, out // P)    zero points minus one, P output channels per word
+    <name>.qweight  int32   (in * bits // 32, out)   codes of W^T, a bit stream down each column
+    <name>.qzeros   int32   (G, out * bits // 32)    zero points minus one, along the output channels
     <name>.scales   float16 (G, out)
-    <name>.g_idx    int32   (in,)            group of each input feature: k // group_size
+    <name>.g_idx    int32   (in,)                    group of each input feature
     <name>.bias     (optional, unchanged, float)
 
-Bit order (little-endian within a word, the first element in the lowest bits):
+Codes are one little-endian bit stream per column of words: code t of a run sits at bit offset
+bits * t, the first element in the lowest bits. For 2, 4 and 8 bits that is P = 32 // bits codes per
+word,
 
     qweight[r, o] = sum_j  q[o, r * P + j]        << (bits * j),   j = 0 .. P-1
     qzeros[g, c]  = sum_j (z[c * P + j, g] - 1)   << (bits * j)
+
+and for 3 bits 32 codes fill 3 words (codes 10 and 21 straddle a word boundary), as AutoGPTQ and
+GPTQModel lay them out. Hence `in` and `out` must be multiples of `codes_per_run(bits)`: 16, 32, 8,
+4 at 2, 3, 4, 8 bits.
 
 The words are the unsigned 32-bit patterns reinterpreted as int32 (two's complement), as AutoGPTQ
 writes them with numpy uint32 -> int32. The "- 1" on the zero point is the classic
 checkpoint_format="gptq" convention (AutoGPTQ <= 0.7 stores `zeros -= 1` before packing and its
 kernels add the 1 back); GPTQModel calls the unshifted layout "gptq_v2" and converts on load.
-A reader therefore recovers z = ((word >> (bits * j)) & (2**bits - 1)) + 1, and the weight
+A reader therefore recovers z = ((stream >> (bits * j)) & (2**bits - 1)) + 1, and the weight
 
     W[o, k] = scales[g_idx[k], o] * (q[o, k] - z[o, g_idx[k]])
 
-`stages.quant.rtn` keeps z in [1, 2**bits - 1] so that z - 1 is never negative: kernels that add
+`stages.quant.rtn` and `stages.quant.gptq` keep z in [1, 2**bits - 1] so that z - 1 is never
+negative (a symmetric zero point 2**(bits - 1) is stored as 2**(bits - 1) - 1): kernels that add
 the 1 back without masking would read a stored -1 as 2**bits.
-desc_act is false: g_idx is monotonic and no column permutation is stored.
+
+g_idx: RTN writes the monotonic k // group_size; GPTQ with desc_act (act-order) passes its own,
+non-monotonic one, and a width not divisible by group_size has a narrower last group
+(G = ceil(in / group_size)). No column permutation is stored: readers index by g_idx.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Protocol
+
 import torch
 
-from stages.quant.rtn import SUPPORTED_BITS, QuantizedWeight
+from stages.quant.rtn import QuantizedWeight
 
 QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+LAYOUT_BITS = (2, 3, 4, 8)  # code widths the layout (and `load_quantized`) can hold
 _WORD = 32
 
 
-def _per_word(bits: int) -> int:
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits={bits} is not supported by the GPTQ packer; choose one of {SUPPORTED_BITS}")
-    return _WORD // bits
+class Codes(Protocol):
+    """What `pack` reads: rtn's QuantizedWeight and gptq's GPTQResult both have these."""
+
+    codes: torch.Tensor  # (out, in) int32
+    scales: torch.Tensor  # (out, G) float32, float16-exact
+    zeros: torch.Tensor  # (out, G) int32 in [1, 2**bits - 1]
+    bits: int
+
+
+def _run(bits: int) -> tuple[int, int]:
+    """(codes, words) of the shortest run of codes that fills whole words."""
+    if bits not in LAYOUT_BITS:
+        raise ValueError(f"bits={bits} is not supported by the GPTQ layout; choose one of {LAYOUT_BITS}")
+    g = math.gcd(_WORD, bits)
+    return _WORD // g, bits // g
+
+
+def codes_per_run(bits: int) -> int:
+    """The multiple of which a packed dimension (in for qweight, out for qzeros) must be."""
+    return _run(bits)[0]
 
 
 def _to_int32(words: torch.Tensor) -> torch.Tensor:
@@ -48,66 +79,93 @@ def _to_int32(words: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def _pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack (n, m) codes along dim 0: (n // P, m) words, row r holding values[r*P : (r+1)*P]."""
-    per = _per_word(bits)
+def pack_bits(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack (n, m) codes along dim 0 into (n * bits // 32, m) int32 words (little-endian bit stream)."""
+    codes, words = _run(bits)
     n, m = values.shape
-    v = values.to(torch.int64).reshape(n // per, per, m)  # (words, P, m)
-    shifts = (torch.arange(per, dtype=torch.int64) * bits).view(1, per, 1)
-    return _to_int32((v << shifts).sum(dim=1))  # disjoint bit fields: the sum is a bitwise or
+    if n % codes:
+        raise ValueError(f"{n} codes cannot be packed at {bits} bits: a multiple of {codes} is needed")
+    v = values.to(torch.int64).reshape(n // codes, codes, m)  # (runs, codes, m)
+    out = torch.zeros(n // codes, words, m, dtype=torch.int64)
+    for t in range(codes):
+        word, shift = divmod(bits * t, _WORD)
+        out[:, word] |= (v[:, t] << shift) & 0xFFFFFFFF  # disjoint bit fields
+        if shift + bits > _WORD:  # straddles: the high bits start the next word
+            out[:, word + 1] |= v[:, t] >> (_WORD - shift)
+    return _to_int32(out.reshape(-1, m))
 
 
-def _unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of `_pack_rows`: (w, m) int32 words -> (w * P, m) int32 codes."""
-    per = _per_word(bits)
-    w = words.to(torch.int64) & 0xFFFFFFFF  # undo the sign of the int32 view
-    shifts = (torch.arange(per, dtype=torch.int64) * bits).view(1, per, 1)
-    codes = (w.unsqueeze(1) >> shifts) & (2**bits - 1)  # (w, P, m)
-    return codes.reshape(-1, words.shape[1]).to(torch.int32)
+def unpack_bits(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `pack_bits`: (w, m) int32 words -> (w * 32 // bits, m) int32 codes."""
+    codes, per_run = _run(bits)
+    w, m = words.shape
+    if w % per_run:
+        raise ValueError(f"{w} words cannot hold whole runs of {bits}-bit codes ({per_run} words per run)")
+    u = (words.to(torch.int64) & 0xFFFFFFFF).reshape(w // per_run, per_run, m)  # (runs, words, m)
+    out = torch.zeros(w // per_run, codes, m, dtype=torch.int64)
+    mask = 2**bits - 1
+    for t in range(codes):
+        word, shift = divmod(bits * t, _WORD)
+        value = u[:, word] >> shift
+        if shift + bits > _WORD:
+            value = value | (u[:, word + 1] << (_WORD - shift))
+        out[:, t] = value & mask
+    return out.reshape(-1, m).to(torch.int32)
 
 
 def _unpack_zeros(qzeros: torch.Tensor, bits: int) -> torch.Tensor:
-    """(G, out // P) qzeros -> (out, G) zero points z = stored + 1.
+    """(G, out * bits // 32) qzeros -> (out, G) zero points z = stored + 1.
 
     Zero points are packed along the output channels, so unpack the transpose. The + 1 wraps
     modulo 2**bits like AutoGPTQ's torch fallback; `pack` never writes the word that would wrap.
     """
-    stored = _unpack_rows(qzeros.t().contiguous(), bits)  # (out, G)
+    stored = unpack_bits(qzeros.t().contiguous(), bits)  # (out, G)
     return torch.remainder(stored + 1, 2**bits).to(torch.int32)
 
 
-def pack(q: QuantizedWeight) -> dict[str, torch.Tensor]:
-    """The four GPTQ tensors of one layer (keys are the suffixes without `<name>.`)."""
-    per = _per_word(q.bits)
+def pack(q: Codes, g_idx: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The four GPTQ tensors of one layer (keys are the suffixes without `<name>.`).
+
+    `g_idx` (in,): the group of each input feature, e.g. a GPTQResult's (act-order, narrower last
+    group); default k // q.columns_per_group (a QuantizedWeight's monotonic groups)."""
+    per = codes_per_run(q.bits)
     out_f, in_f = q.codes.shape
     if in_f % per or out_f % per:
         raise ValueError(
             f"a {q.bits}-bit GPTQ layer needs in_features and out_features divisible by {per}; "
             f"got weight shape ({out_f}, {in_f})"
         )
-    zeros_minus_one = q.zeros - 1  # (out, G), >= 0 by rtn's contract
+    n_groups = q.scales.shape[1]
+    if g_idx is None:
+        g_idx = torch.arange(in_f, dtype=torch.int32) // q.columns_per_group
+    g_idx = g_idx.to(torch.int32).cpu()
+    if g_idx.shape != (in_f,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= n_groups:
+        raise ValueError(f"g_idx of shape {tuple(g_idx.shape)} must give each of the {in_f} input features "
+                         f"a group in [0, {n_groups})")
+    zeros_minus_one = q.zeros - 1  # (out, G), >= 0 by rtn's and gptq's contract
     if (zeros_minus_one < 0).any():
         raise ValueError("zero point 0 cannot be stored in the classic GPTQ layout (it stores z - 1)")
-    g_idx = torch.arange(in_f, dtype=torch.int32) // q.columns_per_group
     return {
-        "qweight": _pack_rows(q.codes.t(), q.bits),  # (in // P, out)
-        "qzeros": _pack_rows(zeros_minus_one, q.bits).t().contiguous(),  # (G, out // P)
-        "scales": q.scales.t().to(torch.float16).contiguous(),  # (G, out)
+        "qweight": pack_bits(q.codes.t().cpu(), q.bits),  # (in * bits // 32, out)
+        "qzeros": pack_bits(zeros_minus_one.cpu(), q.bits).t().contiguous(),  # (G, out * bits // 32)
+        "scales": q.scales.t().to(torch.float16).cpu().contiguous(),  # (G, out)
         "g_idx": g_idx,
     }
 
 
 def unpack(tensors: dict[str, torch.Tensor], bits: int) -> QuantizedWeight:
-    """Codes, scales and zero points of one layer from its GPTQ tensors (g_idx must be k // group)."""
-    codes = _unpack_rows(tensors["qweight"], bits).t().contiguous()  # (out, in)
+    """Codes, scales and zero points of one layer from its GPTQ tensors (g_idx must be k // group,
+    with equal groups: an RTN checkpoint)."""
+    codes = unpack_bits(tensors["qweight"], bits).t().contiguous()  # (out, in)
     scales = tensors["scales"]  # (G, out)
     n_groups = scales.shape[0]
     zeros = _unpack_zeros(tensors["qzeros"], bits)  # (out, G)
     in_f = codes.shape[1]
     group_size = -1 if n_groups == 1 else in_f // n_groups
     expected = torch.arange(in_f, dtype=torch.int32) // (in_f // n_groups)
-    if not torch.equal(tensors["g_idx"].to(torch.int32), expected):
-        raise ValueError("g_idx is not k // group_size (desc_act checkpoint); use dequantize_packed")
+    if in_f % n_groups or not torch.equal(tensors["g_idx"].to(torch.int32), expected):
+        raise ValueError("g_idx is not k // group_size with equal groups (a desc_act or narrower-last-group "
+                         "checkpoint); use dequantize_packed")
     return QuantizedWeight(codes=codes, scales=scales.t().float().contiguous(),
                            zeros=zeros, bits=bits, group_size=group_size)
 
@@ -116,7 +174,7 @@ def dequantize_packed(
     tensors: dict[str, torch.Tensor], bits: int, dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """W (out, in) from GPTQ tensors, honouring any g_idx: W[o, k] = s[g_k, o] * (q[k, o] - z[g_k, o])."""
-    codes = _unpack_rows(tensors["qweight"], bits).float()  # (in, out)
+    codes = unpack_bits(tensors["qweight"], bits).float()  # (in, out)
     scales = tensors["scales"].float()  # (G, out)
     zeros = _unpack_zeros(tensors["qzeros"], bits).t().float()  # (G, out)
     g = tensors["g_idx"].long()  # (in,)

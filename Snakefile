@@ -1,5 +1,5 @@
 # The LLM lifecycle as one workflow: prepare -> pretrain -> finetune {sft, lora, prefix} ->
-# merge_lora -> quantize {wint8, wint4} -> export -> evaluate -> report.
+# merge_lora -> quantize {wint8, wint4, gptq-w4} -> export -> evaluate -> report.
 # `snakemake --cores all results/llama/quant_eval.json` builds the chain for experiment `llama`.
 from snakemake.utils import min_version
 

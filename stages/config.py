@@ -171,6 +171,10 @@ def _check_group_size(name: str, exp: dict[str, Any]) -> None:
     checkpoints are checked again by the quantize stage, which knows their real shapes)."""
     quant = exp["quantize"]
     group = quant["group_size"]
+    if quant["gptq"]["group_size"] == 0 or ("gptq-w4" in quant["variants"] and group == 0
+                                            and quant["gptq"]["group_size"] is None):
+        key = "gptq.group_size" if quant["gptq"]["group_size"] == 0 else "group_size"
+        raise ConfigError(f"experiments.{name}.quantize.{key}=0: use a positive group or -1 (per channel)")
     if "wint4" not in quant["variants"] or group == -1 or exp["model"]["model_name_or_path"]:
         return
     if group == 0:

@@ -1,4 +1,5 @@
-"""Weight quantization: RTN, packing to the Hugging Face GPTQ layout, and loading it back."""
+"""Weight quantization: RTN and GPTQ (with its calibration sets), packing to the Hugging Face GPTQ
+layout, and loading it back."""
 
 from stages.quant.layers import decoder_linear_layers
 from stages.quant.loader import load_quantized

@@ -55,7 +55,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -73,8 +74,7 @@ SUPPORTED_BITS = (2, 3, 4, 8)
 
 @dataclass(frozen=True)
 class GPTQConfig:
-    """GPTQ options; defaults are AutoGPTQ's BaseQuantizeConfig except desc_act (False: the packer
-    in `gptq_format` stores only a monotonic g_idx)."""
+    """GPTQ options; defaults are AutoGPTQ's BaseQuantizeConfig (`quantize.gptq` in the config)."""
 
     bits: int = 4  # 2, 3, 4 or 8
     group_size: int = 128  # input features per scale / zero point; -1 = one per output row
@@ -83,6 +83,7 @@ class GPTQConfig:
     static_groups: bool = False  # group parameters from the original weights, before any update
     damp_percent: float = 0.01  # fraction of mean(diag(H)) added to the diagonal
     block_size: int = 128  # columns per lazy batch update
+    true_sequential: bool = True  # calibrate each Linear on the outputs of the already-quantized ones
 
     def __post_init__(self) -> None:
         if self.bits not in SUPPORTED_BITS:
@@ -356,11 +357,17 @@ def quantize_layer_sequential(
     """GPTQ every Linear / Conv1D of one decoder block in true-sequential order, replacing each
     weight by its dequantized value before the next group is calibrated.
 
-    `sequential` lists groups of submodule names (default: `sequential_groups`, the call order).
+    `sequential` lists groups of submodule names (default: `sequential_groups`, the call order;
+    with `config.true_sequential` False, one group of them all, calibrated on the float block).
     Returns the block's outputs on `inputs` with every weight quantized (the next block's inputs),
     and {f"{prefix}.{name}": result} in quantization order.
     """
-    groups = [list(g) for g in sequential] if sequential is not None else sequential_groups(block, inputs[0])
+    if sequential is not None:
+        groups = [list(g) for g in sequential]
+    else:
+        groups = sequential_groups(block, inputs[0])
+        if not config.true_sequential:
+            groups = [[name for group in groups for name in group]]
     modules = dict(block.named_modules())
     dot = f"{prefix}." if prefix else ""
     results: dict[str, GPTQResult] = {}
@@ -437,6 +444,7 @@ def _capture_block_inputs(model: nn.Module, first_block: nn.Module,
 def gptq_quantize_model(
     model: nn.Module, blocks: nn.ModuleList | nn.ModuleDict | Mapping[str, nn.Module],
     calibration: Iterable[torch.Tensor], config: GPTQConfig, prefix: str = "",
+    on_block: Callable[[str, float, dict[str, GPTQResult]], None] | None = None,
 ) -> dict[str, GPTQResult]:
     """GPTQ every Linear / Conv1D of `blocks` (the decoder blocks of `model`, in order) in place,
     block by block, calibrated on `calibration` (input_ids batches, each (B, T), unpadded: the model
@@ -446,6 +454,8 @@ def gptq_quantize_model(
     for every block: our Llama (`model.model.layers`) and transformers' causal LMs
     (`model.get_submodule(stages.quant.layers.decoder_blocks(model))`). Result names are
     f"{prefix}.{block key}.{submodule}", the checkpoint names when `prefix` is the blocks' path.
+    `on_block(key, seconds, block_results)` is called after each block (wall time of its Hessians,
+    GPTQ and the forward that makes the next block's inputs).
     """
     named = list(blocks.items()) if isinstance(blocks, (nn.ModuleDict, Mapping)) else \
         [(str(i), b) for i, b in enumerate(blocks)]
@@ -459,7 +469,10 @@ def gptq_quantize_model(
     results: dict[str, GPTQResult] = {}
     dot = f"{prefix}." if prefix else ""
     for key, block in tqdm(named, desc="GPTQ", unit="block", disable=len(named) < 4):
+        start = time.perf_counter()
         outputs, block_results = quantize_layer_sequential(block, inputs, config, prefix=f"{dot}{key}")
+        if on_block is not None:
+            on_block(key, time.perf_counter() - start, block_results)
         results.update(block_results)
         inputs = [replace(inp, hidden=out) for inp, out in zip(inputs, outputs)]
         log.info("GPTQ block %s: %d layers, mean loss %.4g", key, len(block_results),

@@ -6,6 +6,9 @@ The float tensors are then loaded by transformers itself (`from_pretrained(None,
 state_dict=...)`), so its checkpoint-name conversions (e.g. GPT-NeoX's `embed_out` -> `lm_head`)
 and weight tying apply exactly as for an unquantized directory.
 
+Any `g_idx` is honoured (GPTQ's act-order, a narrower last group) and codes of 2, 3, 4 or 8 bits
+(`gptq_format.dequantize_packed`).
+
 This is how the project evaluates its own quantized artifacts: the numbers equal what a GPTQ
 kernel computes up to float accumulation order, since the weights are exactly s * (q - z).
 """

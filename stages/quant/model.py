@@ -19,18 +19,33 @@ from typing import Any
 import torch
 
 from stages.quant import gptq_format
+from stages.quant.gptq import GPTQConfig, GPTQResult
 from stages.quant.rtn import dequantize_weight, quantize_weight, relative_error
 
 log = logging.getLogger(__name__)
 
 
-def quantization_config(bits: int, group_size: int) -> dict[str, Any]:
-    """The `quantization_config` entry of config.json for RTN weights in the classic GPTQ layout.
+def quantization_config(bits: int, group_size: int, gptq: GPTQConfig | None = None) -> dict[str, Any]:
+    """The `quantization_config` entry of config.json for weights in the classic GPTQ layout: RTN's
+    without `gptq`, else the GPTQ options that were really applied.
 
-    damp_percent is left out: no Hessian (and so no dampening) is used by RTN. No
+    For RTN, damp_percent is left out: no Hessian (and so no dampening) is used. No
     `modules_in_block_to_quantize` either: every Linear / Conv1D of the blocks is quantized, which
-    is what runtimes assume without it.
+    is what runtimes assume without it. No `meta` (quantizer, version): neither AutoGPTQ nor
+    GPTQModel wrote these files, and readers use that field to pick their conversions.
     """
+    if gptq is not None:
+        return {
+            "quant_method": "gptq",
+            "bits": gptq.bits,
+            "group_size": gptq.group_size,
+            "desc_act": gptq.desc_act,
+            "sym": gptq.sym,
+            "static_groups": gptq.static_groups,
+            "damp_percent": gptq.damp_percent,
+            "true_sequential": gptq.true_sequential,
+            "checkpoint_format": "gptq",
+        }
     return {
         "quant_method": "gptq",
         "bits": bits,
@@ -55,13 +70,14 @@ def layer_weights(state: dict[str, torch.Tensor], layers: dict[str, bool]) -> di
             for name, transposed in layers.items()}
 
 
-def check_shapes(weights: dict[str, torch.Tensor], bits: int, group_size: int) -> None:
-    """Raise one ValueError naming the layer widths that `group_size` does not divide, or the layer
-    whose width the packer cannot store (a multiple of 32 // bits is needed in and out)."""
+def check_shapes(weights: dict[str, torch.Tensor], bits: int, group_size: int, ragged_groups: bool = False) -> None:
+    """Raise one ValueError naming the layer widths that `group_size` does not divide (unless
+    `ragged_groups`: GPTQ's narrower last group), or the layer whose width the packer cannot store
+    (a multiple of `gptq_format.codes_per_run(bits)` is needed in and out)."""
     in_widths: dict[int, str] = {}
     for name, w in weights.items():
         in_widths.setdefault(w.shape[1], name)
-    if group_size != -1:
+    if group_size != -1 and not ragged_groups:
         bad = sorted(width for width in in_widths if group_size <= 0 or width % group_size)
         if bad:
             examples = ", ".join(f"{in_widths[width]} has {width}" for width in bad)
@@ -70,7 +86,7 @@ def check_shapes(weights: dict[str, torch.Tensor], bits: int, group_size: int) -
                 f"Linears ({examples}; all widths: {sorted(in_widths)}); choose a divisor of "
                 f"{math.gcd(*in_widths)} or -1 for per channel"
             )
-    per_word = 32 // bits
+    per_word = gptq_format.codes_per_run(bits)
     for name, w in weights.items():
         out_f, in_f = w.shape
         if out_f % per_word or in_f % per_word:
@@ -102,4 +118,26 @@ def quantize_model(
             out[f"{name}.{suffix}"] = packed
         errors[name] = relative_error(w, dequantize_weight(q))
     log.info("quantized %d layers to %d bits (group_size=%d)", len(errors), bits, group_size)
+    return out, errors
+
+
+def pack_gptq_model(
+    state: dict[str, torch.Tensor], layers: dict[str, bool], results: dict[str, GPTQResult],
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """`quantize_model` for GPTQ: replace the weight of each of `layers` by the packed `results`
+    (same names; act-order g_idx and a narrower last group kept as they are). `state` holds the
+    float weights before GPTQ; the errors are ||W - W_hat||_F / ||W||_F against them."""
+    missing = sorted(set(layers) - set(results))
+    if missing:
+        raise ValueError(f"GPTQ produced no result for {missing[0]} ({len(missing)} of {len(layers)} decoder "
+                         "Linears); the model's blocks do not hold the checkpoint's layers")
+    weights = layer_weights(state, layers)
+    replaced = {f"{name}.weight" for name in weights}
+    out = {k: v for k, v in state.items() if k not in replaced}
+    errors: dict[str, float] = {}
+    for name, w in weights.items():
+        r = results[name]
+        for suffix, packed in gptq_format.pack(r, g_idx=r.g_idx).items():
+            out[f"{name}.{suffix}"] = packed
+        errors[name] = relative_error(w, r.weight.cpu())
     return out, errors

@@ -66,7 +66,7 @@ CASES = {
                              r"variants lists wint8, wint4"),
     "target-variant-not-listed": ("experiments: {x: {quantize: {variants: [wint8]}}}", "results/x/quant/wint4", None,
                                   r"unknown quantize variant 'wint4'; experiments\.x\.quantize\.variants lists wint8 "
-                                  r"\(the schema allows wint8, wint4\)"),
+                                  r"\(the schema allows wint8, wint4, gptq-w4\)"),
     "target-eval-variant": ("experiments: {x: {}}", "results/x/eval/wint3.json", None,
                             r"results/x/eval/wint3\.json: unknown variant 'wint3' for experiment 'x'; expected one of "
                             r"pretrain, sft, lora, prefix, lora-merged, wint8, wint4"),

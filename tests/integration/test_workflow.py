@@ -63,7 +63,8 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
     exp = tmp_path / "results" / "ci"
 
     # Every stage's artifact exists and follows its contract.
-    for d in ["data", "pretrain", "sft", "lora", "prefix", "lora-merged", "export", "quant/wint8", "quant/wint4"]:
+    for d in ["data", "pretrain", "sft", "lora", "prefix", "lora-merged", "export", "quant/wint8", "quant/wint4",
+              "quant/gptq-w4"]:
         assert (exp / d / "meta.json").exists(), d
     for stage in ["pretrain", "sft", "lora", "prefix"]:
         log = pd.read_csv(exp / stage / "train_log.csv")
@@ -78,9 +79,9 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
     AutoModelForCausalLM.from_pretrained(next((exp / "checkpoints" / "pretrain").glob("*/checkpoint-0000020")))
     quant_eval = json.loads((exp / "quant_eval.json").read_text())
     assert quant_eval["source"] == "lora-merged"
-    assert set(quant_eval["variants"]) == {"wint8", "wint4"}
+    assert set(quant_eval["variants"]) == {"wint8", "wint4", "gptq-w4"}
     report = pd.read_csv(exp / "report.csv")
-    assert len(report) == 7
+    assert len(report) == 8
     assert (exp / "report.md").read_text().strip()
 
     # A second run finds nothing to do.
@@ -94,8 +95,8 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
     changed = tmp_path / "changed.yaml"
     changed.write_text(yaml.safe_dump(cfg))
     proc = snakemake(tmp_path, "--configfile", str(changed), "-n", TARGET)
-    assert planned_jobs(proc.stdout) == {"finetune": 1, "merge_lora": 1, "quantize": 2, "export": 1,
-                                         "evaluate": 4, "report": 1}, proc.stdout
+    assert planned_jobs(proc.stdout) == {"finetune": 1, "merge_lora": 1, "quantize": 3, "export": 1,
+                                         "evaluate": 5, "report": 1}, proc.stdout
     snakemake(tmp_path, "--configfile", str(changed), "--cores", "2", TARGET)
     after = _mtimes(tmp_path)
     untouched = [k for k in before if k.split("/")[0] in ("data", "pretrain", "sft", "prefix")]

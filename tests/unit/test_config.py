@@ -13,7 +13,7 @@ def test_shipped_config_is_valid_and_defaults_fill_every_section():
     llama = config["experiments"]["llama"]
     assert llama["model"]["flavour"] == "tiny"
     assert llama["finetune"]["lora"]["lora_rank"] == 16
-    assert llama["quantize"]["variants"] == ["wint8", "wint4"]
+    assert llama["quantize"]["variants"] == ["wint8", "wint4", "gptq-w4"]
     assert llama["pretrain"]["lr_scheduler_type"] == "cosine"  # from the shared training defaults
 
 

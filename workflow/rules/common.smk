@@ -25,7 +25,8 @@ _ROOT_SCHEMA = load_schema()
 _SCHEMA = _ROOT_SCHEMA["$defs"]["experiment"]["properties"]
 EXPERIMENT_NAME = _ROOT_SCHEMA["properties"]["experiments"]["propertyNames"]["pattern"].strip("^$")
 FINETUNE_METHODS = list(_SCHEMA["finetune"]["properties"])  # sft, lora, prefix
-QUANT_VARIANTS = _SCHEMA["quantize"]["properties"]["variants"]["items"]["enum"]  # wint8, wint4
+QUANT_VARIANTS = _SCHEMA["quantize"]["properties"]["variants"]["items"]["enum"]  # wint8, wint4, gptq-w4
+GPTQ_VARIANTS = [v for v in QUANT_VARIANTS if v.startswith("gptq")]  # calibrated on the data
 
 
 def _writes_shards(settings):
@@ -176,13 +177,38 @@ def quant_variants(wildcards):
 
 
 def quantize_input(wildcards):
-    """The model a quantized variant is made of; a variant outside the experiment's
-    `quantize.variants` is refused here, before its whole chain is trained."""
+    """The model a quantized variant is made of (`source`), and for GPTQ variants the experiment's
+    data (`data`, the calibration source) and a calibration file named by path (`calibration`); a
+    variant outside the experiment's `quantize.variants` is refused here, before its whole chain
+    is trained. Used with unpack()."""
     if wildcards.variant not in quant_variants(wildcards):
         raise ConfigError(f"results/{wildcards.experiment}/quant/{wildcards.variant}: unknown quantize variant "
                           f"{wildcards.variant!r}; experiments.{wildcards.experiment}.quantize.variants lists "
                           f"{', '.join(quant_variants(wildcards))} (the schema allows {', '.join(QUANT_VARIANTS)})")
-    return quant_source_dir(wildcards)
+    inputs = {"source": quant_source_dir(wildcards)}
+    if wildcards.variant in GPTQ_VARIANTS:
+        inputs["data"] = f"results/{wildcards.experiment}/data"
+        source = experiment(wildcards)["quantize"]["calibration"]["source"]
+        if source not in ("corpus", "sft"):
+            inputs["calibration"] = source  # editing the file reruns the variant
+    return inputs
+
+
+def quantize_section(wildcards):
+    """The `quantize` section as the variant's params: without `gptq` and `calibration` for RTN
+    variants, so that changing GPTQ settings reruns only the GPTQ variants."""
+    settings = dict(experiment(wildcards)["quantize"])
+    if wildcards.variant not in GPTQ_VARIANTS:
+        settings.pop("gptq", None)
+        settings.pop("calibration", None)
+    return json.dumps(settings, sort_keys=True)
+
+
+def quantize_data_flag(wildcards):
+    """`--data results/<name>/data` for a GPTQ variant (its calibration source), else nothing."""
+    if wildcards.variant in GPTQ_VARIANTS:
+        return f"--data results/{wildcards.experiment}/data"
+    return ""
 
 
 def variant_dir(wildcards):

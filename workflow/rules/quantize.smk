@@ -1,7 +1,8 @@
-# Weight-only post-training quantization of `quantize.source`, one output per variant.
+# Weight-only post-training quantization of `quantize.source`, one output per variant
+# (GPTQ variants also read the experiment's data for calibration).
 rule quantize:
     input:
-        quantize_input,
+        unpack(quantize_input),
     output:
         directory("results/{experiment}/quant/{variant}"),
     log:
@@ -9,9 +10,10 @@ rule quantize:
     benchmark:
         "results/{experiment}/benchmarks/quantize_{variant}.tsv"
     params:
-        config=section("quantize"),
+        config=quantize_section,
+        data=quantize_data_flag,
     conda:
         "../../environment.yml"
     shell:
-        "python -m stages.quantize --source {input} --out {output} --variant {wildcards.variant} "
-        "--config {params.config:q} > {log} 2>&1"
+        "python -m stages.quantize --source {input.source} --out {output} --variant {wildcards.variant} "
+        "{params.data} --config {params.config:q} > {log} 2>&1"

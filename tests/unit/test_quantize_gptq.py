@@ -1,0 +1,248 @@
+"""The gptq-w4 variant of stages/quantize.py and its calibration set (stages/quant/calibration.py):
+corpus / sft / path sources and their errors, the packed files read back by load_quantized exactly
+as GPTQ computed them (act-order and a narrower last group included), and GPTQ against RTN."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors import safe_open
+from transformers import PreTrainedTokenizerFast
+
+from sft_fixtures import toy_records, write_toy_data
+from stages import quantize
+from stages.checkpoint.atomic import atomic_dir
+from stages.checkpoint.hf import load_pretrained, save_pretrained
+from stages.config import load_schema
+from stages.data.corpus import TokenFile, write_token_files
+from stages.data.sft import encode_example, write_sft_file
+from stages.data.tokenizer import tokenizer_fingerprint
+from stages.model import build_model, config_for_flavour
+from stages.quant import load_quantized
+from stages.quant.calibration import CalibrationError, CalibrationSettings, calibration_ids
+from stages.quant.gptq import GPTQConfig, gptq_quantize_model
+
+SEQ = 32
+
+
+def _structured_llama(vocab: int, seed: int = 0):
+    """A debug-flavour Llama (widths 64 and 192) whose activations look like a trained model's:
+    embeddings with correlated channels, a few norm weights 8x larger (outlier features); as in
+    tests/unit/test_quant_gptq.py."""
+    model = build_model(config_for_flavour("debug", vocab_size=vocab, bos_token_id=1, eos_token_id=2,
+                                           pad_token_id=0), seed=seed).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        d = model.config.hidden_size
+        mix = torch.linalg.qr(torch.randn(d, d, generator=g))[0] * torch.logspace(0, -1.5, d)
+        model.model.embed_tokens.weight.copy_(torch.randn(vocab, d, generator=g) @ mix.t())
+        for layer in model.model.layers.values():
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight[torch.randperm(d, generator=g)[:3]] = 8.0
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_tokenizer_dir):
+    return PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory, tiny_tokenizer_dir, tokenizer):
+    path = tmp_path_factory.mktemp("gptq") / "source"
+    with atomic_dir(path) as tmp:
+        save_pretrained(_structured_llama(len(tokenizer)), tmp, tokenizer_dir=tiny_tokenizer_dir)
+    return path
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, tokenizer):
+    """A prepared data dir: token splits of Zipf-like random documents (as a corpus' token
+    statistics are skewed), index.json with the tokenizer's fingerprint, and sft/train.json."""
+    path = tmp_path_factory.mktemp("gptq") / "data"
+    path.mkdir(exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    weights = 1.0 / torch.arange(1, len(tokenizer) - 2, dtype=torch.float) ** 1.1  # Zipf over ids 3..V-1
+
+    def docs(n):
+        return [(torch.multinomial(weights, 100, replacement=True, generator=gen) + 3).tolist() for _ in range(n)]
+
+    write_token_files(path, {"train": docs(40), "validation": docs(8)}, vocab_size=len(tokenizer), bos_id=1,
+                      eos_id=2, pad_id=0, extra={"tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+                                                 "sft_format": "plain"})
+    return write_toy_data(path)
+
+
+def _section(group_size: int, calibration: dict | None = None, **gptq) -> dict:
+    return {"group_size": group_size, "gptq": gptq,
+            "calibration": {"num_samples": 8, "seq_len": SEQ, "source": "corpus", "seed": 0, **(calibration or {})}}
+
+
+# ---------------------------------------------------------------- calibration
+
+
+def test_corpus_windows_are_distinct_slices_of_the_training_split(data_dir):
+    ids, info = calibration_ids(CalibrationSettings(num_samples=8, seq_len=SEQ, seed=3), data_dir)
+    assert ids.shape == (8, SEQ) and ids.dtype == torch.int64
+    tokens = torch.from_numpy(TokenFile.open(data_dir, "train").tokens.astype("int64"))
+    starts = []
+    for row in ids:
+        matches = [s for s in range(0, len(tokens) - SEQ + 1, SEQ) if torch.equal(tokens[s:s + SEQ], row)]
+        assert matches, "a window is not an aligned slice of the train split"
+        starts.append(matches[0])
+    assert len(set(starts)) == 8
+    assert info == {"source": "corpus", "num_samples": 8, "seq_len": SEQ, "seed": 3, "num_windows": 8,
+                    "num_tokens": 8 * SEQ}
+    again, _ = calibration_ids(CalibrationSettings(num_samples=8, seq_len=SEQ, seed=3), data_dir)
+    other, _ = calibration_ids(CalibrationSettings(num_samples=8, seq_len=SEQ, seed=4), data_dir)
+    assert torch.equal(ids, again) and not torch.equal(ids, other)
+
+
+def test_sft_windows_pack_prompts_and_answers_without_padding(data_dir, tokenizer, tiny_tokenizer_dir):
+    settings = CalibrationSettings(num_samples=4, seq_len=SEQ, source="sft", seed=0)
+    ids, info = calibration_ids(settings, data_dir, tokenizer, tiny_tokenizer_dir)
+    assert ids.shape == (4, SEQ) and info["sft_format"] == "plain"
+    assert not (ids == tokenizer.pad_token_id).any()
+    # several short examples per window, each as finetune encodes it: bos, prompt, answer, eos
+    assert (ids == tokenizer.bos_token_id).sum() > ids.shape[0]  # more examples than windows
+    assert (ids == tokenizer.eos_token_id).sum() >= 4
+    encoded = {tuple(encode_example(tokenizer, r, SEQ, SEQ)[0]) for r in toy_records()[:48]}
+    first = ids[0].tolist()
+    ends = [i + 1 for i, t in enumerate(first) if t == tokenizer.eos_token_id]
+    assert tuple(first[:ends[0]]) in encoded
+
+
+def test_a_jsonl_path_is_an_sft_source(data_dir, tokenizer, tiny_tokenizer_dir, tmp_path):
+    path = tmp_path / "calib.jsonl"
+    write_sft_file(path, toy_records()[48:])
+    ids, info = calibration_ids(CalibrationSettings(num_samples=100, seq_len=16, source=str(path)), data_dir,
+                                tokenizer, tiny_tokenizer_dir)
+    assert info["source"] == str(path) and 1 <= ids.shape[0] < 100 and ids.shape[1] == 16  # fewer: a warning
+
+
+@pytest.mark.parametrize("settings,match", [
+    ({"num_samples": 0}, r"quantize\.calibration\.num_samples=0: the calibration set would be empty"),
+    ({"seq_len": 10**6}, r"quantize\.calibration\.source=corpus: .* fewer than quantize\.calibration\.seq_len"),
+    ({"source": "sft", "seq_len": 10**6}, r"quantize\.calibration\.source=sft: .* fewer than "
+                                           r"quantize\.calibration\.seq_len"),
+    ({"source": "nowhere.jsonl"}, r"quantize\.calibration\.source=nowhere\.jsonl: nowhere\.jsonl is not a file"),
+    ({"source": "EMPTY"}, r"quantize\.calibration\.source=.*empty"),
+])
+def test_an_empty_calibration_set_names_the_key(data_dir, tokenizer, tiny_tokenizer_dir, tmp_path, settings, match):
+    if settings.get("source") == "EMPTY":
+        (tmp_path / "empty.jsonl").write_text("")
+        settings = {"source": str(tmp_path / "empty.jsonl")}
+    with pytest.raises(CalibrationError, match=match):
+        calibration_ids(CalibrationSettings(**{"seq_len": SEQ, **settings}), data_dir, tokenizer, tiny_tokenizer_dir)
+
+
+def test_defaults_are_the_schemas():
+    quant = load_schema()["$defs"]["experiment"]["properties"]["quantize"]["properties"]
+    calibration = {k: v["default"] for k, v in quant["calibration"]["properties"].items()}
+    gptq = {k: v["default"] for k, v in quant["gptq"]["properties"].items()}
+    assert calibration == {k: getattr(CalibrationSettings(), k) for k in calibration}
+    assert gptq.pop("group_size") is None  # inherits quantize.group_size
+    assert gptq == {k: getattr(GPTQConfig(), k) for k in gptq}
+    assert "gptq-w4" in quant["variants"]["items"]["enum"]
+
+
+# ---------------------------------------------------------------- the gptq-w4 variant
+
+
+def _gptq_reference(source, data_dir, section) -> tuple[torch.nn.Module, dict]:
+    """transformers' float model of `source` with GPTQ run on it directly (same calibration,
+    same batches), and the results."""
+    ids, _ = calibration_ids(CalibrationSettings.from_section(section["calibration"]), data_dir)
+    config = quantize.gptq_config(section["gptq"], section["group_size"])
+    ours = load_pretrained(source).eval()
+    results = gptq_quantize_model(ours, ours.model.layers, list(ids.split(quantize.CALIBRATION_BATCH)), config,
+                                  prefix="model.layers")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, r in results.items():
+            hf.get_submodule(name).weight.copy_(r.weight)
+    return hf, results
+
+
+@pytest.mark.parametrize("desc_act,true_sequential,bits", [(False, True, 4), (True, False, 3)])
+def test_files_read_back_as_the_gptq_dequantized_model(source, data_dir, tmp_path, desc_act, true_sequential, bits):
+    group = 40  # widths 64 and 192: groups of 40 with a narrower last one (24 and 32)
+    section = _section(group, desc_act=desc_act, true_sequential=true_sequential, bits=bits)
+    out = tmp_path / "gptq-w4"
+    metrics = quantize.main(["--source", str(source), "--out", str(out), "--variant", "gptq-w4",
+                             "--data", str(data_dir), "--config", json.dumps(section)])
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qcfg == {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": True,
+                    "static_groups": False, "damp_percent": 0.01, "true_sequential": true_sequential,
+                    "checkpoint_format": "gptq"}
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        p = "model.layers.0.mlp.down_proj"  # in 192: groups 40, 40, 40, 40, 32
+        assert tuple(f.get_tensor(f"{p}.scales").shape) == (5, 64)
+        assert tuple(f.get_tensor(f"{p}.qweight").shape) == (192 * bits // 32, 64)
+        assert tuple(f.get_tensor(f"{p}.qzeros").shape) == (5, 64 * bits // 32)
+        g_idx = f.get_tensor(f"{p}.g_idx")
+        assert (torch.diff(g_idx) < 0).any() == desc_act  # act-order: not monotonic
+        assert torch.bincount(g_idx).tolist() == [40, 40, 40, 40, 32]
+        assert "model.layers.0.mlp.down_proj.weight" not in f.keys()
+
+    reference, results = _gptq_reference(source, data_dir, section)
+    loaded = load_quantized(out)
+    state = loaded.state_dict()
+    for name, r in results.items():
+        torch.testing.assert_close(state[f"{name}.weight"], r.weight, rtol=0, atol=0)
+    ids = torch.randint(3, loaded.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, reference(ids).logits, rtol=0, atol=1e-6)
+
+    assert metrics["method"] == "gptq" and metrics["variant"] == "gptq-w4" and metrics["num_quantized_layers"] == 14
+    assert metrics["gptq"] == {"sym": True, "desc_act": desc_act, "static_groups": False, "damp_percent": 0.01,
+                               "true_sequential": true_sequential}
+    assert metrics["calibration"]["num_windows"] == 8 and metrics["calibration"]["source"] == "corpus"
+    losses = [r.loss for r in results.values()]
+    assert metrics["max_gptq_loss"] == pytest.approx(max(losses))
+    assert metrics["mean_gptq_loss"] == pytest.approx(sum(losses) / len(losses))
+    assert 0 < metrics["seconds_per_decoder_layer"] <= metrics["max_seconds_per_decoder_layer"]
+    assert metrics["quantize_seconds"] >= metrics["seconds_per_decoder_layer"]
+    assert 0 < metrics["mean_rel_weight_error"] <= metrics["max_rel_weight_error"] < 0.5
+    assert json.loads((out / "meta.json").read_text())["metrics"] == metrics
+
+
+def _logit_err(path, reference, ids) -> float:
+    with torch.no_grad():
+        ref = reference(ids).logits
+        return float(torch.linalg.vector_norm(load_quantized(path)(ids).logits - ref) / torch.linalg.vector_norm(ref))
+
+
+def test_gptq_beats_rtn_on_held_out_data(source, data_dir, tmp_path):
+    group = 32
+    rtn = quantize.run(source, tmp_path / "wint4", "wint4", group)
+    gptq = quantize.run(source, tmp_path / "gptq-w4", "gptq-w4", group,
+                        config=_section(group, {"num_samples": 16}), data_dir=data_dir)
+    held_out = torch.from_numpy(TokenFile.open(data_dir, "validation").tokens[:4 * 64].astype("int64")).view(4, 64)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    err_rtn = _logit_err(tmp_path / "wint4", reference, held_out)
+    err_gptq = _logit_err(tmp_path / "gptq-w4", reference, held_out)
+    print(f"held-out logit error: wint4 RTN {err_rtn:.4f}, gptq-w4 {err_gptq:.4f}; "
+          f"weight error RTN {rtn['mean_rel_weight_error']:.4f}, GPTQ {gptq['mean_rel_weight_error']:.4f}")
+    assert err_gptq < 0.8 * err_rtn, (err_gptq, err_rtn)
+
+
+def test_gptq_needs_its_data_and_fails_before_writing(source, data_dir, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(CalibrationError, match=r"quantize\.calibration\.source=corpus reads the experiment's "
+                                                r"prepared data: pass --data"):
+        quantize.run(source, out, "gptq-w4", 32, config=_section(32))
+    with pytest.raises(CalibrationError, match=r"fewer than quantize\.calibration\.seq_len"):
+        quantize.run(source, out, "gptq-w4", 32, config=_section(32, {"seq_len": 10**6}), data_dir=data_dir)
+    with pytest.raises(ValueError, match=r"quantize\.gptq\.group_size=0"):
+        quantize.run(source, out, "gptq-w4", 32, config={**_section(32), "gptq": {"group_size": 0}}, data_dir=data_dir)
+    assert not out.exists()
+
+
+def test_sft_calibration_through_the_stage(source, data_dir, tmp_path):
+    """The tokenizer comes from the source dir and is checked against the data's fingerprint."""
+    metrics = quantize.run(source, tmp_path / "sft", "gptq-w4", 32, data_dir=data_dir,
+                           config=_section(32, {"source": "sft", "num_samples": 4}))
+    assert metrics["calibration"]["sft_format"] == "plain" and metrics["calibration"]["num_windows"] == 4
+    assert load_quantized(tmp_path / "sft").config.vocab_size > 0

@@ -17,7 +17,8 @@ the model built on the meta device (`stages.quant.layers`). GPTQ runs the float 
 others), on CPU in float32; GPTQ groups need not divide the widths (a narrower last group).
 
 Output (`quant/<variant>/`, written atomically): the GPTQ-layout safetensors
-(`<layer>.qweight/qzeros/scales/g_idx`, see `stages.quant.gptq_format`; embeddings, norms,
+(`<layer>.qweight/qzeros/scales/g_idx`, see `stages.quant.gptq_format`: checkpoint format "gptq" for
+symmetric grids, "gptq_v2" for asymmetric ones such as RTN's; embeddings, norms,
 lm_head and biases stay floating point, copied from the source files), config.json with
 `quantization_config`, generation_config.json, the tokenizer files and meta.json.
 `stages.quant.load_quantized(dir)` reads it back on CPU.
@@ -126,9 +127,10 @@ def _float_model_blocks(source_dir: Path) -> tuple[torch.nn.Module, str]:
 
 
 def _gptq(source_dir: Path, data_dir: Path | None, state: dict[str, torch.Tensor], layers: dict[str, bool],
-          config: GPTQConfig, calibration: CalibrationSettings) -> tuple[dict, dict, dict[str, Any]]:
-    """GPTQ of the float model in `source_dir`: (packed state, weight errors, GPTQ metrics).
-    The calibration set and the shapes are checked before the model is loaded."""
+          config: GPTQConfig, calibration: CalibrationSettings,
+          checkpoint_format: str) -> tuple[dict, dict, dict[str, Any]]:
+    """GPTQ of the float model in `source_dir`: (packed state in `checkpoint_format`, weight errors,
+    GPTQ metrics). The calibration set and the shapes are checked before the model is loaded."""
     tokenizer = None
     if calibration.source != "corpus":
         from stages.data.tokenizer import load_model_tokenizer
@@ -148,7 +150,7 @@ def _gptq(source_dir: Path, data_dir: Path | None, state: dict[str, torch.Tensor
                                   config, prefix=blocks_path,
                                   on_block=lambda key, s, _: seconds.__setitem__(key, s))
     elapsed = time.perf_counter() - start
-    packed, errors = pack_gptq_model(state, layers, results)
+    packed, errors = pack_gptq_model(state, layers, results, checkpoint_format)
     losses = {name: r.loss for name, r in results.items()}
     worst = max(losses, key=losses.get)
     metrics = {
@@ -191,14 +193,16 @@ def run(source_dir: str | Path, out_dir: str | Path, variant: str, group_size: i
     # Quantize fully before opening the output: a bad group size fails without touching out_dir.
     # load_state_dict checks the weights first (meta.json's sha256, no pickle, whole safetensors).
     state = load_state_dict(source_dir)
+    # sym -> "gptq", asym (RTN, GPTQ with sym false) -> "gptq_v2"; the packer stores zero points to match
+    qcfg = quantization_config(bits, group_size, gptq)
     start = time.perf_counter()
     if gptq is None:
-        packed, errors = quantize_model(state, layers, bits, group_size)
+        packed, errors = quantize_model(state, layers, bits, group_size, qcfg["format"])
         extra = {"quantize_seconds": time.perf_counter() - start}
     else:
         packed, errors, extra = _gptq(source_dir, None if data_dir is None else Path(data_dir), state, layers,
-                                      gptq, calibration)
-    hf_config["quantization_config"] = quantization_config(bits, group_size, gptq)
+                                      gptq, calibration, qcfg["format"])
+    hf_config["quantization_config"] = qcfg
 
     with atomic_dir(out_dir) as tmp:
         save_state_dict(packed, tmp)

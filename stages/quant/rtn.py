@@ -18,10 +18,13 @@ Two choices are made for the packed checkpoint format (`stages.quant.gptq_format
 accuracy:
 - s is stored as float16, so it is computed here already rounded up to a float16 value; rounding
   up (not to nearest) keeps (hi - lo) / s <= maxq and with it the s / 2 bound.
-- z is kept in [1, maxq], never 0: the classic GPTQ layout stores z - 1, and several kernels
-  (ExLlama, GPTQModel's v1->v2 conversion) add the 1 back without masking, so a stored -1 would be
-  read as 2**bits. A group whose weights are all >= 0 would get z = 0; there the scale is widened
-  to s = hi / (maxq - 1) and z set to 1, which keeps the s / 2 bound with the wider s.
+- z is kept in [1, maxq], never 0: the classic GPTQ layout ("gptq") stores z - 1, and several
+  kernels (ExLlama, GPTQModel's v1->v2 conversion) add the 1 back without masking, so a stored -1
+  would be read as 2**bits. A group whose weights are all >= 0 would get z = 0; there the scale is
+  widened to s = hi / (maxq - 1) and z set to 1, which keeps the s / 2 bound with the wider s.
+  RTN files are written as "gptq_v2" (z stored as is; GPTQModel reads asymmetric files only so),
+  where z = 0 would be storable; the rule is kept so that the codes fit either format and stay
+  those of earlier runs.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ def test_lint_is_clean(tmp_path):
 def test_dry_run_plans_every_stage(tmp_path):
     proc = snakemake(tmp_path, "-n", "results/llama/quant_eval.json")
     jobs = planned_jobs(proc.stdout)
-    assert jobs == {"prepare": 1, "pretrain": 1, "finetune": 3, "merge_lora": 1, "quantize": 2,
-                    "export": 1, "evaluate": 7, "report": 1}, proc.stdout
+    assert jobs == {"prepare": 1, "pretrain": 1, "finetune": 3, "merge_lora": 1, "quantize": 3,
+                    "export": 1, "evaluate": 8, "report": 1}, proc.stdout
 
 
 def test_the_plain_command_uses_the_default_profile(tmp_path):

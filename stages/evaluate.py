@@ -68,7 +68,7 @@ from stages.checkpoint.atomic import write_json
 from stages.checkpoint.weights import check_adapter_dir, check_model_dir
 from stages.data.sft import encode_example, encode_prompt, read_sft_file, target_text
 from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
-from stages.errors import run_cli
+from stages.errors import InputError, run_cli
 from stages.metrics.perplexity import model_perplexity, target_perplexity, unigram_perplexity, validation_windows
 from stages.metrics.text import corpus_bleu, exact_match, rouge_l
 
@@ -90,12 +90,12 @@ def eval_settings(config: dict[str, Any]) -> dict[str, Any]:
     defaults = {**_EXTRA_DEFAULTS, **{k: v["default"] for k, v in props.items() if "default" in v}}
     unknown = sorted(set(config) - set(defaults))
     if unknown:
-        raise ValueError(f"evaluate config keys {unknown} are unknown; valid keys: {sorted(defaults)}")
+        raise InputError(f"evaluate config keys {unknown} are unknown; valid keys: {sorted(defaults)}")
     settings = {**defaults, **config}
     for key in ("max_new_tokens", "num_dev_examples", "ppl_max_length", "ppl_max_windows",
                 "src_length", "per_device_eval_batch_size"):
         if not isinstance(settings[key], int) or settings[key] < 1:
-            raise ValueError(f"evaluate.{key}={settings[key]!r} must be a positive integer")
+            raise InputError(f"evaluate.{key}={settings[key]!r} must be a positive integer")
     return settings
 
 
@@ -104,7 +104,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); re-run the stage "
+        raise InputError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); re-run the stage "
                          "that wrote it") from None
 
 
@@ -112,7 +112,7 @@ def _load_full_model(model_dir: Path) -> tuple[torch.nn.Module, str]:
     """A complete (non-adapter) model: quantized dirs via stages.quant, others via transformers."""
     config_path = model_dir / "config.json"
     if not config_path.exists():
-        raise ValueError(f"{config_path} is missing: {model_dir} is neither an HF model dir nor a peft "
+        raise InputError(f"{config_path} is missing: {model_dir} is neither an HF model dir nor a peft "
                          "adapter dir (no adapter_config.json); pass a directory written by a stage")
     if "quantization_config" in _read_json(config_path):
         # Imported lazily: plain evaluations must not depend on the quantization code.
@@ -145,7 +145,7 @@ def adapter_base_dir(adapter_dir: Path) -> Path:
             if (candidate / "config.json").exists():
                 return candidate
             tried.append(str(candidate))
-    raise ValueError(f"cannot find the base model of adapter {adapter_dir}: tried {tried or 'nothing'} "
+    raise InputError(f"cannot find the base model of adapter {adapter_dir}: tried {tried or 'nothing'} "
                      "(from meta.json 'parent' and adapter_config.json 'base_model_name_or_path'); "
                      "set one of them to the base model's directory")
 
@@ -154,7 +154,7 @@ def load_variant(model_dir: str | Path) -> tuple[torch.nn.Module, Any, str]:
     """(model in eval mode, tokenizer, kind) for whatever `model_dir` holds (see module docstring)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise ValueError(f"--model {model_dir} is not a directory; pass a stage's output directory")
+        raise InputError(f"--model {model_dir} is not a directory; pass a stage's output directory")
     if (model_dir / "adapter_config.json").exists():
         import peft
 
@@ -166,7 +166,7 @@ def load_variant(model_dir: str | Path) -> tuple[torch.nn.Module, Any, str]:
     else:
         model, kind = _load_full_model(model_dir)
     if not (model_dir / "tokenizer.json").exists() and not (model_dir / "tokenizer_config.json").exists():
-        raise ValueError(f"{model_dir} holds no tokenizer files (tokenizer.json); every model and adapter "
+        raise InputError(f"{model_dir} holds no tokenizer files (tokenizer.json); every model and adapter "
                          "dir must carry its tokenizer (stages.checkpoint.hf.copy_tokenizer)")
     tokenizer = load_model_tokenizer(model_dir)
     return model.eval(), tokenizer, kind
@@ -183,13 +183,13 @@ def read_split(data_dir: str | Path, split: str) -> tuple[np.ndarray, dict[str, 
     data_dir = Path(data_dir)
     index_path = data_dir / "index.json"
     if not index_path.exists():
-        raise ValueError(f"{index_path} is missing; --data must be the data dir written by prepare")
+        raise InputError(f"{index_path} is missing; --data must be the data dir written by prepare")
     index = _read_json(index_path)
     if split not in index.get("splits", {}):
-        raise ValueError(f"{index_path} has no split {split!r} (splits: {sorted(index.get('splits', {}))})")
+        raise InputError(f"{index_path} has no split {split!r} (splits: {sorted(index.get('splits', {}))})")
     path = data_dir / index["splits"][split]["tokens"]
     if not path.exists():
-        raise ValueError(f"{path} is missing although {index_path} lists it; re-run prepare")
+        raise InputError(f"{path} is missing although {index_path} lists it; re-run prepare")
     tokens = np.memmap(path, dtype=np.dtype(index["dtype"]).newbyteorder("<"), mode="r")
     return tokens, index
 
@@ -232,7 +232,7 @@ def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, varia
     model_dir, data_dir = Path(model_dir), Path(data_dir)
     dev_path = data_dir / "sft" / "dev.json"
     if not dev_path.exists():
-        raise ValueError(f"{dev_path} is missing; --data must be the data dir written by prepare")
+        raise InputError(f"{dev_path} is missing; --data must be the data dir written by prepare")
     model, tokenizer, kind = load_variant(model_dir)
 
     valid, index = read_split(data_dir, "validation")
@@ -246,7 +246,7 @@ def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, varia
     records = read_sft_file(dev_path)[:settings["num_dev_examples"]]
     eos = tokenizer.eos_token_id
     if eos is None:
-        raise ValueError(f"the tokenizer in {model_dir} has no eos token; generation cannot stop")
+        raise InputError(f"the tokenizer in {model_dir} has no eos token; generation cannot stop")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     answers = [encode_example(tokenizer, r, settings["src_length"], settings["src_length"] + settings["max_new_tokens"],
                               chat) for r in records]
@@ -306,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     try:
         config = json.loads(args.config)
     except json.JSONDecodeError as e:
-        raise ValueError(f"--config is not valid JSON ({e.msg}); pass the evaluate section as one object") from None
+        raise InputError(f"--config is not valid JSON ({e.msg}); pass the evaluate section as one object") from None
     if args.src_length is not None:
         # Evaluate with the prompt length the model was fine-tuned with.
         config = {**config, "src_length": args.src_length}

@@ -56,7 +56,7 @@ from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import copy_tokenizer, load_config, load_pretrained
 from stages.checkpoint.meta import write_meta
 from stages.checkpoint.weights import check_model_dir
-from stages.errors import run_cli
+from stages.errors import InputError, run_cli
 
 log = logging.getLogger(__name__)
 
@@ -235,7 +235,7 @@ def run(model_dir: str | Path, out_dir: str | Path, opset_version: int, rtol: fl
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if (model_dir / "config.json").exists() and "quantization_config" in json.loads(
             (model_dir / "config.json").read_text()):
-        raise ValueError(f"{model_dir} is a quantized checkpoint; export takes the float source model")
+        raise InputError(f"{model_dir} is a quantized checkpoint; export takes the float source model")
     target = load_for_export(model_dir)
     n_bytes = sum(p.numel() * p.element_size() for p in target.module.parameters())
     external = n_bytes > _PROTOBUF_LIMIT

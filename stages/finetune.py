@@ -40,7 +40,7 @@ from stages.checkpoint.weights import check_model_dir
 from stages.data.corpus import read_index
 from stages.data.sft import IGNORE_INDEX, encode_example, read_sft_file
 from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
-from stages.errors import run_cli
+from stages.errors import InputError, run_cli
 from stages.training.batches import SftBatches
 from stages.checkpoint.integrity import sha256_file
 from stages.training.checkpointing import model_identity, run_fingerprint
@@ -78,7 +78,7 @@ def load_examples(path: Path, tokenizer, src_length: int, max_length: int, chat:
         log.warning("%s: dropped %d of %d examples with no target token left after max_length=%d",
                     path, len(examples) - len(kept), len(examples), max_length)
     if not kept:
-        raise ValueError(f"{path}: no example keeps a target token within max_length={max_length}; "
+        raise InputError(f"{path}: no example keeps a target token within max_length={max_length}; "
                          "raise max_length or lower src_length")
     return kept
 
@@ -150,13 +150,13 @@ def dev_loss(model: torch.nn.Module, examples: Sequence[Example], batch_size: in
 def check_section(method: str, config: dict[str, Any]) -> None:
     """Raise ValueError for an unknown method or a config section missing keys this stage reads."""
     if method not in METHODS:
-        raise ValueError(f"--method {method!r} is unknown; choose one of {METHODS}")
+        raise InputError(f"--method {method!r} is unknown; choose one of {METHODS}")
     missing = [k for k in (*REQUIRED_KEYS, *METHOD_KEYS[method]) if k not in config]
     if missing:
-        raise ValueError(f"finetune.{method} config lacks {missing}; pass the section as filled by "
+        raise InputError(f"finetune.{method} config lacks {missing}; pass the section as filled by "
                          "stages.config.check_config (it adds every default)")
     if config["src_length"] >= config["max_length"]:
-        raise ValueError(f"finetune.{method}: src_length={config['src_length']} must be smaller than "
+        raise InputError(f"finetune.{method}: src_length={config['src_length']} must be smaller than "
                          f"max_length={config['max_length']} (room is needed for the target)")
 
 
@@ -239,7 +239,7 @@ def load_base(model_dir: str | Path) -> tuple[transformers.PreTrainedModel, Any]
     """The fp32 model and tokenizer of a local HF directory (no hub, no remote code, no pickle)."""
     model_dir = Path(model_dir)
     if not (model_dir / "config.json").exists():
-        raise ValueError(f"--model {model_dir}: no config.json; expected a Hugging Face model "
+        raise InputError(f"--model {model_dir}: no config.json; expected a Hugging Face model "
                          "directory such as results/<experiment>/pretrain")
     check_model_dir(model_dir)  # sha256 against meta.json, no pickle, whole safetensors files
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -252,7 +252,7 @@ def pad_id(tokenizer) -> int:
     for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
         if value is not None:
             return value
-    raise ValueError("the tokenizer has neither a pad nor an eos token; set pad_token in tokenizer_config.json")
+    raise InputError("the tokenizer has neither a pad nor an eos token; set pad_token in tokenizer_config.json")
 
 
 def save_tokenizer(tokenizer, model_dir: Path, out: Path) -> None:
@@ -348,7 +348,7 @@ def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str |
     set_seed(config["seed"])
     train_path, dev_path = data_dir / "sft" / "train.json", data_dir / "sft" / "dev.json"
     if not train_path.exists():
-        raise ValueError(f"--data {data_dir}: {train_path} is missing; run the prepare stage first")
+        raise InputError(f"--data {data_dir}: {train_path} is missing; run the prepare stage first")
     if method == "sft":
         tokenizer = load_model_tokenizer(model_dir)
         chat = sft_format(tokenizer, model_dir, data_dir)

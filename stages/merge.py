@@ -34,7 +34,7 @@ from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import copy_tokenizer
 from stages.checkpoint.meta import META_NAME, write_meta
 from stages.checkpoint.weights import check_adapter_dir, check_model_dir
-from stages.errors import run_cli
+from stages.errors import InputError, run_cli
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,11 @@ def read_adapter_config(adapter_dir: Path) -> dict[str, Any]:
     """adapter_config.json of a LoRA adapter; ValueError when missing or not LoRA."""
     path = adapter_dir / "adapter_config.json"
     if not path.exists():
-        raise ValueError(f"--adapter {adapter_dir}: no adapter_config.json; expected a peft adapter "
+        raise InputError(f"--adapter {adapter_dir}: no adapter_config.json; expected a peft adapter "
                          "directory written by `stages.finetune --method lora`")
     config = json.loads(path.read_text())
     if config.get("peft_type") != "LORA":
-        raise ValueError(f"--adapter {adapter_dir}: peft_type={config.get('peft_type')!r}; only LORA "
+        raise InputError(f"--adapter {adapter_dir}: peft_type={config.get('peft_type')!r}; only LORA "
                          "adapters can be merged (a prefix adds keys/values, not weight updates)")
     return config
 
@@ -69,11 +69,11 @@ def resolve_base(adapter_dir: Path, adapter_config: dict[str, Any], base_dir: st
     if base_dir is None:
         base_dir = adapter_config.get("base_model_name_or_path")
     if not base_dir:
-        raise ValueError(f"--adapter {adapter_dir}: neither meta.json's parent nor adapter_config.json's "
+        raise InputError(f"--adapter {adapter_dir}: neither meta.json's parent nor adapter_config.json's "
                          "base_model_name_or_path names the base model; pass --base DIR")
     base_dir = Path(base_dir)
     if not (base_dir / "config.json").exists():
-        raise ValueError(f"base model {base_dir} (for adapter {adapter_dir}) has no config.json; "
+        raise InputError(f"base model {base_dir} (for adapter {adapter_dir}) has no config.json; "
                          "pass --base with the directory the adapter was trained on")
     return base_dir
 

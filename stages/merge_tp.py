@@ -24,7 +24,7 @@ from stages.checkpoint.atomic import atomic_dir, write_json
 from stages.checkpoint.hf import TOKENIZER_FILES, save_state_dict
 from stages.checkpoint.integrity import verify, weight_records
 from stages.checkpoint.store import COMPLETE, INDEX, SHARDED, StateReader, problems
-from stages.errors import run_cli
+from stages.errors import InputError, run_cli
 
 log = logging.getLogger(__name__)
 _CARRIED = ("config.json", "generation_config.json", "train_log.csv", *TOKENIZER_FILES)
@@ -40,7 +40,7 @@ def merge(shards_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
     # a training checkpoint has a completion marker; a stage output was swapped in whole
     found = problems(shards_dir) if (shards_dir / COMPLETE).exists() else verify(shards_dir, reader.index["files"])
     if found:
-        raise ValueError(f"cannot merge {shards_dir}: " + "; ".join(found))
+        raise InputError(f"cannot merge {shards_dir}: " + "; ".join(found))
     state = {name: reader.get(name) for name in reader.keys("model")}
     split = sorted(k for k, parts in reader.tensors.items() if len(parts) > 1 and parts[0]["file"].startswith("model"))
     summary = {"format": reader.index["format"], "tensors": len(state), "merged_tensor_parallel": len(split),

@@ -24,7 +24,7 @@ from stages.checkpoint.integrity import sha256_file
 from stages.config import ARCH_OVERRIDES
 from stages.data.corpus import load_split
 from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
-from stages.errors import run_cli
+from stages.errors import InputError, run_cli
 from stages.model import LlamaConfig, LlamaForCausalLM, build_model, config_for_flavour
 from stages.training.batches import WindowSampler
 from stages.training.checkpointing import model_identity
@@ -49,7 +49,7 @@ def _build(model_section: dict[str, Any], vocab_size: int, index: dict[str, Any]
     if init_dir is not None:
         model = load_pretrained(init_dir)
         if model.config.vocab_size != vocab_size:
-            raise ValueError(f"--init {init_dir} has vocab_size={model.config.vocab_size} but the data was "
+            raise InputError(f"--init {init_dir} has vocab_size={model.config.vocab_size} but the data was "
                              f"tokenized for {vocab_size}; prepare the data with this checkpoint's tokenizer "
                              "(prepare --tokenizer)")
         return model

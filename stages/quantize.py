@@ -87,15 +87,15 @@ def _weights_bytes(model_dir: Path) -> int:
 
 def _check_group_size(group_size: int, key: str = "quantize.group_size") -> None:
     if group_size == 0 or group_size < -1:
-        raise ValueError(f"{key}={group_size} must be a positive divisor of the layer widths or -1 (per channel)")
+        raise InputError(f"{key}={group_size} must be a positive divisor of the layer widths or -1 (per channel)")
 
 
 def resolve_variant(variant: str, group_size: int) -> tuple[int, int]:
     """(bits, group_size) of an RTN variant; raises ValueError naming the valid choices."""
     if variant not in VARIANTS:
-        raise ValueError(f"quantize variant {variant!r} is unknown; choose one of {sorted(VARIANTS)}")
+        raise InputError(f"quantize variant {variant!r} is unknown; choose one of {sorted(VARIANTS)}")
     if variant in GPTQ_VARIANTS:
-        raise ValueError(f"{variant} is a GPTQ variant: its bits and group come from gptq_config")
+        raise InputError(f"{variant} is a GPTQ variant: its bits and group come from gptq_config")
     if variant == "wint8":
         return 8, -1  # per output channel: INT8 needs no groups to stay accurate
     _check_group_size(group_size)
@@ -108,7 +108,7 @@ def gptq_config(section: dict[str, Any] | None, group_size: int) -> GPTQConfig:
     section = dict(section or {})
     unknown = sorted(set(section) - set(GPTQ_KEYS))
     if unknown:
-        raise ValueError(f"quantize.gptq has unknown key(s) {unknown}; known: {list(GPTQ_KEYS)}")
+        raise InputError(f"quantize.gptq has unknown key(s) {unknown}; known: {list(GPTQ_KEYS)}")
     inherited = section.get("group_size") is None
     if inherited:
         section["group_size"] = group_size
@@ -186,7 +186,7 @@ def run(source_dir: str | Path, out_dir: str | Path, variant: str, group_size: i
         raise FileNotFoundError(f"{config_path} is missing; --source must be a Hugging Face model directory")
     hf_config = json.loads(config_path.read_text())
     if "quantization_config" in hf_config:
-        raise ValueError(f"{source_dir} is already quantized; quantize.source must name a float model")
+        raise InputError(f"{source_dir} is already quantized; quantize.source must name a float model")
 
     layers = decoder_linear_layers(meta_model(transformers.AutoConfig.from_pretrained(
         source_dir, local_files_only=True, trust_remote_code=False)))

@@ -37,7 +37,7 @@ from typing import Any, Sequence
 import pandas as pd
 
 from stages.checkpoint.atomic import atomic_file, write_json
-from stages.errors import run_cli
+from stages.errors import InputError, run_cli
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def read_evals(experiment_dir: str | Path, required: Sequence[str]) -> dict[str,
     eval_dir = Path(experiment_dir) / "eval"
     for name in required:
         if not (eval_dir / f"{name}.json").exists():
-            raise ValueError(f"{eval_dir / (name + '.json')} is missing: variant {name!r} was not evaluated; "
+            raise InputError(f"{eval_dir / (name + '.json')} is missing: variant {name!r} was not evaluated; "
                              f"run `python -m stages.evaluate --variant {name} --out {eval_dir / (name + '.json')} ...` "
                              "or remove it from the report's variants")
     evals = {}
@@ -67,7 +67,7 @@ def read_evals(experiment_dir: str | Path, required: Sequence[str]) -> dict[str,
         try:
             metrics = json.loads(path.read_text())
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); re-run its evaluation") from None
+            raise InputError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); re-run its evaluation") from None
         if metrics.get("variant", path.stem) != path.stem:
             # The file name is the contract (eval/<variant>.json); the field is informative.
             log.warning("%s says variant=%r; using the file name %r", path, metrics["variant"], path.stem)
@@ -89,7 +89,7 @@ def read_benchmarks(experiment_dir: str | Path) -> pd.DataFrame:
     for path in sorted(bench_dir.rglob("*.tsv")) if bench_dir.is_dir() else []:
         df = pd.read_csv(path, sep="\t", na_values=["-", "NA"])
         if "s" not in df.columns:
-            raise ValueError(f"{path} has no 's' column (columns: {list(df.columns)}); expected a Snakemake "
+            raise InputError(f"{path} has no 's' column (columns: {list(df.columns)}); expected a Snakemake "
                              "benchmark file")
         row: dict[str, Any] = {"benchmark": str(path.relative_to(bench_dir).with_suffix("")), "runs": len(df)}
         for col in _TIMING_COLUMNS:
@@ -188,7 +188,7 @@ def run(experiment_dir: str | Path, source_variant: str, out_csv: str | Path, ou
     shows every variant's change against it."""
     experiment_dir = Path(experiment_dir)
     if source_variant in variants:
-        raise ValueError(f"source variant {source_variant!r} is also listed in variants {list(variants)}; "
+        raise InputError(f"source variant {source_variant!r} is also listed in variants {list(variants)}; "
                          "variants are the ones compared against the source")
     evals = read_evals(experiment_dir, [source_variant, *variants, *([start_variant] if start_variant else [])])
     table = metrics_table(evals, first=[*([start_variant] if start_variant else []), source_variant, *variants])

@@ -25,6 +25,7 @@ import torch
 import transformers
 
 from stages.checkpoint.hf import load_state_dict
+from stages.errors import InputError
 from stages.quant.gptq_format import QUANT_SUFFIXES, dequantize_packed, format_of
 from stages.quant.layers import linear_layers, meta_model
 
@@ -40,12 +41,12 @@ def read_quantization_config(model_dir: str | Path) -> tuple[dict, dict]:
     config = json.loads(path.read_text())
     qcfg = config.pop("quantization_config", None)
     if qcfg is None or qcfg.get("quant_method") != "gptq":
-        raise ValueError(f"{path} has no quantization_config with quant_method 'gptq'; "
+        raise InputError(f"{path} has no quantization_config with quant_method 'gptq'; "
                          "load an unquantized directory with AutoModelForCausalLM.from_pretrained")
     try:
         format_of(qcfg)
     except ValueError as e:
-        raise ValueError(f"{path}: quantization_config {e}") from None
+        raise InputError(f"{path}: quantization_config {e}") from None
     return config, qcfg
 
 

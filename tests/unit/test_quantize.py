@@ -154,3 +154,26 @@ def test_cli(source, tmp_path):
                              "--config", json.dumps({"source": "sft", "variants": ["wint4"], "group_size": 8})])
     assert metrics["group_size"] == 8
     assert json.loads((out / "meta.json").read_text())["config"]["variants"] == ["wint4"]
+
+
+@pytest.mark.parametrize("case", ["already-quantized", "bad-group-size"])
+def test_cli_refuses_bad_input_in_one_line(case, quantized, source, tmp_path):
+    """An input error ends the quantize CLI with exit status 2 and one line naming the cause
+    (stages.errors.run_cli), before anything is written."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src, group, expected = {
+        "already-quantized": (quantized["wint4"][0], GROUP, "is already quantized; quantize.source must name a float model"),
+        "bad-group-size": (source, -5, "quantize.group_size=-5 must be a positive divisor"),
+    }[case]
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "stages.quantize", "--source", str(src), "--out", str(out),
+                           "--variant", "wint4", "--config", json.dumps({"group_size": group})],
+                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("quantize: error: ") and expected in last, last
+    assert not out.exists()

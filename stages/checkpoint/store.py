@@ -107,20 +107,26 @@ def complete_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def newest_valid(run_dir: Path) -> Path | None:
-    """The newest checkpoint in `run_dir` that verifies; broken ones are logged and skipped."""
-    for path in reversed(complete_checkpoints(run_dir)):
-        found = problems(path)
-        if not found:
+    """The newest checkpoint in `run_dir` that is complete and verifies. Every newer
+    `checkpoint-<step>` directory is logged as `skipping checkpoint <path>: <reason>` (no completion
+    marker: its save did not finish; or files that do not match its index), so that a resume from
+    further back than expected says why."""
+    if not run_dir.is_dir():
+        return None
+    found = sorted((int(m.group(1)), p) for p in run_dir.iterdir() if (m := _NAME.match(p.name)) and p.is_dir())
+    for _, path in reversed(found):
+        reasons = problems(path) if (path / COMPLETE).is_file() else [f"no {COMPLETE} (the save did not finish)"]
+        if not reasons:
             return path
-        log.warning("skipping checkpoint %s: %s", path, "; ".join(found))
+        log.warning("skipping checkpoint %s: %s", path, "; ".join(reasons))
     return None
 
 
 def remove_partial(run_dir: Path) -> None:
     """Delete the leftovers of saves that were interrupted (no other writer may be running)."""
     if run_dir.is_dir():
-        for path in run_dir.glob("checkpoint-*.partial"):
-            log.info("removing interrupted save %s", path)
+        for path in sorted(run_dir.glob("checkpoint-*.partial")):
+            log.warning("skipping checkpoint %s: the save was interrupted (removed)", path)
             shutil.rmtree(path, ignore_errors=True)
 
 

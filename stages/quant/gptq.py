@@ -67,7 +67,7 @@ from tqdm import tqdm
 from transformers.pytorch_utils import Conv1D
 
 from stages.quant.layers import LINEAR_TYPES
-from stages.quant.rtn import _MIN_SCALE, QuantizedWeight, _round_up_to_fp16
+from stages.quant.rtn import QuantizedWeight, asymmetric_grid, fp16_scale
 
 log = logging.getLogger(__name__)
 
@@ -154,27 +154,18 @@ def group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, t
     """Scale (out,) float32 (float16-exact) and zero point (out,) float32 holding integers in
     [1, 2**bits - 1] for the columns `w` (out, cols) of one group.
 
-    Asymmetric: `stages.quant.rtn`'s grid, written for one group. Symmetric: z = 2**(bits - 1) and
+    Asymmetric: `stages.quant.rtn.asymmetric_grid`, the grid RTN uses. Symmetric: z = 2**(bits - 1) and
     s = 2 * max|w| / maxq, so every element is within s / 2 of the grid (the top code, z - 1 steps
     above zero, is half a step short of max|w|).
     """
-    maxq = 2**bits - 1
     lo = w.amin(dim=1).clamp(max=0.0)
     hi = w.amax(dim=1).clamp(min=0.0)
     if sym:
         amax = torch.maximum(-lo, hi)
         span = torch.where(amax > 0, 2 * amax, torch.ones_like(amax))  # all-zero row: any scale is exact
-        scale = _round_up_to_fp16((span / maxq).clamp(min=_MIN_SCALE))
+        scale = fp16_scale(span / (2**bits - 1))
         return scale, torch.full_like(scale, 2 ** (bits - 1))
-    span = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
-    scale = _round_up_to_fp16((span / maxq).clamp(min=_MIN_SCALE))
-    zero = torch.round(-lo / scale)
-    # z = 0 cannot be stored as z - 1: widen the scale so that z = 1 covers [0, hi] (as rtn.py).
-    needs_widen = zero < 1
-    wide_scale = _round_up_to_fp16((hi / (maxq - 1)).clamp(min=_MIN_SCALE))
-    scale = torch.where(needs_widen, wide_scale, scale)
-    zero = torch.where(needs_widen, torch.ones_like(zero), zero).clamp(1, maxq)
-    return scale, zero
+    return asymmetric_grid(lo, hi, bits)
 
 
 def _inverse_hessian_factor(hessian: torch.Tensor, damp_percent: float, name: str) -> torch.Tensor:

@@ -79,6 +79,27 @@ def _round_up_to_fp16(x: torch.Tensor) -> torch.Tensor:
     return h.float()
 
 
+def fp16_scale(step: torch.Tensor) -> torch.Tensor:
+    """A quantization step as it is stored: at least the smallest normal float16, rounded up to a
+    float16 value (rounding up keeps every element within half a step of the grid)."""
+    return _round_up_to_fp16(step.clamp(min=_MIN_SCALE))
+
+
+def asymmetric_grid(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale (float16-exact) and zero point (integers in [1, 2**bits - 1], as float32) of groups whose
+    range is [lo, hi] with lo <= 0 <= hi; see the module docstring. Shared by RTN and GPTQ."""
+    maxq = 2**bits - 1
+    # An all-zero group has no range; any positive scale represents it exactly.
+    span = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
+    scale = fp16_scale(span / maxq)
+    zero = torch.round(-lo / scale)
+    # z = 0 is not storable in the classic GPTQ layout (see module docstring): widen instead.
+    needs_widen = zero < 1
+    scale = torch.where(needs_widen, fp16_scale(hi / (maxq - 1)), scale)
+    zero = torch.where(needs_widen, torch.ones_like(zero), zero).clamp(1, maxq)
+    return scale, zero
+
+
 def quantize_weight(
     weight: torch.Tensor, bits: int, group_size: int = -1, name: str = "weight",
 ) -> QuantizedWeight:
@@ -96,15 +117,7 @@ def quantize_weight(
 
     lo = w.amin(dim=-1).clamp(max=0.0)  # (out, G)
     hi = w.amax(dim=-1).clamp(min=0.0)
-    # An all-zero group has no range; any positive scale represents it exactly.
-    span = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
-    scale = _round_up_to_fp16((span / maxq).clamp(min=_MIN_SCALE))
-    zero = torch.round(-lo / scale)
-    # z = 0 is not storable in the classic GPTQ layout (see module docstring): widen instead.
-    needs_widen = zero < 1
-    wide_scale = _round_up_to_fp16((hi / (maxq - 1)).clamp(min=_MIN_SCALE))
-    scale = torch.where(needs_widen, wide_scale, scale)
-    zero = torch.where(needs_widen, torch.ones_like(zero), zero).clamp(1, maxq)
+    scale, zero = asymmetric_grid(lo, hi, bits)
     if not torch.isfinite(scale.to(torch.float16)).all():
         raise ValueError(f"{name}: a quantization scale overflows float16 "
                          f"(weights beyond ~{65504 * maxq:.0f})")

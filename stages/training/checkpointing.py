@@ -47,7 +47,6 @@ import torch.distributed as dist
 from stages.checkpoint.atomic import atomic_dir, write_json
 from stages.checkpoint.integrity import FileRecord, sha256_file, write_tensors
 from stages.checkpoint.store import (
-    COMPLETE,
     INDEX,
     OPTIMIZER_KEYS,
     SHARDED,
@@ -56,6 +55,7 @@ from stages.checkpoint.store import (
     checkpoint_name,
     complete_checkpoints,
     finalize,
+    newest_valid,
     optimizer_key,
     problems,
     prune,
@@ -331,21 +331,6 @@ def engine_state(engine, scheduler) -> dict[str, Any]:
                        "skipped_steps": int(getattr(engine, "skipped_steps", 0))}}
 
 
-def newest_resumable(run_dir: Path) -> Path | None:
-    """The newest complete and intact checkpoint of `run_dir`. Every newer `checkpoint-<step>`
-    directory is logged as `skipping checkpoint <path>: <reason>` (no completion marker: its save
-    did not finish; or files that do not match its index), so that a resume from further back than
-    expected says why."""
-    steps = [(int(p.name.removeprefix("checkpoint-")), p) for p in run_dir.glob("checkpoint-*")
-             if p.is_dir() and p.name.removeprefix("checkpoint-").isdigit()] if run_dir.is_dir() else []
-    for _, path in sorted(steps, reverse=True):
-        found = problems(path) if (path / COMPLETE).is_file() else [f"no {COMPLETE} (the save did not finish)"]
-        if not found:
-            return path
-        log.warning("skipping checkpoint %s: %s", path, "; ".join(found))
-    return None
-
-
 def choose_checkpoint(run_dir: Path, resume_from: bool | str) -> Path | None:
     """Where a run resumes from, as `resume_from_checkpoint` says: a path (which must verify), the
     newest complete and intact checkpoint of `run_dir` (true), or none (false: earlier checkpoints
@@ -356,12 +341,9 @@ def choose_checkpoint(run_dir: Path, resume_from: bool | str) -> Path | None:
         if found:
             raise ValueError(f"resume_from_checkpoint={resume_from}: " + "; ".join(found))
         return Path(resume_from)
-    interrupted = sorted(run_dir.glob("checkpoint-*.partial")) if run_dir.is_dir() else []
     remove_partial(run_dir)
     if resume_from:
-        for path in interrupted:
-            log.warning("skipping checkpoint %s: the save was interrupted (removed)", path)
-        return newest_resumable(run_dir)
+        return newest_valid(run_dir)
     if complete_checkpoints(run_dir):
         aside = run_dir.with_name(f"{run_dir.name}.set-aside-{time.strftime('%Y%m%d-%H%M%S')}")
         run_dir.rename(aside)

@@ -86,11 +86,6 @@ CASES = {
 }
 
 
-def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(directory.rglob("*"))}
-
-
 # Each case costs a Snakemake start (~6 s); the default run keeps one of each kind, the rest run with
 # the slow suite (every check is also unit-tested through stages.config in tests/unit/test_config.py).
 DEFAULT_RUN = {"kv-heads", "tp-vocab", "model-architecture", "target-quant-variant", "target-eval-variant",
@@ -98,7 +93,7 @@ DEFAULT_RUN = {"kv-heads", "tp-vocab", "model-architecture", "target-quant-varia
 
 
 @pytest.mark.parametrize("case", [c if c in DEFAULT_RUN else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
-def test_a_config_fault_stops_snakemake_at_parse_time(case, tmp_path):
+def test_a_config_fault_stops_snakemake_at_parse_time(case, tmp_path, snapshot):
     text, target, setup, expected = CASES[case]
     results = tmp_path / "results"
     (results / "earlier").mkdir(parents=True)

@@ -189,16 +189,12 @@ FAULTS = [
 ]
 
 
-def _contents(directory: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
 @pytest.mark.parametrize("fault", FAULTS, ids=[f.description for f in FAULTS])
-def test_a_broken_weight_file_stops_the_stage_naming_it(fault, artifacts, tmp_path):
+def test_a_broken_weight_file_stops_the_stage_naming_it(fault, artifacts, tmp_path, snapshot):
     broken = tmp_path / fault.artifact
     shutil.copytree(artifacts / fault.artifact, broken)
     fault.breaks(broken)
-    before = _contents(broken)
+    before = snapshot(broken)
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, "-m", *fault.stage(broken, out, artifacts)], cwd=REPO,
                           capture_output=True, text=True, timeout=STAGE_TIMEOUT_S)
@@ -206,5 +202,5 @@ def test_a_broken_weight_file_stops_the_stage_naming_it(fault, artifacts, tmp_pa
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert re.search(fault.error.format(dir=broken), last), last
-    assert _contents(broken) == before  # the stage read, and changed nothing
+    assert snapshot(broken) == before  # the stage read, and changed nothing
     assert not out.exists() or not any(out.iterdir())

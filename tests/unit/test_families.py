@@ -211,7 +211,7 @@ def test_dequantized_model_is_close_to_float(chain):
     ref = _logits(ref_model, ids)
     err = {}
     for variant in ("wint8", "wint4"):
-        model = load_quantized(root / variant)
+        model = load_quantized(root / variant, kernels=False)  # the dequantized reference
         assert type(model) is type(ref_model)
         weights = model.state_dict()
         for name in decoder_linear_layers(model):
@@ -221,6 +221,11 @@ def test_dequantized_model_is_close_to_float(chain):
             assert torch.equal(weights[key], ref_weights[key]), key
         err[variant] = float((_logits(model, ids) - ref).norm() / ref.norm())
         assert err[variant] <= 4 * m[variant]["mean_rel_weight_error"], (variant, err, m[variant])
+        # the low-bit kernels (bfloat16 compute) give the reference's logits up to bfloat16 rounding
+        kernel = load_quantized(root / variant)
+        assert set(kernel.quant_kernels) == set(decoder_linear_layers(model))
+        dequantized = _logits(model, ids)
+        assert float((_logits(kernel, ids) - dequantized).norm() / dequantized.norm()) < 0.02, variant
     assert err["wint8"] < 0.2 * err["wint4"], err
 
 

@@ -169,7 +169,7 @@ def test_rtn_config_claims_no_foreign_producer(rtn_dirs, variant):
 @pytest.mark.parametrize("variant", ["wint4", "wint8"])
 def test_transformers_reads_rtn_exactly(rtn_dirs, variant):
     path = rtn_dirs[variant]
-    ref = _round_quantized_weights(load_quantized(path), _quantized_names(path))
+    ref = _round_quantized_weights(load_quantized(path, kernels=False), _quantized_names(path))
     ids = _ids(ref.config.vocab_size)
     model = _transformers(path, backend="torch")
     torch.testing.assert_close(_logits(model, ids), _logits(ref, ids))
@@ -177,7 +177,7 @@ def test_transformers_reads_rtn_exactly(rtn_dirs, variant):
 
 def test_transformers_default_kernel_reads_rtn(rtn_dirs):
     path = rtn_dirs["wint4"]
-    ref = load_quantized(path)
+    ref = load_quantized(path, kernels=False)
     ids = _ids(ref.config.vocab_size)
     assert _top1(_logits(_transformers(path, backend=None), ids), _logits(ref, ids)) >= TOP1
 
@@ -185,7 +185,7 @@ def test_transformers_default_kernel_reads_rtn(rtn_dirs):
 @pytest.mark.parametrize("variant", ["wint4", "wint8"])
 def test_gptqmodel_loads_rtn(rtn_dirs, variant):
     path = rtn_dirs[variant]
-    ref = load_quantized(path)
+    ref = load_quantized(path, kernels=False)
     ids = _ids(ref.config.vocab_size)
     assert _top1(_logits(_gptqmodel(path, dtype=torch.float16), ids), _logits(ref, ids)) >= TOP1
 
@@ -197,8 +197,8 @@ def test_gptqmodel_refuses_asymmetric_classic_gptq(rtn_dirs, tmp_path):
     v1 = _as_classic_gptq(src, tmp_path / "wint4-v1")
     with pytest.raises(ValueError, match="sym=False.*gptqmodel version >= 0.9.0"):
         _gptqmodel(v1, dtype=torch.float16)
-    expected = load_quantized(src).state_dict()
-    assert all(torch.equal(t, expected[k]) for k, t in load_quantized(v1).state_dict().items())
+    expected = load_quantized(src, kernels=False).state_dict()
+    assert all(torch.equal(t, expected[k]) for k, t in load_quantized(v1, kernels=False).state_dict().items())
 
 
 # ---------------------------------------------------------------- GPTQ (stages.quant.gptq + gptq_pack)
@@ -279,7 +279,7 @@ def test_our_loader_reads_gptq(debug_model_dir, gptq_dirs, case):
     path, results = gptq_dirs[case]
     ref = _reference_from_results(debug_model_dir, results, fp16_weights=False)
     ids = _ids(ref.config.vocab_size)
-    torch.testing.assert_close(_logits(load_quantized(path), ids), _logits(ref, ids))
+    torch.testing.assert_close(_logits(load_quantized(path, kernels=False), ids), _logits(ref, ids))
 
 
 def test_writer_config_matches_honest_config():
@@ -321,7 +321,7 @@ def test_stage_gptq_output_loads_in_both_runtimes(stage_gptq_dir):
     qcfg = _qcfg(path)
     assert (qcfg["sym"], qcfg["desc_act"], qcfg["format"], qcfg["checkpoint_format"]) == (True, True, "gptq", "gptq")
     assert "meta" not in qcfg
-    ref = load_quantized(path)
+    ref = load_quantized(path, kernels=False)
     ids = _ids(ref.config.vocab_size)
     expected = _logits(ref, ids)
     # bf16 (transformers' default kernel) and fp16 (GPTQModel) computation: the same tokens win

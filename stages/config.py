@@ -166,26 +166,35 @@ def _check_architecture(name: str, exp: dict[str, Any]) -> None:
         raise ConfigError(f"{key}: {e}") from None
 
 
-def _check_group_size(name: str, exp: dict[str, Any]) -> None:
-    """A group must tile the input width of every quantized Linear of the flavour (pretrained
-    checkpoints are checked again by the quantize stage, which knows their real shapes)."""
+def _check_quantize(name: str, exp: dict[str, Any]) -> None:
+    """Every listed variant resolves (a known name, its method's settings valid), and the group of
+    each group-wise variant fits the flavour's layer widths: round-to-nearest groups must tile every
+    input width, GPTQ groups (a narrower last group is allowed) must not exceed one. Pretrained
+    checkpoints are checked again by the quantize stage, which knows their real shapes."""
+    from stages.quant.variants import resolve_variant
+
     quant = exp["quantize"]
-    group = quant["group_size"]
-    if quant["gptq"]["group_size"] == 0 or ("gptq-w4" in quant["variants"] and group == 0
-                                            and quant["gptq"]["group_size"] is None):
-        key = "gptq.group_size" if quant["gptq"]["group_size"] == 0 else "group_size"
-        raise ConfigError(f"experiments.{name}.quantize.{key}=0: use a positive group or -1 (per channel)")
-    if "wint4" not in quant["variants"] or group == -1 or exp["model"]["model_name_or_path"]:
+    key = f"experiments.{name}.quantize"
+    specs = []
+    for variant in quant["variants"]:
+        try:
+            specs.append(resolve_variant(variant, quant))
+        except InputError as e:
+            raise ConfigError(f"{key}: {e}") from None
+    if exp["model"]["model_name_or_path"]:
         return
-    if group == 0:
-        raise ConfigError(f"experiments.{name}.quantize.group_size=0: use a positive group or -1 (per channel)")
     arch = architecture(exp["model"])
     widths = sorted({arch["hidden_size"], arch["intermediate_size"]})
-    bad = [w for w in widths if w % group]
-    if bad:
-        raise ConfigError(f"experiments.{name}.quantize.group_size={group} does not divide the input "
-                          f"width(s) {bad} of flavour {exp['model']['flavour']!r}; choose a divisor "
-                          "of all of them or -1 (per channel)")
+    for spec in specs:
+        group = spec.settings.get("group_size", -1)
+        if group == -1:
+            continue
+        too_wide = [w for w in widths if group > w]
+        bad = [w for w in widths if w % group] if spec.method == "rtn" else too_wide
+        if bad:
+            raise ConfigError(f"{key}: variant {spec.name} has group_size={group}, which "
+                              f"{'exceeds' if too_wide else 'does not divide'} the input width(s) {bad} of flavour "
+                              f"{exp['model']['flavour']!r}; choose a divisor of {widths} or -1 (per channel)")
 
 
 def _check_parallel(name: str, exp: dict[str, Any], source: dict[str, Any] | None) -> None:
@@ -364,7 +373,7 @@ def check_config(config: dict[str, Any], schema: dict[str, Any] | None = None) -
         source = _check_model_source(name, exp)
         if source is None:
             _check_architecture(name, exp)
-        _check_group_size(name, exp)
+        _check_quantize(name, exp)
         _check_parallel(name, exp, source)
     return config
 

@@ -36,13 +36,28 @@ Metrics JSON (`eval/<variant>.json`, written atomically), one object:
   gen_tokens_per_s   float  gen_tokens / gen_seconds (greedy, batched, left padding)
   size_bytes         int    bytes of weight files in the dir (*.safetensors, *.onnx, *.onnx.data);
                             for an adapter, the adapter alone
-  num_parameters     int    parameters of the model as evaluated (base + adapter for peft)
+  num_parameters     int    parameters of the model as evaluated (base + adapter for peft; packed
+                            low-bit tensors are buffers, not parameters)
+  model_bytes        int    bytes of the loaded model's parameters and buffers (packed weights
+                            count as packed): its resident memory (stages.metrics.speed)
+  rss_bytes          int    the process's resident set size after loading (VmRSS), null off Linux
+  prefill_tokens_per_s_b1, prefill_tokens_per_s_b8
+                     float  tokens/s of a cache-free forward over batch 1 (8) x speed_prefill_tokens
+                            random ids (one key per speed_batch_sizes entry)
+  decode_tokens_per_s_b1
+                     float  tokens/s of greedy generation with the KV cache, batch 1, prompt not counted
+  torch_threads      int    threads torch used for the timings
+  kernels            dict   quantized variants: {kernel: number of layers} (int8pack, int4pack,
+                            int_mm, dequantized), from stages.quant.load_quantized; {} otherwise
+  quantization       dict   quantized variants: the quantize stage's meta.json metrics (method,
+                            spec, bits, group_size, quantize_seconds, calibration, ...); null otherwise
   eval_seconds       float  wall seconds of the whole evaluation, loading included
   settings           dict   the evaluate settings used (defaults filled)
   samples            list   first 5 dev records: {"src", "reference", "prediction"}
 
 Settings: the schema's `evaluate` keys (max_new_tokens, num_dev_examples, ppl_max_length,
-ppl_max_windows, per_device_eval_batch_size) plus `src_length` (default 64; the rule passes
+ppl_max_windows, per_device_eval_batch_size, speed_prefill_tokens, speed_batch_sizes,
+speed_decode_tokens, speed_repeats) plus `src_length` (default 64; the rule passes
 finetune.sft.src_length with `--src-length`, so prompts are cut as in training).
 
 Generation: prompts are `stages.data.sft.encode_prompt` ids (bos + src, left-truncated to
@@ -70,6 +85,7 @@ from stages.data.sft import encode_example, encode_prompt, read_sft_file, target
 from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
 from stages.errors import InputError, run_cli
 from stages.metrics.perplexity import model_perplexity, target_perplexity, unigram_perplexity, validation_windows
+from stages.metrics.speed import model_bytes, rss_bytes, speed_metrics
 from stages.metrics.text import corpus_bleu, exact_match, rouge_l
 
 log = logging.getLogger(__name__)
@@ -93,9 +109,15 @@ def eval_settings(config: dict[str, Any]) -> dict[str, Any]:
         raise InputError(f"evaluate config keys {unknown} are unknown; valid keys: {sorted(defaults)}")
     settings = {**defaults, **config}
     for key in ("max_new_tokens", "num_dev_examples", "ppl_max_length", "ppl_max_windows",
-                "src_length", "per_device_eval_batch_size"):
+                "src_length", "per_device_eval_batch_size", "speed_prefill_tokens", "speed_decode_tokens",
+                "speed_repeats"):
         if not isinstance(settings[key], int) or settings[key] < 1:
             raise InputError(f"evaluate.{key}={settings[key]!r} must be a positive integer")
+    sizes = settings["speed_batch_sizes"]
+    if not isinstance(sizes, list) or not sizes or not all(isinstance(b, int) and b >= 1 for b in sizes):
+        raise InputError(f"evaluate.speed_batch_sizes={sizes!r} must be a non-empty list of positive integers")
+    if settings["speed_decode_tokens"] < 2:
+        raise InputError(f"evaluate.speed_decode_tokens={settings['speed_decode_tokens']} must be at least 2")
     return settings
 
 
@@ -194,6 +216,20 @@ def read_split(data_dir: str | Path, split: str) -> tuple[np.ndarray, dict[str, 
     return tokens, index
 
 
+def _kernel_counts(model: torch.nn.Module) -> dict[str, int]:
+    """{kernel: layers} of a model from stages.quant.load_quantized (its `quant_kernels`), else {}."""
+    counts: dict[str, int] = {}
+    for kernel in (getattr(model, "quant_kernels", None) or {}).values():
+        counts[kernel] = counts.get(kernel, 0) + 1
+    return counts
+
+
+def _quantization_meta(model_dir: Path) -> dict[str, Any] | None:
+    """The quantize stage's metrics from the variant's meta.json (None without one)."""
+    path = model_dir / "meta.json"
+    return _read_json(path).get("metrics") if path.exists() else None
+
+
 # -- generation ----------------------------------------------------------------------------------
 @torch.no_grad()
 def generate_greedy(model: torch.nn.Module, prompts: Sequence[list[int]], *, max_new_tokens: int,
@@ -234,6 +270,7 @@ def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, varia
     if not dev_path.exists():
         raise InputError(f"{dev_path} is missing; --data must be the data dir written by prepare")
     model, tokenizer, kind = load_variant(model_dir)
+    memory = {"model_bytes": model_bytes(model), "rss_bytes": rss_bytes()}
 
     valid, index = read_split(data_dir, "validation")
     check_same_tokenizer(tokenizer, model_dir, index, data_dir)
@@ -259,6 +296,7 @@ def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, varia
     predictions = [tokenizer.decode(g, skip_special_tokens=True) for g in generated]
     references = [target_text(r) for r in records]
     gen_tokens = sum(len(g) for g in generated)
+    speed = speed_metrics(model, index["vocab_size"], settings)
 
     metrics = {
         "variant": variant,
@@ -280,6 +318,10 @@ def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, varia
         "gen_tokens_per_s": gen_tokens / gen_seconds if gen_seconds > 0 else 0.0,
         "size_bytes": weight_bytes(model_dir),
         "num_parameters": sum(p.numel() for p in model.parameters()),
+        **memory,
+        **speed,
+        "kernels": _kernel_counts(model),
+        "quantization": _quantization_meta(model_dir) if kind == "quantized" else None,
         "eval_seconds": time.perf_counter() - t_start,
         "settings": settings,
         "samples": [{"src": r.src[-1], "reference": ref, "prediction": pred}

@@ -1,47 +1,52 @@
-"""quantize: weight-only post-training quantization (round-to-nearest or GPTQ) of a Hugging Face
-model directory.
+"""quantize: post-training quantization of a Hugging Face model directory into one named variant.
 
-Variants (the `quantize.variants` entries of the config):
-  wint8    RTN, 8-bit, one scale and zero point per output channel (group_size is ignored)
-  wint4    RTN, 4-bit, one scale and zero point per `quantize.group_size` input features of each row
-           (group_size -1 means per channel)
-  gptq-w4  GPTQ (`stages.quant.gptq`), `quantize.gptq.bits` (4 by default) with the options of
-           `quantize.gptq` (group_size null = `quantize.group_size`; sym, desc_act, static_groups,
-           damp_percent, true_sequential), calibrated layer by layer on `quantize.calibration`
-           (`stages.quant.calibration`) drawn from the experiment's data (--data)
+A variant is a method plus its settings (`stages.quant.variants`: built-in names such as wint8,
+wint4, gptq-w4, gptq-w4g128, gptq-w3g64, a8w8, a8w8-smooth, or `quantize.custom_variants`):
+  rtn    round-to-nearest weight-only, `bits` 4 or 8, one scale (and zero point unless `sym`) per
+         `group_size` input features of each row (-1: per output channel)
+  gptq   GPTQ (`stages.quant.gptq`) with the options of `quantize.gptq`, bits 2/3/4/8, calibrated
+         layer by layer on `quantize.calibration` (`stages.quant.calibration`) drawn from --data
+  a8w8   INT8 weights per output channel and INT8 activations (per token, or per tensor from
+         calibration), with SmoothQuant (`smooth`) and Outlier Suppression+ (`shift`) from
+         `quantize.a8w8` (`stages.quant.smoothquant`, `stages.quant.a8w8`), calibrated as gptq
 
 Any causal LM that transformers builds from config.json (Llama, Qwen2, Mistral, GPT-2, OPT, Bloom,
 GPT-NeoX, ...): the quantized layers are the Linear / Conv1D layers of its decoder blocks, found on
-the model built on the meta device (`stages.quant.layers`). GPTQ runs the float model itself
-(`stages.training.families.load_causal_lm`: our Llama for our families, transformers' model for the
-others), on CPU in float32; GPTQ groups need not divide the widths (a narrower last group).
+the model built on the meta device (`stages.quant.layers`). Calibrated methods run the float model
+itself (`stages.training.families.load_causal_lm`: our Llama for our families, transformers' model
+for the others), on CPU in float32, after an estimate of the memory they need is checked against
+the memory available.
 
-Output (`quant/<variant>/`, written atomically): the GPTQ-layout safetensors
+Output (`quant/<variant>/`, written atomically): rtn and gptq write the GPTQ-layout safetensors
 (`<layer>.qweight/qzeros/scales/g_idx`, see `stages.quant.gptq_format`: checkpoint format "gptq" for
-symmetric grids, "gptq_v2" for asymmetric ones such as RTN's; embeddings, norms,
-lm_head and biases stay floating point, copied from the source files), config.json with
+symmetric grids, "gptq_v2" for asymmetric ones), a8w8 its INT8 layout (`stages.quant.a8w8`);
+embeddings, norms and lm_head stay floating point, copied from the source files; config.json with
 `quantization_config`, generation_config.json, the tokenizer files and meta.json.
-`stages.quant.load_quantized(dir)` reads it back on CPU.
+`stages.quant.load_quantized(dir)` reads either back on CPU with real low-bit kernels.
 
 Metrics (meta.json `metrics`):
-  method                           rtn or gptq
-  variant, bits, group_size        what was applied (group_size -1 = per channel)
+  method                           rtn, gptq or a8w8
+  variant, spec                    the name and every setting applied (stages.quant.variants)
+  bits, group_size                 weight code width and group (-1 = per channel)
   bits_per_weight                  bits + (16 + bits) / columns per group: codes, fp16 scale, zero
+                                   (a8w8: 8 + 32 / in_features, its float32 per-channel scale)
   num_quantized_layers
   size_bytes, source_size_bytes    bytes of the *.safetensors files
   compression_ratio                source_size_bytes / size_bytes
   mean_rel_weight_error            mean over layers of ||W - W_hat||_F / ||W||_F
   max_rel_weight_error             the largest of those, and max_rel_weight_error_layer its name
   quantize_seconds                 wall time of the quantization itself (not loading, not writing)
-GPTQ adds:
-  gptq                             the options applied (sym, desc_act, static_groups, damp_percent,
-                                   true_sequential)
+Calibrated methods add:
   calibration                      source, seed, seq_len, num_samples asked, num_windows and
-                                   num_tokens used (and sft_format for SFT sources)
-  mean_gptq_loss, max_gptq_loss    GPTQ's proxy loss per layer (`GPTQResult.loss`), its mean and
-                                   max over layers, and max_gptq_loss_layer
-  seconds_per_decoder_layer        mean wall time per decoder block (Hessians, GPTQ, next inputs),
-                                   max_seconds_per_decoder_layer the slowest block's
+                                   num_tokens used (and sft_format for SFT sources), memory_bytes:
+                                   the estimate checked against the available memory before the
+                                   model was loaded (`calibration.calibration_memory_bytes`)
+  seconds_per_decoder_layer        mean wall time per decoder block, max_seconds_per_decoder_layer
+                                   the slowest block's
+GPTQ adds `gptq` (sym, desc_act, static_groups, damp_percent, true_sequential), mean_gptq_loss and
+max_gptq_loss (GPTQ's proxy loss per layer, `GPTQResult.loss`), max_gptq_loss_layer; a8w8 adds `a8w8`
+(its settings), mean_output_mse and max_output_mse (each layer's output error on its calibration
+inputs) and smooth_alphas (the alpha applied per smoothed layer).
 
     python -m stages.quantize --source results/llama/lora-merged --out results/llama/quant/wint4 \
         --variant wint4 --config '{"group_size": 64}'
@@ -67,44 +72,24 @@ from stages.checkpoint.hf import copy_tokenizer, load_state_dict, save_state_dic
 from stages.checkpoint.meta import write_meta
 from stages.errors import InputError, run_cli
 from stages.quant import quantization_config, quantize_model
-from stages.quant.calibration import CalibrationSettings, calibration_ids
+from stages.quant.calibration import CalibrationSettings, calibration_ids, check_calibration_memory
 from stages.quant.gptq import GPTQConfig, gptq_quantize_model
 from stages.quant.layers import decoder_blocks, decoder_linear_layers, meta_model
 from stages.quant.model import check_shapes, layer_weights, pack_gptq_model
+from stages.quant.variants import BUILTIN_VARIANTS, GPTQ_KEYS, VariantSpec, resolve_variant
 
 log = logging.getLogger(__name__)
 
-VARIANT_BITS = {"wint8": 8, "wint4": 4}  # round-to-nearest
-GPTQ_VARIANTS = ("gptq-w4",)
-VARIANTS = (*VARIANT_BITS, *GPTQ_VARIANTS)
-GPTQ_KEYS = ("bits", "group_size", "sym", "desc_act", "static_groups", "damp_percent", "true_sequential")
-CALIBRATION_BATCH = 8  # windows per forward while calibrating; the Hessians do not depend on it
+CALIBRATION_BATCH = 8  # windows per forward while calibrating; the statistics do not depend on it
 
 
 def _weights_bytes(model_dir: Path) -> int:
     return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
 
 
-def _check_group_size(group_size: int, key: str = "quantize.group_size") -> None:
-    if group_size == 0 or group_size < -1:
-        raise InputError(f"{key}={group_size} must be a positive divisor of the layer widths or -1 (per channel)")
-
-
-def resolve_variant(variant: str, group_size: int) -> tuple[int, int]:
-    """(bits, group_size) of an RTN variant; raises ValueError naming the valid choices."""
-    if variant not in VARIANTS:
-        raise InputError(f"quantize variant {variant!r} is unknown; choose one of {sorted(VARIANTS)}")
-    if variant in GPTQ_VARIANTS:
-        raise InputError(f"{variant} is a GPTQ variant: its bits and group come from gptq_config")
-    if variant == "wint8":
-        return 8, -1  # per output channel: INT8 needs no groups to stay accurate
-    _check_group_size(group_size)
-    return VARIANT_BITS[variant], group_size
-
-
 def gptq_config(section: dict[str, Any] | None, group_size: int) -> GPTQConfig:
-    """The GPTQConfig of `quantize.gptq` (`section`; missing keys take GPTQConfig's defaults, which
-    equal the schema's), its group_size null inheriting `quantize.group_size`."""
+    """The GPTQConfig of a `quantize.gptq`-shaped dict (missing keys take GPTQConfig's defaults,
+    which equal the schema's), its group_size null inheriting `group_size`."""
     section = dict(section or {})
     unknown = sorted(set(section) - set(GPTQ_KEYS))
     if unknown:
@@ -112,8 +97,14 @@ def gptq_config(section: dict[str, Any] | None, group_size: int) -> GPTQConfig:
     inherited = section.get("group_size") is None
     if inherited:
         section["group_size"] = group_size
-    _check_group_size(section["group_size"], "quantize.group_size" if inherited else "quantize.gptq.group_size")
-    return GPTQConfig(**section)
+    value = section["group_size"]
+    if isinstance(value, bool) or not isinstance(value, int) or value == 0 or value < -1:
+        key = "quantize.group_size" if inherited else "quantize.gptq.group_size"
+        raise InputError(f"{key}={value!r} must be a positive integer (input features per scale) or -1 (per channel)")
+    try:
+        return GPTQConfig(**section)
+    except ValueError as e:
+        raise InputError(str(e)) from None
 
 
 def _float_model_blocks(source_dir: Path) -> tuple[torch.nn.Module, str]:
@@ -126,64 +117,138 @@ def _float_model_blocks(source_dir: Path) -> tuple[torch.nn.Module, str]:
     return model, blocks
 
 
-def _gptq(source_dir: Path, data_dir: Path | None, state: dict[str, torch.Tensor], layers: dict[str, bool],
-          config: GPTQConfig, calibration: CalibrationSettings,
-          checkpoint_format: str) -> tuple[dict, dict, dict[str, Any]]:
-    """GPTQ of the float model in `source_dir`: (packed state in `checkpoint_format`, weight errors,
-    GPTQ metrics). The calibration set and the shapes are checked before the model is loaded."""
+def _calibrated_model(source_dir: Path, data_dir: Path | None, calibration: CalibrationSettings,
+                      weights: dict[str, torch.Tensor], num_parameters: int
+                      ) -> tuple[torch.nn.Module, str, list[torch.Tensor], dict[str, Any]]:
+    """(float model, its blocks' path, calibration batches, calibration description) for a
+    calibrated method. The calibration set and the memory it needs are checked before the model
+    is loaded."""
     tokenizer = None
     if calibration.source != "corpus":
         from stages.data.tokenizer import load_model_tokenizer
 
         tokenizer = load_model_tokenizer(source_dir)
-    ids, calibration_info = calibration_ids(calibration, data_dir, tokenizer, source_dir)  # (n, seq_len)
-    check_shapes(layer_weights(state, layers), config.bits, config.group_size, ragged_groups=True)
-
+    ids, info = calibration_ids(calibration, data_dir, tokenizer, source_dir)  # (n, seq_len)
+    info["memory_bytes"] = check_calibration_memory(
+        num_parameters=num_parameters, widths=[tuple(w.shape) for w in weights.values()],
+        num_windows=ids.shape[0], seq_len=ids.shape[1], batch=CALIBRATION_BATCH)
     model, blocks_path = _float_model_blocks(source_dir)
     vocab = getattr(model.config, "vocab_size", None)  # our LlamaConfig and transformers' text configs
     if vocab is not None and int(ids.max()) >= vocab:
         raise InputError(f"quantize.calibration.source={calibration.source}: token id {int(ids.max())} is outside "
                          f"the model's vocabulary of {vocab}; the data was prepared with another tokenizer")
+    return model, blocks_path, list(ids.split(CALIBRATION_BATCH)), info
+
+
+def _block_timer() -> tuple[dict[str, float], Any]:
     seconds: dict[str, float] = {}
+    return seconds, lambda key, s, _: seconds.__setitem__(key, s)
+
+
+def _timing(seconds: dict[str, float], elapsed: float) -> dict[str, float]:
+    return {"quantize_seconds": elapsed,
+            "seconds_per_decoder_layer": sum(seconds.values()) / len(seconds),
+            "max_seconds_per_decoder_layer": max(seconds.values())}
+
+
+def _gptq(spec: VariantSpec, source_dir: Path, data_dir: Path | None, state: dict[str, torch.Tensor],
+          layers: dict[str, bool], calibration: CalibrationSettings,
+          ) -> tuple[dict, dict, dict[str, Any], dict[str, Any]]:
+    """GPTQ of the float model in `source_dir`: (packed state, weight errors, quantization_config,
+    metrics)."""
+    config = gptq_config(spec.settings, spec.settings["group_size"])
+    weights = layer_weights(state, layers)
+    check_shapes(weights, config.bits, config.group_size, ragged_groups=True)
+    model, blocks_path, batches, calibration_info = _calibrated_model(
+        source_dir, data_dir, calibration, weights, sum(t.numel() for t in state.values()))
+    seconds, on_block = _block_timer()
     start = time.perf_counter()
-    results = gptq_quantize_model(model, model.get_submodule(blocks_path), list(ids.split(CALIBRATION_BATCH)),
-                                  config, prefix=blocks_path,
-                                  on_block=lambda key, s, _: seconds.__setitem__(key, s))
+    results = gptq_quantize_model(model, model.get_submodule(blocks_path), batches, config,
+                                  prefix=blocks_path, on_block=on_block)
     elapsed = time.perf_counter() - start
-    packed, errors = pack_gptq_model(state, layers, results, checkpoint_format)
+    qcfg = quantization_config(config.bits, config.group_size, config)
+    packed, errors = pack_gptq_model(state, layers, results, qcfg["format"])
     losses = {name: r.loss for name, r in results.items()}
     worst = max(losses, key=losses.get)
     metrics = {
+        "bits": config.bits,
+        "group_size": config.group_size,
         "gptq": {k: getattr(config, k) for k in GPTQ_KEYS if k not in ("bits", "group_size")},
         "calibration": calibration_info,
         "mean_gptq_loss": sum(losses.values()) / len(losses),
         "max_gptq_loss": losses[worst],
         "max_gptq_loss_layer": worst,
-        "quantize_seconds": elapsed,
-        "seconds_per_decoder_layer": sum(seconds.values()) / len(seconds),
-        "max_seconds_per_decoder_layer": max(seconds.values()),
+        **_timing(seconds, elapsed),
     }
-    return packed, errors, metrics
+    return packed, errors, qcfg, metrics
 
 
-def run(source_dir: str | Path, out_dir: str | Path, variant: str, group_size: int,
+def _a8w8(spec: VariantSpec, source_dir: Path, data_dir: Path | None, state: dict[str, torch.Tensor],
+          layers: dict[str, bool], calibration: CalibrationSettings,
+          ) -> tuple[dict, dict, dict[str, Any], dict[str, Any]]:
+    """A8W8 (with SmoothQuant / shift as the spec says) of the float model in `source_dir`."""
+    from stages.quant.a8w8 import A8W8Config, a8w8_quantization_config, pack_a8w8
+    from stages.quant.smoothquant import a8w8_quantize_model
+
+    settings = dict(spec.settings)
+    if "smooth_alpha_grid" in settings:
+        settings["smooth_alpha_grid"] = tuple(settings["smooth_alpha_grid"])
+    try:
+        config = A8W8Config(**settings)
+    except ValueError as e:
+        raise InputError(f"quantize variant {spec.name}: {e}") from None
+    weights = layer_weights(state, layers)
+    model, blocks_path, batches, calibration_info = _calibrated_model(
+        source_dir, data_dir, calibration, weights, sum(t.numel() for t in state.values()))
+    seconds, on_block = _block_timer()
+    start = time.perf_counter()
+    results = a8w8_quantize_model(model, model.get_submodule(blocks_path), batches, config,
+                                  prefix=blocks_path, on_block=on_block)
+    elapsed = time.perf_counter() - start
+    packed, errors = pack_a8w8(state, layers, results)
+    mse = {name: r.output_mse for name, r in results.items()}
+    worst = max(mse, key=mse.get)
+    metrics = {
+        "bits": 8,
+        "group_size": -1,
+        "a8w8": settings,
+        "calibration": calibration_info,
+        "mean_output_mse": sum(mse.values()) / len(mse),
+        "max_output_mse": mse[worst],
+        "max_output_mse_layer": worst,
+        "smooth_alphas": {name: r.alpha for name, r in results.items() if r.smooth_scale is not None},
+        **_timing(seconds, elapsed),
+    }
+    return packed, errors, a8w8_quantization_config(config), metrics
+
+
+def _rtn(spec: VariantSpec, state: dict[str, torch.Tensor], layers: dict[str, bool],
+         ) -> tuple[dict, dict, dict[str, Any], dict[str, Any]]:
+    bits, group_size, sym = spec.settings["bits"], spec.settings["group_size"], spec.settings["sym"]
+    qcfg = quantization_config(bits, group_size, sym=sym)
+    start = time.perf_counter()
+    packed, errors = quantize_model(state, layers, bits, group_size, qcfg["format"], sym=sym)
+    return packed, errors, qcfg, {"bits": bits, "group_size": group_size,
+                                  "quantize_seconds": time.perf_counter() - start}
+
+
+def run(source_dir: str | Path, out_dir: str | Path, variant: str, group_size: int | None = None,
         config: dict[str, Any] | None = None, data_dir: str | Path | None = None) -> dict[str, Any]:
-    """Quantize `source_dir` (HF layout) into `out_dir` and return the metrics written to meta.json.
+    """Quantize `source_dir` (HF layout) into `out_dir` as `variant` and return the metrics written
+    to meta.json.
 
-    `config`: the experiment's `quantize` section (its `gptq` and `calibration` sections are read
-    for GPTQ variants); `data_dir`: the experiment's prepared data, for GPTQ's calibration."""
+    `config`: the experiment's `quantize` section (group_size, custom_variants, gptq, a8w8 and
+    calibration are read); `group_size`, when given, replaces its group_size; `data_dir`: the
+    experiment's prepared data, the calibration source of gptq and a8w8 variants."""
     source_dir, out_dir = Path(source_dir), Path(out_dir)
-    config = config or {}
-    if variant in GPTQ_VARIANTS:
-        gptq = gptq_config(config.get("gptq"), group_size)
-        calibration = CalibrationSettings.from_section(config.get("calibration") or {})
-        bits, group_size = gptq.bits, gptq.group_size
-    else:
-        bits, group_size = resolve_variant(variant, group_size)
-        gptq = None
+    section = dict(config or {})
+    if group_size is not None:
+        section["group_size"] = group_size
+    spec = resolve_variant(variant, section)
+    calibration = CalibrationSettings.from_section(section.get("calibration") or {}) if spec.calibrated else None
     config_path = source_dir / "config.json"
     if not config_path.exists():
-        raise FileNotFoundError(f"{config_path} is missing; --source must be a Hugging Face model directory")
+        raise InputError(f"{config_path} is missing; --source must be a Hugging Face model directory")
     hf_config = json.loads(config_path.read_text())
     if "quantization_config" in hf_config:
         raise InputError(f"{source_dir} is already quantized; quantize.source must name a float model")
@@ -193,15 +258,18 @@ def run(source_dir: str | Path, out_dir: str | Path, variant: str, group_size: i
     # Quantize fully before opening the output: a bad group size fails without touching out_dir.
     # load_state_dict checks the weights first (meta.json's sha256, no pickle, whole safetensors).
     state = load_state_dict(source_dir)
-    # sym -> "gptq", asym (RTN, GPTQ with sym false) -> "gptq_v2"; the packer stores zero points to match
-    qcfg = quantization_config(bits, group_size, gptq)
-    start = time.perf_counter()
-    if gptq is None:
-        packed, errors = quantize_model(state, layers, bits, group_size, qcfg["format"])
-        extra = {"quantize_seconds": time.perf_counter() - start}
-    else:
-        packed, errors, extra = _gptq(source_dir, None if data_dir is None else Path(data_dir), state, layers,
-                                      gptq, calibration, qcfg["format"])
+    data = None if data_dir is None else Path(data_dir)
+    try:
+        if spec.method == "rtn":
+            packed, errors, qcfg, extra = _rtn(spec, state, layers)
+        elif spec.method == "gptq":
+            packed, errors, qcfg, extra = _gptq(spec, source_dir, data, state, layers, calibration)
+        else:
+            packed, errors, qcfg, extra = _a8w8(spec, source_dir, data, state, layers, calibration)
+    except ValueError as e:  # shapes the method cannot take: the user's group size or variant
+        if isinstance(e, InputError):
+            raise
+        raise InputError(f"quantize variant {variant} on {source_dir}: {e}") from None
     hf_config["quantization_config"] = qcfg
 
     with atomic_dir(out_dir) as tmp:
@@ -212,15 +280,22 @@ def run(source_dir: str | Path, out_dir: str | Path, variant: str, group_size: i
         copy_tokenizer(source_dir, tmp)
         size, source_size = _weights_bytes(tmp), _weights_bytes(source_dir)
         worst = max(errors, key=errors.get)
-        columns = None if group_size == -1 else group_size
-        metrics = {
-            "method": "rtn" if gptq is None else "gptq",
-            "variant": variant,
-            "bits": bits,
-            "group_size": group_size,
+        bits, group = extra.pop("bits"), extra.pop("group_size")
+        if spec.method == "a8w8":
+            in_features = min(w.shape[1] for w in layer_weights(state, layers).values())
+            bits_per_weight = 8 + 32 / in_features  # one float32 scale per row
+        else:
+            columns = None if group == -1 else group
             # per-channel parameters cost ~0 bits per weight on real widths; report the group case
             # exactly (a narrower last group costs slightly more than this)
-            "bits_per_weight": bits + ((16 + bits) / columns if columns else 0.0),
+            bits_per_weight = bits + ((16 + bits) / columns if columns else 0.0)
+        metrics = {
+            "method": spec.method,
+            "variant": variant,
+            "spec": {"method": spec.method, **spec.settings},
+            "bits": bits,
+            "group_size": group,
+            "bits_per_weight": bits_per_weight,
             "num_quantized_layers": len(errors),
             "size_bytes": size,
             "source_size_bytes": source_size,
@@ -230,8 +305,7 @@ def run(source_dir: str | Path, out_dir: str | Path, variant: str, group_size: i
             "max_rel_weight_error_layer": worst,
             **extra,
         }
-        write_meta(tmp, stage="quantize",
-                   config={**config, "variant": variant, "group_size": group_size},
+        write_meta(tmp, stage="quantize", config={**section, "variant": variant},
                    parent=source_dir, seed=None, metrics=metrics)
     log.info("%s: %.2f MB -> %.2f MB (x%.2f), mean rel. weight error %.4f", variant, source_size / 1e6,
              size / 1e6, metrics["compression_ratio"], metrics["mean_rel_weight_error"])
@@ -242,22 +316,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m stages.quantize", description=__doc__.split("\n")[0])
     parser.add_argument("--source", required=True, help="Hugging Face model directory to quantize")
     parser.add_argument("--out", required=True, help="output directory (replaced atomically)")
-    parser.add_argument("--variant", required=True, choices=sorted(VARIANTS),
-                        help="wint8: RTN 8-bit per channel; wint4: RTN 4-bit per group_size input features; "
-                             "gptq-w4: GPTQ with the quantize.gptq options, calibrated on --data")
+    parser.add_argument("--variant", required=True,
+                        help=f"a variant name: built-in ({', '.join(BUILTIN_VARIANTS)}) or one of the config's "
+                             "custom_variants")
     parser.add_argument("--data", default=None,
-                        help="the experiment's prepared data dir (results/<name>/data): GPTQ's calibration "
-                             "source (quantize.calibration.source corpus or sft); not read by RTN variants")
+                        help="the experiment's prepared data dir (results/<name>/data): the calibration "
+                             "source of gptq and a8w8 variants (quantize.calibration.source corpus or sft); "
+                             "not read by rtn variants")
     parser.add_argument("--config", required=True,
                         help="the experiment's `quantize` section as JSON, validated with defaults "
-                             "filled (group_size, and for GPTQ the gptq and calibration sections, are read)")
+                             "filled (group_size, custom_variants, gptq, a8w8 and calibration are read)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = json.loads(args.config)
+    try:
+        config = json.loads(args.config)
+    except json.JSONDecodeError as e:
+        raise InputError(f"--config is not valid JSON ({e.msg}); pass the quantize section as one object") from None
     if "group_size" not in config:
-        raise ValueError("--config has no 'group_size'; pass the quantize section after "
+        raise InputError("--config has no 'group_size'; pass the quantize section after "
                          "stages.config.check_config filled its defaults")
-    return run(args.source, args.out, args.variant, config["group_size"], config=config, data_dir=args.data)
+    return run(args.source, args.out, args.variant, config=config, data_dir=args.data)
 
 
 if __name__ == "__main__":

@@ -16,21 +16,46 @@ Inputs, all under the experiment dir (results/<experiment>/):
 Outputs (each written atomically):
   report.csv        the metrics table: one row per variant, scalar metrics as columns
   report.md         markdown: metrics table, stage timings, quantization deltas
-  quant_eval.json   {"experiment": name of the experiment dir,
-                     "source": source variant,
-                     "baseline": {scalar metrics of the source},
-                     "variants": {v: {scalar metrics of v...,
-                                      "delta": {metric: v - baseline},
-                                      "relative": {metric: v / baseline - 1, null when baseline is 0}}}}
-                    for every v in `variants` (the quantized variants compared with the source).
+  quant_eval.json   the quantization comparison, one object (schema_version 2):
+    schema_version  2
+    experiment      name of the experiment dir
+    source          the variant the quantized ones are made of and compared with (quantize.source)
+    provenance      commit (git HEAD of the working dir, null outside a repository), dirty (tracked
+                    files modified), versions (python, torch, transformers, peft, deepspeed,
+                    safetensors, snakemake, pandas), machine (cpu model, cores), quantize (the
+                    experiment's quantize section, from --quantize-config), evaluate (the settings the
+                    evaluations used)
+    baseline        the source's entry
+    variants        {name: entry + "delta" and "relative"} for each quantized variant
+  An entry holds, from eval/<variant>.json (stages/evaluate.py documents each):
+    kind, model_dir
+    quality         ppl, dev_ppl, exact_match, bleu4, rouge_l
+    size            size_bytes (on disk), model_bytes (resident parameters and buffers), rss_bytes
+    speed           prefill_tokens_per_s_b1, prefill_tokens_per_s_b8 (one per evaluate.speed_batch_sizes),
+                    decode_tokens_per_s_b1, gen_tokens_per_s (batched greedy dev generation),
+                    torch_threads
+    counts          num_parameters, num_dev_examples, dev_ppl_tokens, ppl_tokens, gen_tokens
+    kernels         {kernel: layers} the variant ran on (int8pack, int4pack, int_mm, dequantized)
+    quantization    null for the baseline; for variants, from quant/<v>/meta.json: method, spec (every
+                    setting applied), bits, group_size, bits_per_weight, compression_ratio,
+                    mean_rel_weight_error, quantize_seconds, seconds_per_decoder_layer (calibrated
+                    methods), calibration (source, seed, seq_len, num_samples, num_windows,
+                    num_tokens, memory_bytes)
+  delta = variant - baseline and relative = variant / baseline - 1 (null when the baseline is 0) for
+  the quality, size and speed metrics only (never counts, settings or timings of the quantization).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import math
+import os
+import platform
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -41,10 +66,17 @@ from stages.errors import InputError, run_cli
 
 log = logging.getLogger(__name__)
 
-# Metrics whose quantization delta is worth a column in report.md, in display order.
-_DELTA_COLUMNS = ("ppl", "dev_ppl", "exact_match", "bleu4", "rouge_l", "gen_tokens_per_s", "size_bytes")
-# Identity fields: carried into quant_eval.json but never differenced.
-_ID_FIELDS = ("variant", "model_dir", "kind")
+# Metrics whose change against a reference is worth a column in report.md, in display order.
+_DELTA_COLUMNS = ("ppl", "dev_ppl", "exact_match", "bleu4", "rouge_l", "size_bytes", "model_bytes",
+                  "prefill_tokens_per_s_b8", "decode_tokens_per_s_b1")
+QUANT_EVAL_VERSION = 2
+QUALITY = ("ppl", "dev_ppl", "exact_match", "bleu4", "rouge_l")
+SIZE = ("size_bytes", "model_bytes", "rss_bytes")
+SPEED_FIXED = ("decode_tokens_per_s_b1", "gen_tokens_per_s", "torch_threads")
+COUNTS = ("num_parameters", "num_dev_examples", "dev_ppl_tokens", "ppl_tokens", "gen_tokens")
+_QUANTIZATION_KEYS = ("method", "spec", "bits", "group_size", "bits_per_weight", "compression_ratio",
+                      "mean_rel_weight_error", "quantize_seconds", "seconds_per_decoder_layer", "calibration")
+_VERSIONED = ("torch", "transformers", "peft", "deepspeed", "safetensors", "snakemake", "pandas")
 _TIMING_COLUMNS = ("s", "cpu_time", "max_rss", "max_uss", "mean_load", "io_in", "io_out")
 
 
@@ -108,20 +140,67 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and not (isinstance(v, float) and math.isnan(v))
 
 
-def quant_eval(evals: dict[str, dict[str, Any]], experiment: str, source: str,
-               variants: Sequence[str]) -> dict[str, Any]:
+def _speed_keys(metrics: dict[str, Any]) -> list[str]:
+    prefill = sorted((k for k in metrics if k.startswith("prefill_tokens_per_s_b")),
+                     key=lambda k: int(k.rsplit("_b", 1)[1]))
+    return [*prefill, *SPEED_FIXED]
+
+
+def entry(metrics: dict[str, Any]) -> dict[str, Any]:
+    """One variant's quant_eval.json entry (see the module docstring) from its eval JSON."""
+    quantization = metrics.get("quantization")
+    out: dict[str, Any] = {"kind": metrics.get("kind"), "model_dir": metrics.get("model_dir")}
+    for key in (*QUALITY, *SIZE, *_speed_keys(metrics), *COUNTS):
+        out[key] = metrics.get(key)
+    out["kernels"] = metrics.get("kernels") or {}
+    out["quantization"] = None if quantization is None else \
+        {k: quantization[k] for k in _QUANTIZATION_KEYS if k in quantization}
+    return out
+
+
+def provenance(quantize_config: dict[str, Any] | None, evaluate_settings: dict[str, Any] | None) -> dict[str, Any]:
+    """Where the numbers come from: commit, library versions, machine and the settings used."""
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=30, check=True)
+            return done.stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    versions = {"python": platform.python_version()}
+    for name in _VERSIONED:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    cpu = platform.processor() or None
+    try:
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": None if status is None else bool(status),
+            "versions": versions, "machine": {"cpu": cpu, "cores": os.cpu_count(), "platform": sys.platform},
+            "quantize": quantize_config, "evaluate": evaluate_settings}
+
+
+def quant_eval(evals: dict[str, dict[str, Any]], experiment: str, source: str, variants: Sequence[str],
+               quantize_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """The quant_eval.json object (see the module docstring)."""
-    baseline = _scalars(evals[source])
-    out: dict[str, Any] = {"experiment": experiment, "source": source, "baseline": baseline, "variants": {}}
+    baseline = entry(evals[source])
+    out: dict[str, Any] = {"schema_version": QUANT_EVAL_VERSION, "experiment": experiment, "source": source,
+                           "provenance": provenance(quantize_config, evals[source].get("settings")),
+                           "baseline": baseline, "variants": {}}
+    compared = (*QUALITY, *SIZE[:2], *[k for k in _speed_keys(baseline) if k != "torch_threads"])
     for name in variants:
-        metrics = _scalars(evals[name])
+        metrics = entry(evals[name])
         delta, relative = {}, {}
-        for key, value in metrics.items():
-            base = baseline.get(key)
-            if key in _ID_FIELDS or not (_is_number(value) and _is_number(base)):
-                continue
-            delta[key] = value - base
-            relative[key] = value / base - 1.0 if base != 0 else None
+        for key in compared:
+            value, base = metrics.get(key), baseline.get(key)
+            if _is_number(value) and _is_number(base):
+                delta[key] = value - base
+                relative[key] = value / base - 1.0 if base != 0 else None
         out["variants"][name] = {**metrics, "delta": delta, "relative": relative}
     return out
 
@@ -182,7 +261,8 @@ def _markdown_report(experiment: str, table: pd.DataFrame, timings: pd.DataFrame
 
 # -- the stage -----------------------------------------------------------------------------------
 def run(experiment_dir: str | Path, source_variant: str, out_csv: str | Path, out_md: str | Path,
-        out_quant_eval: str | Path, variants: list[str], start_variant: str | None = None) -> dict[str, Any]:
+        out_quant_eval: str | Path, variants: list[str], start_variant: str | None = None,
+        quantize_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write report.csv, report.md and quant_eval.json; return the quant_eval object. With
     `start_variant` (the model fine-tuning started from: `base` or `pretrain`), report.md also
     shows every variant's change against it."""
@@ -193,7 +273,7 @@ def run(experiment_dir: str | Path, source_variant: str, out_csv: str | Path, ou
     evals = read_evals(experiment_dir, [source_variant, *variants, *([start_variant] if start_variant else [])])
     table = metrics_table(evals, first=[*([start_variant] if start_variant else []), source_variant, *variants])
     timings = read_benchmarks(experiment_dir)
-    quant = quant_eval(evals, experiment_dir.name, source_variant, variants)
+    quant = quant_eval(evals, experiment_dir.name, source_variant, variants, quantize_config)
 
     with atomic_file(out_csv) as f:
         table.to_csv(f)
@@ -216,9 +296,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--csv", required=True, help="per-variant metrics table to write (report.csv)")
     parser.add_argument("--md", required=True, help="markdown report to write (report.md)")
     parser.add_argument("--quant-eval", required=True, help="quantization comparison JSON to write (quant_eval.json)")
+    parser.add_argument("--quantize-config", default=None,
+                        help="the experiment's quantize section as JSON, recorded in quant_eval.json's provenance")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run(args.experiment, args.source, args.csv, args.md, args.quant_eval, args.variants, args.start)
+    try:
+        quantize_config = None if args.quantize_config is None else json.loads(args.quantize_config)
+    except json.JSONDecodeError as e:
+        raise InputError(f"--quantize-config is not valid JSON ({e.msg}); pass the quantize section as one object") from None
+    return run(args.experiment, args.source, args.csv, args.md, args.quant_eval, args.variants, args.start,
+               quantize_config)
 
 
 if __name__ == "__main__":

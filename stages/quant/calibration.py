@@ -150,3 +150,52 @@ def calibration_ids(settings: CalibrationSettings, data_dir: str | Path | None, 
     info.update(num_windows=ids.shape[0], num_tokens=ids.numel())
     log.info("calibration: %d windows of %d tokens from %s", ids.shape[0], s.seq_len, s.source)
     return ids, info
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (Linux), None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def calibration_memory_bytes(num_parameters: int, widths: list[tuple[int, int]], num_windows: int,
+                             seq_len: int, batch: int) -> dict[str, int]:
+    """An upper estimate, in bytes, of what layer-by-layer calibration (GPTQ, A8W8) holds at once:
+
+        model       the float32 model plus the source state dict: 8 bytes per parameter
+        activations the inputs and outputs of one decoder block for every window, float32:
+                    2 * num_windows * seq_len * hidden (hidden = the narrowest input width)
+        forward     one block's forward on `batch` windows: its widest layer's input and output
+                    and the attention scores (hidden / 64 heads of seq_len^2), float32
+        hessians    GPTQ's Hessian of the widest layer and its working copies: 4 * in^2 float32
+    `widths`: (out, in) of every quantized layer."""
+    hidden = min(i for _, i in widths)
+    widest_in, widest_out = max(i for _, i in widths), max(o for o, _ in widths)
+    parts = {
+        "model": 8 * num_parameters,
+        "activations": 2 * num_windows * seq_len * hidden * 4,
+        "forward": batch * seq_len * (widest_in + widest_out + max(1, hidden // 64) * seq_len) * 4 * 2,
+        "hessians": 4 * widest_in * widest_in * 4,
+    }
+    return {**parts, "total": sum(parts.values())}
+
+
+def check_calibration_memory(num_parameters: int, widths: list[tuple[int, int]], num_windows: int,
+                             seq_len: int, batch: int, available: int | None = None) -> int:
+    """The estimate of `calibration_memory_bytes` (total), or a CalibrationError before any model
+    is loaded when it exceeds the available memory (`available`, default MemAvailable)."""
+    need = calibration_memory_bytes(num_parameters, widths, num_windows, seq_len, batch)
+    available = available_memory_bytes() if available is None else available
+    if available is not None and need["total"] > available:
+        gib = 2**30
+        detail = ", ".join(f"{k} {v / gib:.2f}" for k, v in need.items() if k != "total")
+        raise CalibrationError(
+            f"calibration needs about {need['total'] / gib:.2f} GiB ({detail} GiB) but {available / gib:.2f} GiB "
+            f"are available: {num_windows} windows of {seq_len} tokens; lower {KEY}.num_samples or {KEY}.seq_len "
+            "(the activations part scales with their product), or run on a machine with more memory")
+    return need["total"]

@@ -67,7 +67,7 @@ from tqdm import tqdm
 from transformers.pytorch_utils import Conv1D
 
 from stages.quant.layers import LINEAR_TYPES
-from stages.quant.rtn import QuantizedWeight, asymmetric_grid, fp16_scale
+from stages.quant.rtn import QuantizedWeight, asymmetric_grid, symmetric_grid
 
 log = logging.getLogger(__name__)
 
@@ -161,10 +161,7 @@ def group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, t
     lo = w.amin(dim=1).clamp(max=0.0)
     hi = w.amax(dim=1).clamp(min=0.0)
     if sym:
-        amax = torch.maximum(-lo, hi)
-        span = torch.where(amax > 0, 2 * amax, torch.ones_like(amax))  # all-zero row: any scale is exact
-        scale = fp16_scale(span / (2**bits - 1))
-        return scale, torch.full_like(scale, 2 ** (bits - 1))
+        return symmetric_grid(torch.maximum(-lo, hi), bits)
     return asymmetric_grid(lo, hi, bits)
 
 
@@ -307,11 +304,12 @@ class BlockInput:
     kwargs: dict = field(default_factory=dict)
 
 
-class _StopForward(Exception):
+class StopForward(Exception):
     """Raised from a hook to end a forward pass once the inputs it wanted are recorded."""
 
 
-def _run_block(block: nn.Module, inp: BlockInput) -> torch.Tensor:
+def run_block(block: nn.Module, inp: BlockInput) -> torch.Tensor:
+    """The block's output hidden states (B, T, d) on one captured batch."""
     out = block(inp.hidden, *inp.args, **inp.kwargs)
     return out[0] if isinstance(out, tuple) else out  # transformers 4 blocks return a tuple
 
@@ -329,7 +327,7 @@ def sequential_groups(block: nn.Module, inp: BlockInput) -> list[list[str]]:
              for name, m in block.named_modules() if isinstance(m, LINEAR_TYPES)]
     try:
         with torch.no_grad():
-            _run_block(block, inp)
+            run_block(block, inp)
     finally:
         for h in hooks:
             h.remove()
@@ -373,7 +371,7 @@ def quantize_layer_sequential(
             hessians[name].add_batch(args[0])
             seen.add(name)
             if len(seen) == len(group):  # the rest of the block cannot change these inputs
-                raise _StopForward
+                raise StopForward
 
         hooks = [modules[name].register_forward_hook(lambda mod, args, out, name=name: record(mod, args, out, name))
                  for name in group]
@@ -381,8 +379,8 @@ def quantize_layer_sequential(
             for inp in inputs:
                 seen.clear()
                 try:
-                    _run_block(block, inp)
-                except _StopForward:
+                    run_block(block, inp)
+                except StopForward:
                     pass
         finally:
             for h in hooks:
@@ -399,11 +397,11 @@ def quantize_layer_sequential(
             module.weight.copy_(w.to(module.weight.dtype))
             results[f"{dot}{name}"] = r
             log.debug("%s%s: GPTQ loss %.4g", dot, name, r.loss)
-    return [_run_block(block, inp) for inp in inputs], results
+    return [run_block(block, inp) for inp in inputs], results
 
 
-def _capture_block_inputs(model: nn.Module, first_block: nn.Module,
-                          calibration: Iterable[torch.Tensor]) -> list[BlockInput]:
+def capture_block_inputs(model: nn.Module, first_block: nn.Module,
+                         calibration: Iterable[torch.Tensor]) -> list[BlockInput]:
     """Run `model(input_ids)` for each calibration batch up to the first block and keep that
     block's arguments. A KV cache is dropped: calibration runs the blocks repeatedly."""
     captured: list[BlockInput] = []
@@ -419,14 +417,14 @@ def _capture_block_inputs(model: nn.Module, first_block: nn.Module,
         if "use_cache" in kwargs:
             kwargs["use_cache"] = False
         captured.append(BlockInput(hidden=hidden, args=args, kwargs=kwargs))
-        raise _StopForward
+        raise StopForward
 
     hook = first_block.register_forward_pre_hook(grab, with_kwargs=True)
     try:
         for ids in calibration:
             try:
                 model(ids)
-            except _StopForward:
+            except StopForward:
                 pass
     finally:
         hook.remove()
@@ -456,7 +454,7 @@ def gptq_quantize_model(
         raise ValueError("no decoder blocks were given to quantize")
     was_training = model.training
     model.eval()
-    inputs = _capture_block_inputs(model, named[0][1], calibration)
+    inputs = capture_block_inputs(model, named[0][1], calibration)
     if not inputs:
         raise ValueError("the calibration set is empty")
     results: dict[str, GPTQResult] = {}

@@ -94,6 +94,12 @@ def check_shapes(weights: dict[str, torch.Tensor], bits: int, group_size: int, r
     in_widths: dict[int, str] = {}
     for name, w in weights.items():
         in_widths.setdefault(w.shape[1], name)
+    narrow = sorted(width for width in in_widths if group_size > width)
+    if narrow and ragged_groups:  # without ragged groups the divisibility check below says more
+        raise ValueError(
+            f"group_size={group_size} exceeds the input width of {in_widths[narrow[0]]} ({narrow[0]} features; all "
+            f"widths: {sorted(in_widths)}); a group cannot be wider than its row: choose at most {narrow[0]} "
+            "or -1 (per channel)")
     if group_size != -1 and not ragged_groups:
         bad = sorted(width for width in in_widths if group_size <= 0 or width % group_size)
         if bad:
@@ -117,9 +123,10 @@ RTN_CHECKPOINT_FORMAT = gptq_format.checkpoint_format_for(sym=False)
 
 def quantize_model(
     state: dict[str, torch.Tensor], layers: dict[str, bool], bits: int, group_size: int,
-    checkpoint_format: str = RTN_CHECKPOINT_FORMAT,
+    checkpoint_format: str = RTN_CHECKPOINT_FORMAT, sym: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Replace the weight of each of `layers` ({name: stored transposed}) by RTN's
+    """Replace the weight of each of `layers` ({name: stored transposed}) by RTN's (asymmetric grid
+    unless `sym`)
     `<name>.{qweight,qzeros,scales,g_idx}` (zero points stored as `checkpoint_format` says; RTN keeps
     z >= 1, so either format holds them); every other tensor of `state` passes through unchanged.
 
@@ -136,7 +143,7 @@ def quantize_model(
     out = {k: v for k, v in state.items() if k not in replaced}
     errors: dict[str, float] = {}
     for name, w in weights.items():
-        q = quantize_weight(w, bits, group_size, name=name)
+        q = quantize_weight(w, bits, group_size, name=name, sym=sym)
         for suffix, packed in gptq_format.pack(q, checkpoint_format).items():
             out[f"{name}.{suffix}"] = packed
         errors[name] = relative_error(w, dequantize_weight(q))

@@ -1,4 +1,5 @@
-"""Round-to-nearest (RTN) weight quantization: asymmetric, per output channel or group-wise.
+"""Round-to-nearest (RTN) weight quantization: asymmetric (default) or symmetric, per output channel
+or group-wise.
 
 A weight matrix W (out, in) is cut along its input features into groups of `group_size` columns
 (group_size = -1 means one group spanning all of `in`, i.e. per output channel). Each row of each
@@ -13,6 +14,9 @@ group gets its own scale s > 0 and integer zero point z, and every element an in
 
 Because z = round(-lo / s) is within 1/2 of -lo / s and (hi - lo) / s <= maxq, every element lies
 within half a step of the grid: |w - s * (q - z)| <= s / 2 (plus float32 rounding).
+
+Symmetric (`sym=True`, GPTQ's usual grid): z = 2**(bits - 1) and s = 2 * max|w| / maxq, rounded up
+to a float16 value; the top code lies half a step short of max|w|, so the s / 2 bound holds too.
 
 Two choices are made for the packed checkpoint format (`stages.quant.gptq_format`), not for
 accuracy:
@@ -100,10 +104,18 @@ def asymmetric_grid(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torc
     return scale, zero
 
 
+def symmetric_grid(amax: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale (float16-exact) and zero point 2**(bits - 1) (as float32) of groups whose largest
+    magnitude is `amax`; see the module docstring. Shared by RTN and GPTQ."""
+    span = torch.where(amax > 0, 2 * amax, torch.ones_like(amax))  # all-zero group: any scale is exact
+    scale = fp16_scale(span / (2**bits - 1))
+    return scale, torch.full_like(scale, 2 ** (bits - 1))
+
+
 def quantize_weight(
-    weight: torch.Tensor, bits: int, group_size: int = -1, name: str = "weight",
+    weight: torch.Tensor, bits: int, group_size: int = -1, name: str = "weight", sym: bool = False,
 ) -> QuantizedWeight:
-    """Asymmetric RTN quantization of `weight` (out, in); see the module docstring for the maths."""
+    """RTN quantization of `weight` (out, in), asymmetric unless `sym`; see the module docstring."""
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"bits={bits} is not supported; choose one of {SUPPORTED_BITS}")
     if weight.dim() != 2:
@@ -117,7 +129,7 @@ def quantize_weight(
 
     lo = w.amin(dim=-1).clamp(max=0.0)  # (out, G)
     hi = w.amax(dim=-1).clamp(min=0.0)
-    scale, zero = asymmetric_grid(lo, hi, bits)
+    scale, zero = symmetric_grid(torch.maximum(-lo, hi), bits) if sym else asymmetric_grid(lo, hi, bits)
     if not torch.isfinite(scale.to(torch.float16)).all():
         raise ValueError(f"{name}: a quantization scale overflows float16 "
                          f"(weights beyond ~{65504 * maxq:.0f})")

@@ -64,9 +64,15 @@ CASES = {
     "target-quant-variant": ("experiments: {x: {}}", "results/x/quant/wint3", None,
                              r"results/x/quant/wint3: unknown quantize variant 'wint3'; experiments\.x\.quantize\."
                              r"variants lists wint8, wint4"),
+    "quant-variant-unknown": ("experiments: {x: {quantize: {variants: [wint8, gptq-w5]}}}", "results/x/quant_eval.json",
+                              None, r"experiments\.x\.quantize: quantize variant 'gptq-w5' is unknown; choose one of "
+                                    r"\['a8w8', .*'gptq-w4g128'.*\] or define it under quantize\.custom_variants"),
+    "quant-custom-bad-setting": ("experiments: {x: {quantize: {variants: [mine], custom_variants: {mine: "
+                                 "{method: rtn, desc_act: true}}}}}", "results/x/quant_eval.json", None,
+                                 r"quantize\.custom_variants\.mine: \['desc_act'\] are not settings of method rtn"),
     "target-variant-not-listed": ("experiments: {x: {quantize: {variants: [wint8]}}}", "results/x/quant/wint4", None,
                                   r"unknown quantize variant 'wint4'; experiments\.x\.quantize\.variants lists wint8 "
-                                  r"\(the schema allows wint8, wint4, gptq-w4\)"),
+                                  r"\(built-in names: wint8, wint4, wint4-sym, gptq-w4"),
     "target-eval-variant": ("experiments: {x: {}}", "results/x/eval/wint3.json", None,
                             r"results/x/eval/wint3\.json: unknown variant 'wint3' for experiment 'x'; expected one of "
                             r"pretrain, sft, lora, prefix, lora-merged, wint8, wint4"),

@@ -19,8 +19,8 @@ def test_lint_is_clean(tmp_path):
 def test_dry_run_plans_every_stage(tmp_path):
     proc = snakemake(tmp_path, "-n", "results/llama/quant_eval.json")
     jobs = planned_jobs(proc.stdout)
-    assert jobs == {"prepare": 1, "pretrain": 1, "finetune": 3, "merge_lora": 1, "quantize": 3,
-                    "export": 1, "evaluate": 8, "report": 1}, proc.stdout
+    assert jobs == {"prepare": 1, "pretrain": 1, "finetune": 3, "merge_lora": 1, "quantize": 4,
+                    "export": 1, "evaluate": 9, "report": 1}, proc.stdout
 
 
 def test_the_plain_command_uses_the_default_profile(tmp_path):
@@ -64,7 +64,7 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
 
     # Every stage's artifact exists and follows its contract.
     for d in ["data", "pretrain", "sft", "lora", "prefix", "lora-merged", "export", "quant/wint8", "quant/wint4",
-              "quant/gptq-w4"]:
+              "quant/gptq-w4", "quant/a8w8-smooth"]:
         assert (exp / d / "meta.json").exists(), d
     for stage in ["pretrain", "sft", "lora", "prefix"]:
         log = pd.read_csv(exp / stage / "train_log.csv")
@@ -79,9 +79,15 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
     AutoModelForCausalLM.from_pretrained(next((exp / "checkpoints" / "pretrain").glob("*/checkpoint-0000020")))
     quant_eval = json.loads((exp / "quant_eval.json").read_text())
     assert quant_eval["source"] == "lora-merged"
-    assert set(quant_eval["variants"]) == {"wint8", "wint4", "gptq-w4"}
+    assert set(quant_eval["variants"]) == {"wint8", "wint4", "gptq-w4", "a8w8-smooth"}
+    # every quantized variant ran on its low-bit kernels (stages.quant.load_quantized), none dequantized
+    kernels = {name: v["kernels"] for name, v in quant_eval["variants"].items()}
+    assert kernels == {"wint8": {"int8pack": 14}, "wint4": {"int4pack": 14}, "gptq-w4": {"int4pack": 14},
+                       "a8w8-smooth": {"int_mm": 14}}, kernels
+    for v in quant_eval["variants"].values():
+        assert v["quantization"]["quantize_seconds"] > 0 and v["delta"]["decode_tokens_per_s_b1"] is not None
     report = pd.read_csv(exp / "report.csv")
-    assert len(report) == 8
+    assert len(report) == 9
     assert (exp / "report.md").read_text().strip()
 
     # A second run finds nothing to do.
@@ -95,8 +101,8 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
     changed = tmp_path / "changed.yaml"
     changed.write_text(yaml.safe_dump(cfg))
     proc = snakemake(tmp_path, "--configfile", str(changed), "-n", TARGET)
-    assert planned_jobs(proc.stdout) == {"finetune": 1, "merge_lora": 1, "quantize": 3, "export": 1,
-                                         "evaluate": 5, "report": 1}, proc.stdout
+    assert planned_jobs(proc.stdout) == {"finetune": 1, "merge_lora": 1, "quantize": 4, "export": 1,
+                                         "evaluate": 6, "report": 1}, proc.stdout
     snakemake(tmp_path, "--configfile", str(changed), "--cores", "2", TARGET)
     after = _mtimes(tmp_path)
     untouched = [k for k in before if k.split("/")[0] in ("data", "pretrain", "sft", "prefix")]

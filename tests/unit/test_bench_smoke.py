@@ -47,3 +47,29 @@ def test_memory_report_has_its_keys(tmp_path):
     for row in result["memory"]:
         assert row["peak_rss_bytes"] > 0
         assert {"params", "grads", "master_params", "optimizer_state", "buffers", "total"} <= row["held"].keys()
+
+
+def test_quant_bench_report_has_its_keys(tmp_path):
+    """bench/quant.py on the debug flavour: one RTN, one GPTQ and one A8W8 variant beside fp32 and
+    bf16, each with timings, weight bytes, a peak RSS from its own process and the targets."""
+    out = tmp_path / "quant.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quant.py"), "--sizes", "debug", "--vocab-size", "512",
+                           "--variants", "wint4,gptq-w4,a8w8", "--repeats", "1", "--warmup", "1",
+                           "--prefill-tokens", "16", "--decode-prompt", "8", "--decode-tokens", "2",
+                           "--calib-samples", "2", "--calib-seq-len", "32", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "| gptq-w4" in proc.stdout
+    result = json.loads(out.read_text())
+    assert {"cpu", "cores", "torch_threads", "torch", "transformers"} <= result["machine"].keys()
+    size = result["sizes"]["debug"]
+    assert list(size["rows"]) == ["fp32", "bf16", "wint4", "gptq-w4", "a8w8"]
+    for name, row in size["rows"].items():
+        assert {"prefill_b1_ms", "prefill_b8_ms", "decode_ms_per_token", "model_bytes", "linear_bytes",
+                "ratio_to_fp32", "kernels"} <= row.keys(), name
+        assert row["memory"]["peak_rss_bytes"] >= row["memory"]["baseline_rss_bytes"] > 0
+        assert len(row["samples_s"]["decode"]) == 1
+    assert size["rows"]["fp32"]["ratio_to_fp32"]["decode"] == 1.0
+    assert size["rows"]["wint4"]["linear_bytes"] < size["rows"]["fp32"]["linear_bytes"]  # bytes, not time
+    assert size["rows"]["gptq-w4"]["quantization"]["metrics"]["seconds_per_decoder_layer"] > 0
+    assert {"wint4", "gptq-w4", "a8w8"} == size["targets"].keys()

@@ -13,7 +13,7 @@ def test_shipped_config_is_valid_and_defaults_fill_every_section():
     llama = config["experiments"]["llama"]
     assert llama["model"]["flavour"] == "tiny"
     assert llama["finetune"]["lora"]["lora_rank"] == 16
-    assert llama["quantize"]["variants"] == ["wint8", "wint4", "gptq-w4"]
+    assert llama["quantize"]["variants"] == ["wint8", "wint4", "gptq-w4", "a8w8-smooth"]
     assert llama["pretrain"]["lr_scheduler_type"] == "cosine"  # from the shared training defaults
 
 
@@ -54,9 +54,25 @@ def test_unknown_top_level_key_and_unknown_experiment():
 
 
 def test_int4_group_size_must_tile_the_flavour_widths():
-    with pytest.raises(ConfigError, match=r"group_size=40 does not divide the input width\(s\) \[64, 192\]"):
+    with pytest.raises(ConfigError, match=r"variant wint4 has group_size=40, which does not divide the input "
+                                          r"width\(s\) \[64, 192\]"):
         check_config({"experiments": {"x": {"model": {"flavour": "debug"}, "quantize": {"group_size": 40}}}})
     check_config({"experiments": {"x": {"model": {"flavour": "debug"}, "quantize": {"group_size": 32}}}})
+    # GPTQ takes a narrower last group, but no group wider than a row
+    check_config({"experiments": {"x": {"model": {"flavour": "debug"},
+                                        "quantize": {"group_size": 40, "variants": ["gptq-w4"]}}}})
+    with pytest.raises(ConfigError, match=r"variant gptq-w4g128 has group_size=128, which exceeds the input "
+                                          r"width\(s\) \[64\]"):
+        check_config({"experiments": {"x": {"model": {"flavour": "debug"}, "quantize": {"variants": ["gptq-w4g128"]}}}})
+
+
+def test_unknown_quantize_variant_lists_the_valid_names():
+    with pytest.raises(ConfigError, match=r"experiments\.x\.quantize: quantize variant 'gptq-w5' is unknown; "
+                                          r"choose one of \[.*'gptq-w4g128'.*\]"):
+        check_config({"experiments": {"x": {"quantize": {"variants": ["wint8", "gptq-w5"]}}}})
+    config = check_config({"experiments": {"x": {"quantize": {
+        "variants": ["w3"], "custom_variants": {"w3": {"method": "gptq", "bits": 3, "group_size": 32}}}}}})
+    assert config["experiments"]["x"]["quantize"]["custom_variants"]["w3"]["bits"] == 3
 
 
 @pytest.mark.parametrize("pretrain, message", [

@@ -17,10 +17,13 @@ from stages.model import build_model, config_for_flavour
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
 CONFIG = {"max_new_tokens": 6, "num_dev_examples": 6, "ppl_max_length": 16, "ppl_max_windows": 3,
-          "per_device_eval_batch_size": 4}
+          "per_device_eval_batch_size": 4, "speed_prefill_tokens": 8, "speed_batch_sizes": [1, 2],
+          "speed_decode_tokens": 3, "speed_repeats": 1}
 DOCUMENTED_KEYS = {"variant", "model_dir", "kind", "sft_format", "ppl", "unigram_ppl", "ppl_tokens", "ppl_windows", "dev_ppl", "dev_ppl_tokens",
                    "exact_match", "bleu4", "rouge_l", "num_dev_examples", "gen_tokens", "gen_seconds",
-                   "gen_tokens_per_s", "size_bytes", "num_parameters", "eval_seconds", "settings", "samples"}
+                   "gen_tokens_per_s", "size_bytes", "num_parameters", "eval_seconds", "settings", "samples",
+                   "model_bytes", "rss_bytes", "prefill_tokens_per_s_b1", "prefill_tokens_per_s_b2",
+                   "decode_tokens_per_s_b1", "torch_threads", "kernels", "quantization"}
 
 
 def _texts(n, seed):
@@ -105,6 +108,12 @@ def _check_metrics(metrics, out_path, variant, kind):
     assert metrics["num_dev_examples"] == 6
     assert 6 <= metrics["gen_tokens"] <= 6 * 6 and metrics["gen_tokens_per_s"] > 0
     assert metrics["size_bytes"] > 0 and metrics["num_parameters"] > 0 and metrics["eval_seconds"] > 0
+    assert metrics["model_bytes"] >= 4 * metrics["num_parameters"]  # float32 parameters, plus buffers
+    assert metrics["rss_bytes"] > metrics["model_bytes"]
+    for key in ("prefill_tokens_per_s_b1", "prefill_tokens_per_s_b2", "decode_tokens_per_s_b1"):
+        assert metrics[key] > 0
+    if kind != "quantized":
+        assert metrics["kernels"] == {} and metrics["quantization"] is None
     assert metrics["settings"]["src_length"] == 64  # default filled
     assert len(metrics["samples"]) == 5
     assert metrics["samples"][1] == {"src": "copy: beta gamma", "reference": "beta gamma",

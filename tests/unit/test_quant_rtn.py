@@ -52,3 +52,17 @@ def test_unsupported_bits_and_non_finite_weights():
     w[0, 0] = float("nan")
     with pytest.raises(ValueError, match="inf or nan"):
         quantize_weight(w, 8, name="x")
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 16), (8, -1)])
+def test_symmetric_grid_keeps_the_half_step_bound(bits, group_size):
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)) * 0.1
+    q = quantize_weight(w, bits, group_size, sym=True)
+    assert (q.zeros == 2 ** (bits - 1)).all()
+    assert (q.scales.to(torch.float16).float() == q.scales).all()  # float16-exact
+    cols = q.columns_per_group
+    bound = q.scales.repeat_interleave(cols, dim=1) / 2
+    assert ((w - dequantize_weight(q)).abs() <= bound * (1 + 1e-6)).all()
+    # symmetric spends one code on a value no weight reaches: never better than asymmetric
+    asym = quantize_weight(w, bits, group_size)
+    assert relative_error(w, dequantize_weight(asym)) <= relative_error(w, dequantize_weight(q)) * 1.05

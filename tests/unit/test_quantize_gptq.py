@@ -22,6 +22,7 @@ from stages.model import build_model, config_for_flavour
 from stages.quant import load_quantized
 from stages.quant.calibration import CalibrationError, CalibrationSettings, calibration_ids
 from stages.quant.gptq import GPTQConfig, gptq_quantize_model
+from stages.quant.variants import A8W8_KEYS
 
 SEQ = 32
 
@@ -144,7 +145,8 @@ def test_defaults_are_the_schemas():
     assert calibration == {k: getattr(CalibrationSettings(), k) for k in calibration}
     assert gptq.pop("group_size") is None  # inherits quantize.group_size
     assert gptq == {k: getattr(GPTQConfig(), k) for k in gptq}
-    assert "gptq-w4" in quant["variants"]["items"]["enum"]
+    assert quant["variants"]["items"]["type"] == "string"  # names resolved by stages.quant.variants
+    assert set(quant["a8w8"]["properties"]) == set(A8W8_KEYS)
 
 
 # ---------------------------------------------------------------- the gptq-w4 variant
@@ -169,8 +171,10 @@ def _gptq_reference(source, data_dir, section) -> tuple[torch.nn.Module, dict]:
 def test_files_read_back_as_the_gptq_dequantized_model(source, data_dir, tmp_path, desc_act, true_sequential, bits):
     group = 40  # widths 64 and 192: groups of 40 with a narrower last one (24 and 32)
     section = _section(group, desc_act=desc_act, true_sequential=true_sequential, bits=bits)
-    out = tmp_path / "gptq-w4"
-    metrics = quantize.main(["--source", str(source), "--out", str(out), "--variant", "gptq-w4",
+    # a custom variant that sets nothing itself: every GPTQ option comes from quantize.gptq
+    section["custom_variants"] = {"gptq-custom": {"method": "gptq"}}
+    out = tmp_path / "gptq-custom"
+    metrics = quantize.main(["--source", str(source), "--out", str(out), "--variant", "gptq-custom",
                              "--data", str(data_dir), "--config", json.dumps(section)])
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qcfg == {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": True,
@@ -187,7 +191,7 @@ def test_files_read_back_as_the_gptq_dequantized_model(source, data_dir, tmp_pat
         assert "model.layers.0.mlp.down_proj.weight" not in f.keys()
 
     reference, results = _gptq_reference(source, data_dir, section)
-    loaded = load_quantized(out)
+    loaded = load_quantized(out, kernels=False)
     state = loaded.state_dict()
     for name, r in results.items():
         torch.testing.assert_close(state[f"{name}.weight"], r.weight, rtol=0, atol=0)
@@ -195,7 +199,9 @@ def test_files_read_back_as_the_gptq_dequantized_model(source, data_dir, tmp_pat
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, reference(ids).logits, rtol=0, atol=1e-6)
 
-    assert metrics["method"] == "gptq" and metrics["variant"] == "gptq-w4" and metrics["num_quantized_layers"] == 14
+    assert metrics["method"] == "gptq" and metrics["variant"] == "gptq-custom" and metrics["num_quantized_layers"] == 14
+    assert metrics["spec"] == {"method": "gptq", "bits": bits, "group_size": group, "sym": True, "desc_act": desc_act,
+                               "static_groups": False, "damp_percent": 0.01, "true_sequential": true_sequential}
     assert metrics["gptq"] == {"sym": True, "desc_act": desc_act, "static_groups": False, "damp_percent": 0.01,
                                "true_sequential": true_sequential}
     assert metrics["calibration"]["num_windows"] == 8 and metrics["calibration"]["source"] == "corpus"
@@ -246,3 +252,51 @@ def test_sft_calibration_through_the_stage(source, data_dir, tmp_path):
                            config=_section(32, {"source": "sft", "num_samples": 4}))
     assert metrics["calibration"]["sft_format"] == "plain" and metrics["calibration"]["num_windows"] == 4
     assert load_quantized(tmp_path / "sft").config.vocab_size > 0
+
+
+# ---------------------------------------------------------------- the a8w8 variants
+
+
+def test_a8w8_variants_through_the_stage(source, data_dir, tmp_path):
+    """a8w8 and a8w8-smooth: INT8 files in the documented layout, loaded with real INT8 matrix
+    products; on the outlier channels of this model, smoothing lowers the held-out logit error."""
+    section = _section(32, {"num_samples": 16})
+    metrics = {v: quantize.run(source, tmp_path / v, v, config=section, data_dir=data_dir)
+               for v in ("a8w8", "a8w8-smooth")}
+    qcfg = json.loads((tmp_path / "a8w8-smooth" / "config.json").read_text())["quantization_config"]
+    assert qcfg["quant_method"] == "a8w8" and qcfg["smooth"] is True and qcfg["activation"] == "dynamic"
+    with safe_open(str(tmp_path / "a8w8-smooth" / "model.safetensors"), "pt") as f:
+        p = "model.layers.0.self_attn.q_proj"
+        assert f.get_tensor(f"{p}.weight").dtype == torch.int8
+        assert tuple(f.get_tensor(f"{p}.weight_scale").shape) == (64,)
+        assert tuple(f.get_tensor(f"{p}.smooth_scale").shape) == (64,)  # q/k/v read the norm: smoothed
+        assert "model.layers.0.self_attn.o_proj.smooth_scale" not in f.keys()  # smooth_all_linears false
+    m = metrics["a8w8-smooth"]
+    assert m["method"] == "a8w8" and m["bits"] == 8 and m["num_quantized_layers"] == 14
+    assert m["spec"]["smooth"] is True and m["a8w8"]["smooth_alpha"] == 0.5
+    assert set(m["smooth_alphas"]) == {f"model.layers.{i}.{n}" for i in (0, 1) for n in
+                                       ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                        "mlp.gate_proj", "mlp.up_proj")}
+    assert m["calibration"]["num_windows"] == 16 and m["calibration"]["memory_bytes"] > 0
+    assert metrics["a8w8"]["smooth_alphas"] == {}
+
+    held_out = torch.from_numpy(TokenFile.open(data_dir, "validation").tokens[:4 * 64].astype("int64")).view(4, 64)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    err = {v: _logit_err(tmp_path / v, reference, held_out) for v in metrics}
+    kernels = load_quantized(tmp_path / "a8w8-smooth").quant_kernels
+    assert set(kernels.values()) == {"int_mm"} and len(kernels) == 14
+    print(f"held-out logit error: a8w8 {err['a8w8']:.4f}, a8w8-smooth {err['a8w8-smooth']:.4f}")
+    assert err["a8w8-smooth"] < err["a8w8"] < 0.1
+
+
+def test_calibration_memory_estimate_refuses_before_loading():
+    from stages.quant.calibration import calibration_memory_bytes, check_calibration_memory
+
+    widths = [(4096, 4096), (11008, 4096), (4096, 11008)]  # a 7B Llama block
+    need = calibration_memory_bytes(6_700_000_000, widths, num_windows=128, seq_len=2048, batch=8)
+    assert need["activations"] == 2 * 128 * 2048 * 4096 * 4 and need["model"] == 8 * 6_700_000_000
+    with pytest.raises(CalibrationError, match=r"calibration needs about \d+\.\d\d GiB \(model 49\.92, activations "
+                                               r"8\.00, .*\) but 16\.00 GiB are available: 128 windows of 2048 "
+                                               r"tokens; lower quantize\.calibration\.num_samples"):
+        check_calibration_memory(6_700_000_000, widths, 128, 2048, 8, available=16 * 2**30)
+    assert check_calibration_memory(1000, [(8, 8)], 1, 2, 1, available=2**30) > 0

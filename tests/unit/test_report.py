@@ -4,6 +4,7 @@ import json
 
 import pandas as pd
 import pytest
+import torch
 
 from stages import report
 from stages.checkpoint.atomic import write_json
@@ -15,9 +16,15 @@ BENCH_TSV = ("s\th:m:s\tmax_rss\tmax_vms\tmax_uss\tmax_pss\tio_in\tio_out\tmean_
 
 
 def _eval(variant, ppl, em, size, kind="hf"):
+    quantized = kind == "quantized"
     return {"variant": variant, "model_dir": f"results/llama/{variant}", "kind": kind, "ppl": ppl,
             "unigram_ppl": 50.0, "ppl_tokens": 1000, "exact_match": em, "bleu4": 0.2, "rouge_l": 0.5,
-            "gen_tokens_per_s": 100.0, "size_bytes": size, "num_parameters": 1000,
+            "dev_ppl": ppl / 2, "gen_tokens_per_s": 100.0, "size_bytes": size, "num_parameters": 1000,
+            "model_bytes": size + 100, "rss_bytes": 10**8, "prefill_tokens_per_s_b1": 1000.0,
+            "prefill_tokens_per_s_b8": 4000.0, "decode_tokens_per_s_b1": 200.0 if quantized else 100.0,
+            "torch_threads": 2, "kernels": {"int8pack": 14} if quantized else {},
+            "quantization": {"method": "rtn", "bits": 8, "group_size": -1, "quantize_seconds": 0.5,
+                             "num_quantized_layers": 14} if quantized else None,
             "settings": {"max_new_tokens": 32}, "samples": [{"src": "a", "reference": "b", "prediction": "c"}]}
 
 
@@ -56,6 +63,18 @@ def test_quant_eval_deltas(experiment):
     assert w4["relative"]["size_bytes"] == pytest.approx(500 / 4000 - 1)
     assert quant["variants"]["wint8"]["delta"]["bleu4"] == 0.0
     assert "variant" not in w4["delta"] and "model_dir" not in w4["delta"]
+    # deltas only for quality, size and speed; counts, settings and quantization timings never
+    assert set(w4["delta"]) == {"ppl", "dev_ppl", "exact_match", "bleu4", "rouge_l", "size_bytes", "model_bytes",
+                                "prefill_tokens_per_s_b1", "prefill_tokens_per_s_b8", "decode_tokens_per_s_b1",
+                                "gen_tokens_per_s"}
+    assert w4["relative"]["decode_tokens_per_s_b1"] == pytest.approx(1.0)
+    assert w4["kernels"] == {"int8pack": 14} and quant["baseline"]["kernels"] == {}
+    assert w4["quantization"] == {"method": "rtn", "bits": 8, "group_size": -1, "quantize_seconds": 0.5}
+    assert quant["baseline"]["quantization"] is None and quant["schema_version"] == 2
+    prov = quant["provenance"]
+    assert prov["versions"]["torch"] == torch.__version__.split("+")[0] or prov["versions"]["torch"] == torch.__version__
+    assert prov["machine"]["cores"] >= 1 and prov["evaluate"] == {"max_new_tokens": 32}
+    assert len(prov["commit"]) == 40  # the tests run inside the repository
 
 
 def test_csv_has_one_row_per_variant(experiment):

@@ -10,6 +10,7 @@ from snakemake.utils import validate
 from stages.config import ConfigError, check_config, finetune_source, load_schema, pretrain_enabled
 from stages.config import experiment as named_experiment
 from stages.data.validate import check_data_section
+from stages.quant.variants import BUILTIN_VARIANTS, CALIBRATED_METHODS, spec_method
 
 _checked = check_config(config)  # unknown keys (closest name), types, relations; fills defaults
 config.clear()
@@ -25,8 +26,6 @@ _ROOT_SCHEMA = load_schema()
 _SCHEMA = _ROOT_SCHEMA["$defs"]["experiment"]["properties"]
 EXPERIMENT_NAME = _ROOT_SCHEMA["properties"]["experiments"]["propertyNames"]["pattern"].strip("^$")
 FINETUNE_METHODS = list(_SCHEMA["finetune"]["properties"])  # sft, lora, prefix
-QUANT_VARIANTS = _SCHEMA["quantize"]["properties"]["variants"]["items"]["enum"]  # wint8, wint4, gptq-w4
-GPTQ_VARIANTS = [v for v in QUANT_VARIANTS if v.startswith("gptq")]  # calibrated on the data
 
 
 def _writes_shards(settings):
@@ -177,36 +176,44 @@ def quant_variants(wildcards):
 
 
 def quantize_input(wildcards):
-    """The model a quantized variant is made of (`source`), and for GPTQ variants the experiment's
-    data (`data`, the calibration source) and a calibration file named by path (`calibration`); a
-    variant outside the experiment's `quantize.variants` is refused here, before its whole chain
-    is trained. Used with unpack()."""
-    if wildcards.variant not in quant_variants(wildcards):
+    """The model a quantized variant is made of (`source`), and for calibrated variants (gptq,
+    a8w8) the experiment's data (`data`, the calibration source) and a calibration file named by
+    path (`calibration`); a variant outside the experiment's `quantize.variants` is refused here,
+    before its whole chain is trained. Used with unpack()."""
+    quant = experiment(wildcards)["quantize"]
+    if wildcards.variant not in quant["variants"]:
         raise ConfigError(f"results/{wildcards.experiment}/quant/{wildcards.variant}: unknown quantize variant "
                           f"{wildcards.variant!r}; experiments.{wildcards.experiment}.quantize.variants lists "
-                          f"{', '.join(quant_variants(wildcards))} (the schema allows {', '.join(QUANT_VARIANTS)})")
+                          f"{', '.join(quant['variants'])} (built-in names: {', '.join(BUILTIN_VARIANTS)}; "
+                          "more under quantize.custom_variants)")
     inputs = {"source": quant_source_dir(wildcards)}
-    if wildcards.variant in GPTQ_VARIANTS:
+    if spec_method(wildcards.variant, quant) in CALIBRATED_METHODS:
         inputs["data"] = f"results/{wildcards.experiment}/data"
-        source = experiment(wildcards)["quantize"]["calibration"]["source"]
+        source = quant["calibration"]["source"]
         if source not in ("corpus", "sft"):
             inputs["calibration"] = source  # editing the file reruns the variant
     return inputs
 
 
 def quantize_section(wildcards):
-    """The `quantize` section as the variant's params: without `gptq` and `calibration` for RTN
-    variants, so that changing GPTQ settings reruns only the GPTQ variants."""
-    settings = dict(experiment(wildcards)["quantize"])
-    if wildcards.variant not in GPTQ_VARIANTS:
-        settings.pop("gptq", None)
-        settings.pop("calibration", None)
+    """The part of the `quantize` section the variant reads, as its params: its custom spec, its
+    method's defaults and, when calibrated, `calibration`; so that changing one method's settings
+    reruns only that method's variants."""
+    quant = experiment(wildcards)["quantize"]
+    method = spec_method(wildcards.variant, quant)
+    settings = {"group_size": quant["group_size"]}
+    if wildcards.variant in quant["custom_variants"]:
+        settings["custom_variants"] = {wildcards.variant: quant["custom_variants"][wildcards.variant]}
+    if method in quant:  # gptq, a8w8
+        settings[method] = quant[method]
+    if method in CALIBRATED_METHODS:
+        settings["calibration"] = quant["calibration"]
     return json.dumps(settings, sort_keys=True)
 
 
 def quantize_data_flag(wildcards):
-    """`--data results/<name>/data` for a GPTQ variant (its calibration source), else nothing."""
-    if wildcards.variant in GPTQ_VARIANTS:
+    """`--data results/<name>/data` for a calibrated variant (gptq, a8w8), else nothing."""
+    if spec_method(wildcards.variant, experiment(wildcards)["quantize"]) in CALIBRATED_METHODS:
         return f"--data results/{wildcards.experiment}/data"
     return ""
 

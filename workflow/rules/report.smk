@@ -15,9 +15,10 @@ rule report:
         source=value("quantize", "source"),
         variants=quant_variants,
         start=start_variant,
+        quantize=section("quantize"),
     conda:
         "../../environment.yml"
     shell:
         "python -m stages.report --experiment-dir results/{wildcards.experiment} "
         "--source {params.source} --start {params.start} --variants {params.variants} --csv {output.csv} --md {output.md} "
-        "--quant-eval {output.quant_eval} > {log} 2>&1"
+        "--quant-eval {output.quant_eval} --quantize-config {params.quantize:q} > {log} 2>&1"

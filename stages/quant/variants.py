@@ -1,0 +1,138 @@
+"""Quantized variants as data: a name stands for a method plus its settings.
+
+`quantize.variants` lists names. Each is a built-in spec (`BUILTIN_VARIANTS`) or one the experiment
+defines under `quantize.custom_variants` ({name: {method: ..., setting: value, ...}}). A spec's
+settings override the method's section defaults:
+
+    method  section defaults                      settings a spec may set
+    rtn     bits 4, group_size = quantize.group_size, sym false   bits (4, 8), group_size, sym
+    gptq    quantize.gptq (group_size null = quantize.group_size) bits, group_size, sym, desc_act,
+                                                                  static_groups, damp_percent,
+                                                                  true_sequential
+    a8w8    quantize.a8w8                                         activation, smooth, smooth_alpha,
+                                                                  smooth_search, smooth_alpha_grid,
+                                                                  shift, smooth_all_linears,
+                                                                  shift_all_linears
+
+gptq and a8w8 are calibrated on `quantize.calibration` (the experiment's data); rtn needs no data.
+`resolve_variant(name, section)` returns the `VariantSpec` the quantize stage applies and records;
+an unknown name, method or setting is an `InputError` that lists the valid ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from stages.errors import InputError
+
+METHODS = ("rtn", "gptq", "a8w8")
+CALIBRATED_METHODS = ("gptq", "a8w8")  # read the experiment's data for calibration
+
+RTN_KEYS = ("bits", "group_size", "sym")
+GPTQ_KEYS = ("bits", "group_size", "sym", "desc_act", "static_groups", "damp_percent", "true_sequential")
+A8W8_KEYS = ("activation", "smooth", "smooth_alpha", "smooth_search", "smooth_alpha_grid", "shift",
+             "smooth_all_linears", "shift_all_linears")
+METHOD_KEYS = {"rtn": RTN_KEYS, "gptq": GPTQ_KEYS, "a8w8": A8W8_KEYS}
+# Each method's defaults: the schema's `quantize.gptq` / `quantize.a8w8` defaults and GPTQConfig's /
+# A8W8Config's (a test holds them equal). group_size None: `quantize.group_size`.
+METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
+    "rtn": {"bits": 4, "group_size": None, "sym": False},
+    "gptq": {"bits": 4, "group_size": None, "sym": True, "desc_act": False, "static_groups": False,
+             "damp_percent": 0.01, "true_sequential": True},
+    "a8w8": {"activation": "dynamic", "smooth": False, "smooth_alpha": 0.5, "smooth_search": False,
+             "smooth_alpha_grid": [0.3, 0.4, 0.5, 0.6, 0.7, 0.8], "shift": False, "smooth_all_linears": False,
+             "shift_all_linears": False},
+}
+
+# Built-in names. The w<bits>g<group> names follow GPTQModel / Hugging Face model cards; wint8 /
+# wint4 / a8w8 follow PaddleNLP's quant types. Group sizes left out come from quantize.group_size.
+BUILTIN_VARIANTS: dict[str, dict[str, Any]] = {
+    "wint8": {"method": "rtn", "bits": 8, "group_size": -1},  # INT8 needs no groups to stay accurate
+    "wint4": {"method": "rtn", "bits": 4},
+    "wint4-sym": {"method": "rtn", "bits": 4, "sym": True},
+    "gptq-w4": {"method": "gptq", "bits": 4},
+    "gptq-w4g128": {"method": "gptq", "bits": 4, "group_size": 128},
+    "gptq-w4g128-act": {"method": "gptq", "bits": 4, "group_size": 128, "desc_act": True},
+    "gptq-w3g64": {"method": "gptq", "bits": 3, "group_size": 64},
+    "gptq-w8": {"method": "gptq", "bits": 8, "group_size": -1},
+    "a8w8": {"method": "a8w8", "smooth": False},
+    "a8w8-static": {"method": "a8w8", "activation": "static", "smooth": False},
+    "a8w8-smooth": {"method": "a8w8", "smooth": True},
+    "a8w8-smooth-search": {"method": "a8w8", "smooth": True, "smooth_search": True},
+    "a8w8-smooth-shift": {"method": "a8w8", "smooth": True, "shift": True},
+}
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    """One variant as applied: its name, method and every setting of that method (defaults filled)."""
+
+    name: str
+    method: str
+    settings: dict[str, Any]
+
+    @property
+    def calibrated(self) -> bool:
+        return self.method in CALIBRATED_METHODS
+
+
+def variant_specs(section: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every name the `quantize` section can use: the built-ins and its `custom_variants`."""
+    custom = section.get("custom_variants") or {}
+    shadowed = sorted(set(custom) & set(BUILTIN_VARIANTS))
+    if shadowed:
+        raise InputError(f"quantize.custom_variants redefines the built-in variant(s) {shadowed}; pick another "
+                         f"name (built-ins: {sorted(BUILTIN_VARIANTS)})")
+    return {**BUILTIN_VARIANTS, **custom}
+
+
+def spec_method(name: str, section: dict[str, Any]) -> str:
+    """The method of variant `name` (rtn, gptq, a8w8); InputError listing the names for an unknown one."""
+    specs = variant_specs(section)
+    if name not in specs:
+        raise InputError(f"quantize variant {name!r} is unknown; choose one of {sorted(specs)} or define it "
+                         "under quantize.custom_variants ({name: {method: rtn|gptq|a8w8, ...}})")
+    method = specs[name].get("method")
+    if method not in METHODS:
+        raise InputError(f"quantize.custom_variants.{name}.method={method!r} is unknown; choose one of {list(METHODS)}")
+    return method
+
+
+def _check_group_size(value: Any, key: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value == 0 or value < -1:
+        raise InputError(f"{key}={value!r} must be a positive integer (input features per scale) or -1 (per channel)")
+
+
+def resolve_variant(name: str, section: dict[str, Any]) -> VariantSpec:
+    """The spec of variant `name` with the `quantize` section's defaults filled (see module docstring).
+
+    `section` is the experiment's `quantize` section with the schema's defaults filled (its
+    group_size, gptq, a8w8 and custom_variants entries are read)."""
+    method = spec_method(name, section)
+    spec = dict(variant_specs(section)[name])
+    spec.pop("method")
+    where = f"quantize.custom_variants.{name}" if name not in BUILTIN_VARIANTS else f"quantize variant {name}"
+    unknown = sorted(set(spec) - set(METHOD_KEYS[method]))
+    if unknown:
+        raise InputError(f"{where}: {unknown} are not settings of method {method}; valid: {list(METHOD_KEYS[method])}")
+    section_defaults = {k: v for k, v in (section.get(method) or {}).items() if v is not None}
+    unknown = sorted(set(section_defaults) - set(METHOD_KEYS[method]))
+    if unknown:
+        raise InputError(f"quantize.{method}: {unknown} are not settings of method {method}; "
+                         f"valid: {list(METHOD_KEYS[method])}")
+    settings = {**METHOD_DEFAULTS[method], **section_defaults, **spec}
+    if settings.get("group_size", -1) is None:
+        settings["group_size"] = section.get("group_size", 64)
+    if method == "rtn" and settings["bits"] not in (4, 8):
+        raise InputError(f"{where}: bits={settings['bits']} is not supported by round-to-nearest; choose 4 or 8 "
+                         "(GPTQ also packs 2 and 3 bits)")
+    if "group_size" in settings:
+        if "group_size" in spec:
+            key = f"{where}.group_size"
+        elif (section.get(method) or {}).get("group_size") is not None:
+            key = f"quantize.{method}.group_size"
+        else:
+            key = "quantize.group_size"
+        _check_group_size(settings["group_size"], key)
+    return VariantSpec(name=name, method=method, settings=settings)

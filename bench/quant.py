@@ -1,0 +1,552 @@
+"""Quantized inference on CPU: latency and memory of each quantized variant against fp32 and bf16.
+
+Per model size (`--sizes`: a flavour of `stages.model.config.FLAVOURS` such as tiny, built with our
+model and saved by `stages.checkpoint.hf.save_pretrained`, or `135m`: transformers' LlamaForCausalLM
+with the SmolLM2-135M shape, random init, saved by transformers): a float32 source directory and a
+prepared data directory of random Zipf-like tokens are written, every variant (`--variants`) is made
+by the quantize stage itself (`stages.quantize.run`, calibrated ones on `--calib-samples` windows of
+`--calib-seq-len` tokens) and loaded with `stages.quant.load_quantized`. Then, for fp32 (the source
+loaded by transformers in float32), bf16 (the same `.to(torch.bfloat16)`) and each variant:
+
+  prefill     ms of one cache-free forward over batch 1 and batch 8 x `--prefill-tokens` random ids
+              (logits of the last position only, as generation computes them)
+  decode      ms per token of greedy decoding with the KV cache at batch 1, after an untimed
+              `--decode-prompt`-token prompt: the mean over `--decode-tokens` single-token steps
+  weights     bytes of the loaded model's parameters and buffers (each storage once,
+              `stages.metrics.speed.model_bytes`) and of its quantized decoder Linears alone
+  peak RSS    VmHWM of a separate process per model that loads it and runs one batch-8 prefill
+              and a few decode steps (so peaks do not mix), and that less its RSS after the imports
+  quantize    the stage's `quantize_seconds` (the quantization itself), the wall time of the whole
+              `stages.quantize.run` call, and GPTQ's / A8W8's seconds per decoder layer (meta.json)
+
+Timings are medians of `--repeats` rounds after `--warmup` rounds; within a round every model runs
+once, in a rotated order, so load from other processes hits all of them alike. Ratios to fp32
+are measured in the same run; compare those, not absolute numbers across runs.
+
+    .venv/bin/python bench/quant.py                                 # tiny and 135m, all variants
+    .venv/bin/python bench/quant.py --sizes tiny --repeats 3
+    .venv/bin/python bench/quant.py --help
+
+Prints one table per size and writes JSON (default bench/out/quant.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a file from anywhere: `stages` is the repo's package
+
+from stages.checkpoint.atomic import atomic_dir, write_json  # noqa: E402
+from stages.checkpoint.hf import save_pretrained  # noqa: E402
+from stages.config import check_config  # noqa: E402
+from stages.data.corpus import write_token_files  # noqa: E402
+from stages.metrics.speed import model_bytes  # noqa: E402
+from stages.model import build_model, config_for_flavour  # noqa: E402
+from stages.model.config import FLAVOURS  # noqa: E402
+from stages.quant.layers import decoder_linear_layers, meta_model  # noqa: E402
+
+DEFAULT_OUT = ROOT / "bench" / "out" / "quant.json"
+ALL_VARIANTS = ("wint8", "wint4", "gptq-w4", "a8w8", "a8w8-smooth")
+BASELINES = ("fp32", "bf16")
+# SmolLM2-135M's shape (HuggingFaceTB/SmolLM2-135M config.json); weights are random here.
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
+                    rms_norm_eps=1e-5, rope_theta=100000.0, hidden_act="silu", bos_token_id=1, eos_token_id=2,
+                    pad_token_id=0, initializer_range=0.02)
+# Targets of the issue, printed as pass/fail (never asserted).
+A8W8_PREFILL_MAX = 0.6  # a8w8 prefill batch 8 x T at most 0.6x fp32's latency
+W4_LINEAR_BYTES_MAX = 0.3  # wint4 / gptq-w4 decoder Linear bytes at most 0.3x fp32's; and decode < fp32
+A8W8_NAMES = ("a8w8", "a8w8-smooth")
+W4_NAMES = ("wint4", "gptq-w4")
+
+
+# -- machine -----------------------------------------------------------------------------------
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    import numpy
+    import safetensors
+
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "safetensors": safetensors.__version__, "numpy": numpy.__version__,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "has_int_mm": hasattr(torch, "_int_mm"), "loadavg_at_start": load}
+
+
+def _status_bytes(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def vm_rss_bytes() -> int:
+    return _status_bytes("VmRSS")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size: VmHWM, the high-water mark of its own address space.
+    Not `ru_maxrss`, which a process started by fork + exec inherits from its parent's RSS at the
+    fork (the bench's parent holds every model, so every worker would report the parent's size)."""
+    return _status_bytes("VmHWM")
+
+
+# -- source model, data and variants -------------------------------------------------------------
+
+def write_source(size: str, path: Path, vocab_size: int) -> dict[str, Any]:
+    """A float32 HF-layout source directory of `size`; returns its shape."""
+    with atomic_dir(path) as tmp:
+        if size == "135m":
+            config = transformers.LlamaConfig(**SMOLLM2_135M)
+            torch.manual_seed(0)
+            model = transformers.LlamaForCausalLM(config).float().eval()
+            model.save_pretrained(tmp, safe_serialization=True)
+            n_params = sum(p.numel() for p in model.parameters())  # tied embedding counted once
+            shape = {k: SMOLLM2_135M[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                   "num_attention_heads", "num_key_value_heads", "vocab_size",
+                                                   "tie_word_embeddings")}
+            built_by = "transformers.LlamaForCausalLM (random init, SmolLM2-135M shape)"
+        else:
+            config = config_for_flavour(size, vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+            model = build_model(config, seed=0).eval()
+            save_pretrained(model, tmp)
+            n_params = config.num_parameters()
+            shape = {**FLAVOURS[size], "vocab_size": vocab_size}
+            built_by = f"stages.model flavour {size} (random init)"
+        del model
+    return {"num_parameters": n_params, "built_by": built_by, **shape}
+
+
+def write_data(path: Path, vocab_size: int, num_tokens: int, seed: int = 0) -> None:
+    """A prepared data dir (index.json + token splits) of Zipf-like random documents of 256 tokens."""
+    path.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    weights = 1.0 / torch.arange(1, vocab_size - 2, dtype=torch.float) ** 1.1  # ids 3..V-1
+
+    def docs(n: int) -> list[list[int]]:
+        return [(torch.multinomial(weights, 256, replacement=True, generator=gen) + 3).tolist() for _ in range(n)]
+
+    write_token_files(path, {"train": docs(num_tokens // 256 + 2), "validation": docs(2)}, vocab_size=vocab_size,
+                      bos_id=1, eos_id=2, pad_id=0)
+
+
+def quantize_section(args: argparse.Namespace) -> dict[str, Any]:
+    """The validated `quantize` section (schema defaults) the variants are made with."""
+    section = {"group_size": args.group_size, "variants": list(args.variants),
+               "calibration": {"num_samples": args.calib_samples, "seq_len": args.calib_seq_len,
+                               "source": "corpus", "seed": 0}}
+    return check_config({"experiments": {"bench": {"quantize": section}}})["experiments"]["bench"]["quantize"]
+
+
+def make_variant(source: Path, out: Path, variant: str, section: dict[str, Any], data: Path) -> dict[str, Any]:
+    from stages import quantize
+
+    start = time.perf_counter()
+    metrics = quantize.run(source, out, variant, config=section, data_dir=data)
+    return {"stage_wall_s": time.perf_counter() - start, "metrics": metrics}
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+def load_model(name: str, model_dir: Path) -> tuple[torch.nn.Module, str]:
+    """(model in eval mode, how it was loaded) for a baseline name or a quantized variant's dir."""
+    if name in BASELINES:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.float32, local_files_only=True, use_safetensors=True).eval()
+        if name == "bf16":
+            model = model.to(torch.bfloat16)
+        return model, f"transformers {name}"
+    from stages.quant import load_quantized
+
+    return load_quantized(model_dir), "load_quantized"
+
+
+def kernel_summary(model: torch.nn.Module, linear_names: list[str]) -> dict[str, int]:
+    """{kernel: layers}: the loader's `quant_kernels` when it sets them, else the decoder Linears'
+    module type and weight dtype (e.g. `Linear/float32` for a dequantizing loader)."""
+    kernels = getattr(model, "quant_kernels", None)
+    counts: dict[str, int] = {}
+    if kernels:
+        for k in kernels.values():
+            counts[str(k)] = counts.get(str(k), 0) + 1
+        return counts
+    for name in linear_names:
+        m = model.get_submodule(name)
+        w = getattr(m, "weight", None)
+        key = f"{type(m).__name__}/{str(w.dtype).removeprefix('torch.') if w is not None else '?'}"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def linear_bytes(model: torch.nn.Module, linear_names: list[str]) -> int:
+    """Bytes of the parameters and buffers of the decoder Linears (whatever modules replaced them),
+    each tensor once."""
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    total = 0
+    for name in linear_names:
+        module = model.get_submodule(name)
+        for t in [*module.parameters(), *module.buffers()]:
+            key = (t.data_ptr(), t.storage_offset(), tuple(t.shape))
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+    return total
+
+
+def source_linear_names(source: Path) -> list[str]:
+    config = transformers.AutoConfig.from_pretrained(source, local_files_only=True)
+    return sorted(decoder_linear_layers(meta_model(config)))
+
+
+# -- timing --------------------------------------------------------------------------------------
+
+def random_ids(batch: int, tokens: int, vocab_size: int, seed: int) -> torch.Tensor:
+    return torch.randint(3, vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.inference_mode()
+def prefill_s(model: torch.nn.Module, ids: torch.Tensor) -> float:
+    start = time.perf_counter()
+    model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def decode_s_per_token(model: torch.nn.Module, prompt: torch.Tensor, steps: int) -> float:
+    """Mean seconds per greedy single-token step with the KV cache after `prompt` (not timed)."""
+    out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+    past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    start = time.perf_counter()
+    for _ in range(steps):
+        out = model(input_ids=token, past_key_values=past, use_cache=True)
+        past, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+    return (time.perf_counter() - start) / steps
+
+
+def time_models(models: dict[str, torch.nn.Module], vocab_size: int, args: argparse.Namespace
+                ) -> dict[str, dict[str, list[float]]]:
+    """{name: {prefill_b1, prefill_b8, decode}: seconds per measured round}; rounds interleave the
+    models (a rotated order each round), the first `args.warmup` rounds are dropped."""
+    b1 = random_ids(1, args.prefill_tokens, vocab_size, seed=1)
+    b8 = random_ids(args.batch, args.prefill_tokens, vocab_size, seed=2)
+    prompt = random_ids(1, args.decode_prompt, vocab_size, seed=3)
+    names = list(models)
+    times = {n: {"prefill_b1": [], f"prefill_b{args.batch}": [], "decode": []} for n in names}
+    for r in range(args.warmup + args.repeats):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for n in order:
+            m = models[n]
+            sample = {"prefill_b1": prefill_s(m, b1), f"prefill_b{args.batch}": prefill_s(m, b8),
+                      "decode": decode_s_per_token(m, prompt, args.decode_tokens)}
+            if r >= args.warmup:
+                for k, v in sample.items():
+                    times[n][k].append(v)
+        print(f"  round {r + 1}/{args.warmup + args.repeats}{' (warm-up)' if r < args.warmup else ''} done",
+              file=sys.stderr, flush=True)
+    return times
+
+
+# -- memory worker (one process per model) -------------------------------------------------------
+
+def memory_worker(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    baseline_peak, baseline_rss = peak_rss_bytes(), vm_rss_bytes()
+    start = time.perf_counter()
+    model, how = load_model(args.memory_worker, Path(args.model_dir))
+    load_s = time.perf_counter() - start
+    rss_loaded = vm_rss_bytes()
+    vocab = model.config.vocab_size
+    prefill_s(model, random_ids(args.batch, args.prefill_tokens, vocab, seed=2))
+    decode_s_per_token(model, random_ids(1, args.decode_prompt, vocab, seed=3), 4)
+    record = {"name": args.memory_worker, "loaded_by": how, "load_s": load_s, "model_bytes": model_bytes(model),
+              "baseline_rss_bytes": baseline_rss, "baseline_peak_rss_bytes": baseline_peak,
+              "rss_after_load_bytes": rss_loaded, "peak_rss_bytes": peak_rss_bytes(),
+              "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    Path(args.result).write_text(json.dumps(record))
+
+
+def measure_memory(name: str, model_dir: Path, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    result = tmp / f"memory-{name}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--memory-worker", name, "--model-dir", str(model_dir),
+           "--result", str(result), "--threads", str(args.threads), "--batch", str(args.batch),
+           "--prefill-tokens", str(args.prefill_tokens), "--decode-prompt", str(args.decode_prompt)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)))
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory worker for {name} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(result.read_text())
+
+
+# -- one size ------------------------------------------------------------------------------------
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def bench_size(size: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    t_size = time.perf_counter()
+    log = lambda msg: print(f"[{size} {time.perf_counter() - t_size:5.0f} s] {msg}", file=sys.stderr,  # noqa: E731
+                            flush=True)
+    source, data = work / size / "source", work / size / "data"
+    shape = write_source(size, source, args.vocab_size)
+    vocab = shape["vocab_size"]
+    section = quantize_section(args)
+    calibrated = any(v.startswith(("gptq", "a8w8")) for v in args.variants)
+    if calibrated:
+        write_data(data, vocab, args.calib_samples * args.calib_seq_len * 2)
+    log(f"source written ({shape['num_parameters']:,} parameters)")
+
+    quantization: dict[str, Any] = {}
+    dirs: dict[str, Path] = {b: source for b in BASELINES}
+    for variant in args.variants:
+        out = work / size / "quant" / variant
+        quantization[variant] = make_variant(source, out, variant, section, data if calibrated else None)
+        dirs[variant] = out
+        m = quantization[variant]["metrics"]
+        log(f"quantized {variant}: {m['quantize_seconds']:.1f} s"
+            + (f", {m['seconds_per_decoder_layer']:.2f} s/layer" if "seconds_per_decoder_layer" in m else ""))
+
+    memory: dict[str, Any] = {}
+    if not args.skip_memory:
+        for name, d in dirs.items():
+            memory[name] = measure_memory(name, d, args, work)
+            log(f"memory {name}: peak RSS {memory[name]['peak_rss_bytes'] / 2**20:.0f} MiB")
+
+    linear_names = source_linear_names(source)
+    models: dict[str, torch.nn.Module] = {}
+    rows: dict[str, dict[str, Any]] = {}
+    for name, d in dirs.items():
+        start = time.perf_counter()
+        models[name], how = load_model(name, d)
+        rows[name] = {"loaded_by": how, "load_s": time.perf_counter() - start,
+                      "kernels": kernel_summary(models[name], linear_names),
+                      "model_bytes": model_bytes(models[name]),
+                      "linear_bytes": linear_bytes(models[name], linear_names),
+                      "dtype": str(next(models[name].parameters()).dtype).removeprefix("torch.")}
+    log(f"loaded {len(models)} models; timing {args.warmup} + {args.repeats} interleaved rounds")
+    times = time_models(models, vocab, args)
+    del models
+
+    pb = f"prefill_b{args.batch}"
+    for name, row in rows.items():
+        row["samples_s"] = times[name]
+        row["prefill_b1_ms"] = _median(times[name]["prefill_b1"]) * 1e3
+        row[f"{pb}_ms"] = _median(times[name][pb]) * 1e3
+        row["decode_ms_per_token"] = _median(times[name]["decode"]) * 1e3
+        if name in memory:
+            row["memory"] = memory[name]
+        if name in quantization:
+            row["quantization"] = quantization[name]
+    fp32 = rows["fp32"]
+    for row in rows.values():
+        row["ratio_to_fp32"] = {
+            "prefill_b1": row["prefill_b1_ms"] / fp32["prefill_b1_ms"],
+            pb: row[f"{pb}_ms"] / fp32[f"{pb}_ms"],
+            "decode": row["decode_ms_per_token"] / fp32["decode_ms_per_token"],
+            "model_bytes": row["model_bytes"] / fp32["model_bytes"],
+            "linear_bytes": row["linear_bytes"] / fp32["linear_bytes"],
+        }
+    bf16 = rows["bf16"]
+    for row in rows.values():  # the other peer: what a quantized variant gains over plain bf16
+        row["ratio_to_bf16"] = {"prefill_b1": row["prefill_b1_ms"] / bf16["prefill_b1_ms"],
+                                pb: row[f"{pb}_ms"] / bf16[f"{pb}_ms"],
+                                "decode": row["decode_ms_per_token"] / bf16["decode_ms_per_token"],
+                                "linear_bytes": row["linear_bytes"] / bf16["linear_bytes"]}
+    targets: dict[str, Any] = {}
+    for name in A8W8_NAMES:
+        if name in rows:
+            r = rows[name]["ratio_to_fp32"][pb]
+            targets[name] = {f"{pb}_ratio": r, f"{pb}_max": A8W8_PREFILL_MAX, "pass": r <= A8W8_PREFILL_MAX}
+    for name in W4_NAMES:
+        if name in rows:
+            dec, lin = rows[name]["ratio_to_fp32"]["decode"], rows[name]["ratio_to_fp32"]["linear_bytes"]
+            targets[name] = {"decode_ratio": dec, "decode_pass": dec < 1.0, "linear_bytes_ratio": lin,
+                             "linear_bytes_max": W4_LINEAR_BYTES_MAX, "linear_bytes_pass": lin <= W4_LINEAR_BYTES_MAX,
+                             "model_bytes_ratio": rows[name]["ratio_to_fp32"]["model_bytes"],
+                             "pass": dec < 1.0 and lin <= W4_LINEAR_BYTES_MAX}
+    log(f"done in {time.perf_counter() - t_size:.0f} s")
+    return {"model": shape, "num_decoder_linears": len(linear_names), "rows": rows, "targets": targets,
+            "seconds": time.perf_counter() - t_size}
+
+
+# -- report --------------------------------------------------------------------------------------
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def _pf(ok: bool) -> str:
+    return "PASS" if ok else "FAIL"
+
+
+def format_size(size: str, result: dict[str, Any], s: dict[str, Any]) -> str:
+    m, pb = result["model"], f"prefill_b{s['batch']}"
+    lines = [f"## {size}: {m['num_parameters'] / 1e6:.1f}M parameters (hidden {m['hidden_size']}, intermediate "
+             f"{m['intermediate_size']}, {m['num_hidden_layers']} layers, {m['num_attention_heads']}/"
+             f"{m['num_key_value_heads']} heads, vocab {m['vocab_size']}); {result['num_decoder_linears']} decoder Linears",
+             f"prefill 1 and {s['batch']} x {s['prefill_tokens']} tokens; decode {s['decode_tokens']} tokens after a "
+             f"{s['decode_prompt']}-token prompt, batch 1; median of {s['repeats']} interleaved rounds "
+             f"(+{s['warmup']} warm-up); {s['threads']} threads", ""]
+    header = ["variant", "kernels", "pf b1 ms", "x fp32", f"pf b{s['batch']} ms", "x fp32", "dec ms/tok", "x fp32",
+              "model MiB", "linears MiB", "lin x fp32", "peak RSS MiB", "RSS-base MiB", "quant s", "s/layer",
+              f"a8w8 pf b{s['batch']}<={A8W8_PREFILL_MAX}", "w4 dec<fp32", f"w4 lin<={W4_LINEAR_BYTES_MAX}"]
+    table = [header]
+    for name, r in result["rows"].items():
+        ratio, mem, q = r["ratio_to_fp32"], r.get("memory"), (r.get("quantization") or {}).get("metrics", {})
+        kernels = " ".join(f"{k}:{v}" for k, v in r["kernels"].items()) if name not in BASELINES else r["dtype"]
+        t = result["targets"].get(name, {})
+        table.append([
+            name, kernels,
+            f"{r['prefill_b1_ms']:.1f}", f"{ratio['prefill_b1']:.2f}",
+            f"{r[pb + '_ms']:.1f}", f"{ratio[pb]:.2f}",
+            f"{r['decode_ms_per_token']:.2f}", f"{ratio['decode']:.2f}",
+            _mib(r["model_bytes"]), _mib(r["linear_bytes"]), f"{ratio['linear_bytes']:.3f}",
+            _mib(mem["peak_rss_bytes"]) if mem else "-",
+            _mib(mem["peak_rss_bytes"] - mem["baseline_rss_bytes"]) if mem else "-",
+            f"{q['quantize_seconds']:.2f}" if q else "-",
+            f"{q['seconds_per_decoder_layer']:.2f}" if "seconds_per_decoder_layer" in q else "-",
+            _pf(t["pass"]) + f" ({t[pb + '_ratio']:.2f})" if name in A8W8_NAMES and t else "-",
+            _pf(t["decode_pass"]) + f" ({t['decode_ratio']:.2f})" if name in W4_NAMES and t else "-",
+            _pf(t["linear_bytes_pass"]) + f" ({t['linear_bytes_ratio']:.3f})" if name in W4_NAMES and t else "-",
+        ])
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    fmt = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
+    lines.append(fmt(table[0]))
+    lines.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    lines += [fmt(row) for row in table[1:]]
+    extra = []
+    for name, r in result["rows"].items():
+        q = (r.get("quantization") or {})
+        if q:
+            met = q["metrics"]
+            extra.append(f"{name}: quantize {met['quantize_seconds']:.2f} s (stage call {q['stage_wall_s']:.1f} s)"
+                         + (f", {met['seconds_per_decoder_layer']:.2f} s/decoder layer (max "
+                            f"{met['max_seconds_per_decoder_layer']:.2f})" if "seconds_per_decoder_layer" in met else "")
+                         + f", mean rel. weight error {met['mean_rel_weight_error']:.4f}, files "
+                           f"{met['size_bytes'] / 2**20:.1f} MiB; loaded by {r['loaded_by']} in {r['load_s']:.1f} s")
+    vs_bf16 = ", ".join(f"{name} {r['ratio_to_bf16'][pb]:.2f}/{r['ratio_to_bf16']['decode']:.2f}"
+                        for name, r in result["rows"].items() if name not in BASELINES)
+    lines += ["", f"x bf16 (pf b{s['batch']} / decode): {vs_bf16}"] + extra
+    lines.append(f"size done in {result['seconds']:.0f} s")
+    return "\n".join(lines)
+
+
+def format_report(result: dict[str, Any]) -> str:
+    m, s = result["machine"], result["settings"]
+    lines = [f"machine: {m['cpu']} | {m['cores']} cores, {m['torch_threads']} torch threads | torch {m['torch']}, "
+             f"transformers {m['transformers']} | load average at start {m['loadavg_at_start']}",
+             f"variants: group_size {s['group_size']}, calibration {s['calib_samples']} x {s['calib_seq_len']} tokens; "
+             "linears = the decoder blocks' Linear modules (what is quantized); model = all parameters and buffers "
+             "(embeddings, norms and the tied lm_head stay float)", ""]
+    for size, r in result["sizes"].items():
+        lines += [format_size(size, r, s), ""]
+    return "\n".join(lines).rstrip()
+
+
+# -- main ----------------------------------------------------------------------------------------
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    result: dict[str, Any] = {"machine": machine_info(), "settings": {
+        "sizes": args.sizes, "variants": args.variants, "repeats": args.repeats, "warmup": args.warmup,
+        "threads": args.threads, "batch": args.batch, "prefill_tokens": args.prefill_tokens,
+        "decode_prompt": args.decode_prompt, "decode_tokens": args.decode_tokens, "group_size": args.group_size,
+        "calib_samples": args.calib_samples, "calib_seq_len": args.calib_seq_len, "vocab_size": args.vocab_size,
+        "prefill_logits": "last position only (logits_to_keep=1)",
+        "skip_memory": args.skip_memory}, "sizes": {}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="quant-bench-", dir=args.out.parent) as tmp:
+        for size in args.sizes:
+            result["sizes"][size] = bench_size(size, args, Path(tmp))
+    try:
+        result["machine"]["loadavg_at_end"] = os.getloadavg()
+    except OSError:
+        pass
+    return result
+
+
+def _csv(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench/quant.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", type=_csv, default=["tiny", "135m"],
+                   help=f"comma-separated: 135m (SmolLM2-135M shape) or flavours {sorted(FLAVOURS)} (default tiny,135m)")
+    p.add_argument("--variants", type=_csv, default=list(ALL_VARIANTS),
+                   help=f"comma-separated quantized variants (default {','.join(ALL_VARIANTS)})")
+    p.add_argument("--repeats", type=int, default=5, help="measured interleaved rounds (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first (default 1)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                   help=f"torch threads (default {torch.get_num_threads()}, this machine's)")
+    p.add_argument("--batch", type=int, default=8, help="the larger prefill batch (default 8)")
+    p.add_argument("--prefill-tokens", type=int, default=128, help="tokens per prefill sequence (default 128)")
+    p.add_argument("--decode-prompt", type=int, default=32, help="prompt tokens before decoding (default 32)")
+    p.add_argument("--decode-tokens", type=int, default=32, help="timed decode steps per round (default 32)")
+    p.add_argument("--group-size", type=int, default=64, help="quantize.group_size (wint4, gptq-w4; default 64)")
+    p.add_argument("--calib-samples", type=int, default=8, help="calibration windows (default 8)")
+    p.add_argument("--calib-seq-len", type=int, default=128, help="tokens per calibration window (default 128)")
+    p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of flavour sizes (default 4096; 135m: 49152)")
+    p.add_argument("--skip-memory", action="store_true", help="skip the peak-RSS subprocesses")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT.relative_to(ROOT)})")
+    p.add_argument("--memory-worker", choices=[*BASELINES, *ALL_VARIANTS], help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.memory_worker:
+        return args
+    bad = [s for s in args.sizes if s != "135m" and s not in FLAVOURS]
+    if bad or not args.sizes:
+        p.error(f"--sizes {bad or args.sizes}: choose from 135m, {', '.join(sorted(FLAVOURS))}")
+    unknown = [v for v in args.variants if v not in ALL_VARIANTS]
+    if unknown:
+        p.error(f"--variants {unknown}: choose from {', '.join(ALL_VARIANTS)}")
+    if args.repeats < 1 or args.warmup < 0 or args.decode_tokens < 1 or args.threads < 1:
+        p.error("--repeats, --decode-tokens and --threads must be >= 1, --warmup >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.memory_worker:
+        memory_worker(args)
+        return 0
+    start = time.perf_counter()
+    result = run(args)
+    result["total_seconds"] = time.perf_counter() - start
+    print(format_report(result))
+    write_json(args.out, result)  # atomic: a killed run leaves the previous JSON
+    print(f"\ntotal {result['total_seconds']:.0f} s; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

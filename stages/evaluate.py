@@ -46,6 +46,8 @@ Metrics JSON (`eval/<variant>.json`, written atomically), one object:
                             random ids (one key per speed_batch_sizes entry)
   decode_tokens_per_s_b1
                      float  tokens/s of greedy generation with the KV cache, batch 1, prompt not counted
+  speed_tokens       dict   {"prefill", "decode_prompt", "decode_new"}: the lengths the speeds used
+                            (the settings' values, cut to the model's position limit)
   torch_threads      int    threads torch used for the timings
   kernels            dict   quantized variants: {kernel: number of layers} (int8pack, int4pack,
                             int_mm, dequantized), from stages.quant.load_quantized; {} otherwise

@@ -33,7 +33,7 @@ Outputs (each written atomically):
     size            size_bytes (on disk), model_bytes (resident parameters and buffers), rss_bytes
     speed           prefill_tokens_per_s_b1, prefill_tokens_per_s_b8 (one per evaluate.speed_batch_sizes),
                     decode_tokens_per_s_b1, gen_tokens_per_s (batched greedy dev generation),
-                    torch_threads
+                    speed_tokens (the lengths used), torch_threads
     counts          num_parameters, num_dev_examples, dev_ppl_tokens, ppl_tokens, gen_tokens
     kernels         {kernel: layers} the variant ran on (int8pack, int4pack, int_mm, dequantized)
     quantization    null for the baseline; for variants, from quant/<v>/meta.json: method, spec (every
@@ -72,7 +72,7 @@ _DELTA_COLUMNS = ("ppl", "dev_ppl", "exact_match", "bleu4", "rouge_l", "size_byt
 QUANT_EVAL_VERSION = 2
 QUALITY = ("ppl", "dev_ppl", "exact_match", "bleu4", "rouge_l")
 SIZE = ("size_bytes", "model_bytes", "rss_bytes")
-SPEED_FIXED = ("decode_tokens_per_s_b1", "gen_tokens_per_s", "torch_threads")
+SPEED_FIXED = ("decode_tokens_per_s_b1", "gen_tokens_per_s", "speed_tokens", "torch_threads")
 COUNTS = ("num_parameters", "num_dev_examples", "dev_ppl_tokens", "ppl_tokens", "gen_tokens")
 _QUANTIZATION_KEYS = ("method", "spec", "bits", "group_size", "bits_per_weight", "compression_ratio",
                       "mean_rel_weight_error", "quantize_seconds", "seconds_per_decoder_layer", "calibration")
@@ -192,7 +192,7 @@ def quant_eval(evals: dict[str, dict[str, Any]], experiment: str, source: str, v
     out: dict[str, Any] = {"schema_version": QUANT_EVAL_VERSION, "experiment": experiment, "source": source,
                            "provenance": provenance(quantize_config, evals[source].get("settings")),
                            "baseline": baseline, "variants": {}}
-    compared = (*QUALITY, *SIZE[:2], *[k for k in _speed_keys(baseline) if k != "torch_threads"])
+    compared = (*QUALITY, *SIZE[:2], *[k for k in _speed_keys(baseline) if k not in ("torch_threads", "speed_tokens")])
     for name in variants:
         metrics = entry(evals[name])
         delta, relative = {}, {}

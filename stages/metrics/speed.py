@@ -90,16 +90,36 @@ def rss_bytes() -> int | None:
     return None
 
 
+def max_positions(model: torch.nn.Module) -> int | None:
+    """The longest input the model's position embeddings take (GPT-2's n_positions, OPT's
+    max_position_embeddings, ...) less a peft prompt-learning adapter's virtual tokens (prefix
+    tuning's key/values take positions too); None when the config does not say."""
+    config = getattr(model, "config", None)
+    limit = next((v for key in ("max_position_embeddings", "n_positions")
+                  if isinstance(v := getattr(config, key, None), int) and v > 0), None)
+    if limit is None:
+        return None
+    peft_configs = getattr(model, "peft_config", None)
+    virtual = max((getattr(c, "num_virtual_tokens", None) or 0 for c in peft_configs.values()), default=0) \
+        if isinstance(peft_configs, dict) else 0
+    return max(2, limit - virtual)
+
+
 def speed_metrics(model: torch.nn.Module, vocab_size: int, settings: dict[str, Any]) -> dict[str, Any]:
     """prefill_tokens_per_s_b<B> for each of settings['speed_batch_sizes'] at
     settings['speed_prefill_tokens'] tokens, decode_tokens_per_s_b1 over settings['speed_decode_tokens']
-    steps, and the threads used."""
+    steps after a 16-token prompt, `speed_tokens` (the prefill and decode lengths used: both are cut
+    to the model's position limit) and the threads used."""
     repeats = settings["speed_repeats"]
+    limit = max_positions(model) or 1 << 30
+    prefill = min(settings["speed_prefill_tokens"], limit)
+    prompt = min(16, max(1, limit // 4))
+    new_tokens = max(2, min(settings["speed_decode_tokens"], limit - prompt))
     metrics: dict[str, Any] = {}
     for batch in settings["speed_batch_sizes"]:
-        metrics[f"prefill_tokens_per_s_b{batch}"] = prefill_tokens_per_s(
-            model, vocab_size, batch, settings["speed_prefill_tokens"], repeats)
-    metrics["decode_tokens_per_s_b1"] = decode_tokens_per_s(
-        model, vocab_size, prompt_tokens=16, new_tokens=settings["speed_decode_tokens"], repeats=repeats)
+        metrics[f"prefill_tokens_per_s_b{batch}"] = prefill_tokens_per_s(model, vocab_size, batch, prefill, repeats)
+    metrics["decode_tokens_per_s_b1"] = decode_tokens_per_s(model, vocab_size, prompt_tokens=prompt,
+                                                            new_tokens=new_tokens, repeats=repeats)
+    metrics["speed_tokens"] = {"prefill": prefill, "decode_prompt": prompt, "decode_new": new_tokens}
     metrics["torch_threads"] = torch.get_num_threads()
     return metrics

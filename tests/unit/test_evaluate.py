@@ -23,7 +23,7 @@ DOCUMENTED_KEYS = {"variant", "model_dir", "kind", "sft_format", "ppl", "unigram
                    "exact_match", "bleu4", "rouge_l", "num_dev_examples", "gen_tokens", "gen_seconds",
                    "gen_tokens_per_s", "size_bytes", "num_parameters", "eval_seconds", "settings", "samples",
                    "model_bytes", "rss_bytes", "prefill_tokens_per_s_b1", "prefill_tokens_per_s_b2",
-                   "decode_tokens_per_s_b1", "torch_threads", "kernels", "quantization"}
+                   "decode_tokens_per_s_b1", "speed_tokens", "torch_threads", "kernels", "quantization"}
 
 
 def _texts(n, seed):
@@ -112,6 +112,7 @@ def _check_metrics(metrics, out_path, variant, kind):
     assert metrics["rss_bytes"] > metrics["model_bytes"]
     for key in ("prefill_tokens_per_s_b1", "prefill_tokens_per_s_b2", "decode_tokens_per_s_b1"):
         assert metrics[key] > 0
+    assert metrics["speed_tokens"] == {"prefill": 8, "decode_prompt": 16, "decode_new": 3}
     if kind != "quantized":
         assert metrics["kernels"] == {} and metrics["quantization"] is None
     assert metrics["settings"]["src_length"] == 64  # default filled

@@ -46,7 +46,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.pytorch_utils import Conv1D
 
 from stages.quant.layers import LINEAR_TYPES
 from stages.quant.model import layer_weights
@@ -320,8 +319,3 @@ def _load_float_tensors(model: nn.Module, state: dict[str, torch.Tensor]) -> Non
     if untied:
         raise ValueError(f"the checkpoint holds no tensor for {sorted(untied)[:5]} ({len(untied)} parameters of "
                          f"{type(model).__name__})")
-
-
-def linear_weight(module: nn.Module) -> torch.Tensor:
-    """W (out, in) of a Linear, or of a Conv1D (which stores W^T, (in, out))."""
-    return module.weight.t() if isinstance(module, Conv1D) else module.weight

@@ -66,7 +66,7 @@ from torch import nn
 from tqdm import tqdm
 from transformers.pytorch_utils import Conv1D
 
-from stages.quant.layers import LINEAR_TYPES
+from stages.quant.layers import LINEAR_TYPES, linear_weight
 from stages.quant.rtn import QuantizedWeight, asymmetric_grid, symmetric_grid
 
 log = logging.getLogger(__name__)
@@ -314,11 +314,6 @@ def run_block(block: nn.Module, inp: BlockInput) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out  # transformers 4 blocks return a tuple
 
 
-def _linear_weight(module: nn.Module) -> torch.Tensor:
-    """W (out, in) of a Linear, or of a Conv1D (which stores W^T)."""
-    return module.weight.t() if isinstance(module, Conv1D) else module.weight
-
-
 def sequential_groups(block: nn.Module, inp: BlockInput) -> list[list[str]]:
     """The block's Linear / Conv1D names in the order its forward calls them, grouped by shared
     input: consecutive layers fed the same tensor (q/k/v, gate/up) form one group."""
@@ -363,7 +358,7 @@ def quantize_layer_sequential(
     dot = f"{prefix}." if prefix else ""
     results: dict[str, GPTQResult] = {}
     for group in groups:
-        hessians = {name: GPTQHessian(_linear_weight(modules[name]).shape[1], modules[name].weight.device)
+        hessians = {name: GPTQHessian(linear_weight(modules[name]).shape[1], modules[name].weight.device)
                     for name in group}
         seen: set[str] = set()
 
@@ -390,7 +385,7 @@ def quantize_layer_sequential(
                 raise ValueError(f"{dot}{name} received no calibration input: the block's forward does not "
                                  "call it; pass `sequential` without it")
             module = modules[name]
-            r = gptq_quantize(_linear_weight(module), hessians[name].hessian, config.bits, config.group_size,
+            r = gptq_quantize(linear_weight(module), hessians[name].hessian, config.bits, config.group_size,
                               config.sym, config.desc_act, config.static_groups, config.damp_percent,
                               config.block_size, name=f"{dot}{name}")
             w = r.weight.t() if isinstance(module, Conv1D) else r.weight

@@ -22,6 +22,11 @@ from transformers.pytorch_utils import Conv1D
 LINEAR_TYPES = (torch.nn.Linear, Conv1D)
 
 
+def linear_weight(module: torch.nn.Module) -> torch.Tensor:
+    """W (out, in) of a Linear, or of a Conv1D (which stores W^T, (in, out))."""
+    return module.weight.t() if isinstance(module, Conv1D) else module.weight
+
+
 def meta_model(config: transformers.PretrainedConfig) -> transformers.PreTrainedModel:
     """The causal LM of `config` with every tensor on the meta device: module structure, no memory."""
     with torch.device("meta"):

@@ -36,9 +36,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from stages.quant.a8w8 import QMAX, A8W8Config, A8W8LayerResult, linear_weight, quantize_weight_int8
+from stages.quant.a8w8 import QMAX, A8W8Config, A8W8LayerResult, quantize_weight_int8
 from stages.quant.gptq import BlockInput, StopForward, capture_block_inputs, run_block, sequential_groups
-from stages.quant.layers import LINEAR_TYPES
+from stages.quant.layers import LINEAR_TYPES, linear_weight
 
 log = logging.getLogger(__name__)
 

@@ -198,11 +198,45 @@ def _check_quantize(name: str, exp: dict[str, Any]) -> None:
 
 
 def _check_parallel(name: str, exp: dict[str, Any], source: dict[str, Any] | None) -> None:
-    """The layouts of pretraining and full SFT, checked before any process starts against the
-    flavour or the starting checkpoint's config.json `source` (the training engine checks the real
-    shapes again)."""
-    for where, sec in (("pretrain", exp["pretrain"]), ("finetune.sft", exp["finetune"]["sft"])):
+    """The layouts of pretraining and every fine-tuning method, checked before any process starts
+    against the flavour or the starting checkpoint's config.json `source` (the training engine
+    checks the real shapes again)."""
+    sections = [("pretrain", exp["pretrain"]), *((f"finetune.{m}", sec) for m, sec in exp["finetune"].items())]
+    for where, sec in sections:
         _check_layout(f"experiments.{name}.{where}", sec, exp, source)
+    for method, sec in exp["finetune"].items():
+        _check_finetune(f"experiments.{name}.finetune.{method}", method, sec, source)
+
+
+def _check_finetune(key: str, method: str, sec: dict[str, Any], source: dict[str, Any] | None) -> None:
+    """What a fine-tuning method cannot combine: the pipeline schedule trains full SFT only, and
+    neither packs rows nor evaluates; the best model needs evaluations of the metric compared."""
+    pp = sec["pipeline_parallel_degree"]
+    if pp > 1 and method != "sft":
+        raise ConfigError(f"{key}: pipeline_parallel_degree={pp}: {method} trains under data parallel, ZeRO and "
+                          "tensor parallelism (its frozen base needs no pipeline to fit; the adapter is small); "
+                          "set pipeline_parallel_degree: 1 and use tensor_parallel_degree to split the base")
+    for flag, what in (("packing", "packed rows (the stages pass hidden states only, not the example "
+                                   "boundaries)"), ("eval_steps", "evaluation while training")):
+        if pp > 1 and sec[flag]:
+            raise ConfigError(f"{key}: {flag}={sec[flag]} with pipeline_parallel_degree={pp}: the pipeline "
+                              f"schedule does not support {what}; set pipeline_parallel_degree: 1 or {flag}: "
+                              f"{'false' if flag == 'packing' else 0}")
+    if sec["load_best_model_at_end"] and not sec["eval_steps"]:
+        raise ConfigError(f"{key}: load_best_model_at_end=true needs eval_steps > 0 (the evaluations it "
+                          "chooses from)")
+    if sec["metric_for_best_model"] != "eval_loss" and sec["load_best_model_at_end"] \
+            and not sec["eval_with_do_generation"]:
+        raise ConfigError(f"{key}: metric_for_best_model={sec['metric_for_best_model']} is measured on "
+                          "generations: set eval_with_do_generation: true, or use eval_loss")
+    if sec["packing"] and source is not None:
+        from stages.checkpoint.source import family_of
+
+        family = family_of(source)
+        if not family.ours:
+            raise ConfigError(f"{key}: packing=true with a {family.name} checkpoint: packed rows need the "
+                              "project's own model (Llama, Qwen2, Mistral), whose attention keeps the "
+                              "examples apart; set packing: false")
 
 
 def pretrain_enabled(exp: dict[str, Any]) -> bool:

@@ -1,19 +1,24 @@
-"""Fine-tune a causal LM on src/tgt pairs: full SFT, LoRA or prefix tuning.
+"""Fine-tune a causal LM on src/tgt pairs: full SFT, LoRA or prefix tuning, on the training engine.
 
-    python -m stages.finetune --method lora --model results/llama/pretrain \
+    torchrun --nproc_per_node 2 -m stages.finetune --method lora --model results/llama/pretrain \
         --data results/llama/data --out results/llama/lora --config '{...finetune.lora...}'
 
 Reads `<data>/sft/train.json` (and `dev.json` for the dev loss), encodes it with
-`stages.data.sft.encode_example` (loss on target tokens only), trains single-process with AdamW
-and the shared LR schedule, and writes atomically (docs/artifacts.md):
+`stages.data.sft.encode_example` (loss on target tokens only), and trains on the shared engine
+(`stages.training.engine`) in the section's layout, every method alike: world_size processes =
+data x tensor x pipeline parallel, DeepSpeed ZeRO from `sharding`, one checkpointer and resume
+path, one train_log.csv. LoRA and prefix tuning freeze the base and train only the adapter (our
+model: our own LoRA layers and prefix keys/values, split by tensor parallelism; other families:
+peft's, data parallel and ZeRO). With `packing`, several examples share a row. With `eval_steps`,
+dev metrics are logged beside the loss (`load_best_model_at_end` keeps the best). Writes
+atomically (docs/artifacts.md):
 - sft: an HF model dir (config.json, model.safetensors, generation_config.json, tokenizer files);
 - lora / prefix: a peft adapter dir (adapter_config.json, adapter_model.safetensors, tokenizer
   files) that loads with `peft.PeftModel.from_pretrained(base, dir)`, base = meta.json's parent;
 plus `train_log.csv` and `meta.json` (stage "finetune-<method>").
 
-With `--checkpoints DIR`, every method checkpoints every `save_steps` steps into
-`DIR/<fingerprint>/` and a rerun resumes from the newest complete checkpoint there: full SFT through
-the training engine, LoRA and prefix tuning through `stages.training.local_checkpoint` (same format).
+With `--checkpoints DIR`, checkpoints every `save_steps` steps into `DIR/<fingerprint>/` and a
+rerun resumes from the newest complete checkpoint there, in any layout.
 """
 
 from __future__ import annotations
@@ -21,35 +26,26 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
-import time
-from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
-import transformers
 
 from stages.adapters import ADAPTER_METHODS, attach_adapter, count_parameters
-from stages.checkpoint.atomic import atomic_dir
-from stages.checkpoint.hf import copy_tokenizer
-from stages.checkpoint.meta import write_meta
-from stages.checkpoint.store import StateReader
-from stages.checkpoint.weights import check_model_dir
+from stages.adapters.peft_files import peft_config_for, peft_model_tensors, peft_tensors, write_adapter
+from stages.checkpoint.integrity import sha256_file
 from stages.data.corpus import read_index
 from stages.data.sft import IGNORE_INDEX, encode_example, read_sft_file
 from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
 from stages.errors import InputError, run_cli
-from stages.training.batches import SftBatches
-from stages.checkpoint.integrity import sha256_file
-from stages.training.checkpointing import model_identity, run_fingerprint
+from stages.model import LlamaForCausalLM
+from stages.training.batches import PackedSftBatches, SftBatches
+from stages.training.checkpointing import model_identity
+from stages.training.dev_eval import DevEvaluator
 from stages.training.engine import finish_distributed, init_distributed, parallel_degrees
 from stages.training.engine import train as engine_train
-from stages.training.launcher_watch import exit_with_launcher
-from stages.training.local_checkpoint import LocalCheckpointer, restore
-from stages.training.log import TrainLog
-from stages.training.schedule import build_scheduler
+from stages.training.families import load_causal_lm
 from stages.training.seed import set_seed
 
 log = logging.getLogger(__name__)
@@ -60,8 +56,11 @@ REQUIRED_KEYS = (
     "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "min_learning_rate",
     "warmup_steps", "max_steps", "lr_scheduler_type", "weight_decay", "adam_beta1", "adam_beta2",
     "max_grad_norm", "seed", "logging_steps", "bf16", "src_length", "max_length",
+    "world_size", "sharding", "tensor_parallel_degree", "pipeline_parallel_degree", "packing",
+    "eval_steps", "eval_with_do_generation", "load_best_model_at_end", "metric_for_best_model",
+    "per_device_eval_batch_size", "num_eval_examples",
 )
-METHOD_KEYS = {"sft": ("world_size", "sharding", "tensor_parallel_degree", "pipeline_parallel_degree"), "lora": ("lora_rank", "lora_alpha", "lora_dropout", "target_modules"),
+METHOD_KEYS = {"sft": (), "lora": ("lora_rank", "lora_alpha", "lora_dropout", "target_modules"),
                "prefix": ("num_prefix_tokens",)}
 
 Example = tuple[list[int], list[int]]  # (input_ids, labels)
@@ -69,10 +68,21 @@ Example = tuple[list[int], list[int]]  # (input_ids, labels)
 
 # -- data ----------------------------------------------------------------------------------------
 def load_examples(path: Path, tokenizer, src_length: int, max_length: int, chat: bool = False) -> list[Example]:
-    """Encode every record of an SFT file (with `chat`, through the tokenizer's chat template);
-    examples whose targets were cut off entirely by `max_length` are dropped (they carry no
-    loss), with a warning counting them."""
-    examples = [encode_example(tokenizer, r, src_length, max_length, chat) for r in read_sft_file(path)]
+    """Encode every record of an SFT file (`encode_examples`)."""
+    return encode_examples(read_sft_file(path), path, tokenizer, src_length, max_length, chat)
+
+
+def encode_examples(records, path: Path, tokenizer, src_length: int, max_length: int,
+                    chat: bool = False) -> list[Example]:
+    """Encode SFT records (with `chat`, through the tokenizer's chat template). Examples longer
+    than `max_length` are cut to it, with a warning counting them; those whose targets were cut
+    off entirely are dropped (they carry no loss), with a warning counting them."""
+    full = [encode_example(tokenizer, r, src_length, 10**9, chat) for r in records]
+    cut = sum(len(ids) > max_length for ids, _ in full)
+    if cut:
+        log.warning("%s: %d of %d examples are longer than max_length=%d and were truncated (longest %d tokens)",
+                    path, cut, len(full), max_length, max(len(ids) for ids, _ in full))
+    examples = [(ids[:max_length], labels[:max_length]) for ids, labels in full]
     kept = [ex for ex in examples if any(label != IGNORE_INDEX for label in ex[1][1:])]
     if len(kept) < len(examples):
         log.warning("%s: dropped %d of %d examples with no target token left after max_length=%d",
@@ -95,22 +105,6 @@ def collate(examples: Sequence[Example], pad_token_id: int) -> dict[str, torch.T
         labels[i, :len(lab)] = torch.tensor(lab)
         attention_mask[i, :len(ids)] = 1
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
-
-
-def train_batches(examples: Sequence[Example], batch_size: int, pad_token_id: int,
-                  seed: int, skip: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-    """Endless micro-batches: each epoch is a fresh permutation drawn from (seed, epoch), so the
-    order depends only on the seed and not on any other use of the global RNG. The first `skip`
-    micro-batches are passed over without being built (a resumed run's data position)."""
-    epoch = 0
-    while True:
-        order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed + epoch))
-        for start in range(0, len(order), batch_size):
-            if skip > 0:
-                skip -= 1
-                continue
-            yield collate([examples[i] for i in order[start:start + batch_size]], pad_token_id)
-        epoch += 1
 
 
 def target_token_count(labels: torch.Tensor) -> int:
@@ -160,157 +154,13 @@ def check_section(method: str, config: dict[str, Any]) -> None:
                          f"max_length={config['max_length']} (room is needed for the target)")
 
 
-def build_optimizer(model: torch.nn.Module, config: dict[str, Any]) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters; weight decay only on matrices, since decaying norm
-    gains and biases towards zero only hurts (the usual GPT/Llama recipe)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": config["weight_decay"]},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=config["learning_rate"],
-                             betas=(config["adam_beta1"], config["adam_beta2"]))
-
-
-def train(model: torch.nn.Module, examples: Sequence[Example], config: dict[str, Any],
-          pad_token_id: int, train_log: TrainLog, checkpointer: LocalCheckpointer | None = None,
-          resume: StateReader | None = None) -> dict[str, Any]:
-    """Run `max_steps` optimizer steps of `gradient_accumulation_steps` micro-batches each.
-
-    With `checkpointer`, saves every `save_steps` steps; with `resume` (a checkpoint that
-    `checkpointer` wrote), continues after its step: trainable weights, Adam, LR schedule, RNG,
-    loss history and data position as they were, so the result is that of an uninterrupted run
-    (`train_log` must already hold the checkpoint's rows).
-
-    Returns first_loss, final_loss (per target token, of the first / last optimizer step),
-    train_tokens_per_s (non-pad input tokens per second of this process's steps) and
-    resumed_from_step (None when not resumed).
-    """
-    optimizer = build_optimizer(model, config)
-    scheduler = build_scheduler(optimizer, config)
-    params = [p for p in model.parameters() if p.requires_grad]
-    accum = config["gradient_accumulation_steps"]
-    start_step, losses, tokens_since_log = 0, [], 0
-    if resume is not None:
-        state = restore(resume, model, optimizer, scheduler)
-        start_step, losses, tokens_since_log = state["global_step"], state["losses"], state["tokens_since_log"]
-        log.info("resumed from %s at step %d of %d", resume.path, start_step, config["max_steps"])
-        resume.close()
-    batches = train_batches(examples, config["per_device_train_batch_size"], pad_token_id, config["seed"],
-                            skip=start_step * accum)
-    # bf16 autocast keeps fp32 master weights; the loss is computed in fp32 either way.
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if config["bf16"] else nullcontext
-    # max_grad_norm=0 disables clipping; an infinite threshold still measures the norm for the log.
-    clip = config["max_grad_norm"] or math.inf
-    model.train()
-    total_tokens, start = 0, time.perf_counter()
-    for step in range(start_step + 1, config["max_steps"] + 1):
-        micro = [next(batches) for _ in range(accum)]
-        # Normalise by the step's target tokens so a step's gradient is that of its mean token loss.
-        n_targets = max(sum(target_token_count(b["labels"]) for b in micro), 1)
-        step_loss = 0.0
-        for batch in micro:
-            with autocast():
-                loss = summed_loss(model, batch) / n_targets
-            loss.backward()
-            step_loss += loss.item()
-            tokens_since_log += int(batch["attention_mask"].sum())
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(step_loss)
-        if step % config["logging_steps"] == 0 or step == config["max_steps"]:
-            train_log.log(step, step_loss, lr, grad_norm, tokens_since_log)
-            total_tokens += tokens_since_log
-            tokens_since_log = 0
-        train_log.advance()
-        if checkpointer is not None and checkpointer.due(step, config["max_steps"]):
-            checkpointer.save(step, model, optimizer, scheduler, {
-                "max_steps": config["max_steps"], "losses": list(losses), "train_log": list(train_log.rows),
-                "tokens_since_log": tokens_since_log})
-    elapsed = time.perf_counter() - start
-    nan = float("nan")
-    return {"first_loss": losses[0] if losses else nan, "final_loss": losses[-1] if losses else nan,
-            "train_tokens_per_s": total_tokens / max(elapsed, 1e-9), "resumed_from_step": start_step or None}
-
-
 # -- the stage -----------------------------------------------------------------------------------
-def load_base(model_dir: str | Path) -> tuple[transformers.PreTrainedModel, Any]:
-    """The fp32 model and tokenizer of a local HF directory (no hub, no remote code, no pickle)."""
-    model_dir = Path(model_dir)
-    if not (model_dir / "config.json").exists():
-        raise InputError(f"--model {model_dir}: no config.json; expected a Hugging Face model "
-                         "directory such as results/<experiment>/pretrain")
-    check_model_dir(model_dir)  # sha256 against meta.json, no pickle, whole safetensors files
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=False, use_safetensors=True)
-    return model, load_model_tokenizer(model_dir)
-
-
 def pad_id(tokenizer) -> int:
     """The tokenizer's pad id, else eos: padded positions are masked out, so any id serves."""
     for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
         if value is not None:
             return value
     raise InputError("the tokenizer has neither a pad nor an eos token; set pad_token in tokenizer_config.json")
-
-
-def save_tokenizer(tokenizer, model_dir: Path, out: Path) -> None:
-    """Copy the parent's tokenizer files byte for byte when it has tokenizer.json, so every
-    artifact carries the same files as `prepare` wrote; else let transformers write them."""
-    if (model_dir / "tokenizer.json").exists():
-        copy_tokenizer(model_dir, out)
-    else:
-        tokenizer.save_pretrained(out)
-
-
-@torch.no_grad()
-def _dev_loss_of(model: torch.nn.Module, examples: Sequence[Example], batch_size: int, pad_token_id: int) -> float:
-    """Mean dev-target loss of the project's own model (forward(input_ids) -> logits; right
-    padding never reaches earlier positions under causal attention)."""
-    model.eval()
-    total, count = 0.0, 0
-    for start in range(0, len(examples), batch_size):
-        batch = collate(examples[start:start + batch_size], pad_token_id)
-        logits = model(batch["input_ids"])
-        labels = batch["labels"][:, 1:]
-        total += float(F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
-                                       ignore_index=IGNORE_INDEX, reduction="sum"))
-        count += target_token_count(batch["labels"])
-    return total / max(count, 1)
-
-
-def run_full_sft(model_dir: Path, out_dir: str | Path, config: dict[str, Any], tokenizer,
-                 examples: Sequence[Example], dev: Sequence[Example] | None, train_path: Path | None = None,
-                 checkpoint_dir: str | Path | None = None) -> dict[str, Any]:
-    """Full SFT on the shared training engine (stages.training.engine), in the section's layout:
-    world_size processes = data x tensor x pipeline parallel, DeepSpeed ZeRO from `sharding`.
-    The families our model implements train through it in every layout; any other causal LM
-    transformers supports trains through transformers' model with data parallel and ZeRO only
-    (`stages.training.families`). Every layout follows the single-process curve; the ranks write
-    an HF model dir. With `checkpoint_dir`, checkpoints every `save_steps` and resumes from the
-    newest complete one."""
-    import torch.distributed as dist
-
-    from stages.training.families import load_causal_lm
-
-    parallel_degrees(config)  # bad degrees fail before any process group exists
-    init_distributed()
-    model = load_causal_lm(model_dir)
-    pad = pad_id(tokenizer)
-    source = SftBatches(list(examples), config["max_length"], pad, config["seed"])
-    identity = {"base": model_identity(model_dir)}
-    if train_path is not None:
-        identity["train"] = sha256_file(train_path)
-    metrics = engine_train(model, source, config, out_dir, stage="finetune-sft", tokenizer_dir=model_dir,
-                           parent=model_dir, meta_config=config, checkpoint_dir=checkpoint_dir, identity=identity)
-    metrics.update(trainable_params=metrics["num_parameters"], total_params=metrics["num_parameters"],
-                   train_examples=len(examples), dev_loss=None)
-    if dev is not None and dist.get_rank() == 0:
-        final = load_causal_lm(out_dir)  # transformers' models take the attention mask, ours does not need it
-        score = dev_loss if isinstance(final, transformers.PreTrainedModel) else _dev_loss_of
-        metrics["dev_loss"] = score(final, dev, config["per_device_train_batch_size"], pad)
-    return metrics
 
 
 def sft_format(tokenizer, model_dir: Path, data_dir: Path) -> bool:
@@ -327,71 +177,102 @@ def sft_format(tokenizer, model_dir: Path, data_dir: Path) -> bool:
     return chat
 
 
-def adapter_checkpointer(checkpoint_dir: str | Path, method: str, config: dict[str, Any], model_dir: Path,
-                         train_path: Path) -> LocalCheckpointer:
-    """LoRA / prefix checkpoints in `checkpoint_dir/<fingerprint>`: the fingerprint hashes the
-    recipe, the base model's content, the training data and the method, so any change starts afresh."""
-    identity = {"base": model_identity(model_dir), "train": sha256_file(train_path), "method": method}
-    global_batch = config["per_device_train_batch_size"] * config["gradient_accumulation_steps"]
-    return LocalCheckpointer(Path(checkpoint_dir) / run_fingerprint(config, global_batch, identity), config)
+def build_source(config: dict[str, Any], examples: Sequence[Example], pad: int):
+    """The engine's batch source: padded rows, or with `packing` several examples per row."""
+    if config["packing"]:
+        shortest = min(len(ids) for ids, _ in examples)
+        if shortest > config["max_length"]:  # cannot happen after load_examples' cut; kept for direct callers
+            raise InputError(f"packing: max_length={config['max_length']} is shorter than every example "
+                             f"(shortest {shortest} tokens); raise max_length")
+        source = PackedSftBatches(list(examples), config["max_length"], pad, config["seed"])
+        log.info("packing: %d examples in %d rows of %d tokens (%.0f%% real tokens)", len(examples),
+                 len(source.rows), source.seq_len, 100 * source.fill)
+        return source
+    return SftBatches(list(examples), config["max_length"], pad, config["seed"])
+
+
+def dev_evaluator(config: dict[str, Any], dev: Sequence[Example] | None, dev_records, tokenizer, pad: int,
+                  chat: bool) -> DevEvaluator | None:
+    """What the engine evaluates every `eval_steps` (and at the end: meta.json's dev_loss), or
+    None without a dev set or under pipeline parallelism (the schedule only trains)."""
+    if dev is None or config["pipeline_parallel_degree"] > 1:
+        return None
+    generation = None
+    if config["eval_with_do_generation"]:
+        generation = {"tokenizer": tokenizer, "records": dev_records, "src_length": config["src_length"],
+                      "max_new_tokens": config["max_length"] - config["src_length"], "chat": chat}
+    return DevEvaluator(dev, config["per_device_eval_batch_size"], pad, generation=generation)
+
+
+def adapter_writer(method: str, config: dict[str, Any], model: torch.nn.Module, model_dir: Path):
+    """Writes the trained adapter tensors (whole, by the training model's names) as a peft adapter dir."""
+    if isinstance(model, LlamaForCausalLM):
+        peft_config = peft_config_for(method, config, model_dir)
+        num_layers = model.config.num_hidden_layers
+
+        def write(tmp: Path, tensors: dict[str, torch.Tensor]) -> None:
+            write_adapter(tmp, peft_config, peft_tensors(method, tensors, num_layers), model_dir)
+    else:  # peft on a transformers model
+        peft_config = model.peft_config["default"]
+
+        def write(tmp: Path, tensors: dict[str, torch.Tensor]) -> None:
+            write_adapter(tmp, peft_config, peft_model_tensors(model, tensors), model_dir)
+    return write
 
 
 def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str | Path,
         config: dict[str, Any], checkpoint_dir: str | Path | None = None) -> dict[str, Any]:
     """Fine-tune the model in `model_dir` on `data_dir/sft/train.json` with `method` and the
-    validated `finetune.<method>` section `config`; write `out_dir` atomically; return metrics.
-    Full SFT runs on the distributed training engine (any layout); LoRA and prefix tuning train
-    the peft adapter in one process. With `checkpoint_dir`, every method checkpoints every
-    `save_steps` steps and resumes as `resume_from_checkpoint` says."""
+    validated `finetune.<method>` section `config`, on the training engine in the section's
+    layout; write `out_dir` atomically; return metrics (every rank). With `checkpoint_dir`,
+    checkpoints every `save_steps` steps and resumes as `resume_from_checkpoint` says."""
+    import torch.distributed as dist
+
     check_section(method, config)
     model_dir, data_dir = Path(model_dir), Path(data_dir)
-    set_seed(config["seed"])
     train_path, dev_path = data_dir / "sft" / "train.json", data_dir / "sft" / "dev.json"
     if not train_path.exists():
         raise InputError(f"--data {data_dir}: {train_path} is missing; run the prepare stage first")
-    if method == "sft":
-        tokenizer = load_model_tokenizer(model_dir)
-        chat = sft_format(tokenizer, model_dir, data_dir)
-        examples = load_examples(train_path, tokenizer, config["src_length"], config["max_length"], chat)
-        dev = (load_examples(dev_path, tokenizer, config["src_length"], config["max_length"], chat)
-               if dev_path.exists() else None)
-        metrics = run_full_sft(model_dir, out_dir, config, tokenizer, examples, dev, train_path, checkpoint_dir)
-        log.info("finetune-sft: loss %.4f -> %.4f, dev loss %s", metrics["first_loss"], metrics["final_loss"],
-                 metrics["dev_loss"])
-        return metrics
-    model, tokenizer = load_base(model_dir)
+    if not (model_dir / "config.json").exists():
+        raise InputError(f"--model {model_dir}: no config.json; expected a Hugging Face model "
+                         "directory such as results/<experiment>/pretrain")
+    degrees = parallel_degrees(config)  # bad degrees fail before any process group exists
+    init_distributed()
+    set_seed(config["seed"])
+    tokenizer = load_model_tokenizer(model_dir)
     chat = sft_format(tokenizer, model_dir, data_dir)
     pad = pad_id(tokenizer)
     examples = load_examples(train_path, tokenizer, config["src_length"], config["max_length"], chat)
-    # Seeded above, so the adapter's initial weights (LoRA's A) repeat from run to run.
-    model = attach_adapter(model, method, config)
+    dev = dev_records = None
+    if dev_path.exists():
+        dev_records = read_sft_file(dev_path)[:config["num_eval_examples"] or None]
+        dev = encode_examples(dev_records, dev_path, tokenizer, config["src_length"], config["max_length"], chat)
+    else:
+        log.warning("%s is missing; no evaluation, meta.json gets dev_loss=null", dev_path)
+
+    model = load_causal_lm(model_dir)
+    if config["packing"] and not isinstance(model, LlamaForCausalLM):
+        raise InputError(f"finetune.{method}.packing: {model_dir} trains through transformers' "
+                         f"{type(model).__name__}, whose attention does not keep packed examples apart; "
+                         "packing needs a family our model implements (Llama, Qwen2, Mistral)")
+    if method != "sft":  # seeded above: the adapter's initial weights repeat, the same on every rank
+        model = attach_adapter(model, method, config)
     trainable, total = count_parameters(model)
-    log.info("finetune-%s: %d examples, %d of %d parameters trainable", method, len(examples), trainable, total)
-    checkpointer = resume = None
-    if checkpoint_dir is not None:
-        checkpointer = adapter_checkpointer(checkpoint_dir, method, config, model_dir, train_path)
-        resume = checkpointer.find()
-    with atomic_dir(out_dir) as tmp:
-        train_log = TrainLog(tmp / "train_log.csv", config["max_steps"], desc=f"finetune-{method}",
-                             previous=resume.trainer_state["train_log"] if resume is not None else None)
-        try:
-            metrics: dict[str, Any] = train(model, examples, config, pad, train_log, checkpointer, resume)
-        finally:
-            train_log.close()
-        metrics.update(trainable_params=trainable, total_params=total, train_examples=len(examples),
-                       dev_loss=None)
-        if dev_path.exists():
-            dev = load_examples(dev_path, tokenizer, config["src_length"], config["max_length"], chat)
-            metrics["dev_loss"] = dev_loss(model, dev, config["per_device_train_batch_size"], pad)
-        else:
-            log.warning("%s is missing; meta.json gets dev_loss=null", dev_path)
-        # peft models save only the adapter (adapter_config.json, adapter_model.safetensors).
-        model.save_pretrained(tmp, safe_serialization=True)
-        save_tokenizer(tokenizer, model_dir, tmp)
-        write_meta(tmp, stage=f"finetune-{method}", config=config, parent=model_dir,
-                   seed=config["seed"], metrics=metrics)
-    log.info("finetune-%s: loss %.4f -> %.4f, dev loss %s", method, metrics["first_loss"],
-             metrics["final_loss"], metrics["dev_loss"])
+    if dist.get_rank() == 0:
+        log.info("finetune-%s: %d examples, %d of %d parameters trainable, layout %s", method, len(examples),
+                 trainable, total, degrees)
+    identity = {"base": model_identity(model_dir), "train": sha256_file(train_path), "method": method}
+    evaluator = dev_evaluator(config, dev, dev_records, tokenizer, pad, chat)
+    writer = adapter_writer(method, config, model, model_dir) if method != "sft" else None
+    metrics = engine_train(model, build_source(config, examples, pad), config, out_dir, stage=f"finetune-{method}",
+                           tokenizer_dir=model_dir, parent=model_dir, meta_config=config,
+                           checkpoint_dir=checkpoint_dir, identity=identity, evaluator=evaluator,
+                           adapter_writer=writer,
+                           extra_metrics={"trainable_params": trainable, "total_params": total,
+                                          "train_examples": len(examples)})
+    if dist.get_rank() == 0:
+        log.info("finetune-%s: loss %.4f -> %.4f, dev loss %s", method, metrics["first_loss"], metrics["final_loss"],
+                 metrics["dev_loss"])
     return metrics
 
 
@@ -417,9 +298,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         parser.error(f"--config must be a JSON object (the finetune.{args.method} section), "
                      f"got {type(config).__name__}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    exit_with_launcher()  # LoRA / prefix ranks never reach init_distributed's watch
     metrics = run(args.method, args.model, args.data, args.out, config, args.checkpoints)
-    finish_distributed()  # no-op for the single-process LoRA / prefix loop
+    finish_distributed()
     return metrics
 
 

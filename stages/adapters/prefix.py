@@ -8,8 +8,8 @@ Checked with transformers 5.23 (LlamaForCausalLM) and peft 0.21.2, no workaround
 training forward/backward reaches the prefix embedding; `generate` (greedy, batched with left
 padding, repeated calls) gives the same tokens as step-by-step full forwards with the prefix, with
 per-step logits within 3e-7; save/load round-trips exactly; GQA models get prefixes of
-`num_key_value_heads * head_dim` per layer; the real tokens keep RoPE positions 0, 1, ... (the
-prefix takes cache slots, not positions). tests/unit/test_adapters.py keeps these checks, so an
+`num_key_value_heads * head_dim` per layer; the real tokens take RoPE positions P, P+1, ... after the
+prefix's P cache slots. tests/unit/test_adapters.py keeps these checks, so an
 upgrade that breaks one of them fails there first. Qwen2, Mistral, GPT-2, OPT, Bloom and GPT-NeoX
 train and evaluate (batched left-padded generation included) with a prefix too:
 tests/unit/test_families.py (slow).

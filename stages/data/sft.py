@@ -44,6 +44,10 @@ def parse_record(obj: Any, where: str) -> SftRecord:
         if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
             raise SftDataError(f"{where}: '{key}' must be a string or a non-empty list of strings")
         fields[key] = value
+    empty = [i for i, t in enumerate(fields["tgt"]) if not t.strip()]
+    if empty:
+        raise SftDataError(f"{where}: 'tgt' is empty (round {empty[0] + 1}); an empty answer would teach the model "
+                           "to stop at once: fill in the answer or remove the line")
     if len(fields["src"]) != len(fields["tgt"]):
         raise SftDataError(f"{where}: 'src' has {len(fields['src'])} rounds but 'tgt' has "
                            f"{len(fields['tgt'])}; multi-turn lists must have equal length")

@@ -49,17 +49,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def sliding_window_causal_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
-    """(T, T) bool, True where query i may attend key j: i - window < j <= i (the query and the
-    window - 1 tokens before it, as transformers' sliding_window_overlay on the causal mask)."""
+def segment_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) index of the packed example each token belongs to: a new one starts wherever the
+    position ids restart at 0 (how packed rows mark their examples, as transformers'
+    DataCollatorWithFlattening does)."""
+    return torch.cumsum((position_ids == 0).long(), dim=-1)
+
+
+def attention_mask(seq_len: int, window: int | None, segments: torch.Tensor | None, prefix_len: int,
+                   device: torch.device) -> torch.Tensor:
+    """Bool mask, True where a query may attend a key: causal (within `window` tokens when given),
+    inside the query's own packed example when `segments` (B, T) is given, and always to the
+    `prefix_len` prefix keys placed before the real ones. (T, P+T), or (B, 1, T, P+T) with segments."""
     pos = torch.arange(seq_len, device=device)
     distance = pos[:, None] - pos[None, :]  # (T, T) query index minus key index
-    return (distance >= 0) & (distance < window)
+    mask = distance >= 0
+    if window is not None:
+        mask = mask & (distance < window)
+    if segments is not None:
+        mask = mask & (segments[:, :, None] == segments[:, None, :])  # (B, T, T)
+        mask = mask[:, None]  # (B, 1, T, T): the same for every head
+    if prefix_len:
+        prefix = torch.ones((*mask.shape[:-1], prefix_len), dtype=torch.bool, device=device)
+        mask = torch.cat([prefix, mask], dim=-1)
+    return mask
 
 
 class Attention(nn.Module):
     """Causal multi-head attention with grouped KV heads, rotary positions and, on the layers the
-    config marks sliding, a window of `sliding_window` tokens."""
+    config marks sliding, a window of `sliding_window` tokens.
+
+    Prefix tuning (`stages.adapters.prefix_kv`) gives the layer `prefix_key` and `prefix_value`
+    parameters (K, P, hd): P keys/values every query sees before the real tokens, taken as they
+    are (already rotated, as a KV cache); the real tokens take positions P, P+1, ... (`run_layers`).
+    """
 
     def __init__(self, config: LlamaConfig, layer_idx: int):
         super().__init__()
@@ -74,7 +97,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=config.o_proj_bias)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # Head counts are read from the projection widths, so a tensor-parallel shard whose
         # projections hold heads/tp heads runs this same code on its local heads.
@@ -82,16 +106,22 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, K, T, hd)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, K, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        prefix_key = getattr(self, "prefix_key", None)
+        prefix_len = 0 if prefix_key is None else prefix_key.shape[1]
+        if prefix_len:  # (K, P, hd) -> (B, K, P, hd) before the real keys and values
+            k = torch.cat([prefix_key.to(k.dtype).expand(B, -1, -1, -1), k], dim=2)
+            v = torch.cat([self.prefix_value.to(v.dtype).expand(B, -1, -1, -1), v], dim=2)
         groups = q.shape[1] // k.shape[1]
         if groups > 1:  # each KV head serves `groups` query heads
             k = k.repeat_interleave(groups, dim=1)  # (B, H, T, hd)
             v = v.repeat_interleave(groups, dim=1)
         dropout = self.attention_dropout if self.training else 0.0
-        if self.sliding_window is None or T <= self.sliding_window:
-            # the window covers the whole sequence: keep SDPA's causal fast path, no mask tensor
+        window = self.sliding_window if self.sliding_window is not None and T > self.sliding_window else None
+        if window is None and segments is None and not prefix_len:
+            # plain causal attention: SDPA's causal fast path, no mask tensor
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)  # (B, H, T, hd)
         else:
-            mask = sliding_window_causal_mask(T, self.sliding_window, x.device)  # (T, T)
+            mask = attention_mask(T, window, segments, prefix_len, x.device)  # (T, P+T) or (B, 1, T, P+T)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)  # (B, H, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*hd)
         return self.o_proj(y)
@@ -121,8 +151,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segments: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -137,8 +168,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder-only LM. `forward(input_ids, labels)` returns logits and, with labels, the mean
-    next-token cross-entropy over labels != IGNORE_INDEX (labels are shifted inside, as in HF)."""
+    """Decoder-only LM. `forward(input_ids, labels, position_ids)` returns logits and, with labels,
+    the mean next-token cross-entropy over labels != IGNORE_INDEX (labels are shifted inside, as in
+    HF). `position_ids` (B, T) marks packed rows: positions restart at 0 for every example, and
+    attention stays inside each example."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -164,10 +197,11 @@ class LlamaForCausalLM(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None):
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None):
         x = self.model.embed_tokens(input_ids)  # (B, T, d)
         x = run_layers(self.model.layers.values(), x, self.rotary_emb,
-                       recompute=self.gradient_checkpointing and self.training)
+                       recompute=self.gradient_checkpointing and self.training, position_ids=position_ids)
         logits = self.lm_head(self.model.norm(x))  # (B, T, V)
         if labels is None:
             return logits
@@ -175,14 +209,32 @@ class LlamaForCausalLM(nn.Module):
 
 
 def run_layers(layers: Iterable[DecoderLayer], x: torch.Tensor, rotary_emb: RotaryEmbedding,
-               recompute: bool = False) -> torch.Tensor:
-    """Hidden states (B, T, d) through `layers` in order, with the RoPE tables of T positions.
-    The one code path of the whole model and of each pipeline stage; `recompute` checkpoints
-    one block at a time (activations are recomputed in backward)."""
-    cos, sin = rotary_emb(x.shape[1], x.device, x.dtype)  # (T, hd) each
+               recompute: bool = False, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Hidden states (B, T, d) through `layers` in order, with the RoPE tables of T positions (of
+    `position_ids` (B, T) when given: packed rows, each example from position 0 and attending only
+    to itself). With a prefix (prefix tuning) the real tokens start at position P, after the P
+    prefix slots, as transformers numbers them behind peft's prefix cache. The one code path of
+    the whole model and of each pipeline stage; `recompute` checkpoints one block at a time
+    (activations are recomputed in backward)."""
+    layers = list(layers)
+    offset = prefix_length(layers)
+    cos, sin = rotary_emb(x.shape[1] + offset, x.device, x.dtype)  # (P+T, hd) each
+    segments = None
+    if position_ids is not None:
+        segments = segment_ids(position_ids)  # (B, T)
+        cos, sin = cos[position_ids + offset].unsqueeze(1), sin[position_ids + offset].unsqueeze(1)  # (B, 1, T, hd)
+    else:
+        cos, sin = cos[offset:], sin[offset:]  # (T, hd)
     for layer in layers:
-        x = checkpoint(layer, x, cos, sin, use_reentrant=False) if recompute else layer(x, cos, sin)
+        x = (checkpoint(layer, x, cos, sin, segments, use_reentrant=False) if recompute
+             else layer(x, cos, sin, segments))
     return x
+
+
+def prefix_length(layers: list[DecoderLayer]) -> int:
+    """P of a prefix-tuned model's layers (every layer has the same), else 0."""
+    key = getattr(layers[0].self_attn, "prefix_key", None) if layers else None
+    return 0 if key is None else key.shape[1]
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ from stages.parallel.tensor import (
     RowParallelLinear,
     VocabParallelEmbedding,
     _TensorParallelModule,
+    mark_tensor_parallel,
     shard_tensor,
     vocab_parallel_causal_lm_loss,
 )
@@ -99,16 +100,27 @@ def apply_tensor_parallel(model: nn.Module, topology_or_group, tensor_parallel_o
         setattr(parent, child, _parallel_module(module, style, group, tensor_parallel_output))
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight  # same rows on this rank
+    rank = dist.get_rank(group=group)
     for module in model.modules():  # informational only: forward reads widths, not these
         if hasattr(module, "num_kv_heads") and hasattr(module, "num_heads"):
             module.num_heads //= tp
             module.num_kv_heads //= tp
+            _shard_prefix(module, rank, tp)
 
     model.tensor_parallel_degree = tp
     if tensor_parallel_output and tp > 1:
         # the model's forward(input_ids, labels) then returns the vocab-parallel loss
         model.loss_function = functools.partial(_causal_lm_loss_with_group, group=group)
     return model
+
+
+def _shard_prefix(attention: nn.Module, rank: int, tp: int) -> None:
+    """A prefix-tuned attention layer keeps the prefix keys/values of its own KV heads (K, P, hd)."""
+    for name in ("prefix_key", "prefix_value"):
+        full = getattr(attention, name, None)
+        if full is not None:
+            local = nn.Parameter(shard_tensor(full.detach(), 0, rank, tp), requires_grad=full.requires_grad)
+            setattr(attention, name, mark_tensor_parallel(local, 0))
 
 
 def _causal_lm_loss_with_group(logits: torch.Tensor, labels: torch.Tensor, group) -> torch.Tensor:

@@ -6,7 +6,14 @@ checkpoint code reads to merge or split shards). Parameters without the tag are 
 every rank of the tensor-parallel group and receive identical gradients.
 
 Layers are built from the dense module (`from_dense`): the full weight is initialised once from
-the seed and each rank keeps its contiguous slice, so TP=2 starts from exactly TP=1's weights.
+the seed and each rank keeps its contiguous slice, so TP=2 starts from exactly TP=1's weights. A
+frozen dense weight stays frozen.
+
+LoRA (`stages.adapters.lora_linear.LoraLinear`) is split the way its base weight is:
+column-parallel keeps A whole and splits B by output rows, Y_r += s B_r (A x), the r-wide A x
+entering the parallel region like x (its gradient all-reduced); row-parallel splits A by input
+columns and keeps B whole, Y += s B (sum_r A_r x_r), the r-wide partial products all-reduced
+before B. Replicated factors thus get the same, full gradient on every rank.
 Shapes: N tokens (any leading dims), tp the group size, r this rank's index in it.
 """
 
@@ -50,6 +57,28 @@ class _TensorParallelModule(nn.Module):
         self.group = group
         self.tp_rank = dist.get_rank(group=group)
         self.tp_size = dist.get_world_size(group=group)
+        self.lora_A = self.lora_B = None  # LoRA factors, from attach_lora
+
+    def attach_lora(self, dense: nn.Module, split_a: bool) -> None:
+        """Take over `dense`'s LoRA factors (a LoraLinear), A split along its input (`split_a`,
+        row-parallel) or B along its output (column-parallel), the other factor replicated."""
+        a, b = dense.lora_A.weight, dense.lora_B.weight  # (r, in), (out, r)
+        if split_a:
+            a = mark_tensor_parallel(nn.Parameter(shard_tensor(a.detach(), 1, self.tp_rank, self.tp_size)), 1)
+            b = nn.Parameter(b.detach().clone())
+        else:
+            a = nn.Parameter(a.detach().clone())
+            b = mark_tensor_parallel(nn.Parameter(shard_tensor(b.detach(), 0, self.tp_rank, self.tp_size)), 0)
+        self.lora_A = nn.Linear(a.shape[1], a.shape[0], bias=False, device="meta")
+        self.lora_B = nn.Linear(b.shape[1], b.shape[0], bias=False, device="meta")
+        self.lora_A.weight, self.lora_B.weight = a, b
+        self.lora_dropout, self.lora_scaling = dense.lora_dropout, dense.lora_scaling
+
+    def _freeze_like(self, dense: nn.Module) -> None:
+        for name in ("weight", "bias"):
+            mine, theirs = getattr(self, name, None), getattr(dense, name, None)
+            if mine is not None and theirs is not None:
+                mine.requires_grad_(theirs.requires_grad)
 
     def _load_shards(self, full: dict[str, torch.Tensor | None]) -> None:
         with torch.no_grad():
@@ -85,11 +114,16 @@ class ColumnParallelLinear(_TensorParallelModule):
         layer = cls(dense.in_features, dense.out_features, group, bias=dense.bias is not None,
                     gather_output=gather_output, dtype=dense.weight.dtype).to(dense.weight.device)
         layer._load_shards({"weight": dense.weight, "bias": dense.bias})
+        layer._freeze_like(dense)
+        if getattr(dense, "lora_A", None) is not None:
+            layer.attach_lora(dense, split_a=False)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tensor_parallel_region(x, self.group)
-        y = F.linear(x, self.weight, self.bias)  # (N, out/tp)
+        y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)  # (N, out/tp)
+        if self.lora_A is not None:
+            h = copy_to_tensor_parallel_region(self.lora_A(self.lora_dropout(x)), self.group)  # (N, r)
+            y = y + self.lora_B(h) * self.lora_scaling
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -122,6 +156,9 @@ class RowParallelLinear(_TensorParallelModule):
         layer = cls(dense.in_features, dense.out_features, group, bias=dense.bias is not None,
                     input_is_parallel=input_is_parallel, dtype=dense.weight.dtype).to(dense.weight.device)
         layer._load_shards({"weight": dense.weight, "bias": dense.bias})
+        layer._freeze_like(dense)
+        if getattr(dense, "lora_A", None) is not None:
+            layer.attach_lora(dense, split_a=True)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,6 +166,9 @@ class RowParallelLinear(_TensorParallelModule):
             x = scatter_to_tensor_parallel_region(x, self.group)
         partial = F.linear(x, self.weight)  # (N, out), this rank's share of the sum
         y = reduce_from_tensor_parallel_region(partial, self.group)
+        if self.lora_A is not None:
+            h = reduce_from_tensor_parallel_region(self.lora_A(self.lora_dropout(x)), self.group)  # (N, r)
+            y = y + self.lora_B(h) * self.lora_scaling
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -156,6 +196,7 @@ class VocabParallelEmbedding(_TensorParallelModule):
     def from_dense(cls, dense: nn.Embedding, group) -> "VocabParallelEmbedding":
         layer = cls(dense.num_embeddings, dense.embedding_dim, group, dtype=dense.weight.dtype).to(dense.weight.device)
         layer._load_shards({"weight": dense.weight})
+        layer._freeze_like(dense)
         return layer
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,10 @@
-"""Where training batches come from: fixed-length corpus windows (pretraining) and padded SFT
-examples (full fine-tuning). Both hand each optimizer step the same global batch whatever the
-number of data-parallel ranks, so every layout sees the same tokens.
+"""Where training batches come from: fixed-length corpus windows (pretraining) and SFT examples
+(fine-tuning: padded one to a row, or packed several to a row). All hand each optimizer step the
+same global batch whatever the number of data-parallel ranks, so every layout sees the same tokens.
 
 `micro_batches(step, global_batch, rank, world, micro)` returns this rank's micro-batches of
-step `step` as (input_ids, labels) pairs of int64 (micro, T) tensors; labels are -100 where
-nothing is learned.
+step `step` as (input_ids, labels) pairs of int64 (micro, T) tensors, packed rows adding their
+position_ids; labels are -100 where nothing is learned.
 """
 
 from __future__ import annotations
@@ -82,3 +82,68 @@ class SftBatches:
         mine = torch.from_numpy(_rank_slice(_epoch_order(step * global_batch, global_batch, len(self.ids),
                                                          self.seed), rank, world))
         return [(self.ids[mine[j:j + micro]], self.labels[mine[j:j + micro]]) for j in range(0, len(mine), micro)]
+
+
+def pack_examples(examples: list[tuple[list[int], list[int]]], max_length: int,
+                  seed: int) -> list[list[int]]:
+    """Example indices per packed row: first-fit decreasing over a seeded shuffle (ties keep the
+    shuffled order), each row holding at most `max_length` tokens. Examples must fit alone."""
+    order = np.random.default_rng(seed).permutation(len(examples))
+    order = sorted(order, key=lambda i: -len(examples[i][0]))  # stable: the shuffle breaks ties
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        size = len(examples[i][0])
+        if size > max_length:
+            raise ValueError(f"example {i} has {size} tokens, more than max_length={max_length}")
+        for r, room in enumerate(free):
+            if size <= room:
+                rows[r].append(int(i))
+                free[r] -= size
+                break
+        else:
+            rows.append([int(i)])
+            free.append(max_length - size)
+    return rows
+
+
+class PackedSftBatches:
+    """SFT examples packed several to a row of `max_length` tokens (PaddleNLP's intokens, zero
+    padding): micro-batches are (input_ids, labels, position_ids). Position ids restart at 0 for
+    every example, which our model reads as example boundaries (attention stays inside each
+    example, `stages.model.llama.segment_ids`); the first token of every example is never a label,
+    so no example learns from the one before it. The rows are packed once (seeded) and drawn in a
+    seeded order per epoch, like `SftBatches`' examples."""
+
+    def __init__(self, examples: list[tuple[list[int], list[int]]], max_length: int, pad_token_id: int, seed: int):
+        if not examples:
+            raise ValueError("no SFT examples to train on")
+        self.rows = pack_examples(examples, max_length, seed)
+        self.seq_len = max_length
+        n = len(self.rows)
+        self.ids = torch.full((n, max_length), pad_token_id, dtype=torch.long)
+        self.labels = torch.full((n, max_length), IGNORE_INDEX, dtype=torch.long)
+        self.position_ids = torch.zeros((n, max_length), dtype=torch.long)
+        for r, members in enumerate(self.rows):
+            at = 0
+            for i in members:
+                ids, labels = examples[i]
+                self.ids[r, at:at + len(ids)] = torch.tensor(ids)
+                self.labels[r, at + 1:at + len(ids)] = torch.tensor(labels[1:len(ids)], dtype=torch.long)
+                self.position_ids[r, at:at + len(ids)] = torch.arange(len(ids))
+                at += len(ids)
+            self.position_ids[r, at:] = torch.arange(max_length - at)  # the padding: one more "example"
+        self.seed = seed
+        self.tokens = sum(len(ids) for ids, _ in examples)  # real (non-padding) tokens
+
+    @property
+    def fill(self) -> float:
+        """Share of row positions holding real tokens."""
+        return self.tokens / (len(self.rows) * self.seq_len)
+
+    def micro_batches(self, step: int, global_batch: int, rank: int, world: int,
+                      micro: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        mine = torch.from_numpy(_rank_slice(_epoch_order(step * global_batch, global_batch, len(self.rows),
+                                                         self.seed), rank, world))
+        return [(self.ids[mine[j:j + micro]], self.labels[mine[j:j + micro]], self.position_ids[mine[j:j + micro]])
+                for j in range(0, len(mine), micro)]

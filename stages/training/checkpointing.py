@@ -1,7 +1,8 @@
 """Checkpoints of the training engine: save in any layout, resume in any other.
 
 What a checkpoint holds (see `stages.checkpoint.store` for the files): the fp32 master weights
-and Adam's moments of every parameter under its single-device name, the optimizer step count,
+and Adam's moments of every trained parameter under its single-device name (for LoRA and prefix
+tuning the adapter's only: the frozen base is the run's input, part of its fingerprint), the optimizer step count,
 the LR scheduler, DeepSpeed's loss scaler and step counters, the RNG states of every rank, the
 data position (the optimizer step: batches are indexed by step) and the loss history.
 
@@ -76,6 +77,7 @@ LAYOUT_KEYS = frozenset({
     "pipeline_parallel_degree", "virtual_pp_degree", "recompute", "torch_compile", "logging_steps",
     "per_device_train_batch_size", "gradient_accumulation_steps", "save_steps", "save_total_limit",
     "unified_checkpoint", "async_save", "resume_from_checkpoint",
+    "eval_steps", "eval_with_do_generation", "per_device_eval_batch_size", "num_eval_examples",
 })
 
 
@@ -178,6 +180,11 @@ def restore_scheduler(scheduler, state: dict[str, Any]) -> None:
         group["lr"] = lr
 
 
+def trained_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) of what the optimizer updates: every parameter, or an adapter's only."""
+    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+
+
 def _partition_dim(param: torch.nn.Parameter) -> int | None:
     return getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
 
@@ -247,8 +254,9 @@ def _file_names(unified: bool, rank: int, world: int, topology: Topology) -> tup
 
 
 def snapshot(engine, access: OptimizerAccess, names: dict[str, str], topology: Topology, *,
-             unified: bool, optimizer: bool) -> RankPart:
-    """This rank's share of the checkpoint, copied to CPU memory. Collective over every rank."""
+             unified: bool, optimizer: bool, writer: int | None = None) -> RankPart:
+    """This rank's share of the checkpoint, copied to CPU memory. Collective over every rank.
+    With `writer` (unified, no pipeline) that rank takes every whole tensor."""
     rank, world = dist.get_rank(), dist.get_world_size()
     tp, dp = topology.degrees.tensor_parallel_degree, topology.get_data_parallel_world_size()
     tp_rank, dp_rank = topology.coordinates["tensor"], topology.get_data_parallel_rank()
@@ -256,7 +264,7 @@ def snapshot(engine, access: OptimizerAccess, names: dict[str, str], topology: T
     part = RankPart(rank)
     keys = [None, *OPTIMIZER_KEYS] if optimizer else [None]
     turn = 0
-    for local_name, param in engine.module.named_parameters():
+    for local_name, param in trained_parameters(engine.module):
         name, dim = names.get(local_name, local_name), _partition_dim(param)
         for key in keys:
             tensor = access.get(param, key)  # this tensor-parallel slice, whole over data parallel
@@ -266,7 +274,7 @@ def snapshot(engine, access: OptimizerAccess, names: dict[str, str], topology: T
                     slices = [torch.empty_like(tensor) for _ in range(tp)]
                     dist.all_gather(slices, tensor.contiguous(), group=topology.tp_group)
                     tensor = torch.cat(slices, dim=dim)
-                if turn % (tp * dp) == dp_rank * tp + tp_rank:
+                if (rank == writer) if writer is not None else turn % (tp * dp) == dp_rank * tp + tp_rank:
                     part.add(file, tkey, tensor.detach().float().cpu().clone())
             elif (dim is not None or tp_rank == 0) and turn % dp == dp_rank:
                 part.add(file, tkey, tensor.detach().float().cpu().clone(), tp_rank=tp_rank,
@@ -278,11 +286,11 @@ def snapshot(engine, access: OptimizerAccess, names: dict[str, str], topology: T
 
 
 def load_model_weights(model: torch.nn.Module, reader: StateReader) -> None:
-    """Copy the checkpoint's master weights into the full (not yet parallelised) model. A tied
-    lm_head is one parameter under its embedding's name (`named_parameters` lists it once, and a
-    checkpoint holds it once), so loading the embedding loads both and the tie stays."""
+    """Copy the checkpoint's master weights into the full (not yet parallelised) model's trained
+    parameters. A tied lm_head is one parameter under its embedding's name (`named_parameters`
+    lists it once, and a checkpoint holds it once), so loading the embedding loads both and the tie stays."""
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in trained_parameters(model):
             param.copy_(reader.get(name).to(param.dtype))
 
 
@@ -293,7 +301,7 @@ def restore_training_state(engine, access: OptimizerAccess, names: dict[str, str
     state = reader.trainer_state
     access.ensure_state(state["optimizer_step"])
     tp, tp_rank = topology.degrees.tensor_parallel_degree, topology.coordinates["tensor"]
-    for local_name, param in engine.module.named_parameters():
+    for local_name, param in trained_parameters(engine.module):
         name, dim = names.get(local_name, local_name), _partition_dim(param)
         for key in (None, *OPTIMIZER_KEYS):
             full = reader.get(name if key is None else optimizer_key(name, key))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import copy_tokenizer
 from stages.checkpoint.meta import write_meta
 from stages.model import IGNORE_INDEX, LlamaForCausalLM
@@ -41,6 +43,8 @@ from stages.training.checkpointing import (
     load_model_weights,
     restore_training_state,
     run_fingerprint,
+    snapshot,
+    trained_parameters,
     write_final,
 )
 from stages.training.capabilities import fp16_unsupported_reason
@@ -181,11 +185,13 @@ class PipelineModules(torch.nn.Module):
         return {k: k.split(".", 2)[2] for k in self.state_dict()}
 
 
-def _token_sum_loss(engine, ids: torch.Tensor, labels: torch.Tensor, tp_group) -> torch.Tensor:
+def _token_sum_loss(engine, ids: torch.Tensor, labels: torch.Tensor, tp_group,
+                    position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Summed next-token cross-entropy over labels != -100 (logits split over the vocabulary when
     `tp_group` is given, i.e. tensor_parallel_output). Our model returns the logits, a transformers
-    model a ModelOutput holding them; right padding needs no attention mask under causal attention."""
-    output = engine(input_ids=ids)
+    model a ModelOutput holding them; right padding needs no attention mask under causal attention.
+    `position_ids` marks packed rows (our model only)."""
+    output = engine(input_ids=ids) if position_ids is None else engine(input_ids=ids, position_ids=position_ids)
     logits = output if torch.is_tensor(output) else output.logits  # (B, T, V) or (B, T, V/tp)
     shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
     shift_labels = labels[:, 1:].reshape(-1)
@@ -195,7 +201,7 @@ def _token_sum_loss(engine, ids: torch.Tensor, labels: torch.Tensor, tp_group) -
     return per_token.sum()
 
 
-def train_step(engine, runner: PipelineRunner | None, batches: list[tuple[torch.Tensor, torch.Tensor]],
+def train_step(engine, runner: PipelineRunner | None, batches: list[tuple[torch.Tensor, ...]],
                num_tokens: int, dp: int, clip: Callable[[torch.nn.Module], float] | None,
                tp_group=None) -> tuple[torch.Tensor, float | None]:
     """One optimizer step over this rank's micro-batches; returns (this rank's share of the step
@@ -218,8 +224,9 @@ def train_step(engine, runner: PipelineRunner | None, batches: list[tuple[torch.
         engine.step()
         return share, grad_norm
     share, grad_norm, accum = torch.zeros(()), None, len(batches)
-    for i, (ids, labels) in enumerate(batches):
-        loss_sum = _token_sum_loss(engine, ids.to(engine.device), labels.to(engine.device), tp_group)
+    for i, (ids, labels, *packed) in enumerate(batches):
+        position_ids = packed[0].to(engine.device) if packed else None  # a packed micro-batch
+        loss_sum = _token_sum_loss(engine, ids.to(engine.device), labels.to(engine.device), tp_group, position_ids)
         engine.backward(loss_sum * (accum * dp / num_tokens))
         if clip and i == accum - 1:
             grad_norm = clip(engine.module)
@@ -228,11 +235,11 @@ def train_step(engine, runner: PipelineRunner | None, batches: list[tuple[torch.
     return share, grad_norm
 
 
-def learned_tokens(batches: list[tuple[torch.Tensor, torch.Tensor]], dp_group) -> int:
+def learned_tokens(batches: list[tuple[torch.Tensor, ...]], dp_group) -> int:
     """Learned (next-token) positions in the global batch: this rank's count summed over dp."""
     import torch.distributed as dist
 
-    count = torch.tensor(sum(int((labels[:, 1:] != IGNORE_INDEX).sum()) for _, labels in batches))
+    count = torch.tensor(sum(int((b[1][:, 1:] != IGNORE_INDEX).sum()) for b in batches))
     dist.all_reduce(count, group=dp_group)
     return max(int(count), 1)
 
@@ -284,7 +291,8 @@ def build_engine(module: torch.nn.Module, section: dict[str, Any], topology: Top
     import deepspeed
     from deepspeed.runtime.utils import clip_grad_norm_
 
-    optimizer = torch.optim.AdamW(module.parameters(), lr=section["learning_rate"],
+    trained = [p for p in module.parameters() if p.requires_grad]  # an adapter's only; the base is frozen
+    optimizer = torch.optim.AdamW(trained, lr=section["learning_rate"],
                                   betas=(section["adam_beta1"], section["adam_beta2"]),
                                   weight_decay=section["weight_decay"], eps=1e-8)
     scheduler = build_scheduler(optimizer, section)
@@ -297,7 +305,7 @@ def build_engine(module: torch.nn.Module, section: dict[str, Any], topology: Top
         max_norm = section["max_grad_norm"] or float("inf")
 
         def clip_and_measure(m: torch.nn.Module) -> float:
-            return float(clip_grad_norm_(list(m.parameters()), max_norm, mpu=topology))
+            return float(clip_grad_norm_([p for p in m.parameters() if p.requires_grad], max_norm, mpu=topology))
 
         clip = clip_and_measure
     engine, optimizer, _, scheduler = deepspeed.initialize(
@@ -327,39 +335,73 @@ def layout_metrics(section: dict[str, Any], topology: Topology) -> dict[str, int
             "zero_stage": ZERO_STAGES[section["sharding"]]}
 
 
-def train(model: torch.nn.Module, source, section: dict[str, Any], out_dir: str | Path, *, stage: str,
-          tokenizer_dir: str | Path | None, parent: str | Path, meta_config: dict[str, Any],
-          num_parameters: int | None = None, checkpoint_dir: str | Path | None = None,
-          identity: dict[str, Any] | None = None, sharded_output: bool = False) -> dict[str, Any]:
-    """Train `model` (the full fp32 model, identical on every rank: our LlamaForCausalLM, or a
-    transformers causal LM for data parallel and ZeRO only) for `section['max_steps']` steps on
-    `source` (a `stages.training.batches` sampler: `seq_len`, `micro_batches`) in the section's
-    layout, and write `out_dir`: the single-device HF checkpoint (each rank writing its share), or
-    with `sharded_output` the tensor/pipeline-parallel slices for `merge_tp`; plus the tokenizer,
-    train_log.csv and meta.json. A transformers model's config.json is its own, every field kept.
+@dataclass
+class Run:
+    """A training run between `setup` and `finish`: the engine and what the step loop keeps."""
 
-    With `checkpoint_dir`, checkpoints go to `checkpoint_dir/<fingerprint>/` every `save_steps`
-    steps, and the run resumes from the newest complete one there (any layout); the fingerprint
-    hashes the recipe (the section without its layout keys, the global batch) and `identity`
-    (what the caller knows of its inputs). Returns the metrics (on every rank). Call after
-    `init_distributed()`."""
+    section: dict[str, Any]
+    stage: str
+    topology: Topology
+    engine: Any
+    scheduler: Any
+    access: OptimizerAccess
+    clip: Callable[[torch.nn.Module], float] | None
+    runner: PipelineRunner | None
+    names: dict[str, str]  # local parameter name -> single-device name (pipeline chunks)
+    config: Any  # the model config, written beside the weights
+    generation_config: Any
+    checkpointer: Checkpointer | None
+    train_log: TrainLog
+    staging: Path  # rank 0's live log directory, moved into the artifact
+    global_batch: int
+    seq_len: int
+    num_parameters: int
+    trainable_parameters: int
+    flops_per_token: int
+    peak_flops: float | None
+    start_step: int = 0
+    losses: list[float] = field(default_factory=list)
+    evaluations: list[dict[str, Any]] = field(default_factory=list)  # {"step", metric: value}
+    best: dict[str, Any] | None = None  # the best evaluation and its weights (load_best_model_at_end)
+
+    @property
+    def rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank()
+
+    def layout(self) -> dict[str, Any]:
+        d = self.topology.degrees
+        return {"world_size": d.world_size, "data_parallel_degree": self.topology.get_data_parallel_world_size(),
+                "tensor_parallel_degree": d.tensor_parallel_degree, "pipeline_parallel_degree": d.pipeline_parallel_degree,
+                "virtual_pp_degree": self.section["virtual_pp_degree"], "sharding": self.section["sharding"]}
+
+    def trainer_state(self, step: int) -> dict[str, Any]:
+        return {"global_step": step, "consumed_samples": step * self.global_batch,
+                "global_batch_size": self.global_batch, "max_steps": self.section["max_steps"],
+                "losses": list(self.losses), "train_log": list(self.train_log.rows), "layout": self.layout(),
+                "evaluations": list(self.evaluations), **engine_state(self.engine, self.scheduler)}
+
+
+def setup(model: torch.nn.Module, source, section: dict[str, Any], *, stage: str,
+          num_parameters: int | None = None, checkpoint_dir: str | Path | None = None,
+          identity: dict[str, Any] | None = None, out_dir: str | Path) -> Run:
+    """Check the layout against `model`, find the checkpoint to resume from (its weights loaded
+    into the full model), parallelise, build the DeepSpeed engine, restore the training state and
+    open the log. Collective; call after `init_distributed()`."""
     import torch.distributed as dist
 
-    out_dir = Path(out_dir)
     degrees = parallel_degrees(section)
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != degrees.world_size:
         raise ValueError(f"world_size={degrees.world_size} but {world} processes were launched; launch "
                          "with torchrun --nproc_per_node equal to world_size")
     topology = Topology(degrees)
-    dp, dp_rank = topology.get_data_parallel_world_size(), topology.get_data_parallel_rank()
-    tp, pp = degrees.tensor_parallel_degree, degrees.pipeline_parallel_degree
+    dp = topology.get_data_parallel_world_size()
     check_model_fits(model, section, degrees)
     if section["fp16"] and fp16_unsupported_reason():  # the config check, for runs outside Snakemake
         raise ValueError(f"fp16=true: {fp16_unsupported_reason()}")
-    config = model.config
-    micro, accum = section["per_device_train_batch_size"], section["gradient_accumulation_steps"]
-    global_batch = micro * accum * dp
+    global_batch = section["per_device_train_batch_size"] * section["gradient_accumulation_steps"] * dp
 
     checkpointer = resume = None
     if checkpoint_dir is not None:
@@ -367,89 +409,210 @@ def train(model: torch.nn.Module, source, section: dict[str, Any], out_dir: str 
 
     # Counted on the whole model, before tensor parallelism slices it or ZeRO-3 partitions it.
     n_params = num_parameters or sum(p.numel() for p in model.parameters())
-    seq_len = source.seq_len
-    fpt = model_flops_per_token(model, seq_len)
+    n_trainable = sum(p.numel() for _, p in trained_parameters(model))
+    fpt = model_flops_per_token(model, source.seq_len)
+    config = model.config
     generation_config = getattr(model, "generation_config", None)  # a transformers model's, for out_dir
     module, runner = parallelize(model, section, topology)
     del model  # the pipeline keeps only this rank's chunks
     names = module.full_names() if runner is not None else {}
-    tp_output_group = topology.tp_group if tp > 1 and section["tensor_parallel_output"] else None
     engine, scheduler, access, clip = build_engine(module, section, topology, pipeline=runner is not None)
 
-    start_step, losses, rows = 0, [], []
+    start_step, losses, rows, evaluations = 0, [], [], []
     if resume is not None:
         state = restore_training_state(engine, access, names, topology, resume, scheduler)
         start_step, losses, rows = state["global_step"], state["losses"], state["train_log"]
+        evaluations = state.get("evaluations", [])
         if rank == 0:
             log.info("%s: resumed at step %d of %d (checkpoint saved with %s)", stage, start_step,
                      section["max_steps"], state["layout"])
         resume.close()
 
-    staging = out_dir.parent / f".{out_dir.name}.log"  # rank 0's live log, moved into the artifact
+    out_dir = Path(out_dir)
+    staging = out_dir.parent / f".{out_dir.name}.log"
     staging.mkdir(parents=True, exist_ok=True)
     peak = _peak_flops(section, engine.device, world) if rank == 0 else None
     dist.barrier()  # the peak was measured while the other ranks waited
     train_log = TrainLog(staging / "train_log.csv", section["max_steps"], enabled=rank == 0, desc=stage,
                          flops_per_token=fpt, peak_flops=peak, previous=rows)
-    layout = {"world_size": world, "data_parallel_degree": dp, "tensor_parallel_degree": tp,
-              "pipeline_parallel_degree": pp, "virtual_pp_degree": section["virtual_pp_degree"],
-              "sharding": section["sharding"]}
+    return Run(section=section, stage=stage, topology=topology, engine=engine, scheduler=scheduler, access=access,
+               clip=clip, runner=runner, names=names, config=config, generation_config=generation_config,
+               checkpointer=checkpointer, train_log=train_log, staging=staging, global_batch=global_batch,
+               seq_len=source.seq_len, num_parameters=n_params, trainable_parameters=n_trainable,
+               flops_per_token=fpt, peak_flops=peak, start_step=start_step, losses=losses, evaluations=evaluations)
 
-    def trainer_state(step: int) -> dict[str, Any]:
-        return {"global_step": step, "consumed_samples": step * global_batch, "global_batch_size": global_batch,
-                "max_steps": section["max_steps"], "losses": list(losses), "train_log": list(train_log.rows),
-                "layout": layout, **engine_state(engine, scheduler)}
 
+def step(run: Run, source, index: int) -> tuple[float, float | None]:
+    """Optimizer step `index` (0-based) over its global batch; returns (step loss, grad norm or None)."""
+    import torch.distributed as dist
+
+    topology, section = run.topology, run.section
+    dp, dp_rank = topology.get_data_parallel_world_size(), topology.get_data_parallel_rank()
+    batches = source.micro_batches(index, run.global_batch, dp_rank, dp, section["per_device_train_batch_size"])
+    num_tokens = learned_tokens(batches, topology.get_data_parallel_group())
+    step_loss, grad_norm = train_step(run.engine, run.runner, batches, num_tokens, dp, run.clip, tp_output_group(run))
+    if dp > 1:  # the ranks' shares add up to the step loss
+        dist.all_reduce(step_loss, group=topology.get_data_parallel_group())
+    return step_loss.item(), grad_norm
+
+
+def tp_output_group(run: Run):
+    """The tensor-parallel group when the logits stay split over the vocabulary, else None."""
+    tp = run.topology.degrees.tensor_parallel_degree
+    return run.topology.tp_group if tp > 1 and run.section["tensor_parallel_output"] else None
+
+
+def run_steps(run: Run, source, evaluator: Callable[..., dict[str, float]] | None = None) -> None:
+    """Steps from the resumed one to `max_steps`: log every `logging_steps`, evaluate every
+    `eval_steps` with `evaluator(engine)` (dev metrics; collective), checkpoint every `save_steps`."""
+    section, engine = run.section, run.engine
+    eval_steps = section.get("eval_steps", 0) if evaluator is not None else 0
     engine.train()
     since_log = 0
-    dp_group = topology.get_data_parallel_group()
-    for step in range(start_step, section["max_steps"]):
-        lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
-        batches = source.micro_batches(step, global_batch, dp_rank, dp, micro)
-        num_tokens = learned_tokens(batches, dp_group)
-        step_loss, grad_norm = train_step(engine, runner, batches, num_tokens, dp, clip, tp_output_group)
-        if dp > 1:  # the ranks' shares add up to the step loss
-            dist.all_reduce(step_loss, group=dp_group)
-        losses.append(step_loss.item())
-        since_log += global_batch * seq_len
-        train_log.advance()
-        if (step + 1) % section["logging_steps"] == 0 or step + 1 == section["max_steps"]:
+    for index in range(run.start_step, section["max_steps"]):
+        lr = run.scheduler.get_last_lr()[0]  # the rate this step's update uses
+        loss, grad_norm = step(run, source, index)
+        done = index + 1
+        run.losses.append(loss)
+        since_log += run.global_batch * run.seq_len
+        run.train_log.advance()
+        evaluation = None
+        if eval_steps and (done % eval_steps == 0 or done == section["max_steps"]):
+            evaluation = evaluate(run, evaluator, done)
+        if done % section["logging_steps"] == 0 or done == section["max_steps"] or evaluation:
             if grad_norm is None:
                 grad_norm = engine.get_global_grad_norm()
-            train_log.log(step + 1, losses[-1], lr, None if grad_norm is None else float(grad_norm), since_log)
+            run.train_log.log(done, loss, lr, None if grad_norm is None else float(grad_norm), since_log, evaluation)
             since_log = 0
-        if checkpointer is not None:
-            checkpointer.poll()
-            if checkpointer.due(step + 1, section["max_steps"]):
-                checkpointer.save(step + 1, engine, access, names, lambda: trainer_state(step + 1))
-    train_log.close()
-    if checkpointer is not None:
-        checkpointer.close()
+        if run.checkpointer is not None:
+            run.checkpointer.poll()
+            if run.checkpointer.due(done, section["max_steps"]):
+                run.checkpointer.save(done, engine, run.access, run.names, lambda: run.trainer_state(done))
+    run.train_log.close()
+    if run.checkpointer is not None:
+        run.checkpointer.close()
 
-    rows = train_log.rows
-    metrics = {
+
+def evaluate(run: Run, evaluator: Callable[..., dict[str, float]], done: int) -> dict[str, float]:
+    """Dev metrics after step `done`; with load_best_model_at_end, keeps this rank's trained
+    weights (fp32 masters, whole over data parallel) when they are the best so far."""
+    run.engine.eval()
+    with torch.no_grad():
+        metrics = evaluator(run.engine, tp_output_group(run))
+    run.engine.train()
+    run.evaluations.append({"step": done, **metrics})
+    if run.rank == 0:
+        log.info("%s: step %d: %s", run.stage, done, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+    if run.section.get("load_best_model_at_end"):
+        key = run.section["metric_for_best_model"]
+        if key not in metrics:
+            raise ValueError(f"metric_for_best_model={key!r} is not measured; measured: {sorted(metrics)} "
+                             "(generation metrics need eval_with_do_generation: true)")
+        better = run.best is None or (metrics[key] < run.best["value"] if key == "eval_loss"
+                                      else metrics[key] > run.best["value"])
+        if better:
+            weights = {name: run.access.get(p, None).detach().clone() for name, p in trained_parameters(run.engine.module)}
+            run.best = {"step": done, "value": metrics[key], "weights": weights}
+    return metrics
+
+
+def restore_best(run: Run) -> None:
+    """Put the best evaluation's weights back (load_best_model_at_end) before the output is written."""
+    if run.best is None:
+        return
+    with torch.no_grad():
+        for name, p in trained_parameters(run.engine.module):
+            run.access.set(p, None, run.best["weights"][name])
+    if run.rank == 0:
+        log.info("%s: load_best_model_at_end: step %d (%s %.4f)", run.stage, run.best["step"],
+                 run.section["metric_for_best_model"], run.best["value"])
+
+
+def run_metrics(run: Run) -> dict[str, Any]:
+    section, rows, losses = run.section, run.train_log.rows, run.losses
+    return {
         "first_loss": losses[0], "final_loss": losses[-1],
         "final_loss_mean_last10": float(np.mean(losses[-10:])),
-        "steps": section["max_steps"], "num_parameters": n_params, **layout_metrics(section, topology),
-        "tokens_seen": global_batch * seq_len * section["max_steps"],
+        "steps": section["max_steps"], "num_parameters": run.num_parameters,
+        "trainable_parameters": run.trainable_parameters, **layout_metrics(section, run.topology),
+        "tokens_seen": run.global_batch * run.seq_len * section["max_steps"],
         "tokens_per_s": float(np.median([float(r["tokens_per_s"]) for r in rows[1:] or rows])) if rows else None,
-        "mfu": float(np.median([float(r["mfu"]) for r in rows[1:] or rows])) if rows and peak else None,
-        "flops_per_token": fpt, "peak_flops": peak,
-        "skipped_steps": int(getattr(engine, "skipped_steps", 0)),  # fp16 overflow: update skipped
-        "resumed_from_step": start_step or None,
-        "checkpoint_save_stall_s": [round(s, 4) for s in checkpointer.stall_s] if checkpointer else [],
+        "mfu": float(np.median([float(r["mfu"]) for r in rows[1:] or rows])) if rows and run.peak_flops else None,
+        "flops_per_token": run.flops_per_token, "peak_flops": run.peak_flops,
+        "skipped_steps": int(getattr(run.engine, "skipped_steps", 0)),  # fp16 overflow: update skipped
+        "resumed_from_step": run.start_step or None,
+        "checkpoint_save_stall_s": [round(s, 4) for s in run.checkpointer.stall_s] if run.checkpointer else [],
+        "evaluations": run.evaluations,
+        "best_step": run.best["step"] if run.best else None,
     }
 
+
+def finish(run: Run, out_dir: str | Path, metrics: dict[str, Any], *, tokenizer_dir: str | Path | None,
+           parent: str | Path, meta_config: dict[str, Any], sharded_output: bool = False,
+           adapter_writer: Callable[[Path, dict[str, torch.Tensor]], None] | None = None) -> None:
+    """Write `out_dir` atomically: the single-device HF checkpoint (each rank writing its share),
+    the tensor/pipeline slices for `merge_tp` (`sharded_output`), or with `adapter_writer` an
+    adapter directory (rank 0 gets the whole trained tensors and calls it); plus the tokenizer,
+    train_log.csv and meta.json. Collective."""
+    import torch.distributed as dist
+
+    out_dir = Path(out_dir)
+
     def extra(tmp: Path) -> None:  # rank 0: everything but the weights
-        write_config(config, tmp, generation_config)
+        if adapter_writer is None:
+            write_config(run.config, tmp, run.generation_config)
         if tokenizer_dir is not None:
             copy_tokenizer(tokenizer_dir, tmp)
-        os.replace(staging / "train_log.csv", tmp / "train_log.csv")
-        write_meta(tmp, stage=stage, config=meta_config, parent=parent, seed=section["seed"], metrics=metrics)
+        os.replace(run.staging / "train_log.csv", tmp / "train_log.csv")
+        write_meta(tmp, stage=run.stage, config=meta_config, parent=parent, seed=run.section["seed"], metrics=metrics)
 
-    write_final(out_dir, engine, access, names, topology, unified=not sharded_output, extra=extra)
-    if rank == 0:
-        staging.rmdir()
-        log.info("%s: wrote %s (final loss %.4f)", stage, out_dir, losses[-1])
+    if adapter_writer is None:
+        write_final(out_dir, run.engine, run.access, run.names, run.topology, unified=not sharded_output, extra=extra)
+    else:
+        part = snapshot(run.engine, run.access, run.names, run.topology, unified=True, optimizer=False, writer=0)
+        if run.rank == 0:
+            tensors = {k: v for file in part.files.values() for k, v in file.items()}
+            with atomic_dir(out_dir) as tmp:
+                adapter_writer(tmp, tensors)
+                extra(tmp)
+    if run.rank == 0:
+        run.staging.rmdir()
+        log.info("%s: wrote %s (final loss %.4f)", run.stage, out_dir, run.losses[-1])
     dist.barrier()
+
+
+def train(model: torch.nn.Module, source, section: dict[str, Any], out_dir: str | Path, *, stage: str,
+          tokenizer_dir: str | Path | None, parent: str | Path, meta_config: dict[str, Any],
+          num_parameters: int | None = None, checkpoint_dir: str | Path | None = None,
+          identity: dict[str, Any] | None = None, sharded_output: bool = False,
+          evaluator: Callable[..., dict[str, float]] | None = None,
+          adapter_writer: Callable[[Path, dict[str, torch.Tensor]], None] | None = None,
+          extra_metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Train `model` (the full fp32 model, identical on every rank: our LlamaForCausalLM, or a
+    transformers causal LM for data parallel and ZeRO only; with an adapter attached, only its
+    parameters train) for `section['max_steps']` steps on `source` (a `stages.training.batches`
+    sampler: `seq_len`, `micro_batches`) in the section's layout, and write `out_dir` (see
+    `finish`). A transformers model's config.json is its own, every field kept.
+
+    With `checkpoint_dir`, checkpoints go to `checkpoint_dir/<fingerprint>/` every `save_steps`
+    steps, and the run resumes from the newest complete one there (any layout); the fingerprint
+    hashes the recipe (the section without its layout keys, the global batch) and `identity`
+    (what the caller knows of its inputs). With `evaluator`, dev metrics are logged beside the loss
+    every `eval_steps` (`load_best_model_at_end` writes the best evaluated weights) and measured
+    once more on the weights written (metrics `dev_loss`, `dev_exact_match`, ...). Returns the
+    metrics, `extra_metrics` included (on every rank). Call after `init_distributed()`."""
+    run = setup(model, source, section, stage=stage, num_parameters=num_parameters, checkpoint_dir=checkpoint_dir,
+                identity=identity, out_dir=out_dir)
+    del model
+    run_steps(run, source, evaluator)
+    if section.get("load_best_model_at_end"):
+        restore_best(run)
+    metrics = {**run_metrics(run), **(extra_metrics or {}), "dev_loss": None}
+    if evaluator is not None:
+        run.engine.eval()
+        with torch.no_grad():
+            final = evaluator(run.engine, tp_output_group(run))
+        metrics.update({k.replace("eval_", "dev_", 1): v for k, v in final.items()})
+    finish(run, out_dir, metrics, tokenizer_dir=tokenizer_dir, parent=parent, meta_config=meta_config,
+           sharded_output=sharded_output, adapter_writer=adapter_writer)
     return metrics

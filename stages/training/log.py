@@ -13,7 +13,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "elapsed_s")
+COLUMNS = ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "elapsed_s",
+           "eval_loss", "eval_exact_match", "eval_bleu4", "eval_rouge_l")
+EVAL_METRICS = ("eval_loss", "eval_exact_match", "eval_bleu4", "eval_rouge_l")  # eval_steps, else empty
 
 
 class TrainLog:
@@ -32,7 +34,7 @@ class TrainLog:
         if not enabled:
             return
         self._file = open(path, "w", newline="")
-        self._writer = csv.DictWriter(self._file, fieldnames=COLUMNS)
+        self._writer = csv.DictWriter(self._file, fieldnames=COLUMNS, restval="")
         self._writer.writeheader()
         self._writer.writerows(self.rows)
         done = int(self.rows[-1]["step"]) if self.rows else 0
@@ -40,9 +42,10 @@ class TrainLog:
         self._start = time.perf_counter() - (float(self.rows[-1]["elapsed_s"]) if self.rows else 0.0)
         self._last = self._start
 
-    def log(self, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int) -> None:
+    def log(self, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int,
+            evaluation: dict[str, float] | None = None) -> None:
         """Record optimizer step `step` (1-based); `tokens` is the number of tokens all ranks
-        consumed since the previous logged row."""
+        consumed since the previous logged row; `evaluation` the dev metrics measured after it."""
         if not self.enabled:
             return
         now = time.perf_counter()
@@ -52,7 +55,8 @@ class TrainLog:
         row = {"step": step, "loss": f"{loss:.6f}", "lr": f"{lr:.6e}",
                "grad_norm": "" if grad_norm is None else f"{grad_norm:.6f}", "tokens": tokens,
                "tokens_per_s": f"{tokens_per_s:.1f}", "mfu": "" if mfu is None else f"{mfu:.5f}",
-               "elapsed_s": f"{now - self._start:.3f}"}
+               "elapsed_s": f"{now - self._start:.3f}",
+               **{k: "" if (evaluation or {}).get(k) is None else f"{evaluation[k]:.6f}" for k in EVAL_METRICS}}
         self._last = now
         self.rows.append(row)
         self._writer.writerow(row)

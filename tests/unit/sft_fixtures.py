@@ -59,11 +59,11 @@ def train_losses(out_dir: Path) -> list[float]:
 
 
 def torchrun_finetune_sft(nproc: int, model_dir: Path, data_dir: Path, out: Path, config: dict,
-                          checkpoints: Path | None = None) -> list[float]:
-    """`python -m stages.finetune --method sft` on `nproc` gloo ranks (real torchrun); returns the
-    losses of its train_log.csv."""
+                          checkpoints: Path | None = None, method: str = "sft") -> list[float]:
+    """`python -m stages.finetune --method <method>` on `nproc` gloo ranks (real torchrun); returns
+    the losses of its train_log.csv."""
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "stages.finetune", "--method", "sft", "--model", str(model_dir), "--data", str(data_dir),
+           "-m", "stages.finetune", "--method", method, "--model", str(model_dir), "--data", str(data_dir),
            "--out", str(out), "--config", json.dumps(config)]
     if checkpoints is not None:
         cmd += ["--checkpoints", str(checkpoints)]

@@ -1,5 +1,6 @@
-"""LoRA and prefix tuning checkpoint and resume (stages/training/local_checkpoint.py through
-stages/finetune.py): a resumed run ends with the uninterrupted run's adapter, bit for bit."""
+"""LoRA and prefix tuning checkpoint and resume through the training engine's checkpointer
+(stages/training/checkpointing.py, via stages/finetune.py): only the adapter is saved, and a
+resumed run ends with the uninterrupted run's adapter, bit for bit."""
 
 from __future__ import annotations
 
@@ -129,11 +130,3 @@ def test_a_bad_resume_path_is_a_clear_error(debug_model_dir, data_dir, tmp_path)
         run("lora", debug_model_dir, data_dir, tmp_path / "out", tmp_path / "checkpoints", max_steps=2,
             resume_from_checkpoint=str(tmp_path / "nowhere"))
     assert not (tmp_path / "out").exists()
-
-
-def test_train_batches_skip_continues_the_order():
-    examples = [([1, i], [-100, i]) for i in range(5)]
-    full = [b["input_ids"][:, 1].tolist() for b, _ in zip(finetune.train_batches(examples, 2, 0, seed=3), range(7))]
-    skipped = [b["input_ids"][:, 1].tolist()
-               for b, _ in zip(finetune.train_batches(examples, 2, 0, seed=3, skip=4), range(3))]
-    assert skipped == full[4:]

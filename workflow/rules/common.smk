@@ -159,7 +159,7 @@ def init_flag(wildcards):
 
 
 def finetune_world_size(wildcards):
-    """Processes of a fine-tuning job: full SFT's world_size; adapters train in one process."""
+    """Processes of a fine-tuning job: its section's world_size."""
     return experiment(wildcards)["finetune"][wildcards.method].get("world_size", 1)
 
 

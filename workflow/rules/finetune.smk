@@ -1,7 +1,7 @@
-# Full SFT (on the distributed training engine, any layout of finetune.sft), LoRA and prefix
-# tuning (peft, one process) of the pretrained model (or the imported checkpoint, results/{experiment}/base)
-# on the src/tgt data. Locally torchrun starts
-# the ranks; inside a SLURM job srun does, with `tasks` = world_size.
+# Full SFT, LoRA and prefix tuning of the pretrained model (or the imported checkpoint,
+# results/{experiment}/base) on the src/tgt data, all on the distributed training engine in the
+# layout of their finetune.<method> section. Locally torchrun starts the ranks; inside a SLURM job
+# srun does, with `tasks` = world_size.
 rule finetune:
     input:
         model=finetune_base,

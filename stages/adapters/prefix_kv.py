@@ -1,0 +1,63 @@
+"""Prefix tuning on our own model: P trained key/value vectors per layer, peft's file format.
+
+Every attention layer gets `prefix_key` and `prefix_value` parameters of shape (K, P, hd) (K KV
+heads, P = num_prefix_tokens), which `stages.model.llama.Attention` places before the real keys
+and values, as peft's prefix tuning does through transformers' KV cache: the prefix is not
+rotated and the real tokens take positions P, P+1, ... (transformers 5.23 numbers the tokens after
+the cache's P slots; tests/unit/test_adapters_native.py holds our logits to peft's). Per-layer parameters, rather than peft's one
+table, let tensor parallelism split them by KV head like k_proj/v_proj (partition_dim 0).
+
+peft saves the prefix as one tensor `prompt_embeddings` (P, L * 2 * K * hd): for virtual token p,
+the keys then values of layer 0, then of layer 1, ..., each K x hd (its `get_prompt` views it as
+(P, 2L, K, hd) and splits the layers in pairs). `to_peft` / `from_peft` convert between the two.
+Initialisation is peft's: N(0, 1), like its `nn.Embedding`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+PEFT_KEY = "prompt_embeddings"
+
+
+def attention_layers(model: nn.Module) -> list[nn.Module]:
+    """Our model's attention modules in layer order."""
+    return [layer.self_attn for _, layer in sorted(model.model.layers.items(), key=lambda kv: int(kv[0]))]
+
+
+def add_prefix(model: nn.Module, section: dict) -> int:
+    """Freeze our `model` and give each attention layer fresh prefix keys/values (a validated
+    `finetune.prefix` section's `num_prefix_tokens`), in place, before any parallelism. Draws from
+    torch's global RNG in peft's order (one (P, L*2*K*hd) table). Returns the number of layers."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    layers = attention_layers(model)
+    config = model.config
+    P, K, hd = section["num_prefix_tokens"], config.num_key_value_heads, config.head_dim
+    weight = model.model.embed_tokens.weight
+    table = torch.randn(P, len(layers) * 2 * K * hd, dtype=weight.dtype).to(weight.device)
+    for attn, (key, value) in zip(layers, from_peft(table, len(layers), K, hd)):
+        attn.prefix_key = nn.Parameter(key.clone())
+        attn.prefix_value = nn.Parameter(value.clone())
+    return len(layers)
+
+
+def from_peft(table: torch.Tensor, num_layers: int, kv_heads: int, head_dim: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """peft's (P, L*2*K*hd) table -> per layer (key, value), each (K, P, hd)."""
+    P = table.shape[0]
+    per = table.view(P, 2 * num_layers, kv_heads, head_dim).permute(1, 2, 0, 3)  # (2L, K, P, hd)
+    return [(per[2 * i], per[2 * i + 1]) for i in range(num_layers)]
+
+
+def to_peft(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Per layer (key, value), each (K, P, hd) -> peft's (P, L*2*K*hd) table."""
+    stacked = torch.stack([t for pair in pairs for t in pair])  # (2L, K, P, hd)
+    P = stacked.shape[2]
+    return stacked.permute(2, 0, 1, 3).reshape(P, -1).contiguous()
+
+
+def prefix_names(num_layers: int) -> list[tuple[str, str]]:
+    """Our parameter names of each layer's (key, value), in layer order."""
+    return [(f"model.layers.{i}.self_attn.prefix_key", f"model.layers.{i}.self_attn.prefix_value")
+            for i in range(num_layers)]

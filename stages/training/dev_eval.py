@@ -1,0 +1,113 @@
+"""Evaluation while training (`eval_steps`): the dev loss and, with `eval_with_do_generation`,
+exact match / BLEU-4 / ROUGE-L of greedy generations, computed on the training engine's module in
+any layout but pipeline parallelism.
+
+Every rank evaluates the whole dev set (it is small): the forwards are collective under tensor
+parallelism and ZeRO-3, so all ranks run the same ones, and nothing needs reducing afterwards.
+Generation runs exactly `max_new_tokens` forwards of the whole batch (no early stop: every rank
+runs the same collectives), without a KV cache, prompts left-padded. Our model is told where the
+padding ends through its position ids (the pad tokens form a packed example of their own, which
+the prompt does not attend to); a transformers model gets the attention mask.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from stages.data.sft import IGNORE_INDEX, encode_prompt, target_text
+from stages.metrics.text import corpus_bleu, exact_match, rouge_l
+from stages.model import LlamaForCausalLM
+
+Example = tuple[list[int], list[int]]
+
+
+def _logits(module, ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+            attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    own = isinstance(_unwrap(module), LlamaForCausalLM)
+    if own:
+        out = module(input_ids=ids) if position_ids is None else module(input_ids=ids, position_ids=position_ids)
+    else:
+        out = module(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids)
+    return out if torch.is_tensor(out) else out.logits
+
+
+def _unwrap(module):
+    return getattr(module, "module", module)  # a DeepSpeed engine holds the model as .module
+
+
+class DevEvaluator:
+    """`evaluator(engine, tp_group) -> {"eval_loss": ..., ["eval_exact_match", "eval_bleu4",
+    "eval_rouge_l"]}`; `tp_group` is the tensor-parallel group when the logits stay split over the
+    vocabulary (tensor_parallel_output), else None."""
+
+    def __init__(self, examples: Sequence[Example], batch_size: int, pad_token_id: int, *,
+                 generation: dict[str, Any] | None = None):
+        """`examples`: encoded dev examples; `generation`: {tokenizer, records, src_length,
+        max_new_tokens, chat} to also score greedy generations."""
+        self.examples, self.batch_size, self.pad = list(examples), batch_size, pad_token_id
+        self.generation, self.tp_group = generation, None
+
+    def __call__(self, engine, tp_group=None) -> dict[str, float]:
+        self.tp_group = tp_group
+        metrics = {"eval_loss": self.loss(engine)}
+        if self.generation is not None:
+            metrics.update(self.generate_and_score(engine))
+        return metrics
+
+    def loss(self, engine) -> float:
+        from stages.training.engine import _token_sum_loss
+
+        total, count = 0.0, 0
+        for start in range(0, len(self.examples), self.batch_size):
+            chunk = self.examples[start:start + self.batch_size]
+            width = max(len(ids) for ids, _ in chunk)
+            ids = torch.full((len(chunk), width), self.pad, dtype=torch.long)
+            labels = torch.full((len(chunk), width), IGNORE_INDEX, dtype=torch.long)
+            for row, (i, lab) in enumerate(chunk):
+                ids[row, :len(i)], labels[row, :len(lab)] = torch.tensor(i), torch.tensor(lab)
+            device = next(_unwrap(engine).parameters()).device
+            total += float(_token_sum_loss(engine, ids.to(device), labels.to(device), self.tp_group))
+            count += int((labels[:, 1:] != IGNORE_INDEX).sum())
+        return total / max(count, 1)
+
+    def generate_and_score(self, engine) -> dict[str, float]:
+        g = self.generation
+        tokenizer, records = g["tokenizer"], g["records"]
+        prompts = [encode_prompt(tokenizer, r, g["src_length"], g["chat"]) for r in records]
+        eos = tokenizer.eos_token_id
+        outputs: list[list[int]] = []
+        for start in range(0, len(prompts), self.batch_size):
+            outputs += self.greedy(engine, prompts[start:start + self.batch_size], g["max_new_tokens"], eos)
+        predictions = [tokenizer.decode(o, skip_special_tokens=True) for o in outputs]
+        references = [target_text(r) for r in records]
+        return {"eval_exact_match": exact_match(predictions, references),
+                "eval_bleu4": corpus_bleu(predictions, references, smooth=True),
+                "eval_rouge_l": rouge_l(predictions, references)}
+
+    def greedy(self, engine, prompts: list[list[int]], max_new_tokens: int, eos: int) -> list[list[int]]:
+        """New tokens of each prompt, cut after the first eos (kept)."""
+        device = next(_unwrap(engine).parameters()).device
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p):], mask[row, width - len(p):] = torch.tensor(p), 1
+        for _ in range(max_new_tokens):
+            # pads count 0, 1, ... and the real tokens start again at 0: two examples of a packed row
+            pads = (mask == 0).long()
+            position_ids = torch.where(mask.bool(), mask.cumsum(-1) - 1, pads.cumsum(-1) - 1)
+            logits = _logits(engine, ids.to(device), position_ids.to(device), mask.to(device))[:, -1].float()
+            if self.tp_group is not None:  # vocab-split logits: gather the last position's
+                parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(self.tp_group))]
+                dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
+                logits = torch.cat(parts, dim=-1)
+            token = logits.argmax(-1).cpu()
+            ids = torch.cat([ids, token[:, None]], dim=1)
+            mask = torch.cat([mask, torch.ones_like(token)[:, None]], dim=1)
+        results = []
+        for row in ids[:, width:].tolist():
+            results.append(row[:row.index(eos) + 1] if eos in row else row)
+        return results

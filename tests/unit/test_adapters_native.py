@@ -1,0 +1,185 @@
+"""LoRA and prefix tuning on our own model (stages/adapters/lora_linear.py, prefix_kv.py,
+peft_files.py): the adapter it trains is peft's, read by peft on transformers' model with the same
+logits; tensor parallelism splits the factors and the prefix by heads with the single-device
+forward and gradients; packed rows give the loss and gradients of the examples one by one."""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+from parallel_fixtures import run_gloo
+from sft_fixtures import finetune_section
+from transformers import AutoModelForCausalLM
+
+from stages.adapters import attach_adapter
+from stages.adapters.peft_files import peft_config_for, peft_tensors, write_adapter
+from stages.adapters.prefix_kv import from_peft, to_peft
+from stages.checkpoint.hf import load_pretrained
+from stages.model.config import config_for_flavour
+from stages.model.llama import build_model
+from stages.training.batches import PackedSftBatches, SftBatches
+from stages.training.checkpointing import trained_parameters
+
+TOL = 1e-5
+
+
+def _adapted(model_dir, method: str, **overrides):
+    """Our model from `model_dir` with a fresh adapter whose weights are all non-zero (B too)."""
+    torch.manual_seed(0)
+    model = load_pretrained(model_dir)
+    section = finetune_section(method, **overrides)
+    attach_adapter(model, method, section)
+    with torch.no_grad():
+        for _, p in trained_parameters(model):
+            p.copy_(torch.randn_like(p) * 0.2)
+    return model.eval(), section
+
+
+@pytest.mark.parametrize("method, overrides", [("lora", {"target_modules": "all-linear"}),
+                                               ("lora", {"target_modules": ["q_proj", "down_proj"], "lora_rank": 3}),
+                                               ("prefix", {"num_prefix_tokens": 5})])
+def test_our_adapter_is_peft_s_on_transformers(tmp_path, debug_model_dir, method, overrides):
+    """Written by peft_files, read by PeftModel.from_pretrained on transformers' Llama: same logits."""
+    model, section = _adapted(debug_model_dir, method, **overrides)
+    tensors = {name: p.detach() for name, p in trained_parameters(model)}
+    write_adapter(tmp_path, peft_config_for(method, section, debug_model_dir),
+                  peft_tensors(method, tensors, model.config.num_hidden_layers), debug_model_dir)
+    base = AutoModelForCausalLM.from_pretrained(debug_model_dir, dtype=torch.float32)
+    theirs = peft.PeftModel.from_pretrained(base, tmp_path).eval()
+    ids = torch.randint(3, model.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(ids)
+        expected = theirs(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    plain = AutoModelForCausalLM.from_pretrained(debug_model_dir, dtype=torch.float32)(input_ids=ids).logits
+    assert (expected - plain).abs().max() > 1e-2  # the adapter changes the output
+    assert torch.allclose(ours, expected, atol=TOL, rtol=TOL)
+    config = theirs.peft_config["default"]
+    assert config.base_model_name_or_path == str(debug_model_dir) and config.inference_mode
+
+
+def test_prefix_table_round_trips():
+    table = torch.randn(4, 3 * 2 * 2 * 5)
+    pairs = from_peft(table, num_layers=3, kv_heads=2, head_dim=5)
+    assert pairs[1][0].shape == (2, 4, 5)
+    assert torch.equal(to_peft(pairs), table)
+
+
+def test_our_prefix_draws_the_table_as_peft_does(debug_model_dir):
+    """Same seed, same initial prefix as peft's nn.Embedding (N(0, 1), one (P, L*2*K*hd) table)."""
+    torch.manual_seed(3)
+    ours = load_pretrained(debug_model_dir)
+    attach_adapter(ours, "prefix", finetune_section("prefix", num_prefix_tokens=4))
+    torch.manual_seed(3)
+    theirs = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(debug_model_dir),
+                                 peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+    tensors = {name: p.detach() for name, p in trained_parameters(ours)}
+    table = peft_tensors("prefix", tensors, ours.config.num_hidden_layers)["prompt_embeddings"]
+    assert table.shape == theirs.prompt_encoder.default.embedding.weight.shape
+    assert table.std().item() == pytest.approx(1.0, abs=0.1)
+
+
+def _tp_forward_backward(rank, world, model_dir, method, overrides):
+    """Our adapted model, tensor-parallel over the group: logits and adapter gradients, gathered whole."""
+    import torch.distributed as dist
+
+    from stages.parallel import apply_tensor_parallel
+    from stages.parallel.plan import gather_full_state_dict
+
+    model, _ = _adapted(model_dir, method, **overrides)
+    apply_tensor_parallel(model, dist.group.WORLD)
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    logits = model(ids)
+    logits.pow(2).mean().backward()
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    for _, p in trained_parameters(model):
+        p.data = p.grad  # gather the gradients as if they were the weights
+    grads = {k: v for k, v in gather_full_state_dict(model, dist.group.WORLD).items()
+             if "lora_" in k or "prefix_" in k}
+    return logits.detach(), grads, frozen
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("method, overrides", [("lora", {"target_modules": "all-linear"}),
+                                               ("prefix", {"num_prefix_tokens": 3})])
+def test_tensor_parallel_adapter_matches_the_single_device_one(debug_model_dir, method, overrides):
+    """tp2: LoRA's A whole / B split (column) and A split / B whole (row), the prefix split by KV
+    heads: the same logits and the same whole gradients as one device, the base frozen."""
+    model, _ = _adapted(debug_model_dir, method, **overrides)
+    model.train()
+    ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    logits = model(ids)
+    logits.pow(2).mean().backward()
+    expected = {n: p.grad for n, p in trained_parameters(model)}
+    for rank_logits, grads, frozen in run_gloo(_tp_forward_backward, 2, debug_model_dir, method, overrides):
+        assert torch.allclose(rank_logits, logits.detach(), atol=TOL, rtol=TOL)
+        assert grads.keys() == expected.keys()
+        for name, grad in grads.items():
+            assert torch.allclose(grad, expected[name], atol=TOL, rtol=1e-4), name
+        assert frozen and not any("lora_" in n or "prefix_" in n for n in frozen)
+
+
+def _examples(n: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(4, 12, (1,), generator=g))
+        ids = torch.randint(3, 200, (length,), generator=g).tolist()
+        prompt = int(torch.randint(1, length - 1, (1,), generator=g))
+        out.append((ids, [-100] * prompt + ids[prompt:]))
+    return out
+
+
+@pytest.mark.parametrize("method", ["sft", "lora", "prefix"])
+def test_packed_rows_give_the_loss_and_gradients_of_padded_ones(debug_model_dir, method):
+    """The same examples, padded one per row or packed several per row (positions restarting,
+    attention kept inside each example): the same summed loss and gradients within 1e-5."""
+    from stages.training.engine import _token_sum_loss
+
+    examples = _examples(9)
+    padded = SftBatches(examples, 32, 0, seed=0)
+    packed = PackedSftBatches(examples, 32, 0, seed=0)
+    assert len(packed.rows) < len(examples) and packed.fill > 0.5
+    results = []
+    for batches in ([(padded.ids, padded.labels)], [(packed.ids, packed.labels, packed.position_ids)]):
+        torch.manual_seed(0)
+        model = load_pretrained(debug_model_dir) if method == "sft" else _adapted(debug_model_dir, method)[0]
+        ids, labels, *pos = batches[0]
+        loss = _token_sum_loss(model, ids, labels, None, pos[0] if pos else None)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in trained_parameters(model)}))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert int((padded.labels[:, 1:] != -100).sum()) == int((packed.labels[:, 1:] != -100).sum())
+    assert torch.allclose(loss_a, loss_b, rtol=TOL)
+    for name in grads_a:
+        assert torch.allclose(grads_a[name], grads_b[name], atol=TOL, rtol=1e-4), name
+
+
+def test_packing_refuses_an_example_longer_than_the_row():
+    with pytest.raises(ValueError, match="more than max_length=8"):
+        PackedSftBatches(_examples(3) + [(list(range(3, 13)), [-100] + list(range(4, 13)))], 8, 0, seed=0)
+
+
+def test_packed_row_layout():
+    """Position ids restart per example, the padding is one more segment, no label on any
+    example's first token."""
+    examples = [([5, 6, 7], [-100, 6, 7]), ([8, 9], [8, 9]), ([10, 11, 12, 13], [-100, -100, 12, 13])]
+    packed = PackedSftBatches(examples, 10, 0, seed=0)
+    assert len(packed.rows) == 1
+    row = packed.rows[0]
+    starts = [0]
+    for i in row[:-1]:
+        starts.append(starts[-1] + len(examples[i][0]))
+    positions = packed.position_ids[0].tolist()
+    assert [positions[s] for s in starts] == [0] * 3 and positions[9] == 0  # the pad segment
+    assert all(packed.labels[0, s] == -100 for s in starts)
+    assert int((packed.labels != -100).sum()) == 2 + 1 + 2  # example 1 loses its first label only
+
+
+def test_lora_model_is_built_like_the_flavour():
+    model = build_model(config_for_flavour("debug", vocab_size=64), seed=0)
+    attach_adapter(model, "lora", finetune_section("lora", target_modules="all-linear"))
+    names = [n for n, _ in trained_parameters(model)]
+    assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
+    assert {n.split(".")[-3] for n in names} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj"}

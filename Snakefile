@@ -23,6 +23,7 @@ include: "workflow/rules/quantize.smk"
 include: "workflow/rules/export.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/predict.smk"
 
 
 rule all:

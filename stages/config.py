@@ -111,6 +111,10 @@ def _check_relations(name: str, exp: dict[str, Any]) -> None:
                 f"experiments.{name}.finetune.{method}: src_length={section['src_length']} must be "
                 f"smaller than max_length={section['max_length']} (room is needed for the target)"
             )
+    predict = exp["predict"]
+    if predict["src_length"] >= predict["max_length"]:
+        raise ConfigError(f"experiments.{name}.predict: src_length={predict['src_length']} must be smaller than "
+                          f"max_length={predict['max_length']} (prompt + generated tokens)")
     for method, section in [("pretrain", exp["pretrain"]), *exp["finetune"].items()]:
         if section["warmup_steps"] > section["max_steps"]:
             raise ConfigError(

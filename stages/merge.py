@@ -26,13 +26,17 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import tempfile
+
 import peft
 import torch
 import transformers
 
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import copy_tokenizer
+from stages import merge_tp
 from stages.checkpoint.meta import META_NAME, write_meta
+from stages.checkpoint.store import INDEX, SHARDED
 from stages.checkpoint.weights import check_adapter_dir, check_model_dir
 from stages.errors import InputError, run_cli
 
@@ -101,9 +105,17 @@ def run(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | Non
     adapter_config = read_adapter_config(adapter_dir)
     base_dir = resolve_base(adapter_dir, adapter_config, base_dir)
     check_adapter_dir(adapter_dir)  # sha256 against meta.json, no pickle, a whole safetensors file
-    check_model_dir(base_dir)
-    base = transformers.AutoModelForCausalLM.from_pretrained(
-        base_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=False, use_safetensors=True)
+    refuse_quantized(base_dir, adapter_dir)
+    with tempfile.TemporaryDirectory(prefix="merge-tp-") as joined:
+        if is_sharded(base_dir):  # tensor/pipeline slices: joined into whole tensors first
+            log.info("%s holds tensor/pipeline-parallel slices: joining them with merge_tp first", base_dir)
+            merge_tp.merge(base_dir, Path(joined) / "base")
+            load_dir = Path(joined) / "base"
+        else:
+            check_model_dir(base_dir)
+            load_dir = base_dir
+        base = transformers.AutoModelForCausalLM.from_pretrained(
+            load_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=False, use_safetensors=True)
     model = peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=False)
     model.eval()
     merged_modules = sum(1 for m in model.modules() if isinstance(m, peft.tuners.lora.LoraLayer))
@@ -137,6 +149,23 @@ def run(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | Non
     log.info("merged %d LoRA modules of %s into %s: max |logit diff| %.2e (%.2e of the logit scale)",
              merged_modules, adapter_dir, base_dir, diff, rel_err)
     return metrics
+
+
+def is_sharded(model_dir: Path) -> bool:
+    """Whether `model_dir` holds tensor/pipeline-parallel slices (`unified_checkpoint: false`)."""
+    index = model_dir / INDEX
+    return index.exists() and json.loads(index.read_text()).get("format") == SHARDED
+
+
+def refuse_quantized(base_dir: Path, adapter_dir: Path) -> None:
+    """A LoRA update cannot be folded into quantized weights without re-quantizing them."""
+    config = json.loads((base_dir / "config.json").read_text()) if (base_dir / "config.json").exists() else {}
+    quantization = config.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+        raise InputError(f"--base {base_dir} is a quantized model (quant_method={method!r}); merging {adapter_dir} "
+                         "into it would need its weights de- and re-quantized. Merge into the float model the "
+                         "adapter was trained on, then quantize the merged model (quantize.source: lora-merged)")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -117,3 +117,55 @@ def test_not_an_adapter_dir(tmp_path, debug_model_dir):
 def test_missing_base_names_the_fix(tmp_path, adapter_dir):
     with pytest.raises(ValueError, match="has no config.json; pass --base"):
         merge.run(adapter_dir, tmp_path / "m", base_dir=tmp_path / "nowhere")
+
+
+def test_a_quantized_base_is_refused(tmp_path, adapter_dir, debug_model_dir):
+    import shutil
+
+    base = tmp_path / "quantized"
+    shutil.copytree(debug_model_dir, base)
+    config = json.loads((base / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (base / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"quantized model \(quant_method='gptq'\).*then quantize the merged model"):
+        merge.run(adapter_dir, tmp_path / "out", base_dir=base)
+    assert not (tmp_path / "out").exists()
+
+
+def _write_tp2_shards(model_dir, out):
+    """The debug model as a tp2 training run writes it with unified_checkpoint: false: column
+    weights split by rows, row weights by columns, each slice with its partition_dim."""
+    import shutil
+
+    from stages.checkpoint.atomic import write_json
+    from stages.checkpoint.store import INDEX, SHARDED
+    from stages.checkpoint.weights import load_state_dict
+    from stages.training.checkpointing import RankPart, build_index, write_part
+
+    columns, rows = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj")
+    parts = []
+    for tp_rank in range(2):
+        part = RankPart(tp_rank)
+        for name, tensor in load_state_dict(model_dir).items():
+            dim = 0 if any(f".{c}." in name for c in columns) else 1 if any(f".{r}." in name for r in rows) else None
+            if dim is not None:
+                part.add(f"model-tp{tp_rank:02d}.safetensors", name, tensor.chunk(2, dim=dim)[tp_rank].clone(),
+                         tp_rank=tp_rank, tp_size=2, partition_dim=dim)
+            elif tp_rank == 0:
+                part.add("model-tp00.safetensors", name, tensor)
+        parts.append(write_part(out, part))
+    write_json(out / INDEX, build_index({"format": SHARDED, "step": None}, parts))
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (model_dir / name).exists():
+            shutil.copy2(model_dir / name, out / name)
+
+
+def test_a_sharded_base_goes_through_merge_tp_first(tmp_path, adapter_dir, debug_model_dir, merged):
+    _write_tp2_shards(debug_model_dir, tmp_path / "shards")
+    metrics = merge.run(adapter_dir, tmp_path / "out", base_dir=tmp_path / "shards")
+    assert metrics["merged_modules"] == merged[1]["merged_modules"]
+    ids = probe(AutoModelForCausalLM.from_pretrained(debug_model_dir).config.vocab_size)
+    with torch.no_grad():
+        ours = AutoModelForCausalLM.from_pretrained(tmp_path / "out")(input_ids=ids).logits
+        expected = AutoModelForCausalLM.from_pretrained(merged[0])(input_ids=ids).logits
+    assert torch.allclose(ours, expected, atol=1e-6)

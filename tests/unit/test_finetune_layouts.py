@@ -1,0 +1,79 @@
+"""LoRA and prefix tuning in parallel layouts on the training engine (real torchrun, gloo) follow
+the one-process run of the same engine: same adapter init, same global batch of 8 examples per
+step, fp32, loss curve within 1e-5 relative; the tp2 LoRA adapter is peft's whole-tensor adapter
+(equal to the one-process adapter within 1e-5) and, merged, gives the unmerged model's logits."""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+from safetensors.torch import load_file
+from sft_fixtures import finetune_section, torchrun_finetune_sft, train_losses, write_toy_data
+from transformers import AutoModelForCausalLM
+
+from stages import finetune, merge
+
+pytestmark = pytest.mark.multiproc
+
+RECIPE = {"lora": dict(learning_rate=1e-2, lora_rank=4, target_modules="all-linear"),
+          "prefix": dict(learning_rate=1e-1, num_prefix_tokens=4)}
+LAYOUTS = {
+    "lora_tp2": ("lora", dict(world_size=2, tensor_parallel_degree=2, per_device_train_batch_size=4,
+                              gradient_accumulation_steps=2)),
+    "lora_dp2_zero2": ("lora", dict(world_size=2, sharding="stage2", per_device_train_batch_size=4)),
+    "prefix_dp2": ("prefix", dict(world_size=2, sharding="stage1", per_device_train_batch_size=4)),
+}
+
+
+def section(method: str, **layout) -> dict:
+    return finetune_section(method, max_steps=5, warmup_steps=1, **RECIPE[method], **layout)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return write_toy_data(tmp_path_factory.mktemp("data"))
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory, debug_model_dir, data_dir):
+    """method -> output dir of the one-process run (in this process, on the same engine)."""
+    root = tmp_path_factory.mktemp("reference")
+    for method in RECIPE:
+        finetune.run(method, debug_model_dir, data_dir, root / method,
+                     section(method, per_device_train_batch_size=4, gradient_accumulation_steps=2))
+    return {method: root / method for method in RECIPE}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, debug_model_dir, data_dir):
+    """layout -> output dir of its torchrun run."""
+    root = tmp_path_factory.mktemp("layouts")
+    for name, (method, layout) in LAYOUTS.items():
+        torchrun_finetune_sft(layout["world_size"], debug_model_dir, data_dir, root / name, section(method, **layout),
+                              method=method)
+    return {name: root / name for name in LAYOUTS}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_follows_the_one_process_curve(name, runs, references):
+    method = LAYOUTS[name][0]
+    curve, reference = train_losses(runs[name]), train_losses(references[method])
+    assert len(curve) == len(reference) == 5 and reference[-1] < reference[0]
+    assert curve == pytest.approx(reference, rel=1e-5)
+    ours, theirs = load_file(runs[name] / "adapter_model.safetensors"), load_file(references[method] / "adapter_model.safetensors")
+    assert ours.keys() == theirs.keys()
+    for key in ours:  # whole tensors under peft's names, whatever the layout
+        assert ours[key].shape == theirs[key].shape
+        assert torch.allclose(ours[key], theirs[key], atol=1e-5, rtol=1e-4), key
+
+
+def test_tp2_adapter_merges_to_the_unmerged_logits(runs, debug_model_dir, tmp_path):
+    adapter = runs["lora_tp2"]
+    merge.run(adapter, tmp_path / "merged", base_dir=debug_model_dir)
+    ids = torch.randint(3, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    base = AutoModelForCausalLM.from_pretrained(debug_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        unmerged = peft.PeftModel.from_pretrained(base, adapter).eval()(input_ids=ids).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)(input_ids=ids).logits
+    assert torch.allclose(merged, unmerged, atol=1e-5, rtol=1e-5)

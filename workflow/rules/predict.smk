@@ -1,0 +1,29 @@
+# Batch prediction: one variant answers every record of the experiment's SFT dev file.
+# `snakemake --cores all results/llama/predictions/lora.jsonl` (any variant evaluate knows: base,
+# pretrain, sft, lora, prefix, lora-merged, and each quantize.variants name for quant/<name>).
+# The input lies in the prepare data dir, so the predictor's --chat-template auto follows its
+# index.json (sft_format), as evaluate does. The flags come from the experiment's `predict`
+# section; stages.predict.settings_flags fills what it leaves out with stages.predict's defaults.
+from stages.predict import settings_flags
+
+
+rule predict:
+    input:
+        model=variant_inputs,
+        data="results/{experiment}/data",
+    output:
+        predictions="results/{experiment}/predictions/{variant}.jsonl",
+        summary="results/{experiment}/predictions/{variant}.summary.json",
+    log:
+        "results/{experiment}/logs/predict_{variant}.log",
+    benchmark:
+        "results/{experiment}/benchmarks/predict_{variant}.tsv"
+    params:
+        flags=lambda wildcards: settings_flags(experiment(wildcards).get("predict", {})),
+        model_dir=variant_dir,
+    threads: 1
+    conda:
+        "../../environment.yml"
+    shell:
+        "python -m stages.predict --model {params.model_dir} --input {input.data}/sft/dev.json "
+        "--out {output.predictions} {params.flags} > {log} 2>&1"

@@ -35,6 +35,7 @@ import transformers
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import copy_tokenizer
 from stages import merge_tp
+from stages.adapters.peft_files import check_adapter_fits
 from stages.checkpoint.meta import META_NAME, write_meta
 from stages.checkpoint.store import INDEX, SHARDED
 from stages.checkpoint.weights import check_adapter_dir, check_model_dir
@@ -114,6 +115,7 @@ def run(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | Non
         else:
             check_model_dir(base_dir)
             load_dir = base_dir
+        check_adapter_fits(adapter_dir, load_dir)
         base = transformers.AutoModelForCausalLM.from_pretrained(
             load_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=False, use_safetensors=True)
     model = peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=False)

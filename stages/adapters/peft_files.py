@@ -63,3 +63,53 @@ def write_adapter(directory: Path, config: peft.PeftConfig, tensors: dict[str, t
     config.inference_mode, config.base_model_name_or_path = True, str(base_dir)
     config.save_pretrained(directory)
     write_tensors(Path(directory) / ADAPTER_WEIGHTS, {k: v.float() for k, v in tensors.items()})
+
+
+def check_adapter_fits(adapter_dir: str | Path, base_dir: str | Path) -> None:
+    """Raise InputError, naming both directories and what differs, when the adapter in
+    `adapter_dir` was trained on a model of another shape than `base_dir`'s: a LoRA factor whose
+    width is not its base layer's (or a layer the base lacks), a prefix for another number of
+    layers or another key/value width. peft's own errors for these are size mismatches deep in
+    `load_state_dict`, or silent garbage for a prefix."""
+    import json
+
+    from stages.checkpoint.weights import model_weight_files, read_header
+    from stages.errors import InputError
+
+    adapter_dir, base_dir = Path(adapter_dir), Path(base_dir)
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    base = json.loads((base_dir / "config.json").read_text())
+    where = f"adapter {adapter_dir} does not fit base model {base_dir}"
+    if config.get("peft_type") == "PREFIX_TUNING":
+        layers = base.get("num_hidden_layers", base.get("n_layer"))
+        if config.get("num_layers") is not None and layers is not None and config["num_layers"] != layers:
+            raise InputError(f"{where}: the prefix was trained for num_layers={config['num_layers']}, the base has "
+                             f"num_hidden_layers={layers}; use the base the adapter was trained on (its meta.json "
+                             "parent) or train a prefix for this model")
+        heads, kv = base.get("num_attention_heads"), base.get("num_key_value_heads", base.get("num_attention_heads"))
+        width = base.get("head_dim") or (base["hidden_size"] // heads if heads and base.get("hidden_size") else None)
+        if config.get("token_dim") and width and kv and config["token_dim"] != kv * width:
+            raise InputError(f"{where}: the prefix holds keys/values of width token_dim={config['token_dim']}, the "
+                             f"base's are {kv} KV heads x {width} = {kv * width}")
+        return
+    if config.get("peft_type") != "LORA":
+        return
+    shapes = {}
+    for path in model_weight_files(base_dir):
+        shapes.update({name: entry["shape"] for name, entry in read_header(path).items()})
+    transposed = bool(config.get("fan_in_fan_out"))
+    for key, entry in read_header(adapter_dir / ADAPTER_WEIGHTS).items():
+        if ".lora_A." not in key and ".lora_B." not in key:
+            continue
+        module = key.removeprefix("base_model.model.").split(".lora_")[0]
+        weight = shapes.get(f"{module}.weight")
+        if weight is None:
+            raise InputError(f"{where}: it adapts {module}, which the base has no weight for (a model of "
+                             "another family or naming)")
+        out_features, in_features = (weight[1], weight[0]) if transposed else (weight[0], weight[1])
+        expected = in_features if ".lora_A." in key else out_features
+        got = entry["shape"][1] if ".lora_A." in key else entry["shape"][0]
+        if got != expected:
+            raise InputError(f"{where}: {key} is {entry['shape']} (trained for a layer with "
+                             f"{'in' if '.lora_A.' in key else 'out'}_features={got}), but the base's "
+                             f"{module}.weight is {weight}; use the base the adapter was trained on")

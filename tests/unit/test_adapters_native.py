@@ -183,3 +183,45 @@ def test_lora_model_is_built_like_the_flavour():
     assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
     assert {n.split(".")[-3] for n in names} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                                  "down_proj"}
+
+
+@pytest.fixture(scope="module")
+def other_bases(tmp_path_factory, tiny_tokenizer_dir, debug_model_dir):
+    """Debug-flavour models of another width and another depth than debug_model_dir's."""
+    import json
+
+    from stages.checkpoint.atomic import atomic_dir
+    from stages.checkpoint.hf import save_pretrained
+
+    config = json.loads((debug_model_dir / "config.json").read_text())
+    out = {}
+    for name, change in {"wider": {"intermediate_size": config["intermediate_size"] * 2},
+                         "deeper": {"num_hidden_layers": config["num_hidden_layers"] + 1}}.items():
+        model = build_model(config_for_flavour("debug", vocab_size=config["vocab_size"], bos_token_id=1,
+                                               eos_token_id=2, pad_token_id=0, **change), seed=0)
+        with atomic_dir(tmp_path_factory.mktemp("bases") / name) as tmp:
+            save_pretrained(model, tmp, tokenizer_dir=tiny_tokenizer_dir)
+        out[name] = tmp.parent / name
+    return out
+
+
+@pytest.mark.parametrize("method, base, message", [
+    ("lora", "wider", r"does not fit base model .*wider.*down_proj.lora_A.weight is \[4, 192\].*in_features=192"),
+    ("prefix", "deeper", r"does not fit base model .*deeper.*num_layers=2, the base has num_hidden_layers=3"),
+])
+def test_an_adapter_for_another_base_names_the_mismatch(tmp_path, debug_model_dir, other_bases, method, base, message):
+    from stages import evaluate, merge
+    from stages.adapters.peft_files import check_adapter_fits
+
+    overrides = {"target_modules": ["down_proj"]} if method == "lora" else {}
+    model, section = _adapted(debug_model_dir, method, **overrides)
+    tensors = {name: p.detach() for name, p in trained_parameters(model)}
+    write_adapter(tmp_path / "adapter", peft_config_for(method, section, debug_model_dir),
+                  peft_tensors(method, tensors, model.config.num_hidden_layers), other_bases[base])
+    check_adapter_fits(tmp_path / "adapter", debug_model_dir)  # its own base fits
+    with pytest.raises(ValueError, match=message):
+        evaluate.load_variant(tmp_path / "adapter")  # adapter_config.json names the other base
+    if method == "lora":
+        with pytest.raises(ValueError, match=message):
+            merge.run(tmp_path / "adapter", tmp_path / "merged", base_dir=other_bases[base])
+        assert not (tmp_path / "merged").exists()

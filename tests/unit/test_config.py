@@ -193,3 +193,20 @@ def test_a_yaml_syntax_error_names_file_line_and_column(tmp_path, capsys):
     good.write_text("experiments: {x: {model: {flavour: debug}}}\n")
     assert main([str(ROOT / "config" / "config.yaml"), str(good)]) == 0
     assert "valid (llama, x)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("finetune, message", [
+    ({"lora": {"world_size": 2, "pipeline_parallel_degree": 2, "gradient_accumulation_steps": 2}},
+     r"finetune.lora: pipeline_parallel_degree=2: lora trains under data parallel, ZeRO and tensor parallelism"),
+    ({"sft": {"world_size": 2, "pipeline_parallel_degree": 2, "gradient_accumulation_steps": 2, "packing": True}},
+     r"finetune.sft: packing=True with pipeline_parallel_degree=2"),
+    ({"sft": {"world_size": 2, "pipeline_parallel_degree": 2, "gradient_accumulation_steps": 2, "eval_steps": 5}},
+     r"finetune.sft: eval_steps=5 with pipeline_parallel_degree=2"),
+    ({"prefix": {"load_best_model_at_end": True}}, r"finetune.prefix: load_best_model_at_end=true needs eval_steps > 0"),
+    ({"lora": {"load_best_model_at_end": True, "eval_steps": 5, "metric_for_best_model": "eval_rouge_l"}},
+     r"metric_for_best_model=eval_rouge_l is measured on generations"),
+    ({"lora": {"world_size": 3, "tensor_parallel_degree": 2}}, r"finetune.lora: world_size=3 is not divisible"),
+])
+def test_fine_tuning_layouts_that_cannot_run_are_refused(finetune, message):
+    with pytest.raises(ConfigError, match=message):
+        check_config({"experiments": {"t": {"model": {"flavour": "debug"}, "finetune": finetune}}})

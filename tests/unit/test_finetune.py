@@ -194,3 +194,41 @@ def test_full_sft_layout_matches_the_single_process_run(name, sft_reference, deb
     assert len(curve) == len(sft_reference) == 6
     assert curve == pytest.approx(sft_reference, rel=1e-5)
     assert sft_reference[-1] < sft_reference[0]
+
+
+def test_eval_steps_log_dev_metrics_and_the_best_model_is_written(tmp_path, debug_model_dir, data_dir):
+    """eval_steps=2 with generation: eval columns on every second row; load_best_model_at_end
+    writes the evaluation with the lowest eval_loss, and meta.json's dev_loss is that model's."""
+    config = finetune_section("lora", max_steps=6, eval_steps=2, eval_with_do_generation=True,
+                              load_best_model_at_end=True, learning_rate=5e-1, lr_scheduler_type="constant",
+                              num_eval_examples=4, per_device_eval_batch_size=2)
+    metrics = finetune.run("lora", debug_model_dir, data_dir, tmp_path / "out", config)
+    with open(tmp_path / "out" / "train_log.csv") as f:
+        rows = list(csv.DictReader(f))
+    evaluated = [r for r in rows if r["eval_loss"]]
+    assert [int(r["step"]) for r in evaluated] == [2, 4, 6]
+    assert all(r["eval_exact_match"] != "" and 0 <= float(r["eval_rouge_l"]) <= 1 for r in evaluated)
+    losses = {e["step"]: e["eval_loss"] for e in metrics["evaluations"]}
+    best = min(losses, key=losses.get)
+    assert metrics["best_step"] == best
+    assert metrics["dev_loss"] == pytest.approx(losses[best], rel=1e-5)  # the written weights are the best's
+    assert {"dev_exact_match", "dev_bleu4", "dev_rouge_l"} <= metrics.keys()
+
+
+def test_examples_longer_than_max_length_are_cut_and_counted(tmp_path, tokenizer, caplog):
+    from stages.data.sft import SftRecord, write_sft_file
+
+    records = [SftRecord(src=["colour of apple"], tgt=["red " * 30]), SftRecord(src=["sky"], tgt=["blue"])]
+    write_sft_file(tmp_path / "train.json", records)
+    examples = finetune.load_examples(tmp_path / "train.json", tokenizer, 8, 16)
+    assert max(len(ids) for ids, _ in examples) == 16
+    assert "1 of 2 examples are longer than max_length=16 and were truncated" in caplog.text
+
+
+def test_an_empty_target_names_the_line(tmp_path, debug_model_dir):
+    data = tmp_path / "data"
+    (data / "sft").mkdir(parents=True)
+    (data / "sft" / "train.json").write_text('{"src": "a", "tgt": "b"}\n{"src": "sky", "tgt": " "}\n')
+    with pytest.raises(ValueError, match=r"train.json:2: 'tgt' is empty"):
+        finetune.run("lora", debug_model_dir, data, tmp_path / "out", finetune_section("lora"))
+    assert not (tmp_path / "out").exists()

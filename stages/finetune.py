@@ -177,6 +177,19 @@ def sft_format(tokenizer, model_dir: Path, data_dir: Path) -> bool:
     return chat
 
 
+def prefix_init_ids(config: dict[str, Any], examples: Sequence[Example]) -> list[int] | None:
+    """With `prefix_init: tokens`, the first num_prefix_tokens tokens of the training examples
+    (in file order, one after the other): real text of the task, whose KV cache starts the prefix."""
+    if config.get("prefix_init", "random") != "tokens":
+        return None
+    P = config["num_prefix_tokens"]
+    ids = [t for example, _ in examples for t in example][:P]
+    if len(ids) < P:
+        raise InputError(f"finetune.prefix.prefix_init=tokens: the training examples hold {len(ids)} tokens, "
+                         f"fewer than num_prefix_tokens={P}")
+    return ids
+
+
 def build_source(config: dict[str, Any], examples: Sequence[Example], pad: int):
     """The engine's batch source: padded rows, or with `packing` several examples per row."""
     if config["packing"]:
@@ -256,7 +269,7 @@ def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str |
                          f"{type(model).__name__}, whose attention does not keep packed examples apart; "
                          "packing needs a family our model implements (Llama, Qwen2, Mistral)")
     if method != "sft":  # seeded above: the adapter's initial weights repeat, the same on every rank
-        model = attach_adapter(model, method, config)
+        model = attach_adapter(model, method, config, prefix_init_ids(config, examples))
     trainable, total = count_parameters(model)
     if dist.get_rank() == 0:
         log.info("finetune-%s: %d examples, %d of %d parameters trainable, layout %s", method, len(examples),

@@ -13,15 +13,17 @@ import torch
 from stages.adapters.lora import build_lora_config, check_target_modules, targets_conv1d
 from stages.adapters.lora_linear import add_lora
 from stages.adapters.prefix import build_prefix_config
-from stages.adapters.prefix_kv import add_prefix
+from stages.adapters.prefix_kv import add_prefix, to_peft
 from stages.model import LlamaForCausalLM
 
 ADAPTER_METHODS = ("lora", "prefix")
 
 
-def attach_adapter(model: torch.nn.Module, method: str, section: dict) -> torch.nn.Module:
+def attach_adapter(model: torch.nn.Module, method: str, section: dict,
+                   init_ids: list[int] | None = None) -> torch.nn.Module:
     """Freeze `model` and give it a fresh `method` adapter ("lora" or "prefix"): in place for our
-    model (returned as is), else wrapped by peft (the PeftModel is returned).
+    model (returned as is), else wrapped by peft (the PeftModel is returned). `init_ids`: the
+    tokens whose KV cache starts a prefix (`prefix_init: tokens`).
 
     The adapter's initial weights come from torch's global RNG: seed it first (set_seed) for
     reproducible runs. Only the adapter's parameters have requires_grad afterwards.
@@ -34,13 +36,25 @@ def attach_adapter(model: torch.nn.Module, method: str, section: dict) -> torch.
         if method == "lora":
             add_lora(model, section)
         else:
-            add_prefix(model, section)
+            add_prefix(model, section, init_ids)
         return model
     if method == "lora":
         config = build_lora_config(section, fan_in_fan_out=targets_conv1d(model, section["target_modules"]))
     else:
         config = build_prefix_config(section)
-    return peft.get_peft_model(model, config)
+    wrapped = peft.get_peft_model(model, config)
+    if method == "prefix" and init_ids is not None:
+        _prefix_from_cache(wrapped, init_ids)
+    return wrapped
+
+
+@torch.no_grad()
+def _prefix_from_cache(model: peft.PeftModel, ids: list[int]) -> None:
+    """Start peft's prefix table as the KV cache transformers' model computes for `ids`."""
+    base = model.get_base_model()
+    cache = base(input_ids=torch.tensor([ids], device=base.device), use_cache=True).past_key_values
+    pairs = [(layer.keys[0], layer.values[0]) for layer in cache.layers]  # each (K, P, hd)
+    model.prompt_encoder.default.embedding.weight.copy_(to_peft(pairs))
 
 
 def count_parameters(model: torch.nn.Module) -> tuple[int, int]:

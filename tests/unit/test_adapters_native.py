@@ -225,3 +225,24 @@ def test_an_adapter_for_another_base_names_the_mismatch(tmp_path, debug_model_di
         with pytest.raises(ValueError, match=message):
             merge.run(tmp_path / "adapter", tmp_path / "merged", base_dir=other_bases[base])
         assert not (tmp_path / "merged").exists()
+
+
+@pytest.mark.parametrize("family", ["ours", "transformers"])
+def test_a_prefix_from_tokens_is_the_kv_cache_of_those_tokens(debug_model_dir, family):
+    """prefix_init=tokens: the adapted model's logits on x equal the base model's logits on
+    (tokens + x) at x's positions, for our model and for peft's prefix on transformers' model."""
+    section = finetune_section("prefix", num_prefix_tokens=4)
+    tokens = [5, 17, 42, 9]
+    ids = torch.randint(3, 200, (1, 7), generator=torch.Generator().manual_seed(2))
+    base = AutoModelForCausalLM.from_pretrained(debug_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = base(input_ids=torch.cat([torch.tensor([tokens]), ids], dim=1)).logits[:, 4:]
+        if family == "ours":
+            model = load_pretrained(debug_model_dir).eval()
+            attach_adapter(model, "prefix", section, init_ids=tokens)
+            logits = model(ids)
+        else:
+            model = attach_adapter(AutoModelForCausalLM.from_pretrained(debug_model_dir, dtype=torch.float32),
+                                   "prefix", section, init_ids=tokens).eval()
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+    assert torch.allclose(logits, expected, atol=TOL, rtol=TOL)

@@ -1,4 +1,5 @@
-"""LoRA and prefix tuning in parallel layouts on the training engine (real torchrun, gloo) follow
+"""LoRA and prefix tuning in parallel layouts (LoRA tp2 and dp2 x ZeRO-2, prefix dp2 x ZeRO-1 and
+tp2) on the training engine (real torchrun, gloo) follow
 the one-process run of the same engine: same adapter init, same global batch of 8 examples per
 step, fp32, loss curve within 1e-5 relative; the tp2 LoRA adapter is peft's whole-tensor adapter
 (equal to the one-process adapter within 1e-5) and, merged, gives the unmerged model's logits."""
@@ -23,6 +24,8 @@ LAYOUTS = {
                               gradient_accumulation_steps=2)),
     "lora_dp2_zero2": ("lora", dict(world_size=2, sharding="stage2", per_device_train_batch_size=4)),
     "prefix_dp2": ("prefix", dict(world_size=2, sharding="stage1", per_device_train_batch_size=4)),
+    "prefix_tp2": ("prefix", dict(world_size=2, tensor_parallel_degree=2, per_device_train_batch_size=4,
+                                  gradient_accumulation_steps=2)),
 }
 
 

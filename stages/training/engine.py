@@ -512,7 +512,7 @@ def evaluate(run: Run, evaluator: Callable[..., dict[str, float]], done: int) ->
                                       else metrics[key] > run.best["value"])
         if better:
             weights = {name: run.access.get(p, None).detach().clone() for name, p in trained_parameters(run.engine.module)}
-            run.best = {"step": done, "value": metrics[key], "weights": weights}
+            run.best = {"step": done, "value": metrics[key], "metrics": metrics, "weights": weights}
     return metrics
 
 
@@ -526,6 +526,18 @@ def restore_best(run: Run) -> None:
     if run.rank == 0:
         log.info("%s: load_best_model_at_end: step %d (%s %.4f)", run.stage, run.best["step"],
                  run.section["metric_for_best_model"], run.best["value"])
+
+
+def final_evaluation(run: Run, evaluator: Callable[..., dict[str, float]]) -> dict[str, float]:
+    """The dev metrics of the weights about to be written: the best evaluation's when they were
+    put back, the last step's when it was evaluated, else measured now."""
+    if run.best is not None:
+        return run.best["metrics"]
+    if run.evaluations and run.evaluations[-1]["step"] == run.section["max_steps"]:
+        return {k: v for k, v in run.evaluations[-1].items() if k != "step"}
+    run.engine.eval()
+    with torch.no_grad():
+        return evaluator(run.engine, tp_output_group(run))
 
 
 def run_metrics(run: Run) -> dict[str, Any]:
@@ -609,10 +621,7 @@ def train(model: torch.nn.Module, source, section: dict[str, Any], out_dir: str 
         restore_best(run)
     metrics = {**run_metrics(run), **(extra_metrics or {}), "dev_loss": None}
     if evaluator is not None:
-        run.engine.eval()
-        with torch.no_grad():
-            final = evaluator(run.engine, tp_output_group(run))
-        metrics.update({k.replace("eval_", "dev_", 1): v for k, v in final.items()})
+        metrics.update({k.replace("eval_", "dev_", 1): v for k, v in final_evaluation(run, evaluator).items()})
     finish(run, out_dir, metrics, tokenizer_dir=tokenizer_dir, parent=parent, meta_config=meta_config,
            sharded_output=sharded_output, adapter_writer=adapter_writer)
     return metrics

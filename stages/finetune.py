@@ -192,11 +192,7 @@ def prefix_init_ids(config: dict[str, Any], examples: Sequence[Example]) -> list
 
 def build_source(config: dict[str, Any], examples: Sequence[Example], pad: int):
     """The engine's batch source: padded rows, or with `packing` several examples per row."""
-    if config["packing"]:
-        shortest = min(len(ids) for ids, _ in examples)
-        if shortest > config["max_length"]:  # cannot happen after load_examples' cut; kept for direct callers
-            raise InputError(f"packing: max_length={config['max_length']} is shorter than every example "
-                             f"(shortest {shortest} tokens); raise max_length")
+    if config["packing"]:  # examples were cut to max_length; PackedSftBatches refuses longer ones
         source = PackedSftBatches(list(examples), config["max_length"], pad, config["seed"])
         log.info("packing: %d examples in %d rows of %d tokens (%.0f%% real tokens)", len(examples),
                  len(source.rows), source.seq_len, 100 * source.fill)

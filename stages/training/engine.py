@@ -215,6 +215,9 @@ def train_step(engine, runner: PipelineRunner | None, batches: list[tuple[torch.
     the gradients just before the update (ZeRO off).
     """
     if runner is not None:
+        if any(len(b) > 2 for b in batches):
+            raise ValueError("packed micro-batches (with position_ids) under pipeline parallelism: the stages pass "
+                             "hidden states only; set packing: false or pipeline_parallel_degree: 1")
         ids = torch.cat([b[0] for b in batches]).to(engine.device)
         labels = torch.cat([b[1] for b in batches]).to(engine.device)
         engine.zero_grad()

@@ -73,3 +73,30 @@ def test_quant_bench_report_has_its_keys(tmp_path):
     assert size["rows"]["wint4"]["linear_bytes"] < size["rows"]["fp32"]["linear_bytes"]  # bytes, not time
     assert size["rows"]["gptq-w4"]["quantization"]["metrics"]["seconds_per_decoder_layer"] > 0
     assert {"wint4", "gptq-w4", "a8w8"} == size["targets"].keys()
+
+
+def test_sft_packing_bench_report_has_its_keys(tmp_path):
+    """bench/sft_packing.py --quick: full SFT and LoRA, padded and packed, each with rows per epoch,
+    fill, effective tokens/s and losses, and the packed/padded ratio with its target."""
+    out = tmp_path / "sft_packing.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "sft_packing.py"), "--quick", "--threads", "1",
+                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "packed/padded" in proc.stdout
+    result = json.loads(out.read_text())
+    assert {"cpu", "cores", "torch_threads", "torch"} <= result["machine"].keys()
+    assert result["settings"]["quick"] and result["model"]["flavour"] == "debug"
+    assert list(result["methods"]) == ["sft", "lora"]
+    for method, r in result["methods"].items():
+        assert list(r["modes"]) == ["padded", "packed"], method
+        for mode, d in r["modes"].items():
+            assert {"rows_per_epoch", "fill", "effective_tokens_per_s", "examples_per_s", "final_loss", "dev_loss",
+                    "median_step_s", "epoch_s_estimate"} <= d.keys(), (method, mode)
+            assert 0 < d["fill"] <= 1 and 0 < d["fill_trained"] <= 1, (method, mode)
+            assert d["effective_tokens_per_s"] > 0 and d["final_loss"] > 0
+            settings = result["settings"]
+            assert d["measured_steps"] == settings["repeats"] * (settings["steps"] - settings["warmup_steps"])
+        padded, packed = r["modes"]["padded"], r["modes"]["packed"]
+        assert padded["rows_per_epoch"] == r["num_examples"] > packed["rows_per_epoch"]  # counts, not time
+        assert packed["examples_per_row"] > 1 and packed["fill"] > padded["fill"]
+        assert r["ratio"]["effective_tokens_per_s"] > 0 and isinstance(r["target"]["pass"], bool)

@@ -69,7 +69,9 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
     for stage in ["pretrain", "sft", "lora", "prefix"]:
         log = pd.read_csv(exp / stage / "train_log.csv")
         assert {"step", "loss", "lr", "tokens_per_s"} <= set(log.columns), stage
-        assert log["loss"].iloc[-1] < log["loss"].iloc[0], stage
+        # means of 5 steps: one step's loss swings with its batch (prefix tuning on the barely
+        # pretrained debug model moves the loss by ~0.02 only, see debug.yaml)
+        assert log["loss"].iloc[-5:].mean() < log["loss"].iloc[:5].mean(), stage
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(exp / "pretrain")  # HF layout, no project code

@@ -1,0 +1,594 @@
+"""Per-device memory of a training layout: the model behind the memory planner (`stages.plan`).
+
+`estimate_memory(arch, section, vocab_size=...)` returns the bytes one device holds at the peak of
+a training step in the section's layout, split into parameters, gradients, optimizer state,
+activations and buffers, and the optimizer state that ZeRO-Offload keeps in host memory instead.
+`nearest_fitting_layout` finds the closest layout of the same world size that fits a device, and
+`parameter_count` counts the model's parameters. Pure arithmetic: no torch, so it runs when
+Snakemake parses the workflow.
+
+The model follows what this project's code allocates, not a textbook formula (each line is checked
+against a real run in tests/unit/test_memory_plan.py and bench/memory_plan.py):
+
+- Model states (the ZeRO paper's accounting, `zero_model_states`; P trained parameters, p bytes of
+  the training dtype, dp data-parallel ranks): DeepSpeed keeps the module in the training dtype
+  (p = 2 with bf16/fp16, 4 in fp32), torch AdamW's moments in fp32 (8 bytes) and, under mixed
+  precision or any ZeRO stage, an fp32 master copy (4 bytes; ZeRO keeps its fp32 partition even
+  when the model is fp32). ZeRO-1 splits master and moments over dp, ZeRO-2 also the gradients,
+  ZeRO-3 also the parameters, except those of at most 1e5 elements (norms), which stay whole.
+  Gradients are held whole across the micro-batches of an accumulation (none, stage1) or as the
+  reduced partition (stage2, stage3). A frozen base (LoRA, prefix) has parameters only.
+- Activations, per micro-batch and decoder layer, are the tensors autograd saves in
+  `stages.model.llama`: each RMSNorm its fp32 input, the normalised x and its output (what the next
+  Linear saves), SDPA's q, k and v (k, v repeated to every query head under GQA), output and
+  log-sum-exp, SwiGLU's gate, silu(gate), up and their product; with a frozen base only what the
+  input gradients and the adapter need (under ZeRO-3 every projection's input: DeepSpeed swaps in
+  a linear that saves it). With recompute a layer keeps only its input, and one layer
+  is rebuilt at a time. Tensor parallelism splits the attention and MLP parts, not the norms (no
+  sequence parallelism). The loss: logits (gathered over the vocabulary unless
+  tensor_parallel_output), their fp32 copy and log-softmax, then three fp32 (tokens x vocab)
+  tensors when backward starts.
+- Pipeline parallelism (1F1B, interleaved 1F1B as torch.distributed.pipelining schedules them):
+  rank r holds min(m, pp - r) micro-batches in flight (interleaved: its warm-up + 1 chunk
+  micro-batches), the last stage keeps its logits until their backward, and every stage keeps one
+  receive buffer per micro-batch for activations and for their gradients. The worst rank is
+  reported.
+- Buffers at DeepSpeed 0.19's defaults, which the engine's `deepspeed_config` does not change:
+  ZeRO-1/2 allocate a 5e8-element gradient bucket in the training dtype for each backward (ZeRO-1
+  keeps it across an accumulation), ZeRO-3 keeps one for the whole run, and keeps the parameters
+  it gathered in forward for their reuse in backward (up to 1e9 elements).
+- Four moments of a step can peak (`estimate_phases`): the loss's backward starting with every
+  activation saved; backward reaching the layers (the bucket allocated, a layer rebuilt under
+  recompute); the reduction of the gradients; the optimizer step (the fp32 gradient copies the
+  wrappers make, and AdamW's temporaries: with the foreach kernels of a GPU one fp32 copy of all
+  its parameters, with the single-tensor loop of a CPU two of its largest tensor).
+
+Precision follows the section (bf16/fp16 or fp32) on both devices, as the engine runs it; `device`
+changes only what differs between a GPU and a CPU: AdamW's kernels, and ZeRO-Offload (on a CPU the
+"offloaded" state stays in the same memory). Checked against the engine's real peaks within 2% on
+CPU (bench/memory_plan.py, 2 gloo ranks: every ZeRO stage, tp2, pp2, recompute, bf16, LoRA, prefix)
+and on one H100 (`--device cuda`: the 1b flavour, bf16 and fp32, ZeRO 0-3, offload, recompute,
+LoRA). Not modelled: torch.compile, the allocator's fragmentation and the CUDA context (leave
+headroom), the transient of building the whole model on every rank before it is split, and
+evaluation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from itertools import product
+from typing import Any
+
+GiB, MiB = 2**30, 2**20
+REDUCE_BUCKET_SIZE = 500_000_000  # elements: DeepSpeed's default reduce_bucket_size (ZeRO-1/2/3)
+PARAM_PERSISTENCE_THRESHOLD = 100_000  # ZeRO-3: parameters this small stay whole on every rank
+MAX_LIVE_PARAMETERS = 1_000_000_000  # ZeRO-3: max_live_parameters and max_reuse_distance (elements)
+MASTER_BYTES = 4  # fp32 master copy per trained parameter
+ADAM_BYTES = 8  # exp_avg and exp_avg_sq, fp32
+ZERO_STAGES = {"none": 0, "stage1": 1, "stage2": 2, "stage3": 3}
+# Our Llama's projections by their names inside a decoder layer: (in, out, column-parallel?) as
+# functions of the shape, for the parameter count, tensor parallelism and LoRA's targets.
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
+# nearest_fitting_layout's order of preference: the knobs it turns, cheapest first.
+PREFERENCE = ("sharding", "recompute", "tensor_parallel_degree", "pipeline_parallel_degree",
+              "sharding_offload", "per_device_train_batch_size")
+# The schema's defaults of the layout keys a section may leave out.
+LAYOUT_DEFAULTS = {"sharding": "none", "recompute": False, "tensor_parallel_degree": 1, "pipeline_parallel_degree": 1,
+                   "virtual_pp_degree": 1, "sharding_offload": False}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one device holds at the peak of a training step (the worst pipeline rank), by kind;
+    `phase` names the moment of the peak (see `estimate_phases`)."""
+
+    parameters: int  # this rank's parameters in the training dtype (ZeRO-3: its partition)
+    gradients: int  # gradients held at the peak (accumulated, or the reduced partition)
+    optimizer: int  # fp32 master copy (ZeRO: its partition) and AdamW moments kept on the device
+    activations: int  # saved activations of the micro-batches in flight, plus the loss's tensors
+    buffers: int  # gradient buckets, gathered ZeRO-3 parameters, pipeline receive buffers, step copies
+    offloaded: int  # host bytes ZeRO-Offload keeps off the device (fp32 master, moments, gradients)
+    phase: str = "backward"  # "backward", "layers", "reduce" or "step" (see estimate_phases)
+    pipeline_rank: int = 0  # the pipeline rank these numbers belong to
+
+    @property
+    def total(self) -> int:
+        """Device bytes at the peak."""
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain ints (bytes), the phase and rank, the total and the total in GiB."""
+        return {**asdict(self), "total": self.total, "total_gib": round(self.total / GiB, 3)}
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """The architecture fields the estimate reads (Hugging Face names in `_shape`)."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The layout keys of a validated training section."""
+
+    world: int
+    tp: int
+    pp: int
+    vpp: int
+    zero: int
+    offload: bool
+    micro: int
+    accum: int
+    seq: int
+    recompute: bool
+    param_bytes: int  # 2 with bf16/fp16, else 4
+    tp_output: bool
+    packing: bool
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.pp)
+
+
+@dataclass(frozen=True)
+class _Adapter:
+    """What trains: "full", or an adapter on a frozen base ("lora": `rank` on the `targets`
+    projections; "prefix": `prefix` keys and values per layer)."""
+
+    trained: str = "full"
+    rank: int = 0
+    targets: frozenset[str] = frozenset()
+    prefix: int = 0
+
+    @property
+    def full(self) -> bool:
+        return self.trained == "full"
+
+
+def _adapter(trained: str, lora_rank: int | None, num_prefix_tokens: int | None,
+             section: dict[str, Any]) -> _Adapter:
+    """The adapter of a training rule; LoRA's targets from the section's `target_modules` with
+    peft's rule (a name matches a module whose dotted name equals it or ends with "." + it)."""
+    if trained not in ("full", "lora", "prefix"):
+        raise ValueError(f"trained={trained!r}: expected 'full', 'lora' or 'prefix'")
+    if trained == "lora":
+        if not lora_rank:
+            raise ValueError("trained='lora' needs lora_rank")
+        wanted = section.get("target_modules", "all-linear")
+        targets = frozenset(PROJECTIONS if wanted == "all-linear" else
+                            (p for p in PROJECTIONS if any(f"layers.0.{p}".endswith(f".{t}") for t in wanted)))
+        return _Adapter("lora", rank=lora_rank, targets=targets)
+    if trained == "prefix":
+        if not num_prefix_tokens:
+            raise ValueError("trained='prefix' needs num_prefix_tokens")
+        return _Adapter("prefix", prefix=num_prefix_tokens)
+    return _Adapter()
+
+
+def _shape(arch: dict[str, Any], vocab_size: int) -> _Shape:
+    """Read a flavour's fields (`stages.config.architecture`) or a checkpoint's config.json."""
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+               if arch.get(k) is None]
+    if missing:
+        raise ValueError(f"the memory model needs {missing} in the architecture (Llama-family config fields)")
+    heads = arch["num_attention_heads"]
+    model_type = arch.get("model_type", "llama")
+    bias = bool(arch.get("attention_bias"))
+    return _Shape(hidden=arch["hidden_size"], intermediate=arch["intermediate_size"],
+                  layers=arch["num_hidden_layers"], heads=heads, kv_heads=arch.get("num_key_value_heads") or heads,
+                  head_dim=arch.get("head_dim") or arch["hidden_size"] // heads, vocab=vocab_size,
+                  tied=bool(arch.get("tie_word_embeddings")), qkv_bias=model_type == "qwen2" or bias,
+                  o_bias=bias and model_type == "llama", mlp_bias=bool(arch.get("mlp_bias")))
+
+
+def _layout(section: dict[str, Any]) -> _Layout:
+    section = {**LAYOUT_DEFAULTS, **section}
+    return _Layout(world=section["world_size"], tp=section["tensor_parallel_degree"],
+                   pp=section["pipeline_parallel_degree"], vpp=section["virtual_pp_degree"],
+                   zero=ZERO_STAGES[section["sharding"]], offload=bool(section["sharding_offload"]),
+                   micro=section["per_device_train_batch_size"], accum=section["gradient_accumulation_steps"],
+                   seq=section["max_length"], recompute=bool(section.get("recompute")),
+                   param_bytes=2 if section.get("bf16") or section.get("fp16") else 4,
+                   tp_output=bool(section.get("tensor_parallel_output")), packing=bool(section.get("packing")))
+
+
+# -- parameters ---------------------------------------------------------------------------------
+
+def _projection_shapes(s: _Shape) -> dict[str, tuple[int, int, bool]]:
+    """(in, out, column-parallel?) of each projection of a decoder layer."""
+    d, f, q, kv = s.hidden, s.intermediate, s.heads * s.head_dim, s.kv_heads * s.head_dim
+    shapes = [(d, q, True), (d, kv, True), (d, kv, True), (q, d, False), (d, f, True), (d, f, True), (f, d, False)]
+    return dict(zip(PROJECTIONS, shapes))
+
+
+def _has_bias(s: _Shape, name: str) -> bool:
+    leaf = name.rsplit(".", 1)[-1]
+    return ((s.qkv_bias and leaf in ("q_proj", "k_proj", "v_proj")) or (s.o_bias and leaf == "o_proj")
+            or (s.mlp_bias and leaf in ("gate_proj", "up_proj", "down_proj")))
+
+
+def _layer_tensors(s: _Shape, tp: int, ad: _Adapter) -> list[tuple[int, bool]]:
+    """(elements on one tensor-parallel rank, trained?) of every parameter of one decoder layer,
+    as `stages.parallel.plan` splits them: column-parallel weights and biases by output rows,
+    row-parallel weights by input columns (their bias and the norms replicated); LoRA's A whole and
+    B split beside a column-parallel base, A split and B whole beside a row-parallel one; prefix
+    keys and values by KV head."""
+    out = [(s.hidden, ad.full), (s.hidden, ad.full)]  # the two RMSNorm weights
+    for name, (fan_in, fan_out, column) in _projection_shapes(s).items():
+        out.append((fan_in * fan_out // tp, ad.full))
+        if _has_bias(s, name):
+            out.append((fan_out // tp if column else fan_out, ad.full))
+        if name in ad.targets:  # lora_A (r, in), lora_B (out, r)
+            out += [(ad.rank * fan_in // (1 if column else tp), True),
+                    (fan_out // (tp if column else 1) * ad.rank, True)]
+    if ad.prefix:
+        out += [(s.kv_heads // tp * ad.prefix * s.head_dim, True)] * 2  # prefix_key, prefix_value
+    return out
+
+
+def _chunk_layers(layers: int, chunks: int) -> list[int]:
+    """Layers of each pipeline chunk: `stages.parallel.pipeline.split_layers` with its default
+    weights (the first L % n chunks get one more)."""
+    return [layers // chunks + (1 if c < layers % chunks else 0) for c in range(chunks)]
+
+
+def _chunks_of(lay: _Layout, rank: int) -> list[int]:
+    """The model chunks pipeline rank `rank` runs: chunk c on rank c % pp."""
+    return [c for c in range(lay.pp * lay.vpp) if c % lay.pp == rank]
+
+
+def _rank_tensors(s: _Shape, lay: _Layout, rank: int, ad: _Adapter) -> list[tuple[int, bool]]:
+    """(elements, trained?) of every parameter tensor pipeline rank `rank` holds."""
+    chunks, mine = lay.pp * lay.vpp, _chunks_of(lay, rank)
+    out = _layer_tensors(s, lay.tp, ad) * sum(_chunk_layers(s.layers, chunks)[c] for c in mine)
+    if 0 in mine:
+        out.append((s.vocab * s.hidden // lay.tp, ad.full))  # embed_tokens, split by vocabulary rows
+    if chunks - 1 in mine:
+        out.append((s.hidden, ad.full))  # final norm
+        if not (s.tied and chunks == 1):  # a tied lm_head is the embedding's tensor
+            out.append((s.vocab * s.hidden // lay.tp, ad.full))
+    return out
+
+
+def parameter_count(arch: dict[str, Any], vocab_size: int) -> int:
+    """Parameters of the whole model (a tied lm_head counted once), as `LlamaForCausalLM` has them."""
+    s = _shape(arch, vocab_size)
+    one = _Layout(world=1, tp=1, pp=1, vpp=1, zero=0, offload=False, micro=1, accum=1, seq=1,
+                  recompute=False, param_bytes=4, tp_output=False, packing=False)
+    return sum(n for n, _ in _rank_tensors(s, one, 0, _Adapter()))
+
+
+def zero_model_states(num_parameters: int, zero_stage: int, data_parallel: int, *, param_bytes: int = 2,
+                      optimizer_bytes: int = MASTER_BYTES + ADAM_BYTES) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state per data-parallel rank for Psi =
+    `num_parameters` under ZeRO stage 0-3 (Rajbhandari et al. 2020, Fig. 1: (2 + 2 + K) Psi with
+    K = 12 for mixed-precision Adam; stage 1 divides K Psi by Nd, stage 2 also the gradients,
+    stage 3 also the parameters)."""
+    shard = math.ceil(num_parameters / data_parallel)
+    whole = num_parameters
+    return {"parameters": param_bytes * (shard if zero_stage >= 3 else whole),
+            "gradients": param_bytes * (shard if zero_stage >= 2 else whole),
+            "optimizer": optimizer_bytes * (shard if zero_stage >= 1 else whole)}
+
+
+# -- activations ----------------------------------------------------------------------------------
+
+def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter) -> int:
+    """Bytes autograd saves in one decoder layer for one micro-batch (see the module docstring).
+    With a frozen base a norm's normalised x is not saved (its weight gets no gradient), and a
+    projection saves its input only when LoRA trains beside it (plus LoRA's r-wide A x), or
+    always under ZeRO-3, whose memory-efficient linear (it replaces torch.nn.functional.linear)
+    saves its input whatever trains."""
+    a, tp, tokens = lay.param_bytes, lay.tp, lay.micro * lay.seq
+    d, f, q = s.hidden, s.intermediate, s.heads * s.head_dim
+    kv_len = (lay.seq + ad.prefix) / lay.seq  # prefix keys/values come before the real ones
+    attention = (q * a * (2 + 2 * kv_len) + s.heads * 4) / tp  # q, k, v, output; log-sum-exp
+    if ad.full:
+        norms = 2 * d * (4 + 2 * a)  # fp32 input, normalised x, output (the next Linear's input)
+        return int(tokens * (norms + attention + 4 * f * a / tp)) + _mask_bytes(lay, ad)
+    reads = ad.targets if lay.zero < 3 else frozenset(PROJECTIONS)  # projections that save their input
+    norm_outputs = sum(any(f"{part}.{leaf}" in reads for leaf in leaves)
+                       for part, leaves in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj",))))
+    norms = d * (2 * 4 + a * norm_outputs)  # fp32 inputs; an output a projection saves
+    mlp = (3 + ("mlp.down_proj" in reads)) * f * a / tp  # gate, silu(gate), up; down's input
+    return int(tokens * (norms + attention + mlp + len(ad.targets) * ad.rank * a)) + _mask_bytes(lay, ad)
+
+
+def _mask_bytes(lay: _Layout, ad: _Adapter) -> int:
+    """The attention mask SDPA keeps when the causal fast path is off, in the activations' dtype
+    (it turns the boolean mask into an additive one): (B, 1, T, T) for packed rows, (T, P + T)
+    with a prefix."""
+    if lay.packing:
+        return lay.micro * lay.seq * (lay.seq + ad.prefix) * lay.param_bytes
+    return lay.seq * (lay.seq + ad.prefix) * lay.param_bytes if ad.prefix else 0
+
+
+def _head_bytes(s: _Shape, lay: _Layout, ad: _Adapter, keeps_logits: bool) -> tuple[int, int]:
+    """The final norm's saved tensors and the loss's peak for one micro-batch. In forward: the
+    logits, their fp32 copy and log-softmax (the vocab-parallel loss of tensor_parallel_output
+    instead makes the shifted logits, their exp and the softmax it saves); the all-gather of
+    tensor-parallel logits. When backward starts: log-softmax (softmax), its gradient and the
+    logits' gradient, fp32 tokens x vocab each; a pipeline's last stage still holds its logits."""
+    a, tokens = lay.param_bytes, lay.micro * lay.seq
+    vocab = s.vocab // lay.tp if lay.tp_output else s.vocab
+    logits = tokens * vocab * a
+    fp32 = lay.micro * (lay.seq - 1) * vocab * 4
+    gather = logits // lay.tp + 2 * logits if lay.tp > 1 and not lay.tp_output else 0
+    forward = logits + (4 if lay.tp_output and lay.tp > 1 else 2) * fp32
+    loss = max(forward, 3 * fp32 + (logits if keeps_logits else 0), gather)
+    norm = tokens * s.hidden * (4 + (2 * a if ad.full else 0))  # lm_head saves its input if it trains
+    return norm, loss
+
+
+def _in_flight(lay: _Layout, rank: int) -> int:
+    """Chunk micro-batches pipeline rank `rank` holds at once (1 without a pipeline)."""
+    m = lay.accum if lay.pp > 1 else 1
+    if lay.vpp == 1:
+        return min(m, lay.pp - rank)
+    rounds = max(1, m // lay.pp)
+    warmup = (lay.vpp - 1) * (m // rounds) + 2 * (lay.pp - 1 - rank)
+    return min(warmup + 1, m * lay.vpp)
+
+
+def _activation_bytes(s: _Shape, lay: _Layout, rank: int, ad: _Adapter) -> tuple[int, int, int]:
+    """(saved, loss, rebuilt) activations of pipeline rank `rank` at its busiest moment (the most
+    micro-batches in flight): what its layers and the final norm keep saved (with recompute only
+    each layer's input), the loss's tensors on top when its backward starts (last stage only), and
+    with recompute the one layer rebuilt at a time once the loss's tensors are gone."""
+    chunks, mine = lay.pp * lay.vpp, _chunks_of(lay, rank)
+    per_chunk = max(_chunk_layers(s.layers, chunks)[c] for c in mine)
+    layer = _layer_activation_bytes(s, lay, ad)
+    kept = lay.micro * lay.seq * s.hidden * lay.param_bytes if lay.recompute else layer
+    saved = _in_flight(lay, rank) * per_chunk * kept
+    norm, loss = _head_bytes(s, lay, ad, keeps_logits=lay.pp > 1) if chunks - 1 in mine else (0, 0)
+    return saved + norm, loss, layer if lay.recompute else 0
+
+
+# -- the estimate ---------------------------------------------------------------------------------
+
+def _pipeline_buffers(s: _Shape, lay: _Layout, rank: int) -> int:
+    """torch.distributed.pipelining's receive buffers: one per micro-batch for each chunk's input
+    activations (all but the first chunk) and output gradients (all but the last)."""
+    if lay.pp == 1:
+        return 0
+    chunks = lay.pp * lay.vpp
+    hidden = lay.micro * lay.seq * s.hidden * lay.param_bytes
+    return lay.accum * hidden * sum((c > 0) + (c < chunks - 1) for c in _chunks_of(lay, rank))
+
+
+def _optimizer_step_bytes(opt_tensors: list[int], lay: _Layout, device: str) -> int:
+    """AdamW's temporaries: the foreach kernels (GPU) take sqrt(v) of every parameter at once; the
+    single-tensor loop (CPU) holds two temporaries of one tensor."""
+    if not opt_tensors:
+        return 0
+    if device == "cpu" or lay.offload:
+        return 2 * 4 * max(opt_tensors)
+    return 4 * sum(opt_tensors)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """What a rank holds through a step (bytes), and what its moments are built from."""
+
+    parameters: int  # in the training dtype (ZeRO-3: the partition and the small parameters)
+    optimizer: int  # on the device
+    offloaded: int  # on the host
+    whole: int  # every trained gradient in the training dtype
+    part: int  # the gradient partition in the training dtype (0 when offloaded)
+    shard: int  # trained parameters in this rank's partition (elements)
+    trained: tuple[int, ...]  # elements of each trained tensor
+    bucket: int  # DeepSpeed's gradient bucket (ZeRO only)
+    persistent: int  # buffers alive all step: ZeRO-3's bucket, pipeline receive buffers
+    gathered: int  # parameters ZeRO-3 keeps gathered between forward and backward
+
+
+def _held(s: _Shape, lay: _Layout, rank: int, ad: _Adapter, device: str, bucket_size: int) -> _Held:
+    tensors = _rank_tensors(s, lay, rank, ad)
+    p, dp, zero, offload = lay.param_bytes, lay.dp, lay.zero, lay.offload and device != "cpu"
+    trained = tuple(n for n, t in tensors if t)
+    shard = math.ceil(sum(trained) / dp)
+    states = zero_model_states(sum(trained), zero, dp, param_bytes=p,
+                               optimizer_bytes=ADAM_BYTES + (MASTER_BYTES if zero or p != 4 else 0))
+    if zero == 3:  # every parameter is partitioned; small ones also stay whole
+        small = sum(n for n, _ in tensors if n <= PARAM_PERSISTENCE_THRESHOLD)
+        parameters = (math.ceil(sum(n for n, _ in tensors) / dp) + small) * p
+    else:
+        parameters = sum(n for n, _ in tensors) * p
+    bucket = bucket_size * p if zero else 0
+    # ZeRO-3 keeps the parameters it gathered in forward for their reuse in backward, up to
+    # max_reuse_distance / max_live_parameters (1e9 elements each by default); one rank has
+    # nothing to gather
+    large = sum(n for n, _ in tensors if n > PARAM_PERSISTENCE_THRESHOLD)
+    gathered = min(large, MAX_LIVE_PARAMETERS) * p if zero == 3 and dp > 1 else 0
+    return _Held(parameters=parameters, optimizer=0 if offload else states["optimizer"],
+                 offloaded=(MASTER_BYTES + ADAM_BYTES + 4) * shard if offload else 0,  # + fp32 gradients
+                 whole=sum(trained) * p, part=0 if offload else shard * p, shard=shard, trained=trained,
+                 bucket=bucket, persistent=(bucket if zero == 3 else 0) + _pipeline_buffers(s, lay, rank),
+                 gathered=gathered)
+
+
+def _rank_phases(s: _Shape, lay: _Layout, rank: int, ad: _Adapter, device: str,
+                 bucket_size: int) -> dict[str, MemoryEstimate]:
+    """Pipeline rank `rank`'s memory at the moments of a step that can peak: "backward" (the last
+    micro-batch's loss backward starts, every activation saved), "layers" (backward reaches the
+    decoder layers: the loss's tensors freed, the gradient bucket allocated, a layer rebuilt with
+    recompute), "reduce" (backward ends: gradients whole or being reduced) and "step" (the
+    optimizer step)."""
+    h = _held(s, lay, rank, ad, device, bucket_size)
+    zero, mixed, offload = lay.zero, lay.param_bytes != 4, lay.offload and device != "cpu"
+
+    def at(phase: str, gradients: int, activations: int, buffers: int) -> MemoryEstimate:
+        return MemoryEstimate(h.parameters, gradients, h.optimizer, activations, buffers + h.persistent,
+                              h.offloaded, phase, rank)
+
+    # backward: gradients kept from earlier micro-batches (none, stage1) or the reduced partition
+    # (stage2, 3). ZeRO-1 keeps its bucket from the first micro-batch's backward to the reduction;
+    # ZeRO-2 (and ZeRO-1 without accumulation) allocates it at the first gradient, when the loss's
+    # tensors are gone: the "layers" moment, which with recompute also rebuilds one layer.
+    held = (h.whole if lay.accum > 1 else 0) if zero < 2 else h.part
+    saved, loss, rebuilt = _activation_bytes(s, lay, rank, ad)
+    early_bucket = h.bucket if zero == 1 and lay.accum > 1 else 0
+    first_grad = s.vocab * s.hidden // lay.tp * lay.param_bytes if ad.full else 0  # lm_head's
+    late_bucket = h.bucket if zero in (1, 2) else 0
+    phases = [at("backward", held, saved + loss, early_bucket + h.gathered),
+              at("layers", held + first_grad, saved + rebuilt, late_bucket + h.gathered)]
+
+    # reduce: none all-reduces a flat copy of the whole gradients; stage1 reduces them through the
+    # bucket into the partition; stage2/3 reduce-scatter the last bucket's content (a flat copy)
+    if zero == 0:
+        phases.append(at("reduce", h.whole, 0, h.whole))
+    elif zero == 1:
+        phases.append(at("reduce", h.whole + h.part, 0, h.bucket))
+    else:
+        flat = min(sum(h.trained), REDUCE_BUCKET_SIZE) * lay.param_bytes
+        phases.append(at("reduce", h.part, 0, late_bucket + h.gathered + 2 * flat))
+
+    # step: without ZeRO the mixed-precision wrapper copies every gradient to fp32 beside the
+    # low-precision ones; ZeRO converts its partition to fp32 and frees the low-precision one
+    # before AdamW runs; AdamW's temporaries on top
+    if zero == 0:
+        adam = _optimizer_step_bytes(list(h.trained), lay, device)
+        phases.append(at("step", h.whole, 0, (4 * sum(h.trained) if mixed else 0) + adam))
+    elif offload:  # the fp32 gradients and AdamW are on the host
+        phases.append(at("step", 0, 0, 0))
+    else:
+        adam = _optimizer_step_bytes([h.shard], lay, device)
+        phases.append(at("step", 4 * h.shard, 0, max(adam, h.part if mixed else 0)))
+    return {e.phase: e for e in phases}
+
+
+def estimate_phases(arch: dict[str, Any], section: dict[str, Any], *, vocab_size: int, trained: str = "full",
+                    lora_rank: int | None = None, num_prefix_tokens: int | None = None, device: str = "cuda",
+                    pipeline_rank: int | None = None,
+                    reduce_bucket_size: int = REDUCE_BUCKET_SIZE) -> dict[str, MemoryEstimate]:
+    """The estimate at each moment of a step that can peak ("backward", "layers", "reduce", "step";
+    see `_rank_phases`) for `pipeline_rank`, or for the rank that needs the most (None).
+    `reduce_bucket_size`: DeepSpeed's gradient bucket in elements (the engine keeps DeepSpeed's
+    default; bench/memory_plan.py passes 0 to compare without it). Other arguments as for
+    `estimate_memory`."""
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device={device!r}: expected 'cuda' or 'cpu'")
+    ad = _adapter(trained, lora_rank, num_prefix_tokens, section)
+    s, lay = _shape(arch, vocab_size), _layout(section)
+    if lay.world % (lay.tp * lay.pp):
+        raise ValueError(f"world_size={lay.world} is not divisible by tensor_parallel_degree={lay.tp} x "
+                         f"pipeline_parallel_degree={lay.pp}")
+    if pipeline_rank is not None and not 0 <= pipeline_rank < lay.pp:
+        raise ValueError(f"pipeline_rank={pipeline_rank} is outside pipeline_parallel_degree={lay.pp}")
+    # the first rank holds the most micro-batches in flight and the embedding, the last the logits;
+    # the ranks between hold less than the first
+    ranks = sorted({0, lay.pp - 1}) if pipeline_rank is None else [pipeline_rank]
+    phases = [_rank_phases(s, lay, r, ad, device, reduce_bucket_size) for r in ranks]
+    return max(phases, key=lambda ph: max(e.total for e in ph.values()))
+
+
+def estimate_memory(arch: dict[str, Any], section: dict[str, Any], *, vocab_size: int, trained: str = "full",
+                    lora_rank: int | None = None, num_prefix_tokens: int | None = None,
+                    device: str = "cuda") -> MemoryEstimate:
+    """Per-device bytes at the peak of a training step of `arch` (a flavour's fields from
+    `stages.config.architecture`, or a checkpoint's config.json) in the layout of the validated
+    training `section`, for the pipeline rank that needs the most. `trained`: "full" (pretrain,
+    sft), "lora" (`lora_rank` on the projections the section's `target_modules` names, default
+    all seven; the base frozen) or "prefix" (`num_prefix_tokens` keys and values per layer).
+    `device`: "cuda" or "cpu" (see the module docstring). The returned estimate is the phase that
+    peaks (`.phase`)."""
+    phases = estimate_phases(arch, section, vocab_size=vocab_size, trained=trained, lora_rank=lora_rank,
+                             num_prefix_tokens=num_prefix_tokens, device=device)
+    return max(phases.values(), key=lambda e: e.total)
+
+
+def bucket_bytes(section: dict[str, Any]) -> set[int]:
+    """Sizes in bytes of the DeepSpeed gradient buckets the section's ZeRO stage allocates (empty
+    without ZeRO); bench/memory_plan.py reports the peak with and without them."""
+    lay = _layout(section)
+    return {REDUCE_BUCKET_SIZE * lay.param_bytes} if lay.zero else set()
+
+
+# -- the nearest layout that fits -------------------------------------------------------------------
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _allowed(s: _Shape, lay: _Layout, section: dict[str, Any], trained: str) -> bool:
+    """The project's layout rules (`stages.config._check_layout`, `_check_finetune`, the engine's
+    checks) for a candidate layout."""
+    if lay.world % (lay.tp * lay.pp) or lay.accum < 1 or (lay.offload and not lay.zero):
+        return False
+    if any(n % lay.tp for n in (s.heads, s.kv_heads, s.intermediate, s.vocab)):
+        return False
+    if lay.pp * lay.vpp > s.layers or (lay.vpp > 1 and lay.accum % max(1, lay.accum // lay.pp)):
+        return False
+    if lay.pp > 1:
+        return (lay.zero <= 1 and lay.accum >= lay.pp and not s.tied and trained == "full"
+                and not section.get("fp16") and not lay.packing)
+    return True
+
+
+def _moves(section: dict[str, Any], s: _Shape, devices_per_node: int, trained: str):
+    """Every candidate layout of the same world size and global batch reachable by the knobs of
+    PREFERENCE, each with its changed keys and its rank: fewest knobs turned first; then the knobs
+    earliest in PREFERENCE; then the smallest moves (stage2 before stage3, tp 2 before 4)."""
+    section = {**LAYOUT_DEFAULTS, **section}
+    cur = _layout(section)
+    batch = cur.micro * cur.accum
+    options = {
+        "sharding": [z for z in range(cur.zero, 4)],
+        "recompute": sorted({cur.recompute, True}),
+        "tensor_parallel_degree": [t for t in _divisors(cur.world) if t == cur.tp or cur.tp < t <= devices_per_node],
+        "pipeline_parallel_degree": [p for p in _divisors(cur.world)
+                                     if p == cur.pp or (p > cur.pp and s.layers % p == 0)],
+        "sharding_offload": sorted({cur.offload, True}),
+        "per_device_train_batch_size": [m for m in _divisors(batch) if m <= cur.micro],
+    }
+    stage_names = {v: k for k, v in ZERO_STAGES.items()}
+    for zero, recompute, tp, pp, offload, micro in product(*options.values()):
+        trial = dict(section, sharding=stage_names[zero], recompute=recompute, tensor_parallel_degree=tp,
+                     pipeline_parallel_degree=pp, sharding_offload=offload, per_device_train_batch_size=micro,
+                     gradient_accumulation_steps=batch // micro)
+        if not _allowed(s, _layout(trial), trial, trained):
+            continue
+        changes = {k: trial[k] for k in (*PREFERENCE, "gradient_accumulation_steps") if trial[k] != section[k]}
+        steps = (zero - cur.zero, int(recompute) - int(cur.recompute), math.log2(tp / cur.tp),
+                 math.log2(pp / cur.pp), int(offload) - int(cur.offload), math.log2(cur.micro / micro))
+        turned = tuple(i for i, step in enumerate(steps) if step)
+        yield (len(turned), turned, steps), changes, trial
+
+
+def nearest_fitting_layout(arch: dict[str, Any], section: dict[str, Any], *, vocab_size: int, device_memory: int,
+                           devices_per_node: int, trained: str = "full", lora_rank: int | None = None,
+                           num_prefix_tokens: int | None = None, device: str = "cuda") -> dict[str, Any] | None:
+    """The layout closest to `section` whose estimate fits `device_memory` bytes, as the section
+    keys to change (`{}`: the section fits as it is; None: no layout of this world size does).
+
+    Keeps world_size and the global batch. Turns, in this order of preference (PREFERENCE): the
+    ZeRO stage up, recompute on, tensor parallelism up within a node (`devices_per_node`; dividing
+    the heads, KV heads, intermediate size and vocabulary), pipeline parallelism up (dividing the
+    layers; sharding none/stage1, gradient_accumulation_steps >= pp, full training only), ZeRO-Offload
+    on, and the micro-batch down with gradient_accumulation_steps up. The closest layout turns the
+    fewest knobs, then the earliest ones, then by the smallest steps."""
+    s = _shape(arch, vocab_size)
+
+    def fits(candidate: dict[str, Any]) -> bool:
+        return estimate_memory(arch, candidate, vocab_size=vocab_size, trained=trained, lora_rank=lora_rank,
+                               num_prefix_tokens=num_prefix_tokens, device=device).total <= device_memory
+
+    if fits(section):
+        return {}
+    for _, changes, trial in sorted(_moves(section, s, devices_per_node, trained), key=lambda m: m[0]):
+        if changes and fits(trial):
+            return changes
+    return None

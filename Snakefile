@@ -1,4 +1,4 @@
-# The LLM lifecycle as one workflow: prepare -> pretrain -> finetune {sft, lora, prefix} ->
+# The LLM lifecycle as one workflow: prepare (+ plan) -> pretrain -> finetune {sft, lora, prefix} ->
 # merge_lora -> quantize {wint8, wint4, gptq-w4} -> export -> evaluate -> report.
 # `snakemake --cores all results/llama/quant_eval.json` builds the chain for experiment `llama`.
 from snakemake.utils import min_version
@@ -16,6 +16,7 @@ configfile: "config/config.yaml"
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/prepare.smk"
+include: "workflow/rules/plan.smk"
 include: "workflow/rules/pretrain.smk"
 include: "workflow/rules/finetune.smk"
 include: "workflow/rules/merge.smk"

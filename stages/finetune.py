@@ -43,6 +43,7 @@ from stages.model import LlamaForCausalLM
 from stages.training.batches import PackedSftBatches, SftBatches
 from stages.training.checkpointing import model_identity
 from stages.training.dev_eval import DevEvaluator
+from stages.training.peak_memory import log_memory_against_plan
 from stages.training.engine import finish_distributed, init_distributed, parallel_degrees
 from stages.training.engine import train as engine_train
 from stages.training.families import load_causal_lm
@@ -298,6 +299,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="the finetune.<method> config section as a JSON object, defaults filled")
     parser.add_argument("--checkpoints", metavar="DIR",
                         help="working directory of checkpoints (every save_steps), resumed from on a rerun")
+    parser.add_argument("--plan", metavar="JSON", default=None,
+                        help="results/<name>/plan.json: log its planned per-device memory beside the measured peak")
     args = parser.parse_args(argv)
     try:
         config = json.loads(args.config)
@@ -308,6 +311,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                      f"got {type(config).__name__}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     metrics = run(args.method, args.model, args.data, args.out, config, args.checkpoints)
+    if args.plan:
+        log_memory_against_plan(args.plan, f"finetune_{args.method}")
     finish_distributed()
     return metrics
 

@@ -28,6 +28,7 @@ from stages.errors import InputError, run_cli
 from stages.model import LlamaConfig, LlamaForCausalLM, build_model, config_for_flavour
 from stages.training.batches import WindowSampler
 from stages.training.checkpointing import model_identity
+from stages.training.peak_memory import log_memory_against_plan
 from stages.training.engine import finish_distributed, init_distributed, parallel_degrees, train
 from stages.training.seed import set_seed
 
@@ -118,11 +119,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--init", default=None, metavar="DIR",
                         help="continued pretraining: start from this HF checkpoint (results/<name>/base) "
                              "instead of a random-init flavour")
+    parser.add_argument("--plan", metavar="JSON", default=None,
+                        help="results/<name>/plan.json: log its planned per-device memory beside the measured peak")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model_section = json.loads(args.model_config)
     init = args.init or model_section.get("model_name_or_path")  # a direct call without --init
     run(args.data, args.out, model_section, json.loads(args.config), args.checkpoints, init)
+    if args.plan:
+        log_memory_against_plan(args.plan, "pretrain")
     finish_distributed()
     return 0
 

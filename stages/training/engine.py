@@ -107,9 +107,16 @@ def init_distributed() -> None:
     exit_with_launcher()  # torchrun's ranks have a session of their own: die with torchrun, not after it
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:  # one task of `srun`
+        from stages.cluster.rendezvous import derived_port, first_host
+
+        # stages.launch sets MASTER_ADDR/PORT (a port free for this job); a bare srun derives them
         os.environ.update(RANK=os.environ["SLURM_PROCID"], LOCAL_RANK=os.environ["SLURM_LOCALID"],
-                          WORLD_SIZE=os.environ["SLURM_NTASKS"], MASTER_ADDR=_slurm_master(),
-                          MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+                          WORLD_SIZE=os.environ["SLURM_NTASKS"],
+                          MASTER_ADDR=os.environ.get("MASTER_ADDR") or first_host(),
+                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(derived_port()))
+        if "SLURM_NTASKS_PER_NODE" in os.environ or "SLURM_STEP_TASKS_PER_NODE" in os.environ:
+            per_node = os.environ.get("SLURM_NTASKS_PER_NODE") or os.environ["SLURM_STEP_TASKS_PER_NODE"]
+            os.environ.setdefault("LOCAL_WORLD_SIZE", per_node.split("(")[0].split(",")[0])
     if "RANK" not in os.environ:  # a plain `python -m stages.<verb>`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
@@ -157,19 +164,6 @@ def _measured_peak(dtype: torch.dtype, device: str) -> float:
     one thread: 36 vs 35 GFLOP/s) in ~1 s instead of ~20 s, which a short CPU run would feel."""
     size = dict(n=1024, iters=4, repeats=3) if torch.device(device).type == "cpu" else {}
     return peak_matmul_flops(dtype, device, **size)
-
-
-def _slurm_master() -> str:
-    """The first host of the SLURM allocation (rank 0 runs there)."""
-    import subprocess
-
-    nodes = os.environ.get("SLURM_JOB_NODELIST", "")
-    try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True,
-                             timeout=30, check=True)
-        return out.stdout.split()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return nodes.split(",")[0] or "127.0.0.1"
 
 
 class PipelineModules(torch.nn.Module):
@@ -242,7 +236,9 @@ def learned_tokens(batches: list[tuple[torch.Tensor, ...]], dp_group) -> int:
     """Learned (next-token) positions in the global batch: this rank's count summed over dp."""
     import torch.distributed as dist
 
-    count = torch.tensor(sum(int((b[1][:, 1:] != IGNORE_INDEX).sum()) for b in batches))
+    # NCCL reduces only CUDA tensors (a CPU tensor fails: "No backend type associated with device type cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(dp_group) == "nccl" else "cpu"
+    count = torch.tensor(sum(int((b[1][:, 1:] != IGNORE_INDEX).sum()) for b in batches), device=device)
     dist.all_reduce(count, group=dp_group)
     return max(int(count), 1)
 

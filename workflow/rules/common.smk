@@ -7,9 +7,11 @@ from pathlib import Path
 
 from snakemake.utils import validate
 
+from stages.cluster.resources import single_process_resources
 from stages.config import ConfigError, check_config, finetune_source, load_schema, pretrain_enabled
 from stages.config import experiment as named_experiment
 from stages.data.validate import check_data_section
+from stages.plan import check_plan
 from stages.quant.variants import BUILTIN_VARIANTS, CALIBRATED_METHODS, spec_method
 
 _checked = check_config(config)  # unknown keys (closest name), types, relations; fills defaults
@@ -19,6 +21,11 @@ validate(config, "../schemas/config.schema.yaml")
 
 for _name, _experiment in config["experiments"].items():
     check_data_section(_experiment["data"], _name, Path.cwd())  # paths are relative to the workdir
+
+# The memory plan of every experiment (stages/plan.py): a training layout that cannot fit the declared
+# device (or node) memory is refused here, before any job is submitted, with the nearest layout that
+# fits. The plans also give each job's SLURM resources (nodes, tasks, memory), see cluster_resources.
+PLANS = {_name: check_plan(_name, _experiment) for _name, _experiment in config["experiments"].items()}
 
 # The names a target path may hold come from the schema and the config, so that a path naming
 # anything else is refused while the DAG is built, before any job starts.
@@ -146,25 +153,25 @@ def pretrain_inputs(wildcards):
                           f"pretraining (experiments.{wildcards.experiment}.pretrain.enabled is "
                           f"{json.dumps(experiment(wildcards)['pretrain']['enabled'])} with model.model_name_or_path); set "
                           "pretrain.enabled: true for continued pretraining")
-    inputs = {"data": f"results/{wildcards.experiment}/data"}
+    inputs = {"data": f"results/{wildcards.experiment}/data",
+              "plan": ancient(f"results/{wildcards.experiment}/plan.json")}
     if experiment(wildcards)["model"]["model_name_or_path"]:
         inputs["init"] = f"results/{wildcards.experiment}/base"  # continued pretraining
     return inputs
+
+
+def plan_params(wildcards):
+    """What the plan reads of the experiment (JSON): changing the evaluation settings does not re-plan."""
+    exp = experiment(wildcards)
+    return json.dumps({"model": exp["model"], "data": {"vocab_size": exp["data"]["vocab_size"]},
+                       "pretrain": exp["pretrain"], "finetune": exp["finetune"], "cluster": exp["cluster"]},
+                      sort_keys=True)
 
 
 def init_flag(wildcards):
     if experiment(wildcards)["model"]["model_name_or_path"]:
         return f"--init results/{wildcards.experiment}/base"
     return ""
-
-
-def finetune_world_size(wildcards):
-    """Processes of a fine-tuning job: its section's world_size."""
-    return experiment(wildcards)["finetune"][wildcards.method].get("world_size", 1)
-
-
-def pretrain_world_size(wildcards):
-    return experiment(wildcards)["pretrain"]["world_size"]
 
 
 def quant_source_dir(wildcards):
@@ -240,3 +247,33 @@ def variant_inputs(wildcards):
 def all_eval_files(wildcards):
     variants = model_variants(wildcards) + quant_variants(wildcards)
     return [f"results/{wildcards.experiment}/eval/{v}.json" for v in variants]
+
+
+# SLURM resources, derived from the experiment (stages/cluster/resources.py) rather than written in
+# the profile: a training job's nodes, tasks and memory per node come from its layout and its plan,
+# every other job is one process. The keys a rule declares are fixed when the workflow is parsed;
+# a key no experiment needs (GPUs, several nodes, a partition) is left out.
+_RESOURCE_KEYS = ["nodes", "tasks", "cpus_per_task", "mem_mb", "runtime"]
+_ALL_RESOURCES = [job["resources"] for plan in PLANS.values() for job in plan["jobs"].values()] + [
+    single_process_resources(e, "default", 0) for e in config["experiments"].values()]
+_RESOURCE_KEYS += sorted({k for r in _ALL_RESOURCES for k in r} - set(_RESOURCE_KEYS))
+
+
+def _job_resources(wildcards, name):
+    plan = PLANS[experiment(wildcards) and wildcards.experiment]
+    if name == "pretrain":
+        return plan["jobs"]["pretrain"]["resources"]
+    if name == "finetune":
+        return plan["jobs"][f"finetune_{wildcards.method}"]["resources"]
+    return single_process_resources(experiment(wildcards), name, 4 * plan["model"]["parameters"])
+
+
+def cluster_resources(name):
+    """Resources as keyword arguments, spread with ** into the resources section of a rule; one
+    function of the wildcards per key, read from the experiment's plan."""
+    def value_of(key):
+        def value(wildcards):
+            return _job_resources(wildcards, name).get(key, "" if key.startswith("slurm") or key == "gres" else 0)
+        return value
+
+    return {key: value_of(key) for key in _RESOURCE_KEYS}

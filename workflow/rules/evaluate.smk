@@ -14,6 +14,8 @@ rule evaluate:
         src_length=value("finetune", "sft", "src_length"),
         model_dir=variant_dir,
     threads: 1
+    resources:
+        **cluster_resources("evaluate"),
     conda:
         "../../environment.yml"
     shell:

@@ -10,6 +10,8 @@ rule export:
         "results/{experiment}/benchmarks/export.tsv"
     params:
         config=section("export"),
+    resources:
+        **cluster_resources("export"),
     conda:
         "../../environment.yml"
     shell:

@@ -1,11 +1,12 @@
 # Full SFT, LoRA and prefix tuning of the pretrained model (or the imported checkpoint,
 # results/{experiment}/base) on the src/tgt data, all on the distributed training engine in the
-# layout of their finetune.<method> section. Locally torchrun starts the ranks; inside a SLURM job
-# srun does, with `tasks` = world_size.
+# layout of their finetune.<method> section. stages.launch starts the ranks (torchrun here, srun inside
+# a SLURM job); nodes, tasks and memory come from the experiment's plan.
 rule finetune:
     input:
         model=finetune_base,
         data="results/{experiment}/data",
+        plan=ancient("results/{experiment}/plan.json"),
     output:
         directory("results/{experiment}/{method}"),
     log:
@@ -14,19 +15,13 @@ rule finetune:
         "results/{experiment}/benchmarks/finetune_{method}.tsv"
     params:
         config=finetune_section,
-        nproc=finetune_world_size,
         checkpoints=lambda wildcards: f"results/{wildcards.experiment}/checkpoints/{wildcards.method}",
     threads: 1
     resources:
-        nodes=1,
-        tasks=finetune_world_size,
-        mem_mb=4000,
-        runtime=60,
+        **cluster_resources("finetune"),
     conda:
         "../../environment.yml"
     shell:
-        "if [ -n \"${{SLURM_JOB_ID:-}}\" ]; then launch=\"srun --ntasks {params.nproc} python\"; "
-        "else launch=\"torchrun --standalone --nproc_per_node {params.nproc}\"; fi; "
-        "$launch -m stages.finetune --method {wildcards.method} --model {input.model} "
-        "--data {input.data} --out {output} --config {params.config:q} --checkpoints {params.checkpoints} "
-        "> {log} 2>&1"
+        "python -m stages.launch --nproc {resources.tasks} --nodes {resources.nodes} -- "
+        "stages.finetune --method {wildcards.method} --model {input.model} --data {input.data} --out {output} "
+        "--config {params.config:q} --checkpoints {params.checkpoints} --plan {input.plan} > {log} 2>&1"

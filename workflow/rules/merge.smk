@@ -9,6 +9,8 @@ rule merge_lora:
         "results/{experiment}/logs/merge_lora.log",
     benchmark:
         "results/{experiment}/benchmarks/merge_lora.tsv"
+    resources:
+        **cluster_resources("merge_lora"),
     conda:
         "../../environment.yml"
     shell:

@@ -22,6 +22,8 @@ rule predict:
         flags=lambda wildcards: settings_flags(experiment(wildcards).get("predict", {})),
         model_dir=variant_dir,
     threads: 1
+    resources:
+        **cluster_resources("predict"),
     conda:
         "../../environment.yml"
     shell:

@@ -12,6 +12,8 @@ rule prepare:
     params:
         config=section("data"),
         tokenizer=tokenizer_flag,
+    resources:
+        **cluster_resources("prepare"),
     conda:
         "../../environment.yml"
     shell:
@@ -35,8 +37,7 @@ rule import_base:
         source=value("model", "model_name_or_path"),
     threads: 1
     resources:
-        mem_mb=8000,
-        runtime=30,
+        **cluster_resources("import_base"),
     conda:
         "../../environment.yml"
     shell:

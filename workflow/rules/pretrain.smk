@@ -1,7 +1,9 @@
 # 4D-parallel pretraining: world_size = data x tensor x pipeline parallel degrees (checked when the
 # workflow is parsed), DeepSpeed ZeRO (`pretrain.sharding`) over the data-parallel group.
-# Locally torchrun starts the ranks on this node (gloo on CPU, NCCL on GPU); inside a SLURM job
-# (the slurm profile) srun starts one task per rank, with `tasks` = world_size declared below.
+# stages.launch starts the ranks: torchrun on this machine (gloo on CPU, NCCL on GPU), or inside a
+# SLURM job (the slurm profile) `srun --overlap` with one task per rank over the job's nodes; nodes,
+# tasks and memory come from the experiment's plan (results/{experiment}/plan.json, read as
+# ancient: re-planning after an unrelated config change does not retrain).
 # Checkpoints go to results/{experiment}/checkpoints/pretrain/, which is not an output: Snakemake
 # leaves it alone when a job fails, and rerunning the same command resumes from the newest complete
 # checkpoint. The output directory appears only when training is done (atomic rename).
@@ -21,23 +23,18 @@ rule pretrain:
     params:
         model=section("model"),
         config=section("pretrain"),
-        nproc=pretrain_world_size,
         checkpoints=lambda wildcards: f"results/{wildcards.experiment}/checkpoints/pretrain",
         init=init_flag,
     threads: 2
     resources:
-        nodes=1,
-        tasks=pretrain_world_size,
-        cpus_per_task=2,
-        mem_mb=8000,
-        runtime=120,
+        **cluster_resources("pretrain"),
     conda:
         "../../environment.yml"
     shell:
-        "if [ -n \"${{SLURM_JOB_ID:-}}\" ]; then launch=\"srun --ntasks {params.nproc} python\"; "
-        "else launch=\"torchrun --standalone --nproc_per_node {params.nproc}\"; fi; "
-        "$launch -m stages.pretrain --data {input.data} --out {output} --checkpoints {params.checkpoints} "
-        "--model-config {params.model:q} --config {params.config:q} {params.init} > {log} 2>&1"
+        "python -m stages.launch --nproc {resources.tasks} --nodes {resources.nodes} -- "
+        "stages.pretrain --data {input.data} --out {output} --checkpoints {params.checkpoints} "
+        "--model-config {params.model:q} --config {params.config:q} {params.init} --plan {input.plan} "
+        "> {log} 2>&1"
 
 
 use rule pretrain as pretrain_sharded with:
@@ -61,8 +58,7 @@ rule merge_tp:
         "results/{experiment}/benchmarks/merge_tp.tsv"
     threads: 1
     resources:
-        mem_mb=4000,
-        runtime=30,
+        **cluster_resources("merge_tp"),
     conda:
         "../../environment.yml"
     shell:

@@ -12,6 +12,8 @@ rule quantize:
     params:
         config=quantize_section,
         data=quantize_data_flag,
+    resources:
+        **cluster_resources("quantize"),
     conda:
         "../../environment.yml"
     shell:

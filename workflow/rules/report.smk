@@ -16,6 +16,8 @@ rule report:
         variants=quant_variants,
         start=start_variant,
         quantize=section("quantize"),
+    resources:
+        **cluster_resources("report"),
     conda:
         "../../environment.yml"
     shell:

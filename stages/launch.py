@@ -1,0 +1,89 @@
+"""Start the ranks of a training stage: torchrun on this machine, srun inside a SLURM allocation.
+
+    python -m stages.launch --nproc 4 [--nodes 2] -- stages.pretrain --data ... --out ...
+
+One rule text serves both worlds, so the training rules call this instead of choosing a launcher:
+
+- outside SLURM: `torchrun --standalone --nproc_per_node N -m <module> ...` (one node; torchrun
+  sets RANK/LOCAL_RANK/WORLD_SIZE and picks its own rendezvous port);
+- inside an allocation (SLURM_JOB_ID set: a batch job of the slurm profile, or `salloc`):
+  `srun --overlap --kill-on-bad-exit=1 --ntasks N --nodes M --ntasks-per-node N/M python -m <module>`.
+  The slurm executor already runs the rule's shell command inside a job step (`srun -n1`) that holds
+  the job's CPUs and memory; a plain nested srun waits for them forever ("step creation temporarily
+  disabled"), `--overlap` lets the training step share them. `--kill-on-bad-exit` ends every rank
+  when one fails instead of leaving the others blocked in a collective until the time limit. The
+  rendezvous host is the first node of the allocation, the port free there for this job
+  (stages.cluster.rendezvous); each rank reads its rank from SLURM_PROCID (engine.init_distributed).
+
+The process replaces itself with the launcher (exec), so a signal to the job reaches srun/torchrun
+directly. NCCL or gloo is chosen by each rank (engine.init_distributed: NCCL when CUDA is there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+
+from stages.cluster.rendezvous import rendezvous
+
+
+def inside_slurm(env: dict[str, str] | None = None) -> bool:
+    env = os.environ if env is None else env
+    return bool(env.get("SLURM_JOB_ID"))
+
+
+def srun_command(nproc: int, nodes: int, module: str, args: list[str], env: dict[str, str]) -> list[str]:
+    """The srun line of a training step inside the current allocation."""
+    if nproc % nodes:
+        raise SystemExit(f"stages.launch: --nproc {nproc} is not a multiple of --nodes {nodes}")
+    cpus = env.get("SLURM_CPUS_PER_TASK")
+    return ["srun", "--overlap", "--kill-on-bad-exit=1", f"--ntasks={nproc}", f"--nodes={nodes}",
+            f"--ntasks-per-node={nproc // nodes}", *([f"--cpus-per-task={cpus}"] if cpus else []),
+            "--export=ALL", sys.executable, "-m", module, *args]
+
+
+def torchrun_command(nproc: int, module: str, args: list[str]) -> list[str]:
+    """The torchrun line of a training run on this machine."""
+    torchrun = shutil.which("torchrun") or "torchrun"
+    return [torchrun, "--standalone", f"--nproc_per_node={nproc}", "-m", module, *args]
+
+
+def launch_command(nproc: int, nodes: int, module: str, args: list[str],
+                   env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) that start `module` with `nproc` ranks here or in the allocation."""
+    env = dict(env)
+    if not inside_slurm(env):
+        if nodes > 1:
+            raise SystemExit(f"stages.launch: --nodes {nodes} outside a SLURM allocation: torchrun here "
+                             "starts ranks on this machine only; run through the slurm profile "
+                             "(--workflow-profile workflow/profiles/slurm) or inside salloc")
+        return torchrun_command(nproc, module, args), env
+    host, port = rendezvous(env)
+    env.update(MASTER_ADDR=host, MASTER_PORT=str(port))
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # the ranks take theirs from SLURM_PROCID & co
+        env.pop(name, None)
+    return srun_command(nproc, nodes, module, args, env), env
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        raise SystemExit("usage: python -m stages.launch --nproc N [--nodes M] -- <module> [args...]")
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(prog="python -m stages.launch")
+    parser.add_argument("--nproc", type=int, required=True, help="ranks in all (world_size)")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes the ranks spread over (SLURM only)")
+    opts = parser.parse_args(argv[:split])
+    module, *args = argv[split + 1:]
+    command, env = launch_command(opts.nproc, opts.nodes, module, args, dict(os.environ))
+    print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} stages.launch: {' '.join(command)}"
+          + (f" (MASTER_ADDR={env['MASTER_ADDR']} MASTER_PORT={env['MASTER_PORT']})" if "MASTER_PORT" in env
+             and inside_slurm(env) else ""), file=sys.stderr, flush=True)
+    os.execvpe(command[0], command, env)
+
+
+if __name__ == "__main__":
+    main()

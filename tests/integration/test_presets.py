@@ -1,0 +1,87 @@
+"""The cluster presets (config/presets/*.yaml) as a user tries them: `snakemake -n` through the slurm
+profile lists every job with its nodes, tasks, GPUs, memory and time limit, and the planner accepts
+each preset's layouts and refuses a 70B layout that cannot fit 80 GB devices."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from workflow_helpers import ROOT, planned_jobs, snakemake
+
+from stages.config import ConfigError, check_config, load_yaml
+from stages.plan import check_plan
+
+PRESETS = ROOT / "config" / "presets"
+PROFILE = ROOT / "workflow" / "profiles" / "slurm"
+# Llama-2-7b-hf's config.json (meta-llama/Llama-2-7b-hf), for a checkpoint directory the dry run can
+# parse: the preset names models/Llama-2-7b-hf, whose weights a dry run never reads.
+LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+             "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
+             "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
+             "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float16"}
+CASES = {
+    "llama2-7b-sft-lora-gptq.yaml": ("llama2-7b", "results/llama2-7b/quant_eval.json",
+                                     {"finetune": 3, "merge_lora": 1, "quantize": 3, "plan": 1}),
+    "llama2-13b-pretrain.yaml": ("llama2-13b", "results/llama2-13b/pretrain", {"pretrain_sharded": 1, "merge_tp": 1}),
+    "llama2-70b-pretrain.yaml": ("llama2-70b", "results/llama2-70b/pretrain", {"pretrain_sharded": 1, "merge_tp": 1}),
+}
+
+
+def _fake_7b_checkpoint(workdir: Path) -> None:
+    model = workdir / "models" / "Llama-2-7b-hf"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps(LLAMA2_7B))
+    (model / "model.safetensors").write_bytes(b"")  # never read by a dry run
+    (model / "tokenizer.json").write_text("{}")
+
+
+@pytest.mark.parametrize("preset", sorted(CASES))
+def test_a_preset_dry_runs_through_the_slurm_profile_with_its_resources(tmp_path, preset):
+    name, target, expected = CASES[preset]
+    _fake_7b_checkpoint(tmp_path)
+    proc = snakemake(tmp_path, "--configfile", str(PRESETS / preset), "--workflow-profile", str(PROFILE),
+                     "-n", target)
+    jobs = planned_jobs(proc.stdout)
+    for rule, count in expected.items():
+        assert jobs.get(rule) == count, (rule, jobs)
+    blocks = re.findall(r"^(?:local)?rule (\w+):\n(.*?)(?=\n\n)", proc.stdout, re.M | re.S)
+    assert len(blocks) == sum(jobs.values())
+    for rule, block in blocks:
+        resources = dict(re.findall(r"(\w+)=([^,\s]+)", re.search(r"resources: (.*)", block).group(1)))
+        for key in ("nodes", "tasks", "mem_mb", "runtime", "cpus_per_task"):
+            assert key in resources, (rule, resources)
+        if rule in ("pretrain_sharded", "finetune"):
+            assert resources["gres"] == "gpu:8" and resources["tasks_per_gpu"] == "1"
+    training = [dict(re.findall(r"(\w+)=([^,\s]+)", re.search(r"resources: (.*)", b).group(1)))
+                for r, b in blocks if r in ("pretrain_sharded", "finetune")]
+    world = {"llama2-7b": 8, "llama2-13b": 64, "llama2-70b": 128}[name]
+    assert all(int(r["tasks"]) == world and int(r["nodes"]) == world // 8 for r in training)
+
+
+def _preset_experiment(preset: str, name: str, **pretrain) -> dict:
+    config = load_yaml(PRESETS / preset)
+    config["experiments"][name]["pretrain"].update(pretrain)
+    return check_config(config)["experiments"][name]
+
+
+def test_the_planner_refuses_a_70b_layout_that_cannot_fit_80gb_and_names_one_that_does():
+    # tp 8 alone: 8.6B parameters per GPU with their bf16 gradients and ZeRO-1 optimizer shard
+    with pytest.raises(ConfigError) as err:
+        check_plan("llama2-70b", _preset_experiment("llama2-70b-pretrain.yaml", "llama2-70b", world_size=64,
+                                                    pipeline_parallel_degree=1, virtual_pp_degree=1,
+                                                    recompute=False, gradient_accumulation_steps=8))
+    message = str(err.value)
+    print(message)
+    assert message.startswith("experiments.llama2-70b.pretrain: the layout needs")
+    assert "more than the 72.0 GB usable: cluster.device_memory_gb=80, less 10%" in message
+    assert "the nearest layout that fits:" in message
+    plan = check_plan("llama2-70b", _preset_experiment("llama2-70b-pretrain.yaml", "llama2-70b"))
+    job = plan["jobs"]["pretrain"]
+    print(json.dumps({k: job[k] for k in ("per_device_total_gb", "limit_gb", "fits")}))
+    assert job["fits"] is True and job["per_device_total_gb"] < 72

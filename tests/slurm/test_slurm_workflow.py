@@ -1,0 +1,134 @@
+"""The workflow through the slurm profile against a real slurmctld (tests/slurm/local_slurm.sh).
+
+Marked `slurm`: left out of `make test`, run by CI (.ci/run) after it starts the one-node cluster.
+Every rule goes through sbatch (the executor plugin), the training rules start their ranks with
+`srun --overlap` inside the job (stages/launch.py), and the results are checked as a user would:
+the debug DAG completes with pretraining as a 2-task step, two experiments pretrain at the same
+time on one node without colliding, a job failing on bad data and one over its time limit are
+reported while Snakemake stops cleanly with the results made before them intact.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.integration.workflow_helpers import DEBUG_CONFIG, ROOT, planned_jobs, snakemake
+
+pytestmark = pytest.mark.slurm
+
+LOCAL_SLURM = ROOT / "tests" / "slurm" / "local_slurm.sh"
+PROFILE = ROOT / "workflow" / "profiles" / "slurm"
+STAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")  # the launcher's line, logging, DeepSpeed
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster():
+    """The local one-node cluster: started here unless it already runs (then left running)."""
+    state = Path(os.environ.get("LOCAL_SLURM_DIR", "/tmp/llm-lifecycle-slurm"))
+    running = (state / "slurmctld.pid").exists()
+    out = subprocess.run([str(LOCAL_SLURM), "start"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, f"local_slurm.sh start failed:\n{out.stdout}\n{out.stderr}"
+    conf = re.search(r"export SLURM_CONF=(\S+)", out.stdout).group(1)
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = conf
+    yield conf
+    if old is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = old
+    if not running:
+        subprocess.run([str(LOCAL_SLURM), "stop"], capture_output=True, text=True, timeout=120)
+
+
+def _config(tmp_path: Path, experiments: dict) -> Path:
+    path = tmp_path / "slurm_test.yaml"
+    path.write_text(yaml.safe_dump({"experiments": experiments}))
+    return path
+
+
+def _debug_experiment() -> dict:
+    return yaml.safe_load(DEBUG_CONFIG.read_text())["experiments"]["ci"]
+
+
+def _through_slurm(workdir: Path, config: Path, *targets: str, extra: tuple[str, ...] = (), check=True):
+    return snakemake(workdir, "--configfile", str(config), "--workflow-profile", str(PROFILE),
+                     "--slurm-keep-successful-logs", "--slurm-init-seconds-before-status-checks", "5",
+                     *extra, *targets, check=check)
+
+
+def _sbatch_rules(workdir: Path) -> set[str]:
+    """Rules with a SLURM job log: each went through sbatch."""
+    logs = workdir / ".snakemake" / "slurm_logs"
+    return {p.name.removeprefix("rule_") for p in logs.glob("rule_*") if any(p.rglob("*.log"))}
+
+
+def _interval(log: Path) -> tuple[datetime, datetime]:
+    stamps = [datetime.strptime(s, "%Y-%m-%d %H:%M:%S") for s in STAMP.findall(log.read_text())]
+    return stamps[0], stamps[-1]
+
+
+def test_debug_dag_and_a_second_pretraining_run_through_slurm(tmp_path, slurm_cluster):
+    second = _debug_experiment()
+    second["pretrain"]["seed"] = 7
+    config = _config(tmp_path, {"ci": _debug_experiment(), "ci2": second})
+    targets = ("results/ci/quant_eval.json", "results/ci2/pretrain")
+    expected = planned_jobs(snakemake(tmp_path, "--configfile", str(config), "-n", *targets).stdout)
+
+    start = time.monotonic()
+    proc = _through_slurm(tmp_path, config, *targets)
+    elapsed = time.monotonic() - start
+    print(f"debug DAG + second pretraining through SLURM: {elapsed:.0f} s")
+
+    results = tmp_path / "results"
+    assert (results / "ci" / "quant_eval.json").is_file() and (results / "ci2" / "pretrain").is_dir()
+    assert set(expected) <= _sbatch_rules(tmp_path), (expected, _sbatch_rules(tmp_path), proc.stdout[-3000:])
+
+    launches = {}
+    for name in ("ci", "ci2"):
+        log = (results / name / "logs" / "pretrain.log").read_text()
+        launch = re.search(r"stages.launch: srun --overlap --kill-on-bad-exit=1 --ntasks=2 .*MASTER_PORT=(\d+)", log)
+        assert launch, f"{name}: pretraining did not start as a 2-task srun step:\n{log[:2000]}"
+        launches[name] = launch.group(1)
+        ranks = {int(r) for r in re.findall(r"rank (\d+): memory planned", log)}
+        assert ranks == {0, 1}, log[-2000:]  # each task logs the plan beside its measured peak
+    assert launches["ci"] != launches["ci2"], "two jobs on one node must not share a rendezvous port"
+    (a0, a1), (b0, b1) = (_interval(results / n / "logs" / "pretrain.log") for n in ("ci", "ci2"))
+    assert a0 < b1 and b0 < a1, f"the two pretraining jobs did not overlap: ci {a0}-{a1}, ci2 {b0}-{b1}"
+    plan = (results / "ci" / "plan.json").read_text()
+    assert '"pretrain"' in plan and '"resources"' in plan
+
+
+def test_a_failing_and_a_timed_out_job_are_reported_and_earlier_results_stay(tmp_path, slurm_cluster):
+    bad_corpus = tmp_path / "corpus.jsonl"  # readable at parse time; line 2 fails in prepare
+    bad_corpus.write_text('{"text": "fine"}\n{"txt": "a misspelt field"}\n')
+    bad = _debug_experiment()
+    bad["data"]["corpus"] = [str(bad_corpus)]
+    slow = _debug_experiment()
+    slow["pretrain"].update(max_steps=100000, save_steps=0)
+    slow["cluster"] = {"runtime_minutes": {"pretrain": 1}}
+    config = _config(tmp_path, {"bad": bad, "slow": slow})
+
+    start = time.monotonic()
+    proc = _through_slurm(tmp_path, config, "results/bad/data", "results/slow/pretrain",
+                          extra=("--keep-going", "--retries", "0"), check=False)
+    print(f"failure run through SLURM: {time.monotonic() - start:.0f} s")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert re.search(r"Error in rule prepare", out) and "no 'text' field" in \
+        (tmp_path / "results" / "bad" / "logs" / "prepare.log").read_text()
+    assert re.search(r"Error in rule pretrain", out)
+    assert re.search(r"TIMEOUT", out), out[-4000:]
+    results = tmp_path / "results"
+    assert not (results / "bad" / "data").exists()
+    assert not (results / "slow" / "pretrain").exists()  # no half-written output
+    assert (results / "slow" / "data" / "index.json").is_file()  # made before the time-out, kept
+    assert (results / "slow" / "plan.json").is_file()
+    assert "Complete log" in out or "Exiting because a job execution failed" in out

@@ -85,22 +85,13 @@ def _usable_per_rank(exp: dict[str, Any], section: dict[str, Any], key: str) -> 
                     f"{RUNTIME_ALLOWANCE_BYTES / GB:.1f} GB each for the runtime")
 
 
-def plan_job(name: str, exp: dict[str, Any], key: str, section: dict[str, Any], trained: str) -> dict[str, Any]:
-    """The plan of one training job: its layout, the per-device estimate, whether it fits, the host
-    memory of a rank and the SLURM resources."""
+def estimate_job(exp: dict[str, Any], section: dict[str, Any], trained: str) -> dict[str, Any]:
+    """One training job's layout and planned per-device memory (what its training rule reads)."""
     arch, vocab = model_shape(exp)
     device = "cuda" if exp["cluster"]["gpus_per_node"] else "cpu"
-    adapters = _adapter_sizes(section, trained)
-    estimate = estimate_memory(arch, section, vocab_size=vocab, trained=trained, device=device, **adapters)
-    limit, limit_from = _usable_per_rank(exp, section, key)
-    parameters = parameter_count(arch, vocab)
-    if device == "cpu":
-        host_per_rank = estimate.total + estimate.offloaded
-    else:  # each rank builds or loads the whole model in host memory before keeping its slice
-        host_per_rank = estimate.offloaded + 4 * parameters
-    rule = key.split(".")[2]  # pretrain | finetune
+    estimate = estimate_memory(arch, section, vocab_size=vocab, trained=trained, device=device,
+                               **_adapter_sizes(section, trained))
     return {
-        "key": key,
         "trained": trained,
         "device": device,
         "layout": {k: section[k] for k in LAYOUT_KEYS if k in section},
@@ -108,9 +99,26 @@ def plan_job(name: str, exp: dict[str, Any], key: str, section: dict[str, Any], 
                                                          * section["pipeline_parallel_degree"]),
         "per_device_bytes": estimate.as_dict(),
         "per_device_total_gb": round(estimate.total / GB, 3),
+    }
+
+
+def plan_job(name: str, exp: dict[str, Any], key: str, section: dict[str, Any], trained: str) -> dict[str, Any]:
+    """The plan of one training job: its estimate, whether it fits the declared memory, the host
+    memory of a rank and the SLURM resources."""
+    entry = {"key": key, **estimate_job(exp, section, trained)}
+    bytes_ = entry["per_device_bytes"]
+    limit, limit_from = _usable_per_rank(exp, section, key)
+    arch, vocab = model_shape(exp)
+    if entry["device"] == "cpu":
+        host_per_rank = bytes_["total"] + bytes_["offloaded"]
+    else:  # each rank builds or loads the whole model in host memory before keeping its slice
+        host_per_rank = bytes_["offloaded"] + 4 * parameter_count(arch, vocab)
+    rule = key.split(".")[2]  # pretrain | finetune
+    return {
+        **entry,
         "limit_gb": None if limit is None else round(limit / GB, 3),
         "limit_from": limit_from or None,
-        "fits": None if limit is None else estimate.total <= limit,
+        "fits": None if limit is None else bytes_["total"] <= limit,
         "host_bytes_per_rank": int(host_per_rank),
         "resources": training_resources(exp, section, key, rule, int(host_per_rank)),
     }
@@ -202,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="config files merged in order (default: config/config.yaml)")
     parser.add_argument("--experiment-json", default=None,
                         help="the validated experiment as JSON (the plan rule passes it; no config files read)")
+    parser.add_argument("--job", default=None, choices=["pretrain", "finetune_sft", "finetune_lora", "finetune_prefix"],
+                        help="only this training job's estimate (the file its training rule reads)")
     parser.add_argument("--out", default=None, help="write the plan as JSON here (atomically)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -210,11 +220,18 @@ def main(argv: list[str] | None = None) -> int:
             exp = json.loads(args.experiment_json)
         else:
             exp = experiment(load_config(args.configfile or ["config/config.yaml"]), args.experiment)
-        plan = check_plan(args.experiment, exp)
+        if args.job:
+            jobs = {job: (section, trained) for job, _, section, trained in training_sections(args.experiment, exp)}
+            if args.job not in jobs:
+                raise ConfigError(f"experiment {args.experiment!r} has no training job {args.job!r} "
+                                  f"(it has {', '.join(jobs) or 'none'})")
+            plan = {"experiment": args.experiment, "job": args.job, **estimate_job(exp, *jobs[args.job])}
+        else:
+            plan = check_plan(args.experiment, exp)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(format_plan(plan))
+    print(json.dumps(plan, indent=1) if args.job else format_plan(plan))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         write_json(args.out, plan)

@@ -27,12 +27,14 @@ def peak_bytes() -> tuple[int, str]:
 
 
 def log_memory_against_plan(plan_path: str | Path, job: str) -> dict[str, float] | None:
-    """Log (and return) this rank's planned per-device GB from plan.json's `job` entry and its
-    measured peak. A plan without the job (written for another layout) is reported, not fatal."""
+    """Log (and return) this rank's planned per-device GB (results/<name>/plan/<job>.json, or the
+    `job` entry of a whole plan.json) and its measured peak. A plan without the job is reported,
+    not fatal."""
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    entry = json.loads(Path(plan_path).read_text()).get("jobs", {}).get(job)
+    plan = json.loads(Path(plan_path).read_text())
+    entry = plan if plan.get("job") == job else plan.get("jobs", {}).get(job)  # one job's file, or the whole plan
     measured, what = peak_bytes()
     if entry is None:
         log.warning("rank %d: %s has no entry for %s; measured %s %.2f GB", rank, plan_path, job, what,

@@ -29,7 +29,7 @@ def test_tensor_parallel_experiment_matches_the_single_process_one(tmp_path):
     extra.write_text(yaml.safe_dump({"experiments": experiments}))
     targets = ["results/single/pretrain", "results/tp2/pretrain", "results/tp2_sharded/pretrain"]
     plan = planned_jobs(snakemake(tmp_path, "--configfile", str(extra), "-n", *targets).stdout)
-    assert plan == {"prepare": 3, "plan": 3, "pretrain": 2, "pretrain_sharded": 1, "merge_tp": 1}, plan
+    assert plan == {"prepare": 3, "plan_job": 3, "pretrain": 2, "pretrain_sharded": 1, "merge_tp": 1}, plan
     snakemake(tmp_path, "--configfile", str(extra), "--cores", "2", *targets)
     single = pd.read_csv(tmp_path / "results" / "single" / "pretrain" / "train_log.csv")
     tp2 = pd.read_csv(tmp_path / "results" / "tp2" / "pretrain" / "train_log.csv")

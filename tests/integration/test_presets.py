@@ -27,9 +27,9 @@ LLAMA2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidd
              "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float16"}
 CASES = {
     "llama2-7b-sft-lora-gptq.yaml": ("llama2-7b", "results/llama2-7b/quant_eval.json",
-                                     {"finetune": 3, "merge_lora": 1, "quantize": 3, "plan": 1}),
-    "llama2-13b-pretrain.yaml": ("llama2-13b", "results/llama2-13b/pretrain", {"pretrain_sharded": 1, "merge_tp": 1}),
-    "llama2-70b-pretrain.yaml": ("llama2-70b", "results/llama2-70b/pretrain", {"pretrain_sharded": 1, "merge_tp": 1}),
+                                     {"finetune": 3, "merge_lora": 1, "quantize": 3, "plan_job": 3, "plan": 1}),
+    "llama2-13b-pretrain.yaml": ("llama2-13b", "results/llama2-13b/pretrain", {"pretrain_sharded": 1, "merge_tp": 1, "plan_job": 1}),
+    "llama2-70b-pretrain.yaml": ("llama2-70b", "results/llama2-70b/pretrain", {"pretrain_sharded": 1, "merge_tp": 1, "plan_job": 1}),
 }
 
 

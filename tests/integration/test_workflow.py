@@ -19,7 +19,7 @@ def test_lint_is_clean(tmp_path):
 def test_dry_run_plans_every_stage(tmp_path):
     proc = snakemake(tmp_path, "-n", "results/llama/quant_eval.json")
     jobs = planned_jobs(proc.stdout)
-    assert jobs == {"prepare": 1, "plan": 1, "pretrain": 1, "finetune": 3, "merge_lora": 1, "quantize": 4,
+    assert jobs == {"prepare": 1, "plan_job": 4, "plan": 1, "pretrain": 1, "finetune": 3, "merge_lora": 1, "quantize": 4,
                     "export": 1, "evaluate": 9, "report": 1}, proc.stdout
 
 
@@ -97,14 +97,14 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
     assert planned_jobs(proc.stdout) == {}, proc.stdout
 
     # Changing a LoRA hyperparameter reruns the LoRA branch and what depends on it, nothing else
-    # (the memory plan is redone; the training rules read it as ancient, so nothing else follows).
+    # (LoRA's memory estimate and the whole plan are redone; the other jobs' estimates are not).
     before = _mtimes(tmp_path)
     cfg = yaml.safe_load(DEBUG_CONFIG.read_text())
     cfg["experiments"]["ci"]["finetune"]["lora"]["lora_rank"] = 8
     changed = tmp_path / "changed.yaml"
     changed.write_text(yaml.safe_dump(cfg))
     proc = snakemake(tmp_path, "--configfile", str(changed), "-n", TARGET)
-    assert planned_jobs(proc.stdout) == {"plan": 1, "finetune": 1, "merge_lora": 1, "quantize": 4, "export": 1,
+    assert planned_jobs(proc.stdout) == {"plan_job": 1, "plan": 1, "finetune": 1, "merge_lora": 1, "quantize": 4, "export": 1,
                                          "evaluate": 6, "report": 1}, proc.stdout
     snakemake(tmp_path, "--configfile", str(changed), "--cores", "2", TARGET)
     after = _mtimes(tmp_path)

@@ -130,5 +130,5 @@ def test_a_failing_and_a_timed_out_job_are_reported_and_earlier_results_stay(tmp
     assert not (results / "bad" / "data").exists()
     assert not (results / "slow" / "pretrain").exists()  # no half-written output
     assert (results / "slow" / "data" / "index.json").is_file()  # made before the time-out, kept
-    assert (results / "slow" / "plan.json").is_file()
+    assert (results / "slow" / "plan" / "pretrain.json").is_file()
     assert "Complete log" in out or "Exiting because a job execution failed" in out

@@ -154,18 +154,33 @@ def pretrain_inputs(wildcards):
                           f"{json.dumps(experiment(wildcards)['pretrain']['enabled'])} with model.model_name_or_path); set "
                           "pretrain.enabled: true for continued pretraining")
     inputs = {"data": f"results/{wildcards.experiment}/data",
-              "plan": ancient(f"results/{wildcards.experiment}/plan.json")}
+              "plan": f"results/{wildcards.experiment}/plan/pretrain.json"}
     if experiment(wildcards)["model"]["model_name_or_path"]:
         inputs["init"] = f"results/{wildcards.experiment}/base"  # continued pretraining
     return inputs
 
 
 def plan_params(wildcards):
-    """What the plan reads of the experiment (JSON): changing the evaluation settings does not re-plan."""
+    """What the whole plan reads of the experiment (JSON): changing evaluation settings does not re-plan."""
     exp = experiment(wildcards)
     return json.dumps({"model": exp["model"], "data": {"vocab_size": exp["data"]["vocab_size"]},
                        "pretrain": exp["pretrain"], "finetune": exp["finetune"], "cluster": exp["cluster"]},
                       sort_keys=True)
+
+
+def plan_job_params(wildcards):
+    """What one job's estimate depends on (JSON): the model, the vocabulary, that job's section, and
+    whether its ranks are GPUs; not the other jobs' sections, time limits or site settings."""
+    exp = experiment(wildcards)
+    job = wildcards.job
+    if job == "pretrain":
+        sections = {"pretrain": exp["pretrain"], "finetune": {}}
+    else:
+        method = job.removeprefix("finetune_")
+        sections = {"pretrain": dict(exp["pretrain"], enabled=False), "finetune": {method: exp["finetune"][method]}}
+    cluster = {"gpus_per_node": exp["cluster"]["gpus_per_node"]}
+    return json.dumps({"model": exp["model"], "data": {"vocab_size": exp["data"]["vocab_size"]}, **sections,
+                       "cluster": cluster}, sort_keys=True)
 
 
 def init_flag(wildcards):

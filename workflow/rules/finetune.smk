@@ -6,7 +6,7 @@ rule finetune:
     input:
         model=finetune_base,
         data="results/{experiment}/data",
-        plan=ancient("results/{experiment}/plan.json"),
+        plan="results/{experiment}/plan/finetune_{method}.json",
     output:
         directory("results/{experiment}/{method}"),
     log:

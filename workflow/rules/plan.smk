@@ -1,8 +1,32 @@
-# The memory plan (python -m stages.plan): per-device memory of every training job of the experiment
-# in its layout, and the SLURM resources derived from it. The workflow already refused, when it was
-# parsed, a layout that does not fit cluster.device_memory_gb / node_memory_gb; this rule records the
-# plan in results/{experiment}/plan.json, which every training rule reads (it logs the planned memory
-# beside the measured peak).
+# The memory plan (python -m stages.plan). The workflow already refused, when it was parsed, a layout
+# that does not fit cluster.device_memory_gb / node_memory_gb. Two rules record it:
+# - plan_job: one training job's planned per-device memory, results/{experiment}/plan/{job}.json, the
+#   input its training rule reads (it logs the plan beside the measured peak). Its params are what
+#   the estimate depends on (the architecture and that job's section), so changing a LoRA setting
+#   re-plans and retrains LoRA only, and a time limit or partition re-plans nothing.
+# - plan: the whole plan with every job's SLURM resources, results/{experiment}/plan.json (the report
+#   takes it, so the default target records it).
+rule plan_job:
+    output:
+        "results/{experiment}/plan/{job}.json",
+    wildcard_constraints:
+        job="pretrain|finetune_sft|finetune_lora|finetune_prefix",
+    log:
+        "results/{experiment}/logs/plan_{job}.log",
+    benchmark:
+        "results/{experiment}/benchmarks/plan_{job}.tsv"
+    params:
+        experiment=plan_job_params,
+    threads: 1
+    resources:
+        **cluster_resources("plan"),
+    conda:
+        "../../environment.yml"
+    shell:
+        "python -m stages.plan --experiment {wildcards.experiment} --experiment-json {params.experiment:q} "
+        "--job {wildcards.job} --out {output} > {log} 2>&1"
+
+
 rule plan:
     output:
         "results/{experiment}/plan.json",

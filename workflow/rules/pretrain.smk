@@ -2,8 +2,8 @@
 # workflow is parsed), DeepSpeed ZeRO (`pretrain.sharding`) over the data-parallel group.
 # stages.launch starts the ranks: torchrun on this machine (gloo on CPU, NCCL on GPU), or inside a
 # SLURM job (the slurm profile) `srun --overlap` with one task per rank over the job's nodes; nodes,
-# tasks and memory come from the experiment's plan (results/{experiment}/plan.json, read as
-# ancient: re-planning after an unrelated config change does not retrain).
+# tasks and memory come from the experiment's memory plan; the job reads its own estimate
+# (results/{experiment}/plan/pretrain.json) and logs it beside its measured peak.
 # Checkpoints go to results/{experiment}/checkpoints/pretrain/, which is not an output: Snakemake
 # leaves it alone when a job fails, and rerunning the same command resumes from the newest complete
 # checkpoint. The output directory appears only when training is done (atomic rename).

@@ -3,6 +3,7 @@ rule report:
     input:
         evals=all_eval_files,
         export="results/{experiment}/export",
+        plan="results/{experiment}/plan.json",  # recorded with the results
     output:
         quant_eval="results/{experiment}/quant_eval.json",
         csv=report("results/{experiment}/report.csv", caption="../report/metrics.rst", category="Metrics"),

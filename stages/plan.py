@@ -20,11 +20,12 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 from typing import Any
 
 from stages.checkpoint.atomic import write_json
-from stages.cluster.resources import rank_layout, training_resources, single_process_resources
+from stages.checkpoint.source import read_source_config
+from stages.cluster.resources import RUNTIME_ALLOWANCE_BYTES, rank_layout, single_process_resources
+from stages.cluster.resources import training_resources
 from stages.config import ConfigError, architecture, check_config, experiment, finetune_source, load_yaml
 from stages.config import merge, pretrain_enabled
 from stages.training.memory import estimate_memory, nearest_fitting_layout, parameter_count
@@ -46,7 +47,7 @@ def model_shape(exp: dict[str, Any]) -> tuple[dict[str, Any], int]:
     flavour with its overrides and data.vocab_size."""
     path = exp["model"]["model_name_or_path"]
     if path:
-        source = json.loads((Path(path) / "config.json").read_text())
+        source = read_source_config(path)
         return source, int(source["vocab_size"])
     return architecture(exp["model"]), int(exp["data"]["vocab_size"])
 
@@ -68,8 +69,6 @@ def _adapter_sizes(section: dict[str, Any], trained: str) -> dict[str, Any]:
 
 def _usable_per_rank(exp: dict[str, Any], section: dict[str, Any], key: str) -> tuple[float | None, str]:
     """The bytes one rank may hold and where that limit comes from (None: nothing declared)."""
-    from stages.cluster.resources import RUNTIME_ALLOWANCE_BYTES
-
     cluster = exp["cluster"]
     if cluster["gpus_per_node"]:
         if cluster["device_memory_gb"] is None:
@@ -113,7 +112,7 @@ def plan_job(name: str, exp: dict[str, Any], key: str, section: dict[str, Any], 
         host_per_rank = bytes_["total"] + bytes_["offloaded"]
     else:  # each rank builds or loads the whole model in host memory before keeping its slice
         host_per_rank = bytes_["offloaded"] + 4 * parameter_count(arch, vocab)
-    rule = key.split(".")[2]  # pretrain | finetune
+    rule = "pretrain" if key.endswith(".pretrain") else "finetune"
     return {
         **entry,
         "limit_gb": None if limit is None else round(limit / GB, 3),
@@ -154,7 +153,7 @@ def check_plan(name: str, exp: dict[str, Any]) -> dict[str, Any]:
         parts = ", ".join(f"{part} {entry['per_device_bytes'][part] / GB:.2f}"
                           for part in ("parameters", "gradients", "optimizer", "activations", "buffers"))
         arch, vocab = model_shape(exp)
-        limit = entry["limit_gb"] * GB
+        limit, _ = _usable_per_rank(exp, section, key)
         per_node = rank_layout(exp, section, key).tasks_per_node
         nearest = nearest_fitting_layout(arch, section, vocab_size=vocab, device_memory=int(limit),
                                          devices_per_node=per_node, trained=trained, device=entry["device"],
@@ -233,8 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(json.dumps(plan, indent=1) if args.job else format_plan(plan))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        write_json(args.out, plan)
+        write_json(args.out, plan)  # atomic, parent directories made
     return 0
 
 

@@ -21,7 +21,6 @@ from typing import Any
 
 from stages.config import ConfigError
 
-MB = 1_000_000  # SLURM's --mem unit is MiB; we round up in MB of 1e6 bytes and add headroom anyway
 RUNTIME_ALLOWANCE_BYTES = 1_500_000_000  # one rank's Python + torch + DeepSpeed + gloo buffers (measured ~1.1 GB)
 HOST_HEADROOM = 1.25  # allocator fragmentation, checkpoint copies written in the background
 

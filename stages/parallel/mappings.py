@@ -16,6 +16,14 @@ import torch.distributed as dist
 
 
 # -- collectives ---------------------------------------------------------------------------------
+def collective_device(group=None) -> torch.device:
+    """The device a collective's tensors must live on: the current CUDA device under NCCL (which
+    reduces CUDA tensors only: "No backend type associated with device type cpu"), else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _world(group) -> int:
     return dist.get_world_size(group=group)
 

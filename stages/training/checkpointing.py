@@ -424,9 +424,9 @@ class Checkpointer:
         """Finish the pending save if every rank's writer is done (one small all-reduce)."""
         if self._pending is None:
             return
-        # on the collective's device: NCCL reduces CUDA tensors only
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        done = torch.tensor(int(self._pending[2].done()), device=device)
+        from stages.parallel.mappings import collective_device
+
+        done = torch.tensor(int(self._pending[2].done()), device=collective_device())
         dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if int(done):
             start = time.perf_counter()

@@ -236,9 +236,10 @@ def learned_tokens(batches: list[tuple[torch.Tensor, ...]], dp_group) -> int:
     """Learned (next-token) positions in the global batch: this rank's count summed over dp."""
     import torch.distributed as dist
 
-    # NCCL reduces only CUDA tensors (a CPU tensor fails: "No backend type associated with device type cpu")
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(dp_group) == "nccl" else "cpu"
-    count = torch.tensor(sum(int((b[1][:, 1:] != IGNORE_INDEX).sum()) for b in batches), device=device)
+    from stages.parallel.mappings import collective_device
+
+    count = torch.tensor(sum(int((b[1][:, 1:] != IGNORE_INDEX).sum()) for b in batches),
+                         device=collective_device(dp_group))
     dist.all_reduce(count, group=dp_group)
     return max(int(count), 1)
 

@@ -275,7 +275,8 @@ _RESOURCE_KEYS += sorted({k for r in _ALL_RESOURCES for k in r} - set(_RESOURCE_
 
 
 def _job_resources(wildcards, name):
-    plan = PLANS[experiment(wildcards) and wildcards.experiment]
+    experiment(wildcards)  # an undefined experiment name: the error listing the defined ones
+    plan = PLANS[wildcards.experiment]
     if name == "pretrain":
         return plan["jobs"]["pretrain"]["resources"]
     if name == "finetune":

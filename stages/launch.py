@@ -14,6 +14,9 @@ One rule text serves both worlds, so the training rules call this instead of cho
   when one fails instead of leaving the others blocked in a collective until the time limit. The
   rendezvous host is the first node of the allocation, the port free there for this job
   (stages.cluster.rendezvous); each rank reads its rank from SLURM_PROCID (engine.init_distributed).
+  The executor's step describes itself, not the job, in SLURM_JOB_NODELIST (one node): the srun gets
+  the job's node list from slurmctld instead, else a multi-node step is refused ("Only allocated 1
+  nodes asked for 2").
 
 The process replaces itself with the launcher (exec), so a signal to the job reaches srun/torchrun
 directly. NCCL or gloo is chosen by each rank (engine.init_distributed: NCCL when CUDA is there).
@@ -27,7 +30,7 @@ import shutil
 import sys
 import time
 
-from stages.cluster.rendezvous import rendezvous
+from stages.cluster.rendezvous import job_nodelist, rendezvous
 
 
 def inside_slurm(env: dict[str, str] | None = None) -> bool:
@@ -61,6 +64,9 @@ def launch_command(nproc: int, nodes: int, module: str, args: list[str],
                              "starts ranks on this machine only; run through the slurm profile "
                              "(--workflow-profile workflow/profiles/slurm) or inside salloc")
         return torchrun_command(nproc, module, args), env
+    nodelist = job_nodelist(env)
+    if nodelist:  # the job's nodes, not those of the executor's one-node step
+        env.update(SLURM_JOB_NODELIST=nodelist, SLURM_NODELIST=nodelist)
     host, port = rendezvous(env)
     env.update(MASTER_ADDR=host, MASTER_PORT=str(port))
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):  # the ranks take theirs from SLURM_PROCID & co

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -112,7 +113,7 @@ def init_distributed() -> None:
         # stages.launch sets MASTER_ADDR/PORT (a port free for this job); a bare srun derives them
         os.environ.update(RANK=os.environ["SLURM_PROCID"], LOCAL_RANK=os.environ["SLURM_LOCALID"],
                           WORLD_SIZE=os.environ["SLURM_NTASKS"],
-                          MASTER_ADDR=os.environ.get("MASTER_ADDR") or first_host(),
+                          MASTER_ADDR=os.environ.get("MASTER_ADDR") or first_host(step=True),
                           MASTER_PORT=os.environ.get("MASTER_PORT") or str(derived_port()))
         if "SLURM_NTASKS_PER_NODE" in os.environ or "SLURM_STEP_TASKS_PER_NODE" in os.environ:
             per_node = os.environ.get("SLURM_NTASKS_PER_NODE") or os.environ["SLURM_STEP_TASKS_PER_NODE"]
@@ -121,6 +122,9 @@ def init_distributed() -> None:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    log.info("rank %s of %s on node %s (local rank %s, rendezvous %s:%s, %s)", os.environ["RANK"],
+             os.environ["WORLD_SIZE"], os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
+             os.environ["LOCAL_RANK"], os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], backend)
 
 
 def finish_distributed() -> None:
@@ -140,8 +144,6 @@ def finish_distributed() -> None:
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

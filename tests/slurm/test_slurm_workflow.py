@@ -1,15 +1,19 @@
 """The workflow through the slurm profile against a real slurmctld (tests/slurm/local_slurm.sh).
 
-Marked `slurm`: left out of `make test`, run by CI (.ci/run) after it starts the one-node cluster.
-Every rule goes through sbatch (the executor plugin), the training rules start their ranks with
-`srun --overlap` inside the job (stages/launch.py), and the results are checked as a user would:
-the debug DAG completes with pretraining as a 2-task step, two experiments pretrain at the same
-time on one node without colliding, a job failing on bad data and one over its time limit are
-reported while Snakemake stops cleanly with the results made before them intact.
+Marked `slurm`: left out of `make test`, run by CI (.ci/run) after it starts the local cluster: two
+SLURM nodes (llmnode1, llmnode2, one slurmd each) on this one machine. Every rule goes through sbatch
+(the executor plugin), the training rules start their ranks with `srun --overlap` inside the job
+(stages/launch.py), and the results are checked as a user would: the debug DAG completes with its
+pretraining as a 2-node job (one rank per node, `cluster.tasks_per_node: 1`) whose ranks, per their
+own log lines, ran on different nodes and met at the first node's rendezvous; a second experiment
+pretrains at the same time as a 2-task step on one node, sharing a node with the first, without
+colliding; a job failing on bad data and one over its time limit are reported while Snakemake
+stops cleanly with the results made before them intact.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -27,11 +31,15 @@ pytestmark = pytest.mark.slurm
 LOCAL_SLURM = ROOT / "tests" / "slurm" / "local_slurm.sh"
 PROFILE = ROOT / "workflow" / "profiles" / "slurm"
 STAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")  # the launcher's line, logging, DeepSpeed
+# stages.launch's line inside an allocation, and each rank's line after init (engine.init_distributed)
+LAUNCH = re.compile(r"stages\.launch: srun --overlap --kill-on-bad-exit=1 --ntasks=(\d+) --nodes=(\d+) "
+                    r"--ntasks-per-node=(\d+) .*\(MASTER_ADDR=(\S+) MASTER_PORT=(\d+)\)")
+RANK = re.compile(r"rank (\d+) of (\d+) on node (\S+) \(local rank (\d+), rendezvous (\S+):(\d+), (\w+)\)")
 
 
 @pytest.fixture(scope="module")
 def slurm_cluster():
-    """The local one-node cluster: started here unless it already runs (then left running)."""
+    """The local two-node cluster: started here unless it already runs (then left running)."""
     state = Path(os.environ.get("LOCAL_SLURM_DIR", "/tmp/llm-lifecycle-slurm"))
     running = (state / "slurmctld.pid").exists()
     out = subprocess.run([str(LOCAL_SLURM), "start"], capture_output=True, text=True, timeout=600)
@@ -75,10 +83,18 @@ def _interval(log: Path) -> tuple[datetime, datetime]:
     return stamps[0], stamps[-1]
 
 
+def _ranks(log: str) -> dict[int, dict]:
+    """Rank -> where it ran and met the others, from the ranks' own log lines."""
+    return {int(m[0]): {"world": int(m[1]), "node": m[2], "local_rank": int(m[3]), "rendezvous": (m[4], m[5]),
+                        "backend": m[6]} for m in RANK.findall(log)}
+
+
 def test_debug_dag_and_a_second_pretraining_run_through_slurm(tmp_path, slurm_cluster):
+    first = _debug_experiment()
+    first["cluster"] = {"tasks_per_node": 1}  # world_size 2: one rank on each of two nodes
     second = _debug_experiment()
-    second["pretrain"]["seed"] = 7
-    config = _config(tmp_path, {"ci": _debug_experiment(), "ci2": second})
+    second["pretrain"]["seed"] = 7  # cluster defaults: both ranks on one node
+    config = _config(tmp_path, {"ci": first, "ci2": second})
     targets = ("results/ci/quant_eval.json", "results/ci2/pretrain")
     expected = planned_jobs(snakemake(tmp_path, "--configfile", str(config), "-n", *targets).stdout)
 
@@ -91,19 +107,37 @@ def test_debug_dag_and_a_second_pretraining_run_through_slurm(tmp_path, slurm_cl
     assert (results / "ci" / "quant_eval.json").is_file() and (results / "ci2" / "pretrain").is_dir()
     assert set(expected) <= _sbatch_rules(tmp_path), (expected, _sbatch_rules(tmp_path), proc.stdout[-3000:])
 
-    launches = {}
-    for name in ("ci", "ci2"):
+    launches, ranks = {}, {}
+    for name, layout in (("ci", ("2", "2", "1")), ("ci2", ("2", "1", "2"))):
         log = (results / name / "logs" / "pretrain.log").read_text()
-        launch = re.search(r"stages.launch: srun --overlap --kill-on-bad-exit=1 --ntasks=2 .*MASTER_PORT=(\d+)", log)
+        launch = LAUNCH.search(log)
         assert launch, f"{name}: pretraining did not start as a 2-task srun step:\n{log[:2000]}"
-        launches[name] = launch.group(1)
-        ranks = {int(r) for r in re.findall(r"rank (\d+): memory planned", log)}
-        assert ranks == {0, 1}, log[-2000:]  # each task logs the plan beside its measured peak
-    assert launches["ci"] != launches["ci2"], "two jobs on one node must not share a rendezvous port"
+        assert launch.groups()[:3] == layout, f"{name}: tasks, nodes, tasks per node {launch.groups()[:3]}"
+        launches[name] = launch.group(4), launch.group(5)
+        planned = {int(r) for r in re.findall(r"rank (\d+): memory planned", log)}
+        assert planned == {0, 1}, log[-2000:]  # each task logs the plan beside its measured peak
+        ranks[name] = _ranks(log)
+        assert set(ranks[name]) == {0, 1} and {r["world"] for r in ranks[name].values()} == {2}, log[-3000:]
+        # every rank met at the address and port the launcher chose
+        assert {r["rendezvous"] for r in ranks[name].values()} == {launches[name]}, (launches[name], ranks[name])
+        short = re.sub(r" --export=ALL .* \(", " --export=ALL ... (", launch.group(0))  # the stage's arguments out
+        print(f"{name}: " + "\n    ".join([short, *(m.group(0) for m in RANK.finditer(log))]))
+    ci, ci2 = ranks["ci"], ranks["ci2"]
+    # ci: one rank on each node, rank 0 on the allocation's first node, which is the rendezvous host
+    assert (ci[0]["node"], ci[1]["node"]) == ("llmnode1", "llmnode2"), ci
+    assert ci[0]["local_rank"] == ci[1]["local_rank"] == 0, ci
+    assert launches["ci"][0] == ci[0]["node"], (launches["ci"], ci)
+    # ci2: both ranks on one node, which ci also used, rendezvous on that node
+    assert ci2[0]["node"] == ci2[1]["node"] == launches["ci2"][0], (launches["ci2"], ci2)
+    assert {ci2[0]["local_rank"], ci2[1]["local_rank"]} == {0, 1}, ci2
+    assert {ci2[0]["node"]} <= {ci[0]["node"], ci[1]["node"]}, (ci, ci2)
+    assert launches["ci"][1] != launches["ci2"][1], "two jobs on one node must not share a rendezvous port"
     (a0, a1), (b0, b1) = (_interval(results / n / "logs" / "pretrain.log") for n in ("ci", "ci2"))
     assert a0 < b1 and b0 < a1, f"the two pretraining jobs did not overlap: ci {a0}-{a1}, ci2 {b0}-{b1}"
     plan = (results / "ci" / "plan.json").read_text()
     assert '"pretrain"' in plan and '"resources"' in plan
+    resources = json.loads(plan)["jobs"]["pretrain"]["resources"]  # what sbatch was asked for
+    assert (resources["nodes"], resources["tasks"], resources.get("slurm_extra")) == (2, 2, "--ntasks-per-node=1")
 
 
 def test_a_failing_and_a_timed_out_job_are_reported_and_earlier_results_stay(tmp_path, slurm_cluster):

@@ -4,12 +4,20 @@ the rendezvous port is unique per job. (The real srun path runs in tests/slurm.)
 from __future__ import annotations
 
 import socket
+import subprocess
 import sys
 
 import pytest
 
+from stages import launch
 from stages.cluster import rendezvous
 from stages.launch import launch_command
+
+
+@pytest.fixture(autouse=True)
+def _no_slurmctld(monkeypatch):
+    """The job's node list as the environment says (no slurmctld to ask here)."""
+    monkeypatch.setattr(launch, "job_nodelist", lambda env: env.get("SLURM_JOB_NODELIST", ""))
 
 
 def test_outside_slurm_torchrun_starts_the_ranks_on_this_machine():
@@ -25,7 +33,7 @@ def test_outside_slurm_several_nodes_is_refused_with_the_way_out():
 
 
 def test_inside_an_allocation_srun_overlaps_the_executor_step_and_kills_on_a_failed_rank(monkeypatch):
-    monkeypatch.setattr(rendezvous, "allocation_hosts", lambda env=None: [socket.gethostname(), "node2"])
+    monkeypatch.setattr(rendezvous, "allocation_hosts", lambda env=None, step=False: [socket.gethostname(), "node2"])
     env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "x", "SLURM_CPUS_PER_TASK": "3", "RANK": "0"}
     argv, out_env = launch_command(8, 2, "stages.finetune", ["--method", "lora"], env)
     assert argv[:7] == ["srun", "--overlap", "--kill-on-bad-exit=1", "--ntasks=8", "--nodes=2",
@@ -42,10 +50,60 @@ def test_uneven_ranks_per_node_are_refused():
 
 
 def test_the_launcher_away_from_the_first_node_derives_the_port_from_the_job(monkeypatch):
-    monkeypatch.setattr(rendezvous, "allocation_hosts", lambda env=None: ["some-other-node"])
+    monkeypatch.setattr(rendezvous, "allocation_hosts", lambda env=None, step=False: ["some-other-node"])
     _, env = launch_command(2, 1, "stages.pretrain", [], {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "x"})
     assert env["MASTER_ADDR"] == "some-other-node"
     assert int(env["MASTER_PORT"]) == rendezvous.derived_port({"SLURM_JOB_ID": "77"})
+
+
+def test_the_first_node_is_known_by_its_slurm_node_name_as_well_as_its_host_name(monkeypatch):
+    # NodeName differs from the host name (several slurmds on one machine, or NodeHostname): the
+    # launcher on that node still probes a free port there instead of deriving one
+    monkeypatch.setattr(rendezvous, "allocation_hosts", lambda env=None, step=False: ["llmnode1", "llmnode2"])
+    monkeypatch.setattr(rendezvous, "free_port", lambda host="": 54321)
+    job = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "llmnode[1-2]"}
+    _, env = launch_command(2, 2, "stages.pretrain", [], {**job, "SLURMD_NODENAME": "llmnode1"})
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("llmnode1", "54321")
+    _, env = launch_command(2, 2, "stages.pretrain", [], {**job, "SLURMD_NODENAME": "llmnode2"})
+    assert (env["MASTER_ADDR"], int(env["MASTER_PORT"])) == ("llmnode1", rendezvous.derived_port(job))
+
+
+def test_the_srun_gets_the_jobs_node_list_not_the_one_node_of_the_executors_step(monkeypatch):
+    # the executor's `srun -n1` step says SLURM_JOB_NODELIST=llmnode1 in a 2-node job: srun would
+    # refuse a 2-node step ("Only allocated 1 nodes asked for 2")
+    monkeypatch.setattr(launch, "job_nodelist", lambda env: "llmnode[1-2]")
+    monkeypatch.setattr(rendezvous, "allocation_hosts", lambda env=None, step=False: ["llmnode1", "llmnode2"])
+    step = {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "llmnode1", "SLURM_NODELIST": "llmnode1"}
+    argv, env = launch_command(2, 2, "stages.pretrain", [], step)
+    assert env["SLURM_JOB_NODELIST"] == env["SLURM_NODELIST"] == "llmnode[1-2]"
+    assert "--nodes=2" in argv and env["MASTER_ADDR"] == "llmnode1"
+
+
+def test_the_jobs_node_list_comes_from_slurmctld_else_from_the_environment(monkeypatch):
+    calls = []
+
+    def squeue(argv, **kwargs):
+        calls.append(argv)
+        return subprocess.CompletedProcess(argv, 0, stdout="llmnode[1-2]\n", stderr="")
+
+    monkeypatch.setattr(rendezvous.subprocess, "run", squeue)
+    assert rendezvous.job_nodelist({"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "llmnode1"}) == "llmnode[1-2]"
+    assert calls == [["squeue", "-h", "-j", "9", "-o", "%N"]]
+
+    def unreachable(argv, **kwargs):
+        raise subprocess.CalledProcessError(1, argv)
+
+    monkeypatch.setattr(rendezvous.subprocess, "run", unreachable)
+    assert rendezvous.job_nodelist({"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "llmnode1"}) == "llmnode1"
+    assert rendezvous.job_nodelist({}) == ""
+
+
+def test_a_bare_srun_task_meets_at_the_first_node_of_its_own_step():
+    # rank 0 of a step runs on the step's first node, which need not be the job's
+    env = {"SLURM_JOB_NODELIST": "jobfirst", "SLURM_STEP_NODELIST": "stepfirst"}
+    assert rendezvous.first_host(env, step=True) == "stepfirst"
+    assert rendezvous.first_host(env) == "jobfirst"
+    assert rendezvous.first_host({"SLURM_JOB_NODELIST": "jobfirst"}, step=True) == "jobfirst"
 
 
 def test_derived_ports_differ_for_jobs_running_at_the_same_time():

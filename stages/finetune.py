@@ -260,7 +260,9 @@ def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str |
     else:
         log.warning("%s is missing; no evaluation, meta.json gets dev_loss=null", dev_path)
 
-    model = load_causal_lm(model_dir)
+    # Each rank reads only its slice of the base, unless the prefix starts from the base's own KV
+    # cache of real tokens (prefix_init: tokens), which needs the whole model before slicing.
+    model = load_causal_lm(model_dir, lazy=config.get("prefix_init") != "tokens")
     if config["packing"] and not isinstance(model, LlamaForCausalLM):
         raise InputError(f"finetune.{method}.packing: {model_dir} trains through transformers' "
                          f"{type(model).__name__}, whose attention does not keep packed examples apart; "

@@ -26,9 +26,9 @@ from stages.checkpoint.atomic import write_json
 from stages.checkpoint.source import read_source_config
 from stages.cluster.resources import RUNTIME_ALLOWANCE_BYTES, rank_layout, single_process_resources
 from stages.cluster.resources import training_resources
-from stages.config import ConfigError, architecture, check_config, experiment, finetune_source, load_yaml
+from stages.config import ConfigError, architecture, check_config, experiment, load_yaml
 from stages.config import merge, pretrain_enabled
-from stages.training.memory import estimate_memory, nearest_fitting_layout, parameter_count
+from stages.training.memory import estimate_memory, host_build_bytes, nearest_fitting_layout, parameter_count
 
 log = logging.getLogger("stages.plan")
 
@@ -110,8 +110,8 @@ def plan_job(name: str, exp: dict[str, Any], key: str, section: dict[str, Any], 
     arch, vocab = model_shape(exp)
     if entry["device"] == "cpu":
         host_per_rank = bytes_["total"] + bytes_["offloaded"]
-    else:  # each rank builds or loads the whole model in host memory before keeping its slice
-        host_per_rank = bytes_["offloaded"] + 4 * parameter_count(arch, vocab)
+    else:  # the fp32 slice a rank builds before the engine moves it to its GPU
+        host_per_rank = bytes_["offloaded"] + host_build_bytes(arch, section, vocab_size=vocab)
     rule = "pretrain" if key.endswith(".pretrain") else "finetune"
     return {
         **entry,
@@ -142,12 +142,33 @@ def _describe(layout: dict[str, Any]) -> str:
     return ", ".join(f"{k}: {json.dumps(v)}" for k, v in layout.items())
 
 
+def _check_host_memory(name: str, exp: dict[str, Any], key: str, section: dict[str, Any],
+                       entry: dict[str, Any]) -> None:
+    """A GPU job whose ranks on one node need more host memory than `cluster.node_memory_gb`
+    (each builds its fp32 slice there before the engine moves it to its GPU, and keeps any
+    offloaded optimizer state) is a ConfigError with the numbers."""
+    node_gb = exp["cluster"]["node_memory_gb"]
+    if entry["device"] != "cuda" or not node_gb:
+        return
+    per_node = rank_layout(exp, section, key).tasks_per_node
+    need = per_node * (entry["host_bytes_per_rank"] + RUNTIME_ALLOWANCE_BYTES)
+    if need > node_gb * GB:
+        raise ConfigError(
+            f"{key}: the {per_node} ranks of a node need {need / GB:.0f} GB of host memory "
+            f"({entry['host_bytes_per_rank'] / GB:.1f} GB each: the fp32 slice it builds before moving it to "
+            f"its GPU and any offloaded optimizer state, plus {RUNTIME_ALLOWANCE_BYTES / GB:.1f} GB for the "
+            f"runtime), more than cluster.node_memory_gb={node_gb:g}; raise tensor_parallel_degree or "
+            f"pipeline_parallel_degree, turn sharding_offload off, or declare the nodes' real memory. "
+            f"(python -m stages.plan --experiment {name} prints the whole plan)")
+
+
 def check_plan(name: str, exp: dict[str, Any]) -> dict[str, Any]:
     """The plan, or a ConfigError for the first training job whose layout cannot fit, with the
     estimate's parts, the limit and the nearest layout that fits (or that none does)."""
     plan = plan_experiment(name, exp)
     for job, key, section, trained in training_sections(name, exp):
         entry = plan["jobs"][job]
+        _check_host_memory(name, exp, key, section, entry)
         if entry["fits"] is not False:
             continue
         parts = ", ".join(f"{part} {entry['per_device_bytes'][part] / GB:.2f}"

@@ -5,10 +5,10 @@ Launched by the `pretrain` rule as `torchrun --nproc_per_node <world_size> -m st
 `sharding` selects the DeepSpeed ZeRO stage over the data-parallel group. Collectives go through
 gloo on CPU and NCCL on GPU.
 
-Determinism: the model is initialised from `seed` before any parallel wrapping (every rank builds
-the same weights), and the data order is a seeded permutation of fixed-length windows; the global
-batch of step s is the same whatever the number of ranks, so runs with different layouts see the
-same tokens.
+Determinism: the model is initialised from `seed` as if whole (every rank draws the same weights
+and keeps only its own slice, `stages.training.materialize`), and the data order is a seeded
+permutation of fixed-length windows; the global batch of step s is the same whatever the number
+of ranks, so runs with different layouts see the same tokens.
 """
 
 from __future__ import annotations
@@ -19,17 +19,18 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from stages.checkpoint.hf import load_config, load_pretrained
+from stages.checkpoint.hf import load_config
 from stages.checkpoint.integrity import sha256_file
 from stages.config import ARCH_OVERRIDES
 from stages.data.corpus import load_split
 from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
 from stages.errors import InputError, run_cli
-from stages.model import LlamaConfig, LlamaForCausalLM, build_model, config_for_flavour
+from stages.model import LlamaConfig, LlamaForCausalLM, config_for_flavour
 from stages.training.batches import WindowSampler
 from stages.training.checkpointing import model_identity
 from stages.training.peak_memory import log_memory_against_plan
 from stages.training.engine import finish_distributed, init_distributed, parallel_degrees, train
+from stages.training.materialize import lazy_model, lazy_pretrained
 from stages.training.seed import set_seed
 
 
@@ -44,17 +45,17 @@ def _build_config(model_section: dict[str, Any], index: dict[str, Any]) -> Llama
 
 def _build(model_section: dict[str, Any], vocab_size: int, index: dict[str, Any], seed: int,
            init_dir: Path | None = None) -> LlamaForCausalLM:
-    """The full model on every rank: continued pretraining from `init_dir` (the imported
-    checkpoint), or initialised from `seed` (the same weights whatever the layout; parallelism
-    slices them afterwards)."""
+    """The full model on the meta device, filled with only this rank's slice once the engine has
+    sliced it (`stages.training.materialize`): continued pretraining from `init_dir` (the imported
+    checkpoint), or initialised from `seed` (the same weights whatever the layout)."""
     if init_dir is not None:
-        model = load_pretrained(init_dir)
+        model = lazy_pretrained(init_dir)
         if model.config.vocab_size != vocab_size:
             raise InputError(f"--init {init_dir} has vocab_size={model.config.vocab_size} but the data was "
                              f"tokenized for {vocab_size}; prepare the data with this checkpoint's tokenizer "
                              "(prepare --tokenizer)")
         return model
-    return build_model(_build_config(model_section, index), seed=seed)
+    return lazy_model(_build_config(model_section, index), seed=seed)
 
 
 def recorded_model_section(model_section: dict[str, Any], init_dir: Path | None,

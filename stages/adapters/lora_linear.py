@@ -47,6 +47,8 @@ def lora_linear(base: nn.Linear, rank: int, alpha: float, dropout: float) -> Lor
     layer.weight = base.weight
     layer.bias = base.bias
     device, dtype = base.weight.device, base.weight.dtype
+    if base.weight.is_meta:  # a lazy base (stages.training.materialize) is filled later; the factors are real now
+        device = torch.device("cpu")
     layer.lora_A = nn.Linear(base.in_features, rank, bias=False, device=device, dtype=dtype)
     layer.lora_B = nn.Linear(rank, base.out_features, bias=False, device=device, dtype=dtype)
     nn.init.kaiming_uniform_(layer.lora_A.weight, a=math.sqrt(5))

@@ -45,7 +45,9 @@ def add_prefix(model: nn.Module, section: dict, init_ids: list[int] | None = Non
         pairs = kv_cache_of(model, init_ids)
     else:
         weight = model.model.embed_tokens.weight
-        table = torch.randn(P, len(layers) * 2 * K * hd, dtype=weight.dtype).to(weight.device)
+        table = torch.randn(P, len(layers) * 2 * K * hd, dtype=weight.dtype)
+        if not weight.is_meta:  # a lazy base (stages.training.materialize) is filled later; the prefix is real now
+            table = table.to(weight.device)
         pairs = from_peft(table, len(layers), K, hd)
     for attn, (key, value) in zip(layers, pairs):
         attn.prefix_key = nn.Parameter(key.clone())

@@ -189,7 +189,8 @@ class PipelineRunner:
         self.modules = [build_stage_module(model, self.split[c], is_first=c == 0, is_last=c == num_chunks - 1)
                         for c in self.stage_ids]
         for m in self.modules:
-            m.to(self.device)
+            if not any(p.is_meta for p in m.parameters()):  # a lazy model is filled (and placed) later
+                m.to(self.device)
         self.stages = [PipelineStage(m, c, num_chunks, self.device, group=pp_group)
                        for m, c in zip(self.modules, self.stage_ids)]
         self.is_last = any(m.is_last for m in self.modules)

@@ -111,8 +111,9 @@ class ColumnParallelLinear(_TensorParallelModule):
 
     @classmethod
     def from_dense(cls, dense: nn.Linear, group, gather_output: bool = False) -> "ColumnParallelLinear":
-        layer = cls(dense.in_features, dense.out_features, group, bias=dense.bias is not None,
-                    gather_output=gather_output, dtype=dense.weight.dtype).to(dense.weight.device)
+        with torch.device(dense.weight.device):  # built in place: a move would drop the partition tags
+            layer = cls(dense.in_features, dense.out_features, group, bias=dense.bias is not None,
+                        gather_output=gather_output, dtype=dense.weight.dtype)
         layer._load_shards({"weight": dense.weight, "bias": dense.bias})
         layer._freeze_like(dense)
         if getattr(dense, "lora_A", None) is not None:
@@ -153,8 +154,9 @@ class RowParallelLinear(_TensorParallelModule):
 
     @classmethod
     def from_dense(cls, dense: nn.Linear, group, input_is_parallel: bool = True) -> "RowParallelLinear":
-        layer = cls(dense.in_features, dense.out_features, group, bias=dense.bias is not None,
-                    input_is_parallel=input_is_parallel, dtype=dense.weight.dtype).to(dense.weight.device)
+        with torch.device(dense.weight.device):  # built in place: a move would drop the partition tags
+            layer = cls(dense.in_features, dense.out_features, group, bias=dense.bias is not None,
+                        input_is_parallel=input_is_parallel, dtype=dense.weight.dtype)
         layer._load_shards({"weight": dense.weight, "bias": dense.bias})
         layer._freeze_like(dense)
         if getattr(dense, "lora_A", None) is not None:
@@ -194,7 +196,8 @@ class VocabParallelEmbedding(_TensorParallelModule):
 
     @classmethod
     def from_dense(cls, dense: nn.Embedding, group) -> "VocabParallelEmbedding":
-        layer = cls(dense.num_embeddings, dense.embedding_dim, group, dtype=dense.weight.dtype).to(dense.weight.device)
+        with torch.device(dense.weight.device):  # built in place: a move would drop the partition tags
+            layer = cls(dense.num_embeddings, dense.embedding_dim, group, dtype=dense.weight.dtype)
         layer._load_shards({"weight": dense.weight})
         layer._freeze_like(dense)
         return layer

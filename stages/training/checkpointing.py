@@ -288,10 +288,13 @@ def snapshot(engine, access: OptimizerAccess, names: dict[str, str], topology: T
 def load_model_weights(model: torch.nn.Module, reader: StateReader) -> None:
     """Copy the checkpoint's master weights into the full (not yet parallelised) model's trained
     parameters. A tied lm_head is one parameter under its embedding's name (`named_parameters`
-    lists it once, and a checkpoint holds it once), so loading the embedding loads both and the tie stays."""
+    lists it once, and a checkpoint holds it once), so loading the embedding loads both and the tie stays.
+    A lazy model's meta parameters are skipped: they are filled from the checkpoint after slicing
+    (`stages.training.materialize`)."""
     with torch.no_grad():
         for name, param in trained_parameters(model):
-            param.copy_(reader.get(name).to(param.dtype))
+            if not param.is_meta:
+                param.copy_(reader.get(name).to(param.dtype))
 
 
 def restore_training_state(engine, access: OptimizerAccess, names: dict[str, str], topology: Topology,

@@ -59,6 +59,7 @@ from stages.training.families import (
 from stages.training.flops import flops_per_token, peak_matmul_flops
 from stages.training.launcher_watch import exit_with_launcher
 from stages.training.log import TrainLog
+from stages.training.materialize import ResumeWeights, is_lazy, materialize
 from stages.training.schedule import build_scheduler
 
 log = logging.getLogger(__name__)
@@ -319,7 +320,8 @@ def open_checkpoints(model: torch.nn.Module, section: dict[str, Any], topology: 
                      global_batch: int, identity: dict[str, Any] | None):
     """The run's Checkpointer in `checkpoint_dir/<fingerprint>/` and the checkpoint to resume from
     (a StateReader, or None). When resuming, the checkpoint's weights are already loaded into the
-    full `model`, before any slicing: every layout starts from whole tensors."""
+    full `model`, before any slicing (every layout starts from whole tensors); a lazy model (on
+    the meta device) is filled from them after slicing instead."""
     fingerprint = run_fingerprint(section, global_batch, {"model": config_identity(model.config), **(identity or {})})
     checkpointer = Checkpointer(checkpoint_dir / fingerprint, section, topology, model_config=model.config)
     resume = checkpointer.find()
@@ -389,8 +391,9 @@ def setup(model: torch.nn.Module, source, section: dict[str, Any], *, stage: str
           num_parameters: int | None = None, checkpoint_dir: str | Path | None = None,
           identity: dict[str, Any] | None = None, out_dir: str | Path) -> Run:
     """Check the layout against `model`, find the checkpoint to resume from (its weights loaded
-    into the full model), parallelise, build the DeepSpeed engine, restore the training state and
-    open the log. Collective; call after `init_distributed()`."""
+    into the full model), parallelise (a lazy model on the meta device is then filled with this
+    rank's slice, from the checkpoint when resuming), build the DeepSpeed engine, restore the
+    training state and open the log. Collective; call after `init_distributed()`."""
     import torch.distributed as dist
 
     degrees = parallel_degrees(section)
@@ -415,9 +418,13 @@ def setup(model: torch.nn.Module, source, section: dict[str, Any], *, stage: str
     fpt = model_flops_per_token(model, source.seq_len)
     config = model.config
     generation_config = getattr(model, "generation_config", None)  # a transformers model's, for out_dir
+    lazy = model.weight_source if is_lazy(model) else None
     module, runner = parallelize(model, section, topology)
     del model  # the pipeline keeps only this rank's chunks
     names = module.full_names() if runner is not None else {}
+    if lazy is not None:  # only this rank's slice is ever allocated
+        materialize(module, ResumeWeights(resume, lazy) if resume is not None else lazy, names,
+                    topology.coordinates["tensor"], degrees.tensor_parallel_degree)
     engine, scheduler, access, clip = build_engine(module, section, topology, pipeline=runner is not None)
 
     start_step, losses, rows, evaluations = 0, [], [], []
@@ -604,9 +611,10 @@ def train(model: torch.nn.Module, source, section: dict[str, Any], out_dir: str 
           extra_metrics: dict[str, Any] | None = None) -> dict[str, Any]:
     """Train `model` (the full fp32 model, identical on every rank: our LlamaForCausalLM, or a
     transformers causal LM for data parallel and ZeRO only; with an adapter attached, only its
-    parameters train) for `section['max_steps']` steps on `source` (a `stages.training.batches`
-    sampler: `seq_len`, `micro_batches`) in the section's layout, and write `out_dir` (see
-    `finish`). A transformers model's config.json is its own, every field kept.
+    parameters train; our model may come on the meta device with a weight source, and each rank
+    then allocates and fills only its slice, `stages.training.materialize`) for
+    `section['max_steps']` steps on `source` (a `stages.training.batches` sampler: `seq_len`,
+    `micro_batches`) in the section's layout, and write `out_dir` (see `finish`). A transformers model's config.json is its own, every field kept.
 
     With `checkpoint_dir`, checkpoints go to `checkpoint_dir/<fingerprint>/` every `save_steps`
     steps, and the run resumes from the newest complete one there (any layout); the fingerprint

@@ -65,21 +65,23 @@ def _refuse_model_parallel(model_type: str, tp: int, pp: int, model_class: str =
 
 
 # -- loading ------------------------------------------------------------------------------------------
-def load_causal_lm(model_dir: str | Path):
+def load_causal_lm(model_dir: str | Path, lazy: bool = False):
     """The fp32 model of a local HF directory for the training engine: our LlamaForCausalLM when our
     config reader takes its config.json (the families we implement), else transformers'
     `AutoModelForCausalLM` (no hub, no remote code, safetensors only). Raises FileNotFoundError
     without config.json, `WeightsError` (a ValueError) for weights that fail the checks of
     `stages.checkpoint.weights`, and ValueError when our loader takes the config but the weights
-    do not match it."""
+    do not match it. With `lazy`, our model comes on the meta device, to be filled with each rank's
+    slice by the engine (`stages.training.materialize`); a transformers model is always whole."""
     from stages.checkpoint.hf import load_config, load_pretrained
+    from stages.training.materialize import lazy_pretrained
 
     try:
         load_config(model_dir)
     except ValueError as exc:  # a family (or a variant) our model does not implement
         declined = str(exc)
     else:
-        return load_pretrained(model_dir)
+        return lazy_pretrained(model_dir) if lazy else load_pretrained(model_dir)
     import torch
     import transformers
 

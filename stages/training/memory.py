@@ -271,6 +271,23 @@ def parameter_count(arch: dict[str, Any], vocab_size: int) -> int:
     return sum(n for n, _ in _rank_tensors(s, one, 0, _Adapter()))
 
 
+def host_build_bytes(arch: dict[str, Any], section: dict[str, Any], *, vocab_size: int) -> int:
+    """Host bytes (fp32) a rank needs to build its model before the engine takes it. Our model is
+    built on the meta device and only this rank's tensor/pipeline slice is filled, one whole tensor
+    at a time (`stages.training.materialize`): the largest pipeline rank's slice plus the largest
+    single tensor. A prefix that starts from the base's KV cache (`prefix_init: tokens`) needs the
+    whole base first. Adapter factors are left out (a few MB)."""
+    s = _shape(arch, vocab_size)
+    one = _Layout(world=1, tp=1, pp=1, vpp=1, zero=0, offload=False, micro=1, accum=1, seq=1,
+                  recompute=False, param_bytes=4, tp_output=False, packing=False)
+    whole = [n for n, _ in _rank_tensors(s, one, 0, _Adapter())]
+    if section.get("prefix_init") == "tokens":
+        return 4 * sum(whole)
+    lay = _layout(section)
+    own = max(sum(n for n, _ in _rank_tensors(s, lay, rank, _Adapter())) for rank in range(lay.pp))
+    return 4 * (own + max(whole))
+
+
 def zero_model_states(num_parameters: int, zero_stage: int, data_parallel: int, *, param_bytes: int = 2,
                       optimizer_bytes: int = MASTER_BYTES + ADAM_BYTES) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state per data-parallel rank for Psi =

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import pytest
-import yaml
 from workflow_helpers import ROOT, planned_jobs, snakemake
 
 from stages.config import ConfigError, check_config, load_yaml
@@ -85,3 +83,18 @@ def test_the_planner_refuses_a_70b_layout_that_cannot_fit_80gb_and_names_one_tha
     job = plan["jobs"]["pretrain"]
     print(json.dumps({k: job[k] for k in ("per_device_total_gb", "limit_gb", "fits")}))
     assert job["fits"] is True and job["per_device_total_gb"] < 72
+
+
+def test_the_planner_refuses_ranks_whose_host_memory_exceeds_the_node():
+    # each of the 8 ranks of a node builds its fp32 slice of 70B at tp 8 (34.5 GB) plus the largest
+    # tensor before moving it to its GPU: ~300 GB a node
+    exp = _preset_experiment("llama2-70b-pretrain.yaml", "llama2-70b")
+    plan = check_plan("llama2-70b", exp)
+    assert 9 < plan["jobs"]["pretrain"]["host_bytes_per_rank"] / 1e9 < 11  # tp 8 x pp 4: a 32nd, not 276 GB
+    exp["cluster"]["node_memory_gb"] = 200
+    with pytest.raises(ConfigError) as err:
+        check_plan("llama2-70b", exp)
+    message = str(err.value)
+    print(message)
+    assert message.startswith("experiments.llama2-70b.finetune.sft: the 8 ranks of a node need 296 GB of host memory")
+    assert "more than cluster.node_memory_gb=200" in message

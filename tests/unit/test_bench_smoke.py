@@ -1,4 +1,4 @@
-"""bench/train_throughput.py runs end to end on the smallest settings and writes its JSON.
+"""The bench scripts run end to end on the smallest settings and write their JSON.
 
 Checks the shape of the report only: timings on a shared CPU are noise, never asserted.
 """
@@ -100,3 +100,16 @@ def test_sft_packing_bench_report_has_its_keys(tmp_path):
         assert padded["rows_per_epoch"] == r["num_examples"] > packed["rows_per_epoch"]  # counts, not time
         assert packed["examples_per_row"] > 1 and packed["fill"] > padded["fill"]
         assert r["ratio"]["effective_tokens_per_s"] > 0 and isinstance(r["target"]["pass"], bool)
+
+
+def test_lazy_build_bench_report_has_its_keys(tmp_path):
+    out = tmp_path / "lazy.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "lazy_build.py"), "--flavour", "debug",
+                           "--layouts", "tp2", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "lazy/eager" in proc.stdout
+    result = json.loads(out.read_text())
+    assert {(r["layout"], r["mode"]) for r in result["rows"]} == {("tp2", "eager"), ("tp2", "lazy")}
+    for row in result["rows"]:
+        assert row["peak_above_start_bytes"] >= 0 and 0 < row["kept_bytes"] < row["whole_model_bytes"]
+    assert [s["layout"] for s in result["summary"]] == ["tp2"]

@@ -85,7 +85,7 @@ def measure(flavour: str, layout: str, mode: str) -> dict:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         mp.spawn(_rank, args=(2, port, out_dir, flavour, layout, mode), nprocs=2, join=True)
-        ranks = [torch.load(Path(out_dir) / f"{r}.pt") for r in range(2)]
+        ranks = [torch.load(Path(out_dir) / f"{r}.pt", weights_only=True) for r in range(2)]
     config = config_for_flavour(flavour, vocab_size=32000, tie_word_embeddings=False)
     whole = 4 * sum(p.numel() for p in build_model(config, device="meta").parameters())
     return {"flavour": flavour, "layout": layout, "mode": mode, "whole_model_bytes": whole,

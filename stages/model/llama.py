@@ -11,7 +11,7 @@ Shapes: B batch, T sequence, d hidden, H query heads, K kv heads, hd head dim, V
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -185,17 +185,27 @@ class LlamaForCausalLM(nn.Module):
         # Replaced by tensor parallelism with the vocab-parallel loss when logits stay split.
         self.loss_function = causal_lm_loss
 
-    @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Normal(0, initializer_range) for matrices, zeros for biases, ones for norms."""
-        std = self.config.initializer_range
+    def init_order(self) -> Iterator[tuple[nn.Parameter, str]]:
+        """(parameter, "normal" | "zeros" | "ones") in the order `init_weights` fills them: matrices
+        drawn from normal(0, initializer_range), biases zero, norms one. A tied lm_head comes twice
+        (embedding, then head: the second draw is the one that stays). `stages.training.materialize`
+        replays this order to give a rank only its slice of the same weights."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std, generator=generator)
+                yield module.weight, "normal"
                 if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
+                    yield module.bias, "zeros"
             elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
+                yield module.weight, "ones"
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Normal(0, initializer_range) for matrices, zeros for biases, ones for norms (`init_order`)."""
+        for param, kind in self.init_order():
+            if kind == "normal":
+                param.normal_(0.0, self.config.initializer_range, generator=generator)
+            else:
+                param.fill_(0.0 if kind == "zeros" else 1.0)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None):

@@ -31,6 +31,7 @@ from stages.parallel.tensor import (
     VocabParallelEmbedding,
     _TensorParallelModule,
     mark_tensor_parallel,
+    partition_dim,
     shard_tensor,
     vocab_parallel_causal_lm_loss,
 )
@@ -131,7 +132,7 @@ def _partition_dims(model: nn.Module) -> dict[str, int | None]:
     """State-dict key -> partition_dim (None for replicated tensors), tied names included."""
     dims: dict[str, int | None] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        dims[name] = getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False) else None
+        dims[name] = partition_dim(p)
     return dims
 
 

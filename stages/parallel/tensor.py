@@ -42,6 +42,11 @@ def shard_tensor(full: torch.Tensor, partition_dim: int, rank: int, world: int) 
     return full.chunk(world, dim=partition_dim)[rank].clone()
 
 
+def partition_dim(param: torch.Tensor) -> int | None:
+    """The dimension a tensor-parallel parameter is split along; None for a replicated one."""
+    return getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
+
+
 def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> nn.Parameter:
     """Tag a parameter as split along `partition_dim` across the tensor-parallel group."""
     param.tensor_model_parallel = True

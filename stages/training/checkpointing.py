@@ -64,7 +64,8 @@ from stages.checkpoint.store import (
     write_hf_index,
 )
 from stages.checkpoint.weights import open_safetensors
-from stages.parallel.tensor import shard_tensor
+from stages.parallel.mappings import collective_device
+from stages.parallel.tensor import partition_dim, shard_tensor
 from stages.parallel.topology import Topology
 from stages.training.families import write_config
 
@@ -185,10 +186,6 @@ def trained_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Para
     return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
 
 
-def _partition_dim(param: torch.nn.Parameter) -> int | None:
-    return getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
-
-
 @dataclass
 class RankPart:
     """What one rank writes for one checkpoint: tensors already copied to CPU memory."""
@@ -265,7 +262,7 @@ def snapshot(engine, access: OptimizerAccess, names: dict[str, str], topology: T
     keys = [None, *OPTIMIZER_KEYS] if optimizer else [None]
     turn = 0
     for local_name, param in trained_parameters(engine.module):
-        name, dim = names.get(local_name, local_name), _partition_dim(param)
+        name, dim = names.get(local_name, local_name), partition_dim(param)
         for key in keys:
             tensor = access.get(param, key)  # this tensor-parallel slice, whole over data parallel
             file, tkey = (model_file, name) if key is None else (optim_file, optimizer_key(name, key))
@@ -305,7 +302,7 @@ def restore_training_state(engine, access: OptimizerAccess, names: dict[str, str
     access.ensure_state(state["optimizer_step"])
     tp, tp_rank = topology.degrees.tensor_parallel_degree, topology.coordinates["tensor"]
     for local_name, param in trained_parameters(engine.module):
-        name, dim = names.get(local_name, local_name), _partition_dim(param)
+        name, dim = names.get(local_name, local_name), partition_dim(param)
         for key in (None, *OPTIMIZER_KEYS):
             full = reader.get(name if key is None else optimizer_key(name, key))
             access.set(param, key, shard_tensor(full, dim, tp_rank, tp) if dim is not None and tp > 1 else full)
@@ -427,8 +424,6 @@ class Checkpointer:
         """Finish the pending save if every rank's writer is done (one small all-reduce)."""
         if self._pending is None:
             return
-        from stages.parallel.mappings import collective_device
-
         done = torch.tensor(int(self._pending[2].done()), device=collective_device())
         dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if int(done):

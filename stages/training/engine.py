@@ -35,6 +35,7 @@ from stages.checkpoint.hf import copy_tokenizer
 from stages.checkpoint.meta import write_meta
 from stages.model import IGNORE_INDEX, LlamaForCausalLM
 from stages.parallel import ParallelDegrees, Topology, apply_tensor_parallel
+from stages.parallel.mappings import collective_device
 from stages.parallel.pipeline import PipelineRunner
 from stages.parallel.tensor import vocab_parallel_cross_entropy
 from stages.training.checkpointing import (
@@ -238,8 +239,6 @@ def train_step(engine, runner: PipelineRunner | None, batches: list[tuple[torch.
 def learned_tokens(batches: list[tuple[torch.Tensor, ...]], dp_group) -> int:
     """Learned (next-token) positions in the global batch: this rank's count summed over dp."""
     import torch.distributed as dist
-
-    from stages.parallel.mappings import collective_device
 
     count = torch.tensor(sum(int((b[1][:, 1:] != IGNORE_INDEX).sum()) for b in batches),
                          device=collective_device(dp_group))

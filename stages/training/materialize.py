@@ -34,8 +34,7 @@ import torch
 from torch import nn
 
 from stages.model import LlamaConfig, LlamaForCausalLM, build_model
-from stages.model.llama import RMSNorm
-from stages.parallel.tensor import shard_tensor
+from stages.parallel.tensor import partition_dim, shard_tensor
 
 
 def lazy_model(config: LlamaConfig, source: "WeightSource | None" = None, *,
@@ -69,32 +68,18 @@ class WeightSource:
         raise NotImplementedError
 
 
-def _canonical_names(model: nn.Module) -> dict[int, str]:
-    """id(parameter) -> the name `named_parameters` lists it under (a tied lm_head is the embedding)."""
-    return {id(p): name for name, p in model.named_parameters()}
-
-
 class SeededInit(WeightSource):
-    """`LlamaForCausalLM.init_weights(torch.Generator().manual_seed(seed))`, one tensor at a time.
-
-    The order of the draws is recorded from the full meta model before it is sliced: the modules
-    in `modules()` order, normal(0, initializer_range) for every Linear/Embedding weight, zeros for
-    biases, ones for RMSNorm weights. A tied lm_head draws again into the embedding's tensor, as
+    """`LlamaForCausalLM.init_weights(torch.Generator().manual_seed(seed))`, one tensor at a time:
+    the model's `init_order`, recorded by name from the full meta model before it is sliced, drawn
+    from the same generator. A tied lm_head draws again into the embedding's tensor, as
     `init_weights` does (the second draw is the one that stays)."""
 
     def __init__(self, model: LlamaForCausalLM, seed: int | None):
         if seed is None:
             raise ValueError("SeededInit needs a seed: the initialisation must repeat on every rank")
         self.seed, self.std = seed, model.config.initializer_range
-        names = _canonical_names(model)
-        self.order: list[tuple[str, torch.Size, str]] = []
-        for module in model.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                self.order.append((names[id(module.weight)], module.weight.shape, "normal"))
-                if getattr(module, "bias", None) is not None:
-                    self.order.append((names[id(module.bias)], module.bias.shape, "zeros"))
-            elif isinstance(module, RMSNorm):
-                self.order.append((names[id(module.weight)], module.weight.shape, "ones"))
+        names = {id(p): name for name, p in model.named_parameters()}  # a tied lm_head: the embedding's name
+        self.order = [(names[id(param)], param.shape, kind) for param, kind in model.init_order()]
 
     def tensors(self, names: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
         generator = torch.Generator(device="cpu").manual_seed(self.seed)
@@ -189,7 +174,7 @@ def materialize(module: nn.Module, source: WeightSource, names: dict[str, str] |
     with torch.no_grad():
         for name, full in source.tensors(set(targets)):
             param = targets[name]
-            dim = getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
+            dim = partition_dim(param)
             local = shard_tensor(full, dim, tp_rank, tp) if dim is not None and tp > 1 else full
             if local.shape != param.shape:
                 raise ValueError(f"{name}: the source's tensor {tuple(full.shape)} gives {tuple(local.shape)} on "

@@ -263,12 +263,15 @@ def _rank_tensors(s: _Shape, lay: _Layout, rank: int, ad: _Adapter) -> list[tupl
     return out
 
 
+# The whole model on one device (for counting its tensors).
+_ONE_DEVICE = _Layout(world=1, tp=1, pp=1, vpp=1, zero=0, offload=False, micro=1, accum=1, seq=1,
+                      recompute=False, param_bytes=4, tp_output=False, packing=False)
+
+
 def parameter_count(arch: dict[str, Any], vocab_size: int) -> int:
     """Parameters of the whole model (a tied lm_head counted once), as `LlamaForCausalLM` has them."""
     s = _shape(arch, vocab_size)
-    one = _Layout(world=1, tp=1, pp=1, vpp=1, zero=0, offload=False, micro=1, accum=1, seq=1,
-                  recompute=False, param_bytes=4, tp_output=False, packing=False)
-    return sum(n for n, _ in _rank_tensors(s, one, 0, _Adapter()))
+    return sum(n for n, _ in _rank_tensors(s, _ONE_DEVICE, 0, _Adapter()))
 
 
 def host_build_bytes(arch: dict[str, Any], section: dict[str, Any], *, vocab_size: int) -> int:
@@ -278,9 +281,7 @@ def host_build_bytes(arch: dict[str, Any], section: dict[str, Any], *, vocab_siz
     single tensor. A prefix that starts from the base's KV cache (`prefix_init: tokens`) needs the
     whole base first. Adapter factors are left out (a few MB)."""
     s = _shape(arch, vocab_size)
-    one = _Layout(world=1, tp=1, pp=1, vpp=1, zero=0, offload=False, micro=1, accum=1, seq=1,
-                  recompute=False, param_bytes=4, tp_output=False, packing=False)
-    whole = [n for n, _ in _rank_tensors(s, one, 0, _Adapter())]
+    whole = [n for n, _ in _rank_tensors(s, _ONE_DEVICE, 0, _Adapter())]
     if section.get("prefix_init") == "tokens":
         return 4 * sum(whole)
     lay = _layout(section)

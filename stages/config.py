@@ -214,7 +214,8 @@ def _check_parallel(name: str, exp: dict[str, Any], source: dict[str, Any] | Non
 
 def _check_finetune(key: str, method: str, sec: dict[str, Any], source: dict[str, Any] | None) -> None:
     """What a fine-tuning method cannot combine: the pipeline schedule trains full SFT only, and
-    neither packs rows nor evaluates; the best model needs evaluations of the metric compared."""
+    neither packs rows nor evaluates; a prefix projection is neither split by TP nor set from
+    tokens; the best model needs evaluations of the metric compared."""
     pp = sec["pipeline_parallel_degree"]
     if pp > 1 and method != "sft":
         raise ConfigError(f"{key}: pipeline_parallel_degree={pp}: {method} trains under data parallel, ZeRO and "
@@ -226,6 +227,17 @@ def _check_finetune(key: str, method: str, sec: dict[str, Any], source: dict[str
             raise ConfigError(f"{key}: {flag}={sec[flag]} with pipeline_parallel_degree={pp}: the pipeline "
                               f"schedule does not support {what}; set pipeline_parallel_degree: 1 or {flag}: "
                               f"{'false' if flag == 'packing' else 0}")
+    if method == "prefix" and sec["prefix_projection"]:
+        if sec["tensor_parallel_degree"] > 1:
+            raise ConfigError(f"{key}: prefix_projection=true with tensor_parallel_degree="
+                              f"{sec['tensor_parallel_degree']}: the projection MLP computes every layer's and "
+                              "KV head's prefix from one table, which tensor parallelism does not split; set "
+                              "prefix_projection: false (the prefix then splits by KV head) or train under data "
+                              "parallel and ZeRO")
+        if sec["prefix_init"] == "tokens":
+            raise ConfigError(f"{key}: prefix_init=tokens with prefix_projection=true: `tokens` sets the prefix "
+                              "itself, which a projection computes from its MLP; use prefix_init: random or "
+                              "prefix_projection: false")
     if sec["load_best_model_at_end"] and not sec["eval_steps"]:
         raise ConfigError(f"{key}: load_best_model_at_end=true needs eval_steps > 0 (the evaluations it "
                           "chooses from)")

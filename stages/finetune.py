@@ -153,6 +153,10 @@ def check_section(method: str, config: dict[str, Any]) -> None:
     if config["src_length"] >= config["max_length"]:
         raise InputError(f"finetune.{method}: src_length={config['src_length']} must be smaller than "
                          f"max_length={config['max_length']} (room is needed for the target)")
+    if method == "prefix" and config.get("prefix_projection") and config["tensor_parallel_degree"] > 1:
+        raise InputError(f"finetune.prefix: prefix_projection=true with tensor_parallel_degree="
+                         f"{config['tensor_parallel_degree']}: the projection is not split by tensor "
+                         "parallelism; set prefix_projection: false or tensor_parallel_degree: 1")
 
 
 # -- the stage -----------------------------------------------------------------------------------

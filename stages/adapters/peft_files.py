@@ -24,7 +24,7 @@ import torch
 from stages.adapters.lora import build_lora_config
 from stages.adapters.lora_linear import peft_name
 from stages.adapters.prefix import build_prefix_config
-from stages.adapters.prefix_kv import PEFT_KEY, prefix_names, to_peft
+from stages.adapters.prefix_kv import PEFT_KEY, prefix_names, projected_table, to_peft
 from stages.checkpoint.integrity import write_tensors
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -46,6 +46,8 @@ def peft_tensors(method: str, tensors: dict[str, torch.Tensor], num_layers: int 
     """Our model's adapter tensors (whole, by our parameter names) -> peft's saved keys."""
     if method == "lora":
         return {peft_name(name): t for name, t in tensors.items()}
+    if any(name.startswith("prefix_encoder.") for name in tensors):  # peft saves the projection's output
+        return {PEFT_KEY: projected_table(tensors)}
     pairs = [(tensors[k], tensors[v]) for k, v in prefix_names(num_layers)]
     return {PEFT_KEY: to_peft(pairs)}
 

@@ -23,12 +23,14 @@ import peft
 def build_prefix_config(section: dict) -> peft.PrefixTuningConfig:
     """A peft PrefixTuningConfig for a validated `finetune.prefix` section.
 
-    No reparameterisation MLP (`prefix_projection=False`): the trained vectors are the prefix
-    itself, so the adapter file is exactly num_layers * 2 * num_prefix_tokens * kv_width floats.
+    Without `prefix_projection` the trained vectors are the prefix itself, so the adapter file is
+    exactly num_layers * 2 * num_prefix_tokens * kv_width floats. With it, peft trains an embedding
+    and a two-layer MLP (`encoder_hidden_size` wide, None: peft's default, the KV width) and saves
+    the MLP's output, the same table, which it reads back in inference mode.
     """
     return peft.PrefixTuningConfig(
         task_type=peft.TaskType.CAUSAL_LM,
         num_virtual_tokens=section["num_prefix_tokens"],
-        prefix_projection=False,
+        prefix_projection=bool(section.get("prefix_projection", False)),
+        encoder_hidden_size=section.get("prefix_projection_hidden_size"),
     )
-

@@ -14,6 +14,13 @@ Initialisation (`prefix_init`): `random` is peft's, N(0, 1) like its `nn.Embeddi
 the KV cache the base model computes for P real tokens (Li & Liang's "initialise with real
 words"): the adapted model then starts as the base model reading those tokens before every input,
 and training moves on from a prefix of the scale and geometry real keys and values have.
+
+With `prefix_projection` (Li & Liang's reparameterisation, peft's PrefixEncoder) the model gets a
+`prefix_encoder` instead: an embedding (P, K*hd) and an MLP Linear -> tanh -> Linear whose output is
+peft's table, recomputed at every forward and handed to the layers. Only the table is saved, as
+peft saves it. On the default experiment (seeds 1-3, 200 steps) it reaches at a learning rate of
+1e-2 the dev loss a plain prefix reaches at 1e-1 (1.69 and 1.70; a plain prefix at 1e-2: 4.33),
+but over 3000 steps it stays there (1.65) where a plain prefix at 3e-2 goes on down (1.25).
 """
 
 from __future__ import annotations
@@ -39,12 +46,18 @@ def add_prefix(model: nn.Module, section: dict, init_ids: list[int] | None = Non
     layers = attention_layers(model)
     config = model.config
     P, K, hd = section["num_prefix_tokens"], config.num_key_value_heads, config.head_dim
+    weight = model.model.embed_tokens.weight
+    if section.get("prefix_projection"):
+        if init_ids is not None:
+            raise ValueError("prefix_init=tokens sets the prefix itself; a prefix_projection computes it")
+        encoder = PrefixProjection(P, K * hd, section.get("prefix_projection_hidden_size") or K * hd, len(layers))
+        model.prefix_encoder = encoder.to(dtype=weight.dtype, device="cpu" if weight.is_meta else weight.device)
+        return len(layers)
     if init_ids is not None:
         if len(init_ids) != P:
             raise ValueError(f"prefix_init=tokens needs num_prefix_tokens={P} token ids, got {len(init_ids)}")
         pairs = kv_cache_of(model, init_ids)
     else:
-        weight = model.model.embed_tokens.weight
         table = torch.randn(P, len(layers) * 2 * K * hd, dtype=weight.dtype)
         if not weight.is_meta:  # a lazy base (stages.training.materialize) is filled later; the prefix is real now
             table = table.to(weight.device)
@@ -53,6 +66,47 @@ def add_prefix(model: nn.Module, section: dict, init_ids: list[int] | None = Non
         attn.prefix_key = nn.Parameter(key.clone())
         attn.prefix_value = nn.Parameter(value.clone())
     return len(layers)
+
+
+class PrefixProjection(nn.Module):
+    """peft's PrefixEncoder with `prefix_projection`, built in its order (the same draws from the
+    same seed): `embedding` (P, kv_width), then `transform` = Linear(kv_width, hidden), tanh,
+    Linear(hidden, L * 2 * kv_width). Called, it computes peft's (P, L*2*K*hd) table; `place` gives
+    each attention layer its (K, P, hd) `prefix_key` / `prefix_value` from it."""
+
+    def __init__(self, num_tokens: int, kv_width: int, hidden: int, num_layers: int):
+        super().__init__()
+        self.embedding = nn.Embedding(num_tokens, kv_width)
+        self.transform = nn.Sequential(nn.Linear(kv_width, hidden), nn.Tanh(),
+                                       nn.Linear(hidden, num_layers * 2 * kv_width))
+
+    def forward(self) -> torch.Tensor:
+        """peft's prefix table (P, L*2*K*hd): what its adapter file holds. (Returned, not only
+        placed: ZeRO-3 gathers the MLP's weights for backward through hooks on a module's outputs.)"""
+        return self.transform(self.embedding.weight)
+
+    @staticmethod
+    def place(layers: list[nn.Module], table: torch.Tensor) -> None:
+        """Give the attention `layers` this step's prefix from `table` (plain tensors, in the graph)."""
+        first = layers[0]
+        for attn, (key, value) in zip(layers, from_peft(table, len(layers), first.num_kv_heads, first.head_dim)):
+            attn.prefix_key, attn.prefix_value = key, value
+
+    @classmethod
+    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> "PrefixProjection":
+        """The projection whose parameters are `tensors`, by names relative to it."""
+        (P, width), hidden, out = tensors["embedding.weight"].shape, tensors["transform.0.weight"].shape[0], \
+            tensors["transform.2.weight"].shape[0]
+        projection = cls(P, width, hidden, out // (2 * width))
+        projection.load_state_dict({k: v.float() for k, v in tensors.items()})
+        return projection
+
+
+@torch.no_grad()
+def projected_table(tensors: dict[str, torch.Tensor], prefix: str = "prefix_encoder.") -> torch.Tensor:
+    """peft's table from a trained projection's whole tensors (names starting with `prefix`)."""
+    own = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    return PrefixProjection.from_tensors(own)()
 
 
 @torch.no_grad()

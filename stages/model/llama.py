@@ -80,8 +80,9 @@ class Attention(nn.Module):
     config marks sliding, a window of `sliding_window` tokens.
 
     Prefix tuning (`stages.adapters.prefix_kv`) gives the layer `prefix_key` and `prefix_value`
-    parameters (K, P, hd): P keys/values every query sees before the real tokens, taken as they
-    are (already rotated, as a KV cache); the real tokens take positions P, P+1, ... (`run_layers`).
+    parameters (K, P, hd), or with a projection tensors the model's `prefix_encoder` sets at each
+    forward: P keys/values every query sees before the real tokens, taken as they are (already
+    rotated, as a KV cache); the real tokens take positions P, P+1, ... (`run_layers`).
     """
 
     def __init__(self, config: LlamaConfig, layer_idx: int):
@@ -209,6 +210,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None):
+        encoder = getattr(self, "prefix_encoder", None)
+        if encoder is not None:  # prefix tuning through a projection: this step's prefix from its MLP
+            encoder.place([layer.self_attn for layer in self.model.layers.values()], encoder())
         x = self.model.embed_tokens(input_ids)  # (B, T, d)
         x = run_layers(self.model.layers.values(), x, self.rotary_emb,
                        recompute=self.gradient_checkpointing and self.training, position_ids=position_ids)

@@ -146,12 +146,15 @@ class _Layout:
 @dataclass(frozen=True)
 class _Adapter:
     """What trains: "full", or an adapter on a frozen base ("lora": `rank` on the `targets`
-    projections; "prefix": `prefix` keys and values per layer)."""
+    projections; "prefix": `prefix` keys and values per layer, or with `projection` their MLP,
+    `projection_hidden` wide, 0: the KV width)."""
 
     trained: str = "full"
     rank: int = 0
     targets: frozenset[str] = frozenset()
     prefix: int = 0
+    projection: bool = False
+    projection_hidden: int = 0
 
     @property
     def full(self) -> bool:
@@ -174,7 +177,8 @@ def _adapter(trained: str, lora_rank: int | None, num_prefix_tokens: int | None,
     if trained == "prefix":
         if not num_prefix_tokens:
             raise ValueError("trained='prefix' needs num_prefix_tokens")
-        return _Adapter("prefix", prefix=num_prefix_tokens)
+        return _Adapter("prefix", prefix=num_prefix_tokens, projection=bool(section.get("prefix_projection")),
+                        projection_hidden=section.get("prefix_projection_hidden_size") or 0)
     return _Adapter()
 
 
@@ -234,9 +238,17 @@ def _layer_tensors(s: _Shape, tp: int, ad: _Adapter) -> list[tuple[int, bool]]:
         if name in ad.targets:  # lora_A (r, in), lora_B (out, r)
             out += [(ad.rank * fan_in // (1 if column else tp), True),
                     (fan_out // (tp if column else 1) * ad.rank, True)]
-    if ad.prefix:
+    if ad.prefix and not ad.projection:
         out += [(s.kv_heads // tp * ad.prefix * s.head_dim, True)] * 2  # prefix_key, prefix_value
     return out
+
+
+def _projection_tensors(s: _Shape, ad: _Adapter) -> list[tuple[int, bool]]:
+    """A prefix projection's tensors (`stages.adapters.prefix_kv.PrefixProjection`, whole): the
+    embedding (P, w), Linear(w, h) and Linear(h, L * 2 * w), w the KV width."""
+    w = s.kv_heads * s.head_dim
+    h = ad.projection_hidden or w
+    return [(ad.prefix * w, True), (w * h, True), (h, True), (h * s.layers * 2 * w, True), (s.layers * 2 * w, True)]
 
 
 def _chunk_layers(layers: int, chunks: int) -> list[int]:
@@ -256,6 +268,8 @@ def _rank_tensors(s: _Shape, lay: _Layout, rank: int, ad: _Adapter) -> list[tupl
     out = _layer_tensors(s, lay.tp, ad) * sum(_chunk_layers(s.layers, chunks)[c] for c in mine)
     if 0 in mine:
         out.append((s.vocab * s.hidden // lay.tp, ad.full))  # embed_tokens, split by vocabulary rows
+        if ad.projection:
+            out += _projection_tensors(s, ad)
     if chunks - 1 in mine:
         out.append((s.hidden, ad.full))  # final norm
         if not (s.tied and chunks == 1):  # a tied lm_head is the embedding's tensor

@@ -38,7 +38,9 @@ def _adapted(model_dir, method: str, **overrides):
 
 @pytest.mark.parametrize("method, overrides", [("lora", {"target_modules": "all-linear"}),
                                                ("lora", {"target_modules": ["q_proj", "down_proj"], "lora_rank": 3}),
-                                               ("prefix", {"num_prefix_tokens": 5})])
+                                               ("prefix", {"num_prefix_tokens": 5}),
+                                               ("prefix", {"num_prefix_tokens": 5, "prefix_projection": True,
+                                                           "prefix_projection_hidden_size": 24})])
 def test_our_adapter_is_peft_s_on_transformers(tmp_path, debug_model_dir, method, overrides):
     """Written by peft_files, read by PeftModel.from_pretrained on transformers' Llama: same logits."""
     model, section = _adapted(debug_model_dir, method, **overrides)
@@ -77,6 +79,37 @@ def test_our_prefix_draws_the_table_as_peft_does(debug_model_dir):
     table = peft_tensors("prefix", tensors, ours.config.num_hidden_layers)["prompt_embeddings"]
     assert table.shape == theirs.prompt_encoder.default.embedding.weight.shape
     assert table.std().item() == pytest.approx(1.0, abs=0.1)
+
+
+def test_our_projection_is_peft_s_prefix_encoder(debug_model_dir):
+    """prefix_projection: same seed, same embedding and MLP as peft's PrefixEncoder, and the same table."""
+    torch.manual_seed(3)
+    ours = load_pretrained(debug_model_dir)
+    attach_adapter(ours, "prefix", finetune_section("prefix", num_prefix_tokens=4, prefix_projection=True))
+    torch.manual_seed(3)
+    theirs = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(debug_model_dir),
+                                 peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4,
+                                                         prefix_projection=True))
+    encoder = theirs.prompt_encoder.default
+    mine = dict(trained_parameters(ours))
+    assert sorted(mine) == sorted(f"prefix_encoder.{k}" for k, _ in encoder.named_parameters())
+    for name, param in encoder.named_parameters():
+        assert torch.equal(mine[f"prefix_encoder.{name}"], param), name
+    tensors = {name: p.detach() for name, p in mine.items()}
+    with torch.no_grad():
+        expected = encoder(torch.arange(4)[None])[0]
+    assert torch.allclose(peft_tensors("prefix", tensors, ours.config.num_hidden_layers)["prompt_embeddings"],
+                          expected, atol=1e-6)
+
+
+def test_a_projection_trains_its_mlp_and_leaves_the_base(debug_model_dir):
+    model, _ = _adapted(debug_model_dir, "prefix", num_prefix_tokens=3, prefix_projection=True)
+    ids = torch.randint(3, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(2))
+    model(ids).pow(2).mean().backward()
+    trained = dict(trained_parameters(model))
+    assert trained and all(name.startswith("prefix_encoder.") for name in trained)
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trained.values())
+    assert all(p.grad is None for n, p in model.named_parameters() if n not in trained)
 
 
 def _tp_forward_backward(rank, world, model_dir, method, overrides):

@@ -40,6 +40,12 @@ def test_a_section_overrides_the_shared_training_default():
     ({"model": {"flavour": "huge"}}, r"experiments.x.model.flavour"),
     ({"finetune": {"sft": {"src_length": 128, "max_length": 128}}}, r"src_length=128 must be smaller than max_length=128"),
     ({"pretrain": {"warmup_steps": 50, "max_steps": 10}}, r"warmup_steps=50 exceeds max_steps=10"),
+    ({"model": {"flavour": "debug"}, "data": {"vocab_size": 512},
+      "finetune": {"prefix": {"prefix_projection": True, "world_size": 2, "tensor_parallel_degree": 2}}},
+     r"experiments\.x\.finetune\.prefix: prefix_projection=true with tensor_parallel_degree=2: .* set "
+     r"prefix_projection: false"),
+    ({"finetune": {"prefix": {"prefix_projection": True, "prefix_init": "tokens"}}},
+     r"experiments\.x\.finetune\.prefix: prefix_init=tokens with prefix_projection=true: .*use prefix_init: random"),
 ])
 def test_bad_values_name_the_key(bad, message):
     with pytest.raises(ConfigError, match=message):

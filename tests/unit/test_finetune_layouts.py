@@ -1,5 +1,5 @@
 """LoRA and prefix tuning in parallel layouts (LoRA tp2 and dp2 x ZeRO-2, prefix dp2 x ZeRO-1 and
-tp2) on the training engine (real torchrun, gloo) follow
+tp2, a prefix projection under dp2 x ZeRO-3) on the training engine (real torchrun, gloo) follow
 the one-process run of the same engine: same adapter init, same global batch of 8 examples per
 step, fp32, loss curve within 1e-5 relative; the tp2 LoRA adapter is peft's whole-tensor adapter
 (equal to the one-process adapter within 1e-5) and, merged, gives the unmerged model's logits."""
@@ -17,20 +17,25 @@ from stages import finetune, merge
 
 pytestmark = pytest.mark.multiproc
 
-RECIPE = {"lora": dict(learning_rate=1e-2, lora_rank=4, target_modules="all-linear"),
-          "prefix": dict(learning_rate=1e-1, num_prefix_tokens=4)}
-LAYOUTS = {
+RECIPE = {"lora": ("lora", dict(learning_rate=1e-2, lora_rank=4, target_modules="all-linear")),
+          "prefix": ("prefix", dict(learning_rate=1e-1, num_prefix_tokens=4)),
+          "prefix_projection": ("prefix", dict(learning_rate=1e-2, num_prefix_tokens=4, prefix_projection=True,
+                                               prefix_projection_hidden_size=16))}
+LAYOUTS = {  # name -> (recipe, layout)
     "lora_tp2": ("lora", dict(world_size=2, tensor_parallel_degree=2, per_device_train_batch_size=4,
                               gradient_accumulation_steps=2)),
     "lora_dp2_zero2": ("lora", dict(world_size=2, sharding="stage2", per_device_train_batch_size=4)),
     "prefix_dp2": ("prefix", dict(world_size=2, sharding="stage1", per_device_train_batch_size=4)),
     "prefix_tp2": ("prefix", dict(world_size=2, tensor_parallel_degree=2, per_device_train_batch_size=4,
                                   gradient_accumulation_steps=2)),
+    "prefix_projection_dp2_zero3": ("prefix_projection", dict(world_size=2, sharding="stage3",
+                                                              per_device_train_batch_size=4)),
 }
 
 
-def section(method: str, **layout) -> dict:
-    return finetune_section(method, max_steps=5, warmup_steps=1, **RECIPE[method], **layout)
+def section(recipe: str, **layout) -> dict:
+    method, settings = RECIPE[recipe]
+    return finetune_section(method, max_steps=5, warmup_steps=1, **settings, **layout)
 
 
 @pytest.fixture(scope="module")
@@ -40,31 +45,31 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, debug_model_dir, data_dir):
-    """method -> output dir of the one-process run (in this process, on the same engine)."""
+    """recipe -> output dir of the one-process run (in this process, on the same engine)."""
     root = tmp_path_factory.mktemp("reference")
-    for method in RECIPE:
-        finetune.run(method, debug_model_dir, data_dir, root / method,
-                     section(method, per_device_train_batch_size=4, gradient_accumulation_steps=2))
-    return {method: root / method for method in RECIPE}
+    for recipe, (method, _) in RECIPE.items():
+        finetune.run(method, debug_model_dir, data_dir, root / recipe,
+                     section(recipe, per_device_train_batch_size=4, gradient_accumulation_steps=2))
+    return {recipe: root / recipe for recipe in RECIPE}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, debug_model_dir, data_dir):
     """layout -> output dir of its torchrun run."""
     root = tmp_path_factory.mktemp("layouts")
-    for name, (method, layout) in LAYOUTS.items():
-        torchrun_finetune_sft(layout["world_size"], debug_model_dir, data_dir, root / name, section(method, **layout),
-                              method=method)
+    for name, (recipe, layout) in LAYOUTS.items():
+        torchrun_finetune_sft(layout["world_size"], debug_model_dir, data_dir, root / name, section(recipe, **layout),
+                              method=RECIPE[recipe][0])
     return {name: root / name for name in LAYOUTS}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_follows_the_one_process_curve(name, runs, references):
-    method = LAYOUTS[name][0]
-    curve, reference = train_losses(runs[name]), train_losses(references[method])
+    recipe = LAYOUTS[name][0]
+    curve, reference = train_losses(runs[name]), train_losses(references[recipe])
     assert len(curve) == len(reference) == 5 and reference[-1] < reference[0]
     assert curve == pytest.approx(reference, rel=1e-5)
-    ours, theirs = load_file(runs[name] / "adapter_model.safetensors"), load_file(references[method] / "adapter_model.safetensors")
+    ours, theirs = load_file(runs[name] / "adapter_model.safetensors"), load_file(references[recipe] / "adapter_model.safetensors")
     assert ours.keys() == theirs.keys()
     for key in ours:  # whole tensors under peft's names, whatever the layout
         assert ours[key].shape == theirs[key].shape

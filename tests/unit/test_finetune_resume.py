@@ -113,13 +113,14 @@ def test_a_changed_recipe_starts_afresh(lora_reference, debug_model_dir, data_di
     assert metrics["resumed_from_step"] is None and len(list(checkpoints.iterdir())) == 2
 
 
-def test_prefix_tuning_resumes(debug_model_dir, data_dir, tmp_path):
+@pytest.mark.parametrize("recipe", [dict(learning_rate=3e-1), dict(learning_rate=1e-2, prefix_projection=True)],
+                         ids=["prefix", "projection"])
+def test_prefix_tuning_resumes(debug_model_dir, data_dir, tmp_path, recipe):
     ref = run("prefix", debug_model_dir, data_dir, tmp_path / "ref", tmp_path / "ref_checkpoints",
-              max_steps=5, save_steps=2, learning_rate=3e-1)
+              max_steps=5, save_steps=2, **recipe)
     (run_dir,) = (tmp_path / "ref_checkpoints").iterdir()
     resumed = run("prefix", debug_model_dir, data_dir, tmp_path / "out", tmp_path / "checkpoints",
-                  max_steps=5, save_steps=2, learning_rate=3e-1,
-                  resume_from_checkpoint=str(run_dir / checkpoint_name(2)))
+                  max_steps=5, save_steps=2, **recipe, resume_from_checkpoint=str(run_dir / checkpoint_name(2)))
     assert resumed["resumed_from_step"] == 2 and ref["resumed_from_step"] is None
     assert_same_adapter(tmp_path / "out", tmp_path / "ref")
     assert losses(tmp_path / "out") == losses(tmp_path / "ref")

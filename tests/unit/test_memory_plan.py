@@ -106,6 +106,8 @@ def finetune_section(method: str, **overrides):
 @pytest.mark.parametrize("method, overrides", [
     ("lora", {}), ("lora", {"target_modules": ["q_proj", "v_proj"], "lora_rank": 4}),
     ("lora", {"target_modules": ["mlp.down_proj"]}), ("prefix", {"num_prefix_tokens": 8}),
+    ("prefix", {"num_prefix_tokens": 8, "prefix_projection": True}),
+    ("prefix", {"num_prefix_tokens": 8, "prefix_projection": True, "prefix_projection_hidden_size": 40}),
 ])
 def test_adapters_train_what_they_add_to_the_model(method, overrides):
     """Trained parameters (AdamW's 8 bytes each, fp32 without ZeRO) are those the adapter code adds."""

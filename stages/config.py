@@ -212,6 +212,22 @@ def _check_parallel(name: str, exp: dict[str, Any], source: dict[str, Any] | Non
         _check_finetune(f"experiments.{name}.finetune.{method}", method, sec, source)
 
 
+def prefix_projection_conflict(sec: dict[str, Any]) -> str | None:
+    """Why a `finetune.prefix` section's prefix_projection cannot run in it, or None: the one MLP
+    is not split by tensor parallelism, and `prefix_init: tokens` would set what it computes."""
+    if not sec.get("prefix_projection"):
+        return None
+    if sec["tensor_parallel_degree"] > 1:
+        return (f"prefix_projection=true with tensor_parallel_degree={sec['tensor_parallel_degree']}: the "
+                "projection MLP computes every layer's and KV head's prefix from one table, which tensor "
+                "parallelism does not split; set prefix_projection: false (the prefix then splits by KV head) "
+                "or train under data parallel and ZeRO")
+    if sec.get("prefix_init") == "tokens":
+        return ("prefix_init=tokens with prefix_projection=true: `tokens` sets the prefix itself, which a "
+                "projection computes from its MLP; use prefix_init: random or prefix_projection: false")
+    return None
+
+
 def _check_finetune(key: str, method: str, sec: dict[str, Any], source: dict[str, Any] | None) -> None:
     """What a fine-tuning method cannot combine: the pipeline schedule trains full SFT only, and
     neither packs rows nor evaluates; a prefix projection is neither split by TP nor set from
@@ -227,17 +243,9 @@ def _check_finetune(key: str, method: str, sec: dict[str, Any], source: dict[str
             raise ConfigError(f"{key}: {flag}={sec[flag]} with pipeline_parallel_degree={pp}: the pipeline "
                               f"schedule does not support {what}; set pipeline_parallel_degree: 1 or {flag}: "
                               f"{'false' if flag == 'packing' else 0}")
-    if method == "prefix" and sec["prefix_projection"]:
-        if sec["tensor_parallel_degree"] > 1:
-            raise ConfigError(f"{key}: prefix_projection=true with tensor_parallel_degree="
-                              f"{sec['tensor_parallel_degree']}: the projection MLP computes every layer's and "
-                              "KV head's prefix from one table, which tensor parallelism does not split; set "
-                              "prefix_projection: false (the prefix then splits by KV head) or train under data "
-                              "parallel and ZeRO")
-        if sec["prefix_init"] == "tokens":
-            raise ConfigError(f"{key}: prefix_init=tokens with prefix_projection=true: `tokens` sets the prefix "
-                              "itself, which a projection computes from its MLP; use prefix_init: random or "
-                              "prefix_projection: false")
+    conflict = prefix_projection_conflict(sec) if method == "prefix" else None
+    if conflict:
+        raise ConfigError(f"{key}: {conflict}")
     if sec["load_best_model_at_end"] and not sec["eval_steps"]:
         raise ConfigError(f"{key}: load_best_model_at_end=true needs eval_steps > 0 (the evaluations it "
                           "chooses from)")

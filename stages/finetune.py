@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from stages.adapters import ADAPTER_METHODS, attach_adapter, count_parameters
 from stages.adapters.peft_files import peft_config_for, peft_model_tensors, peft_tensors, write_adapter
 from stages.checkpoint.integrity import sha256_file
+from stages.config import prefix_projection_conflict
 from stages.data.corpus import read_index
 from stages.data.sft import IGNORE_INDEX, encode_example, read_sft_file
 from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
@@ -153,10 +154,9 @@ def check_section(method: str, config: dict[str, Any]) -> None:
     if config["src_length"] >= config["max_length"]:
         raise InputError(f"finetune.{method}: src_length={config['src_length']} must be smaller than "
                          f"max_length={config['max_length']} (room is needed for the target)")
-    if method == "prefix" and config.get("prefix_projection") and config["tensor_parallel_degree"] > 1:
-        raise InputError(f"finetune.prefix: prefix_projection=true with tensor_parallel_degree="
-                         f"{config['tensor_parallel_degree']}: the projection is not split by tensor "
-                         "parallelism; set prefix_projection: false or tensor_parallel_degree: 1")
+    conflict = prefix_projection_conflict(config) if method == "prefix" else None
+    if conflict:
+        raise InputError(f"finetune.prefix: {conflict}")
 
 
 # -- the stage -----------------------------------------------------------------------------------

@@ -228,6 +228,19 @@ def prefix_projection_conflict(sec: dict[str, Any]) -> str | None:
     return None
 
 
+def mixing_conflict(sec: dict[str, Any]) -> str | None:
+    """What is wrong with a fine-tuning section's data mixing (mix_ratio, mix_datasets,
+    mix_weights), or None."""
+    names, weights = sec["mix_datasets"], sec["mix_weights"]
+    if weights is not None and len(weights) != len(names):
+        return (f"mix_weights has {len(weights)} entries but mix_datasets has {len(names)} ({names}); "
+                "give one weight per dataset, or mix_weights: null for equal weights")
+    if "builtin:sft_targets" in names:
+        return ("mix_datasets lists builtin:sft_targets, the task's own answers, not general text; use corpus "
+                "(the pretraining split) or text files")
+    return None
+
+
 def _check_finetune(key: str, method: str, sec: dict[str, Any], source: dict[str, Any] | None) -> None:
     """What a fine-tuning method cannot combine: the pipeline schedule trains full SFT only, and
     neither packs rows nor evaluates; a prefix projection is neither split by TP nor set from
@@ -246,6 +259,9 @@ def _check_finetune(key: str, method: str, sec: dict[str, Any], source: dict[str
     conflict = prefix_projection_conflict(sec) if method == "prefix" else None
     if conflict:
         raise ConfigError(f"{key}: {conflict}")
+    mixing = mixing_conflict(sec)
+    if mixing:
+        raise ConfigError(f"{key}: {mixing}")
     if sec["load_best_model_at_end"] and not sec["eval_steps"]:
         raise ConfigError(f"{key}: load_best_model_at_end=true needs eval_steps > 0 (the evaluations it "
                           "chooses from)")

@@ -24,11 +24,13 @@ rerun resumes from the newest complete checkpoint there, in any layout.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -37,11 +39,13 @@ from stages.adapters.peft_files import peft_config_for, peft_model_tensors, peft
 from stages.checkpoint.integrity import sha256_file
 from stages.config import prefix_projection_conflict
 from stages.data.corpus import read_index
+from stages.data.mix_sources import load_mix_sources
 from stages.data.sft import IGNORE_INDEX, encode_example, read_sft_file
 from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
 from stages.errors import InputError, run_cli
 from stages.model import LlamaForCausalLM
 from stages.training.batches import PackedSftBatches, SftBatches
+from stages.training.mixed_batches import MixedSftBatches, reserve_for
 from stages.training.checkpointing import model_identity
 from stages.training.dev_eval import DevEvaluator
 from stages.training.peak_memory import log_memory_against_plan
@@ -60,7 +64,7 @@ REQUIRED_KEYS = (
     "max_grad_norm", "seed", "logging_steps", "bf16", "src_length", "max_length",
     "world_size", "sharding", "tensor_parallel_degree", "pipeline_parallel_degree", "packing",
     "eval_steps", "eval_with_do_generation", "load_best_model_at_end", "metric_for_best_model",
-    "per_device_eval_batch_size", "num_eval_examples",
+    "per_device_eval_batch_size", "num_eval_examples", "mix_ratio", "mix_datasets", "mix_weights",
 )
 METHOD_KEYS = {"sft": (), "lora": ("lora_rank", "lora_alpha", "lora_dropout", "target_modules"),
                "prefix": ("num_prefix_tokens",)}
@@ -195,14 +199,36 @@ def prefix_init_ids(config: dict[str, Any], examples: Sequence[Example]) -> list
     return ids
 
 
-def build_source(config: dict[str, Any], examples: Sequence[Example], pad: int):
-    """The engine's batch source: padded rows, or with `packing` several examples per row."""
+def build_source(config: dict[str, Any], examples: Sequence[Example], pad: int,
+                 mix_sources: Sequence[np.ndarray] = ()):
+    """The engine's batch source: padded rows, or with `packing` several examples per row; with
+    `mix_ratio` > 0, general text from `mix_sources` in the room after the examples
+    (`stages.training.mixed_batches`)."""
+    ratio = config["mix_ratio"]
+    reserve = reserve_for(examples, ratio, config["max_length"]) if ratio else None
     if config["packing"]:  # examples were cut to max_length; PackedSftBatches refuses longer ones
-        source = PackedSftBatches(list(examples), config["max_length"], pad, config["seed"])
+        source = PackedSftBatches(list(examples), config["max_length"], pad, config["seed"], reserve)
         log.info("packing: %d examples in %d rows of %d tokens (%.0f%% real tokens)", len(examples),
                  len(source.rows), source.seq_len, 100 * source.fill)
+    else:
+        source = SftBatches(list(examples), config["max_length"], pad, config["seed"], reserve)
+    if not ratio:
         return source
-    return SftBatches(list(examples), config["max_length"], pad, config["seed"])
+    weights = config["mix_weights"] or [1.0] * len(mix_sources)
+    return MixedSftBatches(source, mix_sources, weights, ratio, config["seed"])
+
+
+def mixing_metrics(config: dict[str, Any], source, global_batch: int) -> dict[str, Any]:
+    """meta.json's record of the mixing: the share of learned tokens that was general text over
+    the run's global batches, as trained (the setting is in the section)."""
+    if not isinstance(source, MixedSftBatches):
+        return {}
+    share = source.token_share(config["max_steps"], global_batch)
+    if abs(share - config["mix_ratio"]) > 0.02:
+        log.warning("mix_ratio=%.3f but general text was %.3f of the learned tokens: the rows (max_length=%d) "
+                    "have too little room after the examples; raise max_length", config["mix_ratio"], share,
+                    config["max_length"])
+    return {"mix_token_share": share, "mix_rows_length": source.seq_len}
 
 
 def dev_evaluator(config: dict[str, Any], dev: Sequence[Example] | None, dev_records, tokenizer, pad: int,
@@ -264,6 +290,9 @@ def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str |
     else:
         log.warning("%s is missing; no evaluation, meta.json gets dev_loss=null", dev_path)
 
+    mix = load_mix_sources(config["mix_datasets"], data_dir, tokenizer, f"finetune.{method}.mix_datasets") \
+        if config["mix_ratio"] else []
+
     # Each rank reads only its slice of the base, unless the prefix starts from the base's own KV
     # cache of real tokens (prefix_init: tokens), which needs the whole model before slicing.
     model = load_causal_lm(model_dir, lazy=config.get("prefix_init") != "tokens")
@@ -277,15 +306,20 @@ def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str |
     if dist.get_rank() == 0:
         log.info("finetune-%s: %d examples, %d of %d parameters trainable, layout %s", method, len(examples),
                  trainable, total, degrees)
-    identity = {"base": model_identity(model_dir), "train": sha256_file(train_path), "method": method}
+    identity = {"base": model_identity(model_dir), "train": sha256_file(train_path), "method": method,
+                **({"mix": [hashlib.sha256(np.ascontiguousarray(t).tobytes()).hexdigest() for t in mix]} if mix else {})}
     evaluator = dev_evaluator(config, dev, dev_records, tokenizer, pad, chat)
     writer = adapter_writer(method, config, model, model_dir) if method != "sft" else None
-    metrics = engine_train(model, build_source(config, examples, pad), config, out_dir, stage=f"finetune-{method}",
+    source = build_source(config, examples, pad, mix)
+    global_batch = (config["per_device_train_batch_size"] * config["gradient_accumulation_steps"]
+                    * degrees.data_parallel_degree * degrees.sharding_parallel_degree)
+    metrics = engine_train(model, source, config, out_dir, stage=f"finetune-{method}",
                            tokenizer_dir=model_dir, parent=model_dir, meta_config=config,
                            checkpoint_dir=checkpoint_dir, identity=identity, evaluator=evaluator,
                            adapter_writer=writer,
                            extra_metrics={"trainable_params": trainable, "total_params": total,
-                                          "train_examples": len(examples)})
+                                          "train_examples": len(examples),
+                                          **mixing_metrics(config, source, global_batch)})
     if dist.get_rank() == 0:
         log.info("finetune-%s: loss %.4f -> %.4f, dev loss %s", method, metrics["first_loss"], metrics["final_loss"],
                  metrics["dev_loss"])

@@ -173,3 +173,24 @@ def check_data_section(data: Mapping[str, Any], experiment: str, base_dir: str |
         if sft_dir is not None:
             for split in SFT_SPLITS:
                 read_sft_dir(sft_dir, split, f"{prefix}.sft")
+
+
+def _mix_entries(section: Mapping[str, Any]) -> list[str]:
+    """The mix_datasets entries read from files (not `corpus`, prepare's own split), when mixing is on."""
+    if not section.get("mix_ratio"):
+        return []
+    return [name for name in section.get("mix_datasets", []) if name != "corpus"]
+
+
+def check_mix_datasets(finetune: Mapping[str, Any], experiment: str, base_dir: str | os.PathLike | None) -> None:
+    """Every fine-tuning method's mix_datasets entries resolve to readable corpus files (the rules
+    of data.corpus), or DataConfigError naming `experiments.<name>.finetune.<method>.mix_datasets`."""
+    for method, section in finetune.items():
+        key = f"experiments.{experiment}.finetune.{method}.mix_datasets"
+        for i, name in enumerate(_mix_entries(section)):
+            resolve_corpus_source(name, base_dir, f"{key}[{i}]")
+
+
+def mix_files(section: Mapping[str, Any], base_dir: str | os.PathLike | None) -> list[str]:
+    """The files a fine-tuning section mixes in (its rule's inputs)."""
+    return [str(p) for name in _mix_entries(section) for p in resolve_corpus_source(name, base_dir, "mix_datasets")]

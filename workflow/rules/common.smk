@@ -10,7 +10,7 @@ from snakemake.utils import validate
 from stages.cluster.resources import single_process_resources
 from stages.config import ConfigError, check_config, finetune_source, load_schema, pretrain_enabled
 from stages.config import experiment as named_experiment
-from stages.data.validate import check_data_section
+from stages.data.validate import check_data_section, check_mix_datasets, mix_files
 from stages.plan import check_plan
 from stages.quant.variants import BUILTIN_VARIANTS, CALIBRATED_METHODS, spec_method
 
@@ -21,6 +21,7 @@ validate(config, "../schemas/config.schema.yaml")
 
 for _name, _experiment in config["experiments"].items():
     check_data_section(_experiment["data"], _name, Path.cwd())  # paths are relative to the workdir
+    check_mix_datasets(_experiment["finetune"], _name, Path.cwd())
 
 # The memory plan of every experiment (stages/plan.py): a training layout that cannot fit the declared
 # device (or node) memory is refused here, before any job is submitted, with the nearest layout that
@@ -92,6 +93,11 @@ def value(*keys):
 
 def finetune_section(wildcards):
     return json.dumps(experiment(wildcards)["finetune"][wildcards.method], sort_keys=True)
+
+
+def finetune_mix_files(wildcards):
+    """The text files the method mixes into fine-tuning (mix_datasets; editing one reruns it)."""
+    return mix_files(experiment(wildcards)["finetune"][wildcards.method], Path.cwd())
 
 
 def corpus_files(wildcards):

@@ -7,6 +7,7 @@ rule finetune:
         model=finetune_base,
         data="results/{experiment}/data",
         plan="results/{experiment}/plan/finetune_{method}.json",
+        mix=finetune_mix_files,
     output:
         directory("results/{experiment}/{method}"),
     log:

@@ -16,8 +16,8 @@ Inputs, all under the experiment dir (results/<experiment>/):
 Outputs (each written atomically):
   report.csv        the metrics table: one row per variant, scalar metrics as columns
   report.md         markdown: metrics table, stage timings, quantization deltas
-  quant_eval.json   the quantization comparison, one object (schema_version 2):
-    schema_version  2
+  quant_eval.json   the quantization comparison, one object (schema_version 3):
+    schema_version  3
     experiment      name of the experiment dir
     source          the variant the quantized ones are made of and compared with (quantize.source)
     provenance      commit (git HEAD of the working dir, null outside a repository), dirty (tracked
@@ -27,6 +27,11 @@ Outputs (each written atomically):
                     evaluations used)
     baseline        the source's entry
     variants        {name: entry + "delta" and "relative"} for each quantized variant
+    summary         what fine-tuning did (null without --start): start (the variant fine-tuning
+                    started from), start_ppl (its corpus perplexity), and per fine-tuned variant
+                    (sft, lora, prefix, lora-merged, those evaluated) {ppl, ppl_ratio (ppl / start_ppl:
+                    1 means nothing of the language was forgotten), dev_ppl, exact_match,
+                    exact_match_ratio (against sft's, null without sft)}
   An entry holds, from eval/<variant>.json (stages/evaluate.py documents each):
     kind, model_dir
     quality         ppl, dev_ppl, exact_match, bleu4, rouge_l
@@ -69,7 +74,8 @@ log = logging.getLogger(__name__)
 # Metrics whose change against a reference is worth a column in report.md, in display order.
 _DELTA_COLUMNS = ("ppl", "dev_ppl", "exact_match", "bleu4", "rouge_l", "size_bytes", "model_bytes",
                   "prefill_tokens_per_s_b8", "decode_tokens_per_s_b1")
-QUANT_EVAL_VERSION = 2
+QUANT_EVAL_VERSION = 3
+FINETUNED = ("sft", "lora", "prefix", "lora-merged")  # the fine-tuned variants, in report order
 QUALITY = ("ppl", "dev_ppl", "exact_match", "bleu4", "rouge_l")
 SIZE = ("size_bytes", "model_bytes", "rss_bytes")
 SPEED_FIXED = ("decode_tokens_per_s_b1", "gen_tokens_per_s", "speed_tokens", "torch_threads")
@@ -205,6 +211,36 @@ def quant_eval(evals: dict[str, dict[str, Any]], experiment: str, source: str, v
     return out
 
 
+def finetune_summary(evals: dict[str, dict[str, Any]], start: str | None) -> dict[str, Any] | None:
+    """quant_eval.json's `summary`: each fine-tuned variant's corpus perplexity against the model
+    it started from (forgetting) beside its task score (see the module docstring)."""
+    if start is None or start not in evals:
+        return None
+    start_ppl = evals[start].get("ppl")
+    sft_em = evals.get("sft", {}).get("exact_match")
+    variants = {}
+    for name in (v for v in FINETUNED if v in evals):
+        m = evals[name]
+        ppl, em = m.get("ppl"), m.get("exact_match")
+        variants[name] = {
+            "ppl": ppl, "ppl_ratio": ppl / start_ppl if _is_number(ppl) and _is_number(start_ppl) and start_ppl else None,
+            "dev_ppl": m.get("dev_ppl"), "exact_match": em,
+            "exact_match_ratio": em / sft_em if _is_number(em) and _is_number(sft_em) and sft_em else None}
+    return {"start": start, "start_ppl": start_ppl, "variants": variants}
+
+
+def _summary_markdown(summary: dict[str, Any]) -> list[str]:
+    rows = {name: {"exact match": v["exact_match"], "of SFT's": v["exact_match_ratio"], "dev ppl": v["dev_ppl"],
+                   "corpus ppl": v["ppl"], f"× {summary['start']}'s": v["ppl_ratio"]}
+            for name, v in summary["variants"].items()}
+    table = pd.DataFrame.from_dict(rows, orient="index")
+    table.index.name = "variant"
+    return ["## Fine-tuning: the task learned, the language kept", "",
+            f"Exact match on the dev task, and corpus perplexity against `{summary['start']}`'s "
+            f"({_cell(summary['start_ppl'])}): a ratio near 1 means the model is still the language model it "
+            "started as.", "", markdown_table(table), ""]
+
+
 # -- markdown ------------------------------------------------------------------------------------
 def _cell(v: Any) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
@@ -240,7 +276,10 @@ def start_deltas(table: pd.DataFrame, start: str) -> pd.DataFrame:
 
 def _markdown_report(experiment: str, table: pd.DataFrame, timings: pd.DataFrame, quant: dict[str, Any],
                      start: str | None = None) -> str:
-    parts = [f"# Report: {experiment}", "", "## Metrics per variant", "",
+    parts = [f"# Report: {experiment}", ""]
+    if quant.get("summary") and quant["summary"]["variants"]:
+        parts += _summary_markdown(quant["summary"])
+    parts += ["## Metrics per variant", "",
              markdown_table(table.drop(columns=[c for c in ("model_dir",) if c in table.columns])), ""]
     if start is not None and start in table.index:
         parts += [f"## Change against the starting model `{start}`", "",
@@ -274,6 +313,7 @@ def run(experiment_dir: str | Path, source_variant: str, out_csv: str | Path, ou
     table = metrics_table(evals, first=[*([start_variant] if start_variant else []), source_variant, *variants])
     timings = read_benchmarks(experiment_dir)
     quant = quant_eval(evals, experiment_dir.name, source_variant, variants, quantize_config)
+    quant["summary"] = finetune_summary(evals, start_variant)
 
     with atomic_file(out_csv) as f:
         table.to_csv(f)

@@ -70,7 +70,7 @@ def test_quant_eval_deltas(experiment):
     assert w4["relative"]["decode_tokens_per_s_b1"] == pytest.approx(1.0)
     assert w4["kernels"] == {"int8pack": 14} and quant["baseline"]["kernels"] == {}
     assert w4["quantization"] == {"method": "rtn", "bits": 8, "group_size": -1, "quantize_seconds": 0.5}
-    assert quant["baseline"]["quantization"] is None and quant["schema_version"] == 2
+    assert quant["baseline"]["quantization"] is None and quant["schema_version"] == 3
     prov = quant["provenance"]
     assert prov["versions"]["torch"] == torch.__version__.split("+")[0] or prov["versions"]["torch"] == torch.__version__
     assert prov["machine"]["cores"] >= 1 and prov["evaluate"] == {"max_new_tokens": 32}
@@ -125,3 +125,27 @@ def test_cli_without_benchmarks(experiment, tmp_path):
                  "--csv", str(out / "r.csv"), "--md", str(out / "r.md"), "--quant-eval", str(out / "q.json")])
     assert "No benchmark files found." in (out / "r.md").read_text()
     assert list(json.loads((out / "q.json").read_text())["variants"]) == ["wint8"]
+
+
+def test_summary_sets_forgetting_beside_the_task(experiment):
+    write_json(experiment / "eval" / "pretrain.json", _eval("pretrain", 6.0, 0.0, 4000))
+    write_json(experiment / "eval" / "lora.json", _eval("lora", 12.0, 0.4, 100))
+    write_json(experiment / "eval" / "sft.json", _eval("sft", 9.0, 0.5, 4000))
+    out = experiment / "out"
+    quant = report.run(experiment, "lora-merged", out / "report.csv", out / "report.md", out / "quant_eval.json",
+                       ["wint8"], start_variant="pretrain")
+    summary = json.loads((out / "quant_eval.json").read_text())["summary"]
+    assert summary == json.loads(json.dumps(quant["summary"]))
+    assert summary["start"] == "pretrain" and summary["start_ppl"] == 6.0
+    assert list(summary["variants"]) == ["sft", "lora", "lora-merged"]  # fine-tuned only, in chain order
+    assert summary["variants"]["sft"]["ppl_ratio"] == pytest.approx(1.5)
+    assert summary["variants"]["lora-merged"]["ppl_ratio"] == pytest.approx(10 / 6)
+    assert summary["variants"]["lora"]["exact_match_ratio"] == pytest.approx(0.8)
+    md = (out / "report.md").read_text()
+    assert md.index("## Fine-tuning: the task learned, the language kept") < md.index("## Metrics per variant")
+    assert "| lora | 0.4 | 0.8 | 6 | 12 | 2 |" in md
+
+
+def test_no_summary_without_a_start(experiment):
+    quant, out = _run(experiment)
+    assert quant["summary"] is None and "## Fine-tuning" not in (out / "report.md").read_text()

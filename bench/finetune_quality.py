@@ -1,31 +1,38 @@
-"""Fine-tuning quality over seeds: dev exact match of full SFT, LoRA and prefix tuning on the default task.
+"""Fine-tuning quality over seeds: dev exact match of full SFT, LoRA and prefix tuning on the default
+task, and what each forgot of the language (corpus perplexity against the starting model's).
 
-For each seed (`--seeds`, default 1 2 3) the default experiment `llama` of config/config.yaml is
-copied as experiment `q<prefix>s<seed>` with every seed of the chain set to that seed (data.seed:
-the generated task and the split; pretrain.seed; finetune.{sft,lora,prefix}.seed; predict.seed and
-quantize.calibration.seed for completeness), after applying the recipe overrides of `--overrides`
-(a YAML/JSON file: `{sft: {...}, lora: {...}, prefix: {...}}`, or `{finetune: {...}, <other
-experiment sections>: {...}}`). The experiments are written to a config file under bench/out/ and
-built by one Snakemake run (the whole chain up to the evaluations of sft, lora and prefix; not
-quantization):
+For each seed (`--seeds`, default 1 2 3 7 42) experiment `--base` (default `llama`) of `--config`
+(default config/config.yaml) is copied as experiment `q<prefix>s<seed>` with every seed of the chain
+set to that seed (data.seed: the generated task and the split; pretrain.seed;
+finetune.{sft,lora,prefix}.seed; predict.seed and quantize.calibration.seed for completeness), after
+applying the recipe overrides of `--overrides` (a YAML/JSON file: `{sft: {...}, lora: {...},
+prefix: {...}}`, or `{finetune: {...}, <other experiment sections>: {...}}`). The experiments are
+written to a config file under bench/out/ and built by one Snakemake run (the whole chain up to the
+evaluations of the starting model, sft, lora, prefix and lora-merged; not quantization):
 
-    snakemake --cores 2 results/q<p>s<seed>/eval/{sft,lora,prefix}.json ... \
+    snakemake --cores 2 results/q<p>s<seed>/eval/{pretrain,sft,lora,prefix,lora-merged}.json ... \
         --configfile config/config.yaml bench/out/finetune_quality_q<p>.yaml
 
-Then, per method and seed, it reads exact_match, bleu4, rouge_l and dev_ppl from
-results/<exp>/eval/<method>.json, the wall time of each fine-tuning rule from Snakemake's benchmark
-results/<exp>/benchmarks/finetune_<method>.tsv (and the training loop's own time, the last
-`elapsed_s` of train_log.csv), prints a table (mean, min, max and spread of each method; LoRA/SFT
-and prefix/SFT ratios of the mean exact match and per seed), PASS/FAIL against the targets (LoRA >=
-90% of SFT's mean exact match, prefix >= 70%), and writes JSON (default bench/out/finetune_quality.json).
+The starting model is `pretrain`, or `base` for an experiment that fine-tunes a checkpoint
+(config/smollm2.yaml). Then, per method and seed, it reads exact_match, bleu4, rouge_l, dev_ppl and
+the corpus perplexity `ppl` from results/<exp>/eval/<variant>.json, the wall time of each fine-tuning
+rule from Snakemake's benchmark results/<exp>/benchmarks/finetune_<method>.tsv (and the training
+loop's own time, the last `elapsed_s` of train_log.csv), and each variant's corpus perplexity over the
+starting model's (`ppl x`), prints a table (mean, min, max and spread of each method; LoRA/SFT and
+prefix/SFT ratios of the mean exact match and per seed), PASS/FAIL against the targets, on every seed
+separately (SFT >= 0.85; LoRA >= 90% of the same seed's SFT; prefix >= 70%; corpus perplexity of
+`--ppl-variants`, default sft and lora-merged, <= `--ppl-limit`, default 1.5, times the starting
+model's), and writes JSON (default bench/out/finetune_quality.json).
 
 Snakemake reruns only what changed: a second call with other fine-tuning overrides and the same
 `--prefix` reuses each seed's prepared data and pretrained model and reruns fine-tuning and
 evaluation. A benchmark TSV older than the run (a rule Snakemake did not rerun) is reported with
 `fresh: false`.
 
-    .venv/bin/python bench/finetune_quality.py                       # seeds 1 2 3, config.yaml's recipes
+    .venv/bin/python bench/finetune_quality.py                       # seeds 1 2 3 7 42, config.yaml's recipes
     .venv/bin/python bench/finetune_quality.py --seeds 1 --overrides my_recipes.yaml
+    .venv/bin/python bench/finetune_quality.py --config config/smollm2.yaml --base smollm2 --seeds 42 \
+        --prefix sm --ppl-limit 1.2 --ppl-variants sft lora prefix lora-merged --out bench/out/fq_smollm2.json
     .venv/bin/python bench/finetune_quality.py --no-run              # only report existing results
     .venv/bin/python bench/finetune_quality.py --help
 """
@@ -51,13 +58,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a file from anywhere: `stages` is the repo's package
 
 from stages.checkpoint.atomic import write_json  # noqa: E402
+from stages.config import check_config, finetune_source  # noqa: E402
+from stages.config import experiment as named_experiment  # noqa: E402
 
 DEFAULT_OUT = ROOT / "bench" / "out" / "finetune_quality.json"
 METHODS = ("sft", "lora", "prefix")
-METRICS = ("exact_match", "bleu4", "rouge_l", "dev_ppl")
-# Targets of the issue, printed as pass/fail (never asserted): mean exact match over the seeds
-# relative to full SFT's.
+VARIANTS = (*METHODS, "lora-merged")  # the fine-tuned variants whose eval files are read
+METRICS = ("exact_match", "bleu4", "rouge_l", "dev_ppl", "ppl")
+# Targets, printed as pass/fail (never asserted): exact match relative to full SFT's, of the mean
+# over the seeds and of every seed; SFT's own floor; forgetting (corpus ppl over pretrain's).
 TARGETS = {"lora": 0.9, "prefix": 0.7}
+SFT_FLOOR = 0.85
+PPL_RATIO_LIMIT = 1.5
+PPL_RATIO_VARIANTS = ("sft", "lora-merged")
 
 
 # -- config ----------------------------------------------------------------------------------------
@@ -98,6 +111,13 @@ def seeded_experiment(base: dict[str, Any], overrides: dict[str, Any], seed: int
     return exp
 
 
+def start_variant(exp: dict[str, Any]) -> str:
+    """The variant fine-tuning starts from, the forgetting reference: `pretrain`, or `base` for an
+    experiment that fine-tunes a checkpoint without pretraining it."""
+    checked = check_config({"experiments": {"x": copy.deepcopy(exp)}})
+    return finetune_source(named_experiment(checked, "x"))
+
+
 def experiment_name(prefix: str, seed: int) -> str:
     return f"q{prefix}s{seed}"
 
@@ -119,7 +139,8 @@ def write_experiments(args: argparse.Namespace) -> tuple[Path, dict[str, dict[st
 
 
 def snakemake_command(args: argparse.Namespace, generated: Path) -> list[str]:
-    targets = [f"results/{experiment_name(args.prefix, s)}/eval/{m}.json" for s in args.seeds for m in METHODS]
+    targets = [f"results/{experiment_name(args.prefix, s)}/eval/{m}.json" for s in args.seeds
+               for m in (args.start, *VARIANTS)]
     snakemake = Path(sys.executable).with_name("snakemake")
     cmd = [str(snakemake) if snakemake.exists() else "snakemake", "--cores", str(args.cores),
            "--rerun-incomplete", *args.snakemake_arg, *targets,
@@ -173,22 +194,26 @@ def read_train_log(path: Path) -> dict[str, Any] | None:
 
 def collect(args: argparse.Namespace, since: float | None) -> dict[str, Any]:
     """Per method, per seed: the eval metrics, the fine-tuning rule's benchmark and train log."""
-    per_method: dict[str, dict[str, Any]] = {m: {} for m in METHODS}
+    per_method: dict[str, dict[str, Any]] = {m: {} for m in ("start", *VARIANTS)}
     shared: dict[str, Any] = {}
     for seed in args.seeds:
         exp = experiment_name(args.prefix, seed)
         res = ROOT / "results" / exp
         shared[str(seed)] = {rule: read_benchmark(res / "benchmarks" / f"{rule}.tsv", since)
                              for rule in ("prepare", "pretrain")}
-        for method in METHODS:
+        start_eval = res / "eval" / f"{args.start}.json"
+        start_ppl = json.loads(start_eval.read_text()).get("ppl") if start_eval.exists() else None
+        for method in ("start", *VARIANTS):
             rec: dict[str, Any] = {"experiment": exp}
-            eval_path = res / "eval" / f"{method}.json"
+            eval_path = res / "eval" / f"{args.start if method == 'start' else method}.json"
             if eval_path.exists():
                 ev = json.loads(eval_path.read_text())
                 rec.update({k: ev.get(k) for k in METRICS})
                 rec["num_dev_examples"] = ev.get("num_dev_examples")
+                rec["ppl_ratio"] = ev["ppl"] / start_ppl if start_ppl and ev.get("ppl") is not None else None
             else:
                 rec.update({k: None for k in METRICS})
+                rec["ppl_ratio"] = None
             rec["finetune"] = read_benchmark(res / "benchmarks" / f"finetune_{method}.tsv", since)
             rec["evaluate"] = read_benchmark(res / "benchmarks" / f"evaluate_{method}.tsv", since)
             rec["train_log"] = read_train_log(res / method / "train_log.csv")
@@ -211,7 +236,8 @@ def _stats(values: list[float]) -> dict[str, float | None]:
             "stdev": statistics.stdev(values) if len(values) > 1 else 0.0, "n": len(values)}
 
 
-def summarise(collected: dict[str, Any], seeds: list[int]) -> dict[str, Any]:
+def summarise(collected: dict[str, Any], seeds: list[int], ppl_limit: float = PPL_RATIO_LIMIT,
+              ppl_variants: tuple[str, ...] = PPL_RATIO_VARIANTS) -> dict[str, Any]:
     per_method = collected["per_method"]
     summary: dict[str, Any] = {}
     for method in METHODS:
@@ -234,13 +260,27 @@ def summarise(collected: dict[str, Any], seeds: list[int]) -> dict[str, Any]:
             per_seed[str(s)] = a / b if a is not None and b else None
         complete = summary[method]["exact_match"]["n"] == len(seeds) == summary["sft"]["exact_match"]["n"]
         ratios[method] = {"ratio_of_means": ratio, "per_seed": per_seed, "target": target,
-                          "pass": bool(complete and ratio is not None and ratio >= target)}
+                          "pass": bool(complete and ratio is not None and ratio >= target),
+                          "pass_every_seed": bool(complete and all(v is not None and v >= target
+                                                                  for v in per_seed.values()))}
+    sft_em = {str(s): per_method["sft"][str(s)].get("exact_match") for s in seeds}
+    forgetting = {}
+    for variant in ppl_variants:
+        per_seed = {str(s): per_method[variant][str(s)].get("ppl_ratio") for s in seeds}
+        forgetting[variant] = {"per_seed": per_seed, "limit": ppl_limit,
+                               "pass_every_seed": all(v is not None and v <= ppl_limit for v in per_seed.values())}
+    ppl_ratio = {m: _stats([per_method[m][str(s)]["ppl_ratio"] for s in seeds
+                            if per_method[m][str(s)].get("ppl_ratio") is not None])
+                 for m in VARIANTS}
     wall_sum = {}
     for s in seeds:
         walls = [per_method[m][str(s)]["finetune"]["wall_s"] for m in METHODS
                  if per_method[m][str(s)].get("finetune")]
         wall_sum[str(s)] = sum(walls) if len(walls) == len(METHODS) else None
-    return {"methods": summary, "ratios": ratios, "finetune_wall_sum_s": wall_sum}
+    return {"methods": summary, "ratios": ratios, "finetune_wall_sum_s": wall_sum, "ppl_ratio": ppl_ratio,
+            "sft_floor": {"per_seed": sft_em, "floor": SFT_FLOOR,
+                          "pass_every_seed": all(v is not None and v >= SFT_FLOOR for v in sft_em.values())},
+            "forgetting": forgetting}
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -261,14 +301,14 @@ def format_report(result: dict[str, Any]) -> str:
     summary = result["summary"]
     out = []
     header = ["method", *[f"EM s{s}" for s in seeds], "EM mean", "min", "max", "spread",
-              "BLEU-4", "ROUGE-L", "dev ppl", *[f"ft s s{s}" for s in seeds], "loop s mean"]
+              "BLEU-4", "ROUGE-L", "dev ppl", "ppl x max", *[f"ft s s{s}" for s in seeds], "loop s mean"]
     rows = []
     for m in METHODS:
         st = summary["methods"][m]
         row = [m, *[_f(per_method[m][str(s)].get("exact_match")) for s in seeds],
                _f(st["exact_match"]["mean"]), _f(st["exact_match"]["min"]), _f(st["exact_match"]["max"]),
                _f(st["exact_match"]["spread"]), _f(st["bleu4"]["mean"]), _f(st["rouge_l"]["mean"]),
-               _f(st["dev_ppl"]["mean"], "{:.3g}")]
+               _f(st["dev_ppl"]["mean"], "{:.3g}"), _f(summary["ppl_ratio"][m]["max"], "{:.2f}")]
         for s in seeds:
             ft = per_method[m][str(s)].get("finetune")
             cell = _f(ft and ft["wall_s"], "{:.0f}")
@@ -283,6 +323,17 @@ def format_report(result: dict[str, Any]) -> str:
         per_seed = ", ".join(f"s{s} {_f(r['per_seed'][str(s)], '{:.2f}')}" for s in seeds)
         out.append(f"{m}/sft mean EM: {_f(r['ratio_of_means'], '{:.3f}')} (target >= {r['target']:.2f}): "
                    f"{'PASS' if r['pass'] else 'FAIL'}   per seed: {per_seed}")
+        out.append(f"{m}/sft per seed >= {r['target']:.2f} on every seed: {'PASS' if r['pass_every_seed'] else 'FAIL'}")
+    floor = summary["sft_floor"]
+    out.append(f"sft exact match >= {floor['floor']} on every seed: {'PASS' if floor['pass_every_seed'] else 'FAIL'}")
+    out.append("")
+    start = result["settings"]["start"]
+    out.append(f"corpus perplexity over the starting model's ({start}; 1 = nothing forgotten):")
+    ppl_rows = [[f"{start} (its ppl)", *[_f(per_method["start"][str(s)].get("ppl"), "{:.1f}") for s in seeds]]]
+    ppl_rows += [[v, *[_f(per_method[v][str(s)].get("ppl_ratio"), "{:.2f}") for s in seeds]] for v in VARIANTS]
+    out.append(_table(["variant", *[f"s{s}" for s in seeds]], ppl_rows))
+    for variant, f in summary["forgetting"].items():
+        out.append(f"{variant} ppl <= {f['limit']}x {start}'s on every seed: {'PASS' if f['pass_every_seed'] else 'FAIL'}")
     sums = ", ".join(f"s{s} {_f(v, '{:.0f}')} s" for s, v in summary["finetune_wall_sum_s"].items())
     out.append(f"fine-tuning rules, wall time summed over sft+lora+prefix: {sums}")
     stale = [f"{m} s{s}" for m in METHODS for s in seeds
@@ -329,12 +380,17 @@ def git_commit() -> str | None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/finetune_quality.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="seeds of the whole chain (default 1 2 3)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 7, 42],
+                   help="seeds of the whole chain (default 1 2 3 7 42)")
     p.add_argument("--prefix", default="", help="experiment names are q<prefix>s<seed> (default: qs1, qs2, ...)")
     p.add_argument("--overrides", type=Path, help="YAML/JSON recipe overrides: {sft: {..}, lora: {..}, prefix: {..}}")
     p.add_argument("--config", type=Path, default=ROOT / "config" / "config.yaml",
                    help="the config file holding the base experiment (default config/config.yaml)")
     p.add_argument("--base", default="llama", help="the experiment copied per seed (default llama)")
+    p.add_argument("--ppl-limit", type=float, default=PPL_RATIO_LIMIT,
+                   help=f"the forgetting target: corpus perplexity over the starting model's (default {PPL_RATIO_LIMIT})")
+    p.add_argument("--ppl-variants", nargs="+", default=list(PPL_RATIO_VARIANTS), choices=VARIANTS,
+                   help=f"the variants held to --ppl-limit (default {' '.join(PPL_RATIO_VARIANTS)})")
     p.add_argument("--cores", default="2", help="snakemake --cores (default 2)")
     p.add_argument("--generated", type=Path, help="where to write the experiments' config file "
                    "(default bench/out/finetune_quality_q<prefix>.yaml)")
@@ -355,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     start_wall = time.time()
     start = time.perf_counter()
     generated, experiments = write_experiments(args)
+    args.start = start_variant(next(iter(experiments.values())))
     cmd = snakemake_command(args, generated)
     print("$ " + " ".join(cmd), flush=True)
     machine = machine_info()
@@ -372,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"seeds": args.seeds, "prefix": args.prefix, "base": args.base, "config": _rel(args.config),
                      "overrides": str(args.overrides) if args.overrides else None,
                      "overrides_content": load_overrides(args.overrides), "generated_config": _rel(generated),
-                     "cores": args.cores, "targets": TARGETS, "git_commit": git_commit(),
+                     "cores": args.cores, "targets": TARGETS, "start": args.start,
+                     "ppl_limit": args.ppl_limit, "ppl_variants": args.ppl_variants, "git_commit": git_commit(),
                      "recipes": {m: next(iter(experiments.values()))["finetune"].get(m) for m in METHODS}},
         "command": " ".join(cmd),
         "argv": sys.argv,
@@ -380,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         "snakemake_seconds": snakemake_s,
         **collected,
     }
-    result["summary"] = summarise(collected, args.seeds)
+    result["summary"] = summarise(collected, args.seeds, args.ppl_limit, tuple(args.ppl_variants))
     result["total_seconds"] = time.perf_counter() - start
     print()
     print(format_report(result))

@@ -113,3 +113,29 @@ def test_lazy_build_bench_report_has_its_keys(tmp_path):
     for row in result["rows"]:
         assert row["peak_above_start_bytes"] >= 0 and 0 < row["kept_bytes"] < row["whole_model_bytes"]
     assert [s["layout"] for s in result["summary"]] == ["tp2"]
+
+
+def test_finetune_quality_judges_every_seed_and_the_forgetting():
+    """bench/finetune_quality.py's verdicts from eval results (no Snakemake run): a target met on
+    the mean but missed on one seed fails `pass_every_seed`; forgetting is ppl over the start's."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import finetune_quality as fq
+
+    def rec(em, ppl_ratio=1.0):
+        return {"exact_match": em, "ppl": 50.0 * ppl_ratio, "ppl_ratio": ppl_ratio, "bleu4": None, "rouge_l": None,
+                "dev_ppl": None, "finetune": None, "train_log": None}
+
+    per_method = {"start": {"1": rec(0.0), "2": rec(0.0)},
+                  "sft": {"1": rec(1.0, 1.2), "2": rec(0.8, 1.1)},
+                  "lora": {"1": rec(1.0, 1.4), "2": rec(0.7, 1.3)},
+                  "prefix": {"1": rec(0.0), "2": rec(0.0)},
+                  "lora-merged": {"1": rec(1.0, 1.4), "2": rec(0.7, 1.6)}}
+    summary = fq.summarise({"per_method": per_method}, [1, 2])
+    assert summary["ratios"]["lora"]["pass"] and not summary["ratios"]["lora"]["pass_every_seed"]  # 0.944, 0.875
+    assert summary["sft_floor"]["per_seed"] == {"1": 1.0, "2": 0.8} and not summary["sft_floor"]["pass_every_seed"]
+    assert summary["forgetting"]["sft"]["pass_every_seed"]
+    assert not summary["forgetting"]["lora-merged"]["pass_every_seed"]  # 1.6 > 1.5
+    result = {"settings": {"seeds": [1, 2], "start": "pretrain"}, "per_method": per_method, "summary": summary}
+    text = fq.format_report(result)
+    assert "lora-merged ppl <= 1.5x pretrain's on every seed: FAIL" in text
+    assert "sft exact match >= 0.85 on every seed: FAIL" in text

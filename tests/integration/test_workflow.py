@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pandas as pd
+import pytest
 import yaml
 from workflow_helpers import DEBUG_CONFIG, TARGET, planned_jobs, snakemake
 
@@ -88,9 +89,16 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
                        "a8w8-smooth": {"int_mm": 14}}, kernels
     for v in quant_eval["variants"].values():
         assert v["quantization"]["quantize_seconds"] > 0 and v["delta"]["decode_tokens_per_s_b1"] is not None
+    # forgetting beside the task score: every fine-tuned variant against the pretrained model
+    summary = quant_eval["summary"]
+    assert summary["start"] == "pretrain" and set(summary["variants"]) == {"sft", "lora", "prefix", "lora-merged"}
+    assert all(v["ppl_ratio"] == v["ppl"] / summary["start_ppl"] for v in summary["variants"].values())
+    for method in ("sft", "lora"):  # mix_ratio 0.5 (debug.yaml): half the learned tokens were corpus text
+        meta = json.loads((exp / method / "meta.json").read_text())
+        assert meta["metrics"]["mix_token_share"] == pytest.approx(0.5, abs=0.02), method
     report = pd.read_csv(exp / "report.csv")
     assert len(report) == 9
-    assert (exp / "report.md").read_text().strip()
+    assert "## Fine-tuning: the task learned, the language kept" in (exp / "report.md").read_text()
 
     # A second run finds nothing to do.
     proc = snakemake(tmp_path, "--configfile", str(DEBUG_CONFIG), "-n", TARGET)

@@ -306,8 +306,9 @@ def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str |
     if dist.get_rank() == 0:
         log.info("finetune-%s: %d examples, %d of %d parameters trainable, layout %s", method, len(examples),
                  trainable, total, degrees)
-    identity = {"base": model_identity(model_dir), "train": sha256_file(train_path), "method": method,
-                **({"mix": [hashlib.sha256(np.ascontiguousarray(t).tobytes()).hexdigest() for t in mix]} if mix else {})}
+    identity = {"base": model_identity(model_dir), "train": sha256_file(train_path), "method": method}
+    if mix:  # other general text is another run: never resumed from this one's checkpoints
+        identity["mix"] = [hashlib.sha256(np.ascontiguousarray(tokens).tobytes()).hexdigest() for tokens in mix]
     evaluator = dev_evaluator(config, dev, dev_records, tokenizer, pad, chat)
     writer = adapter_writer(method, config, model, model_dir) if method != "sft" else None
     source = build_source(config, examples, pad, mix)

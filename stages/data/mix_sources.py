@@ -16,18 +16,16 @@ from typing import Sequence
 import numpy as np
 
 from stages.data.corpus import TokenFile, encode_documents, read_documents
+from stages.data.validate import MIX_CORPUS
 from stages.errors import InputError
 
 log = logging.getLogger(__name__)
-
-CORPUS = "corpus"
-
 
 def load_mix_sources(names: Sequence[str], data_dir: str | Path, tokenizer, key: str) -> list[np.ndarray]:
     """One token array per entry of `names` (`key` names the config entry in errors)."""
     arrays = []
     for i, name in enumerate(names):
-        if name == CORPUS:
+        if name == MIX_CORPUS:
             tokens = np.asarray(TokenFile.open(data_dir, "train").tokens)
         else:
             tokens = _tokenize(name, tokenizer, f"{key}[{i}]")

@@ -175,11 +175,14 @@ def check_data_section(data: Mapping[str, Any], experiment: str, base_dir: str |
                 read_sft_dir(sft_dir, split, f"{prefix}.sft")
 
 
+MIX_CORPUS = "corpus"  # the mix_datasets entry naming the experiment's own pretraining split
+
+
 def _mix_entries(section: Mapping[str, Any]) -> list[str]:
     """The mix_datasets entries read from files (not `corpus`, prepare's own split), when mixing is on."""
     if not section.get("mix_ratio"):
         return []
-    return [name for name in section.get("mix_datasets", []) if name != "corpus"]
+    return [name for name in section.get("mix_datasets", []) if name != MIX_CORPUS]
 
 
 def check_mix_datasets(finetune: Mapping[str, Any], experiment: str, base_dir: str | os.PathLike | None) -> None:

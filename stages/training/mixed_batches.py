@@ -97,12 +97,16 @@ class MixedSftBatches:
             raise ValueError(f"a mix source holds {shortest} tokens, fewer than one row of {self.seq_len}; "
                              "give mix_datasets more text")
 
-    def global_rows(self, step: int, global_batch: int) -> Rows:
-        rows = self.base.global_rows(step, global_batch)
+    def _chunk_sizes(self, rows: Rows) -> tuple[list[int], int]:
+        """Learned chunk tokens per row of the base rows, and the base rows' learned target tokens."""
         targets = learned_per_row(rows.labels)
         want = round(self.per_target * int(targets.sum()))
         room = (self.seq_len - rows.lengths - 1).clamp(min=0)  # one unlearned token opens each chunk
-        counts = allocate(want, targets.tolist(), room.tolist())
+        return allocate(want, targets.tolist(), room.tolist()), int(targets.sum())
+
+    def global_rows(self, step: int, global_batch: int) -> Rows:
+        rows = self.base.global_rows(step, global_batch)
+        counts, _ = self._chunk_sizes(rows)
         rng = np.random.default_rng([self.seed, step])
         for r, count in enumerate(counts):
             if count:
@@ -130,9 +134,8 @@ class MixedSftBatches:
     def token_share(self, steps: int, global_batch: int) -> float:
         """Share of the learned tokens that were general text over the first `steps` steps."""
         general = total = 0
-        for step in range(steps):
-            base_targets = int(learned_per_row(self.base.global_rows(step, global_batch).labels).sum())
-            learned = int(learned_per_row(self.global_rows(step, global_batch).labels).sum())
-            general += learned - base_targets
-            total += learned
+        for step in range(steps):  # the sizes only: no chunk is read or written
+            counts, targets = self._chunk_sizes(self.base.global_rows(step, global_batch))
+            general += sum(counts)
+            total += sum(counts) + targets
         return general / max(total, 1)

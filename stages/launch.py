@@ -50,8 +50,27 @@ def srun_command(nproc: int, nodes: int, module: str, args: list[str], env: dict
 
 def torchrun_command(nproc: int, module: str, args: list[str]) -> list[str]:
     """The torchrun line of a training run on this machine."""
-    torchrun = shutil.which("torchrun") or "torchrun"
-    return [torchrun, "--standalone", f"--nproc_per_node={nproc}", "-m", module, *args]
+    torchrun = shutil.which("torchrun")  # else this interpreter's (a venv not on PATH)
+    launcher = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]
+    return [*launcher, "--standalone", f"--nproc_per_node={nproc}", "-m", module, *args]
+
+
+# What Snakemake sets to a job's `threads` for its whole shell command (snakemake.shell).
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS",
+                    "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+def threads_per_rank(env: dict[str, str], nproc: int) -> dict[str, str]:
+    """Each rank's share of the job's threads. Snakemake sets OMP_NUM_THREADS & co to the rule's
+    `threads` for the whole command and torchrun hands that to every rank, so `nproc` ranks would
+    run nproc x threads threads on `threads` cores (pretraining's two ranks on two cores: 8% slower
+    per step, tiny model). Unset variables stay unset (torchrun then gives each rank 1)."""
+    shares = {}
+    for name in THREAD_VARIABLES:
+        value = env.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            shares[name] = str(max(1, int(value) // nproc))
+    return shares
 
 
 def launch_command(nproc: int, nodes: int, module: str, args: list[str],
@@ -63,6 +82,7 @@ def launch_command(nproc: int, nodes: int, module: str, args: list[str],
             raise SystemExit(f"stages.launch: --nodes {nodes} outside a SLURM allocation: torchrun here "
                              "starts ranks on this machine only; run through the slurm profile "
                              "(--workflow-profile workflow/profiles/slurm) or inside salloc")
+        env.update(threads_per_rank(env, nproc))
         return torchrun_command(nproc, module, args), env
     nodelist = job_nodelist(env)
     if nodelist:  # the job's nodes, not those of the executor's one-node step

@@ -3,6 +3,7 @@ the rendezvous port is unique per job. (The real srun path runs in tests/slurm.)
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -22,9 +23,26 @@ def _no_slurmctld(monkeypatch):
 
 def test_outside_slurm_torchrun_starts_the_ranks_on_this_machine():
     argv, env = launch_command(4, 1, "stages.pretrain", ["--data", "d"], {"PATH": "/usr/bin"})
-    assert argv[0].endswith("torchrun")
-    assert argv[1:] == ["--standalone", "--nproc_per_node=4", "-m", "stages.pretrain", "--data", "d"]
+    launcher = argv[:argv.index("--standalone")]  # torchrun on PATH, else this python's torch.distributed.run
+    assert launcher[0].endswith("torchrun") or launcher[1:] == ["-m", "torch.distributed.run"]
+    assert argv[len(launcher):] == ["--standalone", "--nproc_per_node=4", "-m", "stages.pretrain", "--data", "d"]
     assert "MASTER_PORT" not in env  # torchrun --standalone picks its own
+
+
+def test_each_rank_gets_its_share_of_the_jobs_threads(tmp_path):
+    """Snakemake sets OMP_NUM_THREADS to the rule's threads for the whole command; under torchrun
+    each of the ranks gets threads / nproc (at least 1), as torch itself reports."""
+    assert launch.threads_per_rank({"OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4"}, 2) == \
+        {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+    assert launch.threads_per_rank({"OMP_NUM_THREADS": "1"}, 4) == {"OMP_NUM_THREADS": "1"}
+    assert launch.threads_per_rank({}, 2) == {}  # unset stays unset: torchrun's own default
+    (tmp_path / "report_threads.py").write_text(
+        "import os, torch\n"
+        "open(os.path.join(os.environ['OUT'], os.environ['RANK']), 'w').write(str(torch.get_num_threads()))\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "OUT": str(tmp_path), "PYTHONPATH": str(tmp_path)}
+    subprocess.run([sys.executable, "-m", "stages.launch", "--nproc", "2", "--", "report_threads"], env=env,
+                   check=True, timeout=120)
+    assert [(tmp_path / rank).read_text() for rank in ("0", "1")] == ["1", "1"]
 
 
 def test_outside_slurm_several_nodes_is_refused_with_the_way_out():

@@ -14,8 +14,7 @@ from typing import Any, Sequence
 
 from stages.data.files import json_lines
 from stages.errors import InputError
-
-IGNORE_INDEX = -100
+from stages.model.labels import IGNORE_INDEX
 
 
 @dataclass(frozen=True)

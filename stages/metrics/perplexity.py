@@ -18,7 +18,9 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+
+from stages.model.labels import IGNORE_INDEX
+from stages.model.loss import causal_lm_loss, counted_tokens
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +75,7 @@ def model_perplexity(model: torch.nn.Module, windows: np.ndarray, batch_size: in
         if int(batch.max()) >= vocab:
             raise ValueError(f"validation token id {int(batch.max())} is outside the model's vocabulary "
                              f"of {vocab}; the data dir and the model were built with different tokenizers")
-        # Position t predicts token t + 1.
-        nll = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), batch[:, 1:].reshape(-1), reduction="sum")
+        nll = causal_lm_loss(logits, batch, reduction="sum")  # position t predicts token t + 1
         total_nll += float(nll)
         total_tokens += batch[:, 1:].numel()
     mean_nll = total_nll / total_tokens
@@ -100,16 +101,14 @@ def target_perplexity(model: torch.nn.Module, examples: list[tuple[list[int], li
         chunk = examples[i:i + batch_size]
         width = max(len(ids) for ids, _ in chunk)
         ids = torch.full((len(chunk), width), pad_token_id, dtype=torch.long)
-        labels = torch.full((len(chunk), width), -100, dtype=torch.long)
+        labels = torch.full((len(chunk), width), IGNORE_INDEX, dtype=torch.long)
         mask = torch.zeros((len(chunk), width), dtype=torch.long)
         for row, (x, y) in enumerate(chunk):
             ids[row, :len(x)], labels[row, :len(y)], mask[row, :len(x)] = torch.tensor(x), torch.tensor(y), 1
         logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits.float()  # (B, T, V)
-        targets = labels[:, 1:].to(device)
-        nll = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                              ignore_index=-100, reduction="sum")
-        total_nll += float(nll)
-        total_tokens += int((targets != -100).sum())
+        labels = labels.to(device)
+        total_nll += float(causal_lm_loss(logits, labels, reduction="sum"))
+        total_tokens += int(counted_tokens(labels))
     if total_tokens == 0:
         raise ValueError("no answer tokens to score: every SFT example was cut to its prompt")
     return math.exp(total_nll / total_tokens), total_tokens

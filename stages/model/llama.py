@@ -19,9 +19,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from stages.model.config import LlamaConfig
+from stages.model.loss import causal_lm_loss
 from stages.model.rope import RotaryEmbedding
-
-IGNORE_INDEX = -100  # label value excluded from the loss (prompt tokens, padding)
 
 
 class RMSNorm(nn.Module):
@@ -249,14 +248,6 @@ def prefix_length(layers: list[DecoderLayer]) -> int:
     """P of a prefix-tuned model's layers (every layer has the same), else 0."""
     key = getattr(layers[0].self_attn, "prefix_key", None) if layers else None
     return 0 if key is None else key.shape[1]
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of token t+1 given tokens <= t; labels equal to IGNORE_INDEX are skipped."""
-    V = logits.shape[-1]
-    shift_logits = logits[:, :-1, :].reshape(-1, V).float()  # (B*(T-1), V)
-    shift_labels = labels[:, 1:].reshape(-1)  # (B*(T-1),)
-    return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX)
 
 
 def build_model(config: LlamaConfig, seed: int | None = None, device: str | torch.device = "cpu") -> LlamaForCausalLM:

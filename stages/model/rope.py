@@ -25,12 +25,19 @@ merely close. Rope types and their parameters (HF names, in `rope_parameters` / 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from stages.model.config import LlamaConfig
+
+class RopeConfig(Protocol):
+    """The fields of a model config RoPE reads (LlamaConfig has them; this module needs no more)."""
+
+    rope_scaling: dict[str, Any] | None
+    rope_theta: float
+    head_dim: int
+    max_position_embeddings: int
+
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 # Keys each rope type cannot do without (transformers raises KeyError without them as well).
@@ -135,7 +142,7 @@ def _inv_freq_yarn(theta: float, dim: int, s: dict[str, Any], original_max: int,
     return interpolation * (1 - keep) + extrapolation * keep, attention_factor
 
 
-def rope_tables(config: "LlamaConfig", seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+def rope_tables(config: RopeConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq (head_dim/2,) fp32 on the CPU, attention_factor) of `config`'s rope type, for a
     sequence of `seq_len` tokens (only `dynamic` depends on it; None: max_position_embeddings)."""
     s = config.rope_scaling or {}
@@ -161,7 +168,7 @@ class RotaryEmbedding:
     `model.to(torch.bfloat16)` (or DeepSpeed's cast) cannot round them to 8 bits of mantissa.
     """
 
-    def __init__(self, config: "LlamaConfig"):
+    def __init__(self, config: RopeConfig):
         self.config = config
         self.dynamic = rope_type(config.rope_scaling) == "dynamic"
         self.inv_freq, self.attention_factor = rope_tables(config)  # (hd/2,), at the original length

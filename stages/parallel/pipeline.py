@@ -30,10 +30,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from stages.model.llama import IGNORE_INDEX, LlamaForCausalLM, run_layers
+from stages.model.llama import LlamaForCausalLM, run_layers
+from stages.model.loss import causal_lm_loss, counted_tokens
 
 
 def split_layers(num_layers: int, pipeline_parallel_degree: int, virtual_pp_degree: int = 1,
@@ -138,10 +138,7 @@ def build_stage_module(model: LlamaForCausalLM, layer_ids: Sequence[int], is_fir
 def token_sum_loss(logits: torch.Tensor, labels: torch.Tensor, normalizer: float) -> torch.Tensor:
     """Summed next-token cross-entropy of one micro-batch divided by `normalizer` (the number of
     counted label tokens of the whole batch): summed over micro-batches it equals `causal_lm_loss`."""
-    V = logits.shape[-1]
-    shift_logits = logits[:, :-1, :].reshape(-1, V).float()
-    shift_labels = labels[:, 1:].reshape(-1)
-    return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum") / normalizer
+    return causal_lm_loss(logits, labels, reduction="sum", normalizer=normalizer)
 
 
 class PipelineRunner:
@@ -240,7 +237,7 @@ class PipelineRunner:
         if self._user_loss is None and normalizer is not None:
             self._normalizer = float(normalizer)  # e.g. the global batch's count under data parallel
         elif self._user_loss is None:
-            counted = int((labels[:, 1:] != IGNORE_INDEX).sum())
+            counted = int(counted_tokens(labels))
             # all labels ignored: the single-process loss is nan (0/0); keep the gradients finite at 0
             self._normalizer = float(max(counted, 1))
         losses: list[torch.Tensor] = []

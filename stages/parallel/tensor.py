@@ -19,19 +19,21 @@ Shapes: N tokens (any leading dims), tp the group size, r this rank's index in i
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from stages.model.labels import IGNORE_INDEX
+from stages.model.loss import causal_lm_loss
 from stages.parallel.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
     scatter_to_tensor_parallel_region,
 )
-
-IGNORE_INDEX = -100
 
 
 def shard_tensor(full: torch.Tensor, partition_dim: int, rank: int, world: int) -> torch.Tensor:
@@ -265,9 +267,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
 
 
 def vocab_parallel_causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, group) -> torch.Tensor:
-    """The mean next-token loss of `stages.model.llama.causal_lm_loss`, for logits (B, T, V/tp)
+    """The mean next-token loss of `stages.model.loss.causal_lm_loss`, for logits (B, T, V/tp)
     split along the vocabulary (lm_head with tensor_parallel_output)."""
-    shift_logits = logits[:, :-1, :].reshape(-1, logits.shape[-1])  # (B*(T-1), V/tp)
-    shift_labels = labels[:, 1:].reshape(-1)  # (B*(T-1),)
-    losses = vocab_parallel_cross_entropy(shift_logits, shift_labels, group)
-    return losses.sum() / (shift_labels != IGNORE_INDEX).sum()
+    return causal_lm_loss(logits, labels, per_token=functools.partial(vocab_parallel_cross_entropy, group=group))

@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from stages.data.sft import IGNORE_INDEX
+from stages.model.labels import IGNORE_INDEX
 
 
 def _epoch_order(start: int, count: int, size: int, seed: int) -> np.ndarray:

@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from stages.data.sft import IGNORE_INDEX
+from stages.model.labels import IGNORE_INDEX
 from stages.training.batches import PackedSftBatches, Rows, SftBatches
 
 Example = tuple[list[int], list[int]]

@@ -1,0 +1,53 @@
+"""The causal-LM loss, written once: position t of the logits scores label t + 1, labels equal to
+IGNORE_INDEX (prompt tokens, padding, the first token of a mixed window) are skipped, in fp32.
+
+Every site that trains or measures a model calls `causal_lm_loss`: the model's own forward with
+labels (the mean), the training loop and the dev loss (the sum, so gradient accumulation and
+micro-batches weigh every counted token equally), the pipeline's last stage (the sum over one
+micro-batch divided by the whole batch's count, `normalizer`), perplexity, and tensor parallelism
+with the logits split over the vocabulary (`per_token`: `stages.parallel.tensor`'s
+vocab-parallel cross-entropy, which this layer does not import).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Literal
+
+import torch
+import torch.nn.functional as F
+
+from stages.model.labels import IGNORE_INDEX
+
+# (logits (N, V or V/tp) fp32, targets (N,)) -> per-token losses (N,), 0 where target == IGNORE_INDEX
+PerTokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def shift(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits (B, T, V), labels (B, T)) -> (B*(T-1), V) fp32 logits and (B*(T-1),) targets:
+    position t predicts token t + 1."""
+    vocab = logits.shape[-1]
+    return logits[:, :-1, :].reshape(-1, vocab).float(), labels[:, 1:].reshape(-1)
+
+
+def counted_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """How many label tokens `causal_lm_loss` counts (a 0-d tensor): labels shifted by one, not ignored."""
+    return (labels[:, 1:] != IGNORE_INDEX).sum()
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *,
+                   reduction: Literal["mean", "sum"] = "mean", normalizer: float | None = None,
+                   per_token: PerTokenLoss | None = None) -> torch.Tensor:
+    """Next-token cross-entropy of `logits` (B, T, V) against `labels` (B, T).
+
+    reduction: "mean" over the counted tokens, or "sum" (then divided by `normalizer` when given:
+    one micro-batch's share of a larger batch's mean). per_token: the cross-entropy for logits that
+    are not whole, e.g. split over the vocabulary under tensor parallelism; without it
+    F.cross_entropy reduces directly (the same floats as every earlier copy of this loss).
+    """
+    shift_logits, shift_labels = shift(logits, labels)
+    if per_token is None:
+        loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction=reduction)
+    else:
+        losses = per_token(shift_logits, shift_labels)
+        loss = losses.sum() if reduction == "sum" else losses.sum() / (shift_labels != IGNORE_INDEX).sum()
+    return loss if normalizer is None else loss / normalizer

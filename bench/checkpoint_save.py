@@ -56,7 +56,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a file from anywhere: `stages` is the repo's package
 
-from stages.checkpoint.atomic import write_json  # noqa: E402
+from bench.common import finish, machine_info  # noqa: E402
 from stages.checkpoint.store import COMPLETE, complete_checkpoints  # noqa: E402
 from stages.config import check_config  # noqa: E402
 from stages.data.corpus import write_token_files  # noqa: E402
@@ -268,12 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         data = args.data or synthetic_data(work / "data", args.vocab_size, 64 * 4096)
         layouts = [bench_layout(args, data, work, tp) for tp in ((1, 2) if args.tp2 else (1,))]
-    result = {"settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-              "layouts": layouts}
-    print(format_report(result))
-    write_json(args.out, result)  # atomic: a killed run leaves the previous JSON
-    print(f"\nwrote {args.out}")
-    return 0
+    result = {"machine": machine_info(), "layouts": layouts,
+              "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
+    return finish(args.out, result, format_report)
 
 
 if __name__ == "__main__":

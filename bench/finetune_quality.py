@@ -43,8 +43,6 @@ import argparse
 import copy
 import csv
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -57,8 +55,9 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a file from anywhere: `stages` is the repo's package
 
+from bench.common import git_commit, machine_info  # noqa: E402
 from stages.checkpoint.atomic import write_json  # noqa: E402
-from stages.config import check_config, finetune_source  # noqa: E402
+from stages.config import check_config, finetune_source, merge  # noqa: E402
 from stages.config import experiment as named_experiment  # noqa: E402
 
 DEFAULT_OUT = ROOT / "bench" / "out" / "finetune_quality.json"
@@ -74,16 +73,6 @@ PPL_RATIO_VARIANTS = ("sft", "lora-merged")
 
 
 # -- config ----------------------------------------------------------------------------------------
-
-def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    """`base` with `update` merged in, recursively for mappings (a copy; neither is changed)."""
-    out = copy.deepcopy(base)
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 def load_overrides(path: Path | None) -> dict[str, Any]:
@@ -101,7 +90,7 @@ def load_overrides(path: Path | None) -> dict[str, Any]:
 
 def seeded_experiment(base: dict[str, Any], overrides: dict[str, Any], seed: int) -> dict[str, Any]:
     """A copy of experiment `base` with `overrides` merged in and every seed set to `seed`."""
-    exp = deep_merge(base, overrides)
+    exp = merge(base, overrides)
     for section in ("data", "pretrain", "predict"):
         exp.setdefault(section, {})["seed"] = seed
     finetune = exp.setdefault("finetune", {})
@@ -345,38 +334,6 @@ def format_report(result: dict[str, Any]) -> str:
 
 # -- main ------------------------------------------------------------------------------------------
 
-def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        load = list(os.getloadavg())
-    except OSError:
-        load = None
-    from importlib.metadata import PackageNotFoundError, version
-
-    packages = {}
-    for name in ("torch", "transformers", "deepspeed", "snakemake"):
-        try:
-            packages[name] = version(name)
-        except PackageNotFoundError:
-            packages[name] = None
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform(), **packages, "loadavg_at_start": load}
-
-
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/finetune_quality.py", description=__doc__.split("\n\n")[0])
@@ -414,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     args.start = start_variant(next(iter(experiments.values())))
     cmd = snakemake_command(args, generated)
     print("$ " + " ".join(cmd), flush=True)
-    machine = machine_info()
+    machine = machine_info("transformers", "deepspeed", "snakemake")
     snakemake_rc = None
     snakemake_s = None
     if not args.no_run:

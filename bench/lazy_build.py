@@ -3,7 +3,7 @@ only this rank's slice filled; `stages.training.materialize`), measured in the s
 
 For each layout (default tp2 and pp2 over 2 gloo processes) and each way of building, two fresh
 processes build the flavour's model from a seed exactly as the engine does before DeepSpeed takes
-it: `eager` builds the whole fp32 model (`build_model`) and lets `engine.parallelize` slice it;
+it: `eager` builds the whole fp32 model (`build_model`) and lets `stages.training.parallelize` slice it;
 `lazy` builds it on the meta device, slices it there and materializes this rank's slice. Each rank
 reports its peak resident set (`ru_maxrss`) above what it held before building (the interpreter
 and libraries), the bytes of the parameters it keeps, and the build time. Every filled tensor is
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import resource
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a file from anywhere: `stages` is the repo's package
 
+from bench.common import machine_info  # noqa: E402
 from stages.checkpoint.atomic import write_json  # noqa: E402
 
 DEFAULT_OUT = ROOT / "bench" / "out" / "lazy_build.json"
@@ -48,7 +48,7 @@ def _rank(rank: int, world: int, port: int, out_dir: str, flavour: str, layout: 
 
     from stages.model import build_model, config_for_flavour
     from stages.parallel.topology import Topology
-    from stages.training.engine import parallel_degrees, parallelize
+    from stages.training.parallelize import parallel_degrees, parallelize
     from stages.training.materialize import lazy_model, materialize
 
     torch.set_num_threads(1)
@@ -118,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         summary.append({"layout": layout, "lazy_over_eager_peak": ratio})
         print(f"{layout:<8}{eager['peak_above_start_bytes'] / GB:>15.2f}{lazy['peak_above_start_bytes'] / GB:>14.2f}"
               f"{ratio:>12.2f}{lazy['kept_bytes'] / GB:>10.2f}{eager['seconds']:>10.1f}{lazy['seconds']:>9.1f}")
-    write_json(args.out, {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-                          "rows": rows, "summary": summary})
+    write_json(args.out, {"machine": machine_info(), "rows": rows, "summary": summary})
     print(f"wrote {args.out}")
     return 0
 

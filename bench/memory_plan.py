@@ -1,5 +1,5 @@
 """Measured peak training memory against the memory planner's estimate
-(`stages.training.memory.estimate_memory`), per layout, for the small flavours on CPU (and, with
+(`stages.planning.memory.estimate_memory`), per layout, for the small flavours on CPU (and, with
 `--device cuda`, for the `1b` flavour on one GPU).
 
 Each case is a few real optimizer steps of the training engine (`stages.training.engine`:
@@ -61,7 +61,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a file from anywhere: `stages` is the repo's package
 
-from stages.training.memory import REDUCE_BUCKET_SIZE, MiB, bucket_bytes, estimate_phases  # noqa: E402
+from stages.model import counted_tokens  # noqa: E402
+from stages.planning.memory import REDUCE_BUCKET_SIZE, MiB, bucket_bytes, estimate_phases  # noqa: E402
 
 DEFAULT_OUT = ROOT / "bench" / "out" / "memory_plan.json"
 WORLD_SIZE = {"cpu": 2, "cuda": 1}  # ranks per case
@@ -306,16 +307,17 @@ def build(flavour: str, case: str, section: dict[str, Any], topology):
     """The model of `flavour` (with the case's adapter), parallelised and wrapped by DeepSpeed
     exactly as the training stages do; returns (engine, pipeline runner or None, clip)."""
     from stages.model import build_model, config_for_flavour
-    from stages.training import engine as training
+    from stages.training.deepspeed_engine import build_engine
+    from stages.training.parallelize import parallelize
 
     model = build_model(config_for_flavour(flavour, vocab_size=FLAVOURS[flavour]["vocab_size"]), seed=0)
     if CASES[case][0] != "full":
         from stages.adapters import attach_adapter
 
         attach_adapter(model, CASES[case][0], section)  # freezes the base, in place
-    module, runner = training.parallelize(model, section, topology)
+    module, runner = parallelize(model, section, topology)
     del model  # a pipeline rank keeps only its chunks
-    engine, _, _, clip = training.build_engine(module, section, topology, pipeline=runner is not None)
+    engine, _, _, clip = build_engine(module, section, topology, pipeline=runner is not None)
     return engine, runner, clip
 
 
@@ -350,7 +352,7 @@ def train(engine, runner, clip, batches: list, topology, section: dict[str, Any]
     """The training steps, each in a `phase:step<i>` profiler span."""
     from torch.profiler import record_function
 
-    from stages.training import engine as training
+    from stages.training.step import learned_tokens, train_step
 
     dp = topology.get_data_parallel_world_size()
     tp_group = topology.tp_group if section["tensor_parallel_degree"] > 1 and section["tensor_parallel_output"] \
@@ -359,10 +361,10 @@ def train(engine, runner, clip, batches: list, topology, section: dict[str, Any]
     for index, step_batches in enumerate(batches):
         with record_function(f"phase:step{index}"):
             if engine.device.type == "cpu":
-                tokens = training.learned_tokens(step_batches, topology.get_data_parallel_group())
+                tokens = learned_tokens(step_batches, topology.get_data_parallel_group())
             else:  # NCCL takes no CPU tensor for learned_tokens' all-reduce; a world of one counts alone
-                tokens = sum(int((labels[:, 1:] != -100).sum()) for _, labels in step_batches)
-            training.train_step(engine, runner, step_batches, tokens, dp, clip, tp_group)
+                tokens = sum(int(counted_tokens(labels)) for _, labels in step_batches)
+            train_step(engine, runner, step_batches, tokens, dp, clip, tp_group)
 
 
 def measure_case(flavour: str, case: str, steps: int, device: str, seed: int = 1) -> dict[str, Any]:
@@ -370,10 +372,10 @@ def measure_case(flavour: str, case: str, steps: int, device: str, seed: int = 1
     rank's peaks (CPU: from the profiler's timeline, whole and without buckets; CUDA: from the
     allocator's statistics), the census before the last step and the time taken."""
     from stages.parallel import Topology
-    from stages.training import engine as training
+    from stages.training.parallelize import parallel_degrees
 
     section = training_section(flavour, case, steps, device)
-    topology = Topology(training.parallel_degrees(section))
+    topology = Topology(parallel_degrees(section))
     batches = random_batches(flavour, section, topology, steps, seed)
     gc.collect()
     started = time.perf_counter()
@@ -430,7 +432,7 @@ def worker(rank: int, world: int, port: int, plan: list[tuple[str, str]], steps:
     torch.set_num_threads(1 if device == "cpu" else max(1, (os.cpu_count() or 2) // 2))
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from stages.training.engine import finish_distributed, init_distributed
+    from stages.training.distributed import finish_distributed, init_distributed
 
     init_distributed()
     for flavour, case in plan:
@@ -548,6 +550,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench.common import machine_info
     from stages.checkpoint.atomic import write_json
 
     args = parse_args(argv)
@@ -559,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
     records = compare(measure(plan, args.steps, args.device), args.steps, args.device)
     print(format_report(records))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(args.out, {"settings": {"device": args.device, "world_size": WORLD_SIZE[args.device],
+    write_json(args.out, {"machine": machine_info(), "settings": {"device": args.device, "world_size": WORLD_SIZE[args.device],
                                        "steps": args.steps, "flavours": {f: FLAVOURS[f] for f in args.flavours},
                                        "cases": {c: CASES[c] for c in args.cases}, "target": TARGET},
                           "seconds": round(time.perf_counter() - started, 1), "records": records})

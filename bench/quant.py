@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -51,7 +50,8 @@ import transformers
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a file from anywhere: `stages` is the repo's package
 
-from stages.checkpoint.atomic import atomic_dir, write_json  # noqa: E402
+from bench.common import csv_list, finish, load_average, machine_info  # noqa: E402
+from stages.checkpoint.atomic import atomic_dir  # noqa: E402
 from stages.checkpoint.hf import save_pretrained  # noqa: E402
 from stages.config import check_config  # noqa: E402
 from stages.data.corpus import write_token_files  # noqa: E402
@@ -76,28 +76,6 @@ W4_NAMES = ("wint4", "gptq-w4")
 
 
 # -- machine -----------------------------------------------------------------------------------
-
-def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
-    import numpy
-    import safetensors
-
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "safetensors": safetensors.__version__, "numpy": numpy.__version__,
-            "python": platform.python_version(), "platform": platform.platform(),
-            "has_int_mm": hasattr(torch, "_int_mm"), "loadavg_at_start": load}
 
 
 def _status_bytes(key: str) -> int:
@@ -475,7 +453,7 @@ def format_report(result: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    result: dict[str, Any] = {"machine": machine_info(), "settings": {
+    result: dict[str, Any] = {"machine": machine_info("transformers", "safetensors", "numpy", has_int_mm=hasattr(torch, "_int_mm")), "settings": {
         "sizes": args.sizes, "variants": args.variants, "repeats": args.repeats, "warmup": args.warmup,
         "threads": args.threads, "batch": args.batch, "prefill_tokens": args.prefill_tokens,
         "decode_prompt": args.decode_prompt, "decode_tokens": args.decode_tokens, "group_size": args.group_size,
@@ -486,22 +464,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="quant-bench-", dir=args.out.parent) as tmp:
         for size in args.sizes:
             result["sizes"][size] = bench_size(size, args, Path(tmp))
-    try:
-        result["machine"]["loadavg_at_end"] = os.getloadavg()
-    except OSError:
-        pass
+    result["machine"]["loadavg_at_end"] = load_average()
     return result
-
-
-def _csv(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/quant.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", type=_csv, default=["tiny", "135m"],
+    p.add_argument("--sizes", type=csv_list, default=["tiny", "135m"],
                    help=f"comma-separated: 135m (SmolLM2-135M shape) or flavours {sorted(FLAVOURS)} (default tiny,135m)")
-    p.add_argument("--variants", type=_csv, default=list(ALL_VARIANTS),
+    p.add_argument("--variants", type=csv_list, default=list(ALL_VARIANTS),
                    help=f"comma-separated quantized variants (default {','.join(ALL_VARIANTS)})")
     p.add_argument("--repeats", type=int, default=5, help="measured interleaved rounds (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured rounds first (default 1)")
@@ -541,11 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     start = time.perf_counter()
     result = run(args)
-    result["total_seconds"] = time.perf_counter() - start
-    print(format_report(result))
-    write_json(args.out, result)  # atomic: a killed run leaves the previous JSON
-    print(f"\ntotal {result['total_seconds']:.0f} s; wrote {args.out}")
-    return 0
+    return finish(args.out, result, format_report, start)
 
 
 if __name__ == "__main__":

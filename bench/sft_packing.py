@@ -36,8 +36,6 @@ import argparse
 import copy
 import csv
 import logging
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -52,12 +50,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a file from anywhere: `stages` is the repo's package
 
 from stages import finetune  # noqa: E402
-from stages.checkpoint.atomic import atomic_dir, write_json  # noqa: E402
+from bench.common import csv_list, finish, load_average, machine_info  # noqa: E402
+from stages.checkpoint.atomic import atomic_dir  # noqa: E402
 from stages.checkpoint.hf import save_pretrained  # noqa: E402
 from stages.config import check_config  # noqa: E402
-from stages.data.sft import IGNORE_INDEX, SftRecord, write_sft_file  # noqa: E402
+from stages.data.sft import SftRecord, write_sft_file  # noqa: E402
 from stages.data.tokenizer import load_model_tokenizer, save_tokenizer, train_tokenizer  # noqa: E402
-from stages.model import build_model, config_for_flavour  # noqa: E402
+from stages.model import build_model, config_for_flavour, counted_tokens  # noqa: E402
 from stages.model.config import FLAVOURS  # noqa: E402
 
 DEFAULT_OUT = ROOT / "bench" / "out" / "sft_packing.json"
@@ -72,25 +71,6 @@ TGT_WORDS = (40.0, 1.0)
 
 
 # -- machine -------------------------------------------------------------------------------------
-
-def machine_info() -> dict[str, Any]:
-    import transformers
-
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        load = os.getloadavg()
-    except OSError:
-        load = None
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "platform": platform.platform(), "loadavg_at_start": load}
 
 
 # -- data and model ------------------------------------------------------------------------------
@@ -172,7 +152,7 @@ def step_contents(config: dict[str, Any], model_dir: Path, data_dir: Path) -> di
         for ids, labels, *packed in source.micro_batches(step, global_batch, 0, 1, B):
             is_real = ids != pad
             real += int(is_real.sum())
-            learned += int((labels[:, 1:] != IGNORE_INDEX).sum())
+            learned += int(counted_tokens(labels))
             # packed: an example starts where its position id is 0 (the padding tail also restarts at 0)
             count += int(((packed[0] == 0) & is_real).sum()) if packed else len(ids)
             dynamic += len(ids) * int(is_real.sum(1).max())  # padded to this micro-batch's longest row
@@ -338,7 +318,7 @@ def format_report(result: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    result: dict[str, Any] = {"machine": machine_info(), "settings": {
+    result: dict[str, Any] = {"machine": machine_info("transformers"), "settings": {
         "flavour": args.flavour, "methods": args.methods, "steps": args.steps, "warmup_steps": args.warmup_steps,
         "repeats": args.repeats, "batch_size": args.batch_size, "max_length": args.max_length,
         "src_length": args.max_length // 2, "num_train": args.num_train, "num_dev": args.num_dev,
@@ -359,15 +339,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"untimed warm-up run: {result['warm_up_run_s']:.0f} s", file=sys.stderr, flush=True)
         for method in args.methods:
             result["methods"][method] = bench_method(method, args, model_dir, data_dir, work)
-    try:
-        result["machine"]["loadavg_at_end"] = os.getloadavg()
-    except OSError:
-        pass
+    result["machine"]["loadavg_at_end"] = load_average()
     return result
-
-
-def _csv(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 QUICK = dict(flavour="debug", steps=4, warmup_steps=1, repeats=1, batch_size=4, max_length=128, num_train=200,
@@ -378,7 +351,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/sft_packing.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--flavour", "--sizes", dest="flavour", choices=sorted(FLAVOURS), default="tiny",
                    help="model flavour (stages.model.config.FLAVOURS; default tiny)")
-    p.add_argument("--methods", type=_csv, default=list(METHODS), help="comma-separated: sft, lora (default sft,lora)")
+    p.add_argument("--methods", type=csv_list, default=list(METHODS), help="comma-separated: sft, lora (default sft,lora)")
     p.add_argument("--steps", type=int, default=20,
                    help="optimizer steps per run, the same for both modes (default 20)")
     p.add_argument("--warmup-steps", type=int, default=3,
@@ -418,11 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
     start = time.perf_counter()
     result = run(args)
-    result["total_seconds"] = time.perf_counter() - start
-    print(format_report(result))
-    write_json(args.out, result)  # atomic: a killed run leaves the previous JSON
-    print(f"\ntotal {result['total_seconds']:.0f} s; wrote {args.out}")
-    return 0
+    return finish(args.out, result, format_report, start)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -39,13 +38,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a file from anywhere: `stages` is the repo's package
 
-from stages.checkpoint.atomic import write_json  # noqa: E402
+from bench.common import finish, machine_info  # noqa: E402
 from stages.config import check_config  # noqa: E402
 from stages.training.flops import flops_per_token, peak_matmul_flops  # noqa: E402
 from stages.model import build_model, config_for_flavour  # noqa: E402
 from stages.model.config import LlamaConfig  # noqa: E402
-from stages.training.engine import deepspeed_config, finish_distributed, init_distributed  # noqa: E402
-from stages.training.engine import train_step as engine_train_step  # noqa: E402
+from stages.training.deepspeed_engine import deepspeed_config  # noqa: E402
+from stages.training.distributed import finish_distributed, init_distributed  # noqa: E402
+from stages.training.step import train_step as engine_train_step  # noqa: E402
 from stages.training.schedule import build_scheduler  # noqa: E402
 
 DEFAULT_OUT = ROOT / "bench" / "out" / "train_throughput.json"
@@ -53,18 +53,6 @@ SHARDINGS = ("none", "stage1", "stage2", "stage3")
 
 
 # -- machine and model arithmetic --------------------------------------------------------------
-
-def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version(), "platform": platform.platform()}
 
 
 def peak_bf16_matmul_flops() -> float:
@@ -125,7 +113,7 @@ class OurStep:
 
 
 class EngineStep:
-    """The pretrain stage's own step (`stages.training.engine.train_step`): a DeepSpeed engine in a
+    """The pretrain stage's own step (`stages.training.step.train_step`): a DeepSpeed engine in a
     world of one (ZeRO off), DeepSpeed bf16 (bf16 weights, fp32 master copy in the optimizer),
     DeepSpeed's gradient clipping, and `torch_compile` as the stage applies it (each decoder layer
     compiled in place). Same `step()` interface as OurStep."""
@@ -500,12 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_worker:
         memory_worker(args)
         return 0
-    result = run(args)
-    print(format_report(result))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(args.out, result)  # atomic: a killed run leaves the previous JSON
-    print(f"\nwrote {args.out}")
-    return 0
+    return finish(args.out, run(args), format_report)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,10 @@ class InputError(ValueError):
     """Bad input the user can fix; the message names where it is and how to fix it."""
 
 
+class ConfigError(InputError):
+    """A config value the pipeline cannot use; the message names the key and the fix."""
+
+
 def run_cli(main: Callable[[], Any], verb: str) -> None:
     """Run a stage's `main()` as the process's entry point and exit: 0 on success (whatever main
     returns unless it is an int), 2 with `<verb>: error: <message>` on stderr for an InputError."""

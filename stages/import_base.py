@@ -38,8 +38,9 @@ from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.integrity import sha256_file
 from stages.checkpoint.meta import write_meta
 from stages.checkpoint.source import FAMILIES, family_of, read_source_config
+from stages.checkpoint.tokenizer_files import copy_tokenizer
 from stages.checkpoint.weights import check_model_dir, read_header
-from stages.data.tokenizer import copy_tokenizer_files, load_model_tokenizer
+from stages.data.tokenizer import load_model_tokenizer
 from stages.errors import run_cli
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ def run(source: str | Path, out_dir: str | Path, check_parity: bool = True) -> d
                 shutil.copy2(source / name, tmp / name)
         for path in weights:
             shutil.copy2(path, tmp / path.name)
-        metrics["tokenizer_files"] = copy_tokenizer_files(source, tmp)
+        metrics["tokenizer_files"] = copy_tokenizer(source, tmp)
         metrics["weights_sha256"] = {p.name: sha256_file(tmp / p.name) for p in weights}
         metrics["num_parameters"] = _num_parameters(tmp)
         metrics["import_seconds"] = time.perf_counter() - t0

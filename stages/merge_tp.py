@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from stages.checkpoint.atomic import atomic_dir, write_json
-from stages.checkpoint.hf import TOKENIZER_FILES, save_state_dict
+from stages.checkpoint.hf import save_state_dict
+from stages.checkpoint.tokenizer_files import TOKENIZER_FILES
 from stages.checkpoint.integrity import verify, weight_records
 from stages.checkpoint.store import COMPLETE, INDEX, SHARDED, StateReader, problems
 from stages.errors import InputError, run_cli

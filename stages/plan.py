@@ -4,7 +4,7 @@ declared device memory before anything runs, and the SLURM resources derived fro
     python -m stages.plan --experiment llama [--configfile extra.yaml ...] [--out results/llama/plan.json]
 
 For each training rule (pretrain; finetune sft, lora, prefix) the memory model of
-stages/training/memory.py gives the bytes one device holds in the rule's layout: parameters,
+stages/planning/memory.py gives the bytes one device holds in the rule's layout: parameters,
 gradients and optimizer state under its ZeRO stage and offload, activations with or without
 recompute and the pipeline's in-flight micro-batches, TP-sharded and replicated parts. A layout that
 does not fit `cluster.device_memory_gb` (GPU ranks) or `cluster.node_memory_gb` (CPU ranks) is a
@@ -28,7 +28,7 @@ from stages.cluster.resources import RUNTIME_ALLOWANCE_BYTES, rank_layout, singl
 from stages.cluster.resources import training_resources
 from stages.config import ConfigError, architecture, check_config, experiment, load_yaml
 from stages.config import merge, pretrain_enabled
-from stages.training.memory import estimate_memory, host_build_bytes, nearest_fitting_layout, parameter_count
+from stages.planning.memory import estimate_memory, host_build_bytes, nearest_fitting_layout, parameter_count
 
 log = logging.getLogger("stages.plan")
 

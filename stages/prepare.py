@@ -24,11 +24,12 @@ from typing import Any, Sequence
 
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.meta import write_meta
+from stages.checkpoint.tokenizer_files import copy_tokenizer
 from stages.data import attributes
 from stages.data.corpus import (SFT_TARGETS, TokenFile, encode_documents, read_documents, split_documents,
                                 unigram_entropy_bits, write_token_files)
 from stages.data.sft import SftRecord, uses_chat_template, write_sft_file
-from stages.data.tokenizer import (TokenizerError, copy_tokenizer_files, load_model_tokenizer, save_tokenizer,
+from stages.data.tokenizer import (TokenizerError, load_model_tokenizer, save_tokenizer,
                                    tokenizer_fingerprint, train_tokenizer)
 from stages.data.validate import read_sft_dir, resolve_corpus, resolve_sft
 from stages.errors import InputError, run_cli
@@ -137,7 +138,7 @@ def run(corpus: list[str], sft: str, out_dir: str | os.PathLike, vocab_size: int
         if tokenizer_dir is None:
             save_tokenizer(tokenizer, tmp / "tokenizer")
         else:
-            copy_tokenizer_files(tokenizer_dir, tmp / "tokenizer")
+            copy_tokenizer(tokenizer_dir, tmp / "tokenizer")
         identity = {"tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
                     "tokenizer_source": str(tokenizer_dir) if tokenizer_dir else "trained by prepare",
                     "sft_format": "chat_template" if chat else "plain"}

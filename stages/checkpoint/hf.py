@@ -7,7 +7,6 @@ with no project code. Weights are read with safetensors only (no pickle), throug
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -15,7 +14,7 @@ from safetensors.torch import save_file
 
 from stages.checkpoint import weights
 from stages.checkpoint.atomic import write_json
-from stages.data.tokenizer import TOKENIZER_FILES  # every tokenizer file, chat template included
+from stages.checkpoint.tokenizer_files import copy_tokenizer
 from stages.model import LlamaConfig, LlamaForCausalLM, build_model
 
 WEIGHTS_NAME, INDEX_NAME = weights.WEIGHTS_NAME, weights.INDEX_NAME
@@ -86,13 +85,6 @@ def save_config(config: LlamaConfig, out_dir: str | Path, dtype: torch.dtype = t
         "bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id,
         "pad_token_id": config.pad_token_id, "do_sample": False,
     })
-
-
-def copy_tokenizer(src: str | Path, dst: str | Path) -> None:
-    """Copy the HF tokenizer files that exist in `src` to `dst`."""
-    for name in TOKENIZER_FILES:
-        if (Path(src) / name).exists():
-            shutil.copy2(Path(src) / name, Path(dst) / name)
 
 
 def load_config(model_dir: str | Path) -> LlamaConfig:

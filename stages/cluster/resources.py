@@ -3,7 +3,7 @@
 A training rule (pretrain, finetune) runs `world_size` ranks: with GPUs one rank per GPU and
 `min(world_size, gpus_per_node)` ranks per node; on CPU `cluster.tasks_per_node` ranks per node
 (default: all on one node). Its memory per node is what its ranks need on the host: on CPU the
-planned training memory of each rank (stages/training/memory.py), with GPUs the host side of a rank
+planned training memory of each rank (stages/planning/memory.py), with GPUs the host side of a rank
 (loading the checkpoint and offloaded optimizer state); plus a per-process allowance for the Python
 runtime, torch and DeepSpeed. Every other rule is one process with `cpus_per_task` cores and memory
 for a few fp32 copies of the model. `cluster.node_memory_gb` overrides the derived memory.
@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from stages.config import ConfigError
+from stages.errors import ConfigError
 
 RUNTIME_ALLOWANCE_BYTES = 1_500_000_000  # one rank's Python + torch + DeepSpeed + gloo buffers (measured ~1.1 GB)
 HOST_HEADROOM = 1.25  # allocator fragmentation, checkpoint copies written in the background

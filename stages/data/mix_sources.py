@@ -21,6 +21,7 @@ from stages.errors import InputError
 
 log = logging.getLogger(__name__)
 
+
 def load_mix_sources(names: Sequence[str], data_dir: str | Path, tokenizer, key: str) -> list[np.ndarray]:
     """One token array per entry of `names` (`key` names the config entry in errors)."""
     arrays = []

@@ -105,11 +105,7 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
 
 
 # -- a checkpoint's own tokenizer ----------------------------------------------------------------
-# Files a Hugging Face tokenizer directory may hold; all that exist are carried from artifact to
-# artifact byte for byte (the chat template lives in tokenizer_config.json or chat_template.jinja).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json")
-
+# (its files are carried from artifact to artifact by stages.checkpoint.hf.copy_tokenizer)
 
 def load_model_tokenizer(model_dir: str | os.PathLike):
     """The tokenizer a checkpoint ships (local files only, never remote code); TokenizerError naming
@@ -140,18 +136,6 @@ def _files_decide(model_dir: Path) -> dict:
         return {}
     declared = json.loads(path.read_text(encoding="utf-8")).get("tokenizer_class")
     return {"config": PretrainedConfig()} if declared in ("PreTrainedTokenizerFast", "TokenizersBackend") else {}
-
-
-def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> list[str]:
-    """Copy every tokenizer file of `src` that exists into `dst` (created); returns the names."""
-    import shutil
-
-    src, dst = Path(src), Path(dst)
-    dst.mkdir(parents=True, exist_ok=True)
-    copied = [name for name in TOKENIZER_FILES if (src / name).is_file()]
-    for name in copied:
-        shutil.copy2(src / name, dst / name)
-    return copied
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -369,11 +369,11 @@ class Checkpointer:
         `AutoModelForCausalLM.from_pretrained`."""
         self.run_dir = Path(run_dir)
         self.model_config = model_config
-        self.save_steps = int(section.get("save_steps", 0))
-        self.limit = int(section.get("save_total_limit", 0))
-        self.unified = bool(section.get("unified_checkpoint", True))
-        self.async_save = bool(section.get("async_save", False))
-        self.resume_from = section.get("resume_from_checkpoint", True)
+        self.save_steps = int(section["save_steps"])  # a complete section: the schema's defaults
+        self.limit = int(section["save_total_limit"])
+        self.unified = bool(section["unified_checkpoint"])
+        self.async_save = bool(section["async_save"])
+        self.resume_from = section["resume_from_checkpoint"]
         self.topology = topology
         self.rank = dist.get_rank()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint") if self.async_save else None

@@ -17,7 +17,9 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from stages.data.sft import IGNORE_INDEX, encode_prompt, target_text
+from stages.data.sft import encode_prompt, target_text
+from stages.model.labels import IGNORE_INDEX
+from stages.model.loss import counted_tokens
 from stages.metrics.text import corpus_bleu, exact_match, rouge_l
 from stages.model import LlamaForCausalLM
 
@@ -58,7 +60,7 @@ class DevEvaluator:
         return metrics
 
     def loss(self, engine) -> float:
-        from stages.training.engine import _token_sum_loss
+        from stages.training.step import token_sum_loss
 
         total, count = 0.0, 0
         for start in range(0, len(self.examples), self.batch_size):
@@ -69,8 +71,8 @@ class DevEvaluator:
             for row, (i, lab) in enumerate(chunk):
                 ids[row, :len(i)], labels[row, :len(lab)] = torch.tensor(i), torch.tensor(lab)
             device = next(_unwrap(engine).parameters()).device
-            total += float(_token_sum_loss(engine, ids.to(device), labels.to(device), self.tp_group))
-            count += int((labels[:, 1:] != IGNORE_INDEX).sum())
+            total += float(token_sum_loss(engine, ids.to(device), labels.to(device), self.tp_group))
+            count += int(counted_tokens(labels))
         return total / max(count, 1)
 
     def generate_and_score(self, engine) -> dict[str, float]:

@@ -14,6 +14,10 @@ The model is our LlamaForCausalLM (every layout) or any transformers causal LM (
 ZeRO only; `stages.training.families` says which families go where and holds what differs: the
 config written and hashed, gradient checkpointing, the FLOPs estimate). Parameters are named as in
 the single-device model, a tied lm_head under its embedding's name only, as Hugging Face saves it.
+
+This module is the run: `setup` -> `run_steps` -> `finish` (`train` calls the three). Its parts,
+one idea a module: `distributed` (process groups), `parallelize` (the layout on the model),
+`deepspeed_engine` (ZeRO, optimizer, schedule), `step` (one optimizer step and its loss).
 """
 
 from __future__ import annotations
@@ -21,23 +25,19 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import copy_tokenizer
 from stages.checkpoint.meta import write_meta
-from stages.model import IGNORE_INDEX, LlamaForCausalLM
-from stages.parallel import ParallelDegrees, Topology, apply_tensor_parallel
-from stages.parallel.mappings import collective_device
+from stages.model import LlamaForCausalLM
+from stages.parallel import Topology
 from stages.parallel.pipeline import PipelineRunner
-from stages.parallel.tensor import vocab_parallel_cross_entropy
 from stages.training.checkpointing import (
     Checkpointer,
     OptimizerAccess,
@@ -51,104 +51,18 @@ from stages.training.checkpointing import (
 )
 from stages.training.capabilities import fp16_unsupported_reason
 from stages.training.families import (
-    check_transformers_model,
     config_identity,
     estimated_flops_per_token,
-    prepare_transformers_model,
     write_config,
 )
 from stages.training.flops import flops_per_token, peak_matmul_flops
-from stages.training.launcher_watch import exit_with_launcher
 from stages.training.log import TrainLog
 from stages.training.materialize import ResumeWeights, is_lazy, materialize
-from stages.training.schedule import build_scheduler
+from stages.training.deepspeed_engine import build_engine
+from stages.training.parallelize import check_model_fits, layout_metrics, parallel_degrees, parallelize
+from stages.training.step import learned_tokens, train_step
 
 log = logging.getLogger(__name__)
-
-ZERO_STAGES = {"none": 0, "stage1": 1, "stage2": 2, "stage3": 3}
-
-
-def deepspeed_config(section: dict[str, Any], data_parallel: int, pipeline: bool = False) -> dict[str, Any]:
-    """The DeepSpeed JSON config for a validated training section over `data_parallel` replicas.
-    With `pipeline`, DeepSpeed sees one batch of micro x accum per step: the pipeline schedule,
-    not DeepSpeed, cuts it into the micro-batches."""
-    micro = section["per_device_train_batch_size"]
-    accum = section["gradient_accumulation_steps"]
-    if pipeline:
-        micro, accum = micro * accum, 1
-    return {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": accum,
-        "train_batch_size": micro * accum * data_parallel,
-        "gradient_clipping": section["max_grad_norm"],
-        "zero_optimization": {"stage": ZERO_STAGES[section["sharding"]],
-                              **({"offload_optimizer": {"device": "cpu"}} if section["sharding_offload"] else {})},
-        "zero_force_ds_cpu_optimizer": False,  # offload runs our torch AdamW on the CPU copy
-        "zero_allow_untested_optimizer": True,  # torch AdamW runs on CPU; DeepSpeed's fused Adam is CUDA-only
-        "bf16": {"enabled": bool(section["bf16"])},
-        # dynamic loss scaling from 2^16, halved on overflow (the step is skipped), doubled after
-        # 1000 clean steps; DeepSpeed keeps fp32 master weights in the optimizer
-        "fp16": {"enabled": bool(section["fp16"]), "loss_scale": 0, "initial_scale_power": 16},
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-
-
-def parallel_degrees(section: dict[str, Any]) -> ParallelDegrees:
-    """The parallel degrees of a validated training section (data parallel derived)."""
-    return ParallelDegrees(world_size=section["world_size"],
-                           tensor_parallel_degree=section["tensor_parallel_degree"],
-                           pipeline_parallel_degree=section["pipeline_parallel_degree"])
-
-
-def init_distributed() -> None:
-    import deepspeed
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        return
-    exit_with_launcher()  # torchrun's ranks have a session of their own: die with torchrun, not after it
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:  # one task of `srun`
-        from stages.cluster.rendezvous import derived_port, first_host
-
-        # stages.launch sets MASTER_ADDR/PORT (a port free for this job); a bare srun derives them
-        os.environ.update(RANK=os.environ["SLURM_PROCID"], LOCAL_RANK=os.environ["SLURM_LOCALID"],
-                          WORLD_SIZE=os.environ["SLURM_NTASKS"],
-                          MASTER_ADDR=os.environ.get("MASTER_ADDR") or first_host(step=True),
-                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(derived_port()))
-        if "SLURM_NTASKS_PER_NODE" in os.environ or "SLURM_STEP_TASKS_PER_NODE" in os.environ:
-            per_node = os.environ.get("SLURM_NTASKS_PER_NODE") or os.environ["SLURM_STEP_TASKS_PER_NODE"]
-            os.environ.setdefault("LOCAL_WORLD_SIZE", per_node.split("(")[0].split(",")[0])
-    if "RANK" not in os.environ:  # a plain `python -m stages.<verb>`: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT") or str(_free_port()))
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
-    log.info("rank %s of %s on node %s (local rank %s, rendezvous %s:%s, %s)", os.environ["RANK"],
-             os.environ["WORLD_SIZE"], os.environ.get("SLURMD_NODENAME") or socket.gethostname(),
-             os.environ["LOCAL_RANK"], os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], backend)
-
-
-def finish_distributed() -> None:
-    """End a successful run: every rank waits for the others, then the process groups are destroyed
-    while the interpreter is whole. Left to interpreter exit, gloo's worker threads can be torn down
-    mid-destruction and abort the process ("terminate called without an active exception", SIGABRT),
-    failing a job whose outputs were already written. Engines left in reference cycles (ZeRO-3
-    keeps communication handles) are collected first, while their process groups still exist."""
-    import gc
-
-    import torch.distributed as dist
-
-    gc.collect()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _peak_flops(section: dict[str, Any], device: torch.device, world: int) -> float:
@@ -170,149 +84,11 @@ def _measured_peak(dtype: torch.dtype, device: str) -> float:
     return peak_matmul_flops(dtype, device, **size)
 
 
-class PipelineModules(torch.nn.Module):
-    """This rank's pipeline chunks as one module for DeepSpeed; parameter names stay those of the
-    single-device model (the chunks hold `model.layers.<i>` under their own names)."""
-
-    def __init__(self, chunks: list[torch.nn.Module]):
-        super().__init__()
-        self.chunks = torch.nn.ModuleList(chunks)
-
-    def full_names(self) -> dict[str, str]:
-        """Local parameter/buffer name -> single-device name (drops the `chunks.<k>.` prefix)."""
-        return {k: k.split(".", 2)[2] for k in self.state_dict()}
-
-
-def _token_sum_loss(engine, ids: torch.Tensor, labels: torch.Tensor, tp_group,
-                    position_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Summed next-token cross-entropy over labels != -100 (logits split over the vocabulary when
-    `tp_group` is given, i.e. tensor_parallel_output). Our model returns the logits, a transformers
-    model a ModelOutput holding them; right padding needs no attention mask under causal attention.
-    `position_ids` marks packed rows (our model only)."""
-    output = engine(input_ids=ids) if position_ids is None else engine(input_ids=ids, position_ids=position_ids)
-    logits = output if torch.is_tensor(output) else output.logits  # (B, T, V) or (B, T, V/tp)
-    shift_logits = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
-    shift_labels = labels[:, 1:].reshape(-1)
-    if tp_group is None:
-        return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
-    per_token = vocab_parallel_cross_entropy(shift_logits, shift_labels, tp_group, ignore_index=IGNORE_INDEX)
-    return per_token.sum()
-
-
-def train_step(engine, runner: PipelineRunner | None, batches: list[tuple[torch.Tensor, ...]],
-               num_tokens: int, dp: int, clip: Callable[[torch.nn.Module], float] | None,
-               tp_group=None) -> tuple[torch.Tensor, float | None]:
-    """One optimizer step over this rank's micro-batches; returns (this rank's share of the step
-    loss, grad norm or None). `num_tokens` counts the learned tokens of the whole global batch:
-    the step loss is their mean, and the shares of the data-parallel ranks add up to it.
-
-    DeepSpeed divides gradients by gradient_accumulation_steps (engine.backward) and by dp (its
-    data-parallel average), so each micro-batch's summed loss is scaled by accum x dp / num_tokens.
-    With a pipeline the schedule runs the micro-batches (normalised by num_tokens / dp) and
-    DeepSpeed's reduction and step are called explicitly. `clip`, when given, clips and measures
-    the gradients just before the update (ZeRO off).
-    """
-    if runner is not None:
-        if any(len(b) > 2 for b in batches):
-            raise ValueError("packed micro-batches (with position_ids) under pipeline parallelism: the stages pass "
-                             "hidden states only; set packing: false or pipeline_parallel_degree: 1")
-        ids = torch.cat([b[0] for b in batches]).to(engine.device)
-        labels = torch.cat([b[1] for b in batches]).to(engine.device)
-        engine.zero_grad()
-        share = runner.train_step(ids, labels, normalizer=num_tokens / dp).cpu() / dp
-        engine.allreduce_gradients()  # the schedule ran backward, not engine.backward
-        grad_norm = clip(engine.module) if clip else None
-        engine.step()
-        return share, grad_norm
-    share, grad_norm, accum = torch.zeros(()), None, len(batches)
-    for i, (ids, labels, *packed) in enumerate(batches):
-        position_ids = packed[0].to(engine.device) if packed else None  # a packed micro-batch
-        loss_sum = _token_sum_loss(engine, ids.to(engine.device), labels.to(engine.device), tp_group, position_ids)
-        engine.backward(loss_sum * (accum * dp / num_tokens))
-        if clip and i == accum - 1:
-            grad_norm = clip(engine.module)
-        engine.step()  # DeepSpeed applies the optimizer only at the accumulation boundary
-        share += loss_sum.detach().float().cpu() / num_tokens
-    return share, grad_norm
-
-
-def learned_tokens(batches: list[tuple[torch.Tensor, ...]], dp_group) -> int:
-    """Learned (next-token) positions in the global batch: this rank's count summed over dp."""
-    import torch.distributed as dist
-
-    count = torch.tensor(sum(int((b[1][:, 1:] != IGNORE_INDEX).sum()) for b in batches),
-                         device=collective_device(dp_group))
-    dist.all_reduce(count, group=dp_group)
-    return max(int(count), 1)
-
-
-def check_model_fits(model: torch.nn.Module, section: dict[str, Any], degrees: ParallelDegrees) -> None:
-    """Raise ValueError when the section's layout cannot train `model`: our model's degrees must
-    divide its shapes; a transformers model takes data parallel and ZeRO only."""
-    if isinstance(model, LlamaForCausalLM):
-        degrees.validate_for_model(model.config)
-    else:
-        check_transformers_model(model, section, degrees.tensor_parallel_degree, degrees.pipeline_parallel_degree)
-
-
 def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> int:
     """Training FLOPs per token: exact for our model, a 6N estimate for a transformers model."""
     if isinstance(model, LlamaForCausalLM):
         return flops_per_token(model.config, seq_len)["total"]
     return estimated_flops_per_token(model, seq_len)["total"]
-
-
-def parallelize(model: torch.nn.Module, section: dict[str, Any],
-                topology: Topology) -> tuple[torch.nn.Module, PipelineRunner | None]:
-    """Apply the section's layout to the full `model` in place, in the torchtitan order (tensor
-    parallel, activation recompute, compile, pipeline split). Returns the module DeepSpeed wraps
-    (this rank's pipeline chunks under a pipeline) and the pipeline runner, if any."""
-    if not isinstance(model, LlamaForCausalLM):  # data parallel and ZeRO only (check_model_fits)
-        prepare_transformers_model(model, section)
-        return model, None
-    degrees = topology.degrees
-    if degrees.tensor_parallel_degree > 1:
-        apply_tensor_parallel(model, topology, tensor_parallel_output=section["tensor_parallel_output"])
-    model.gradient_checkpointing = bool(section["recompute"])
-    if section["torch_compile"]:
-        # In place, layer by layer, so parameter names stay those of the single-device model;
-        # the collectives inside tensor-parallel layers become graph breaks.
-        for layer in model.model.layers.values():
-            layer.compile()
-    if degrees.pipeline_parallel_degree == 1:
-        return model, None
-    runner = PipelineRunner(model, degrees.pipeline_parallel_degree, section["virtual_pp_degree"],
-                            n_microbatches=section["gradient_accumulation_steps"], pp_group=topology.group("pipeline"))
-    return PipelineModules(runner.modules), runner
-
-
-def build_engine(module: torch.nn.Module, section: dict[str, Any], topology: Topology, *, pipeline: bool):
-    """DeepSpeed over `module`: torch AdamW, the LR schedule and ZeRO as the section says. Returns
-    (engine, scheduler, OptimizerAccess, clip); `clip` clips and measures the gradient norm when
-    ZeRO is off (see `train_step`), else None."""
-    import deepspeed
-    from deepspeed.runtime.utils import clip_grad_norm_
-
-    trained = [p for p in module.parameters() if p.requires_grad]  # an adapter's only; the base is frozen
-    optimizer = torch.optim.AdamW(trained, lr=section["learning_rate"],
-                                  betas=(section["adam_beta1"], section["adam_beta2"]),
-                                  weight_decay=section["weight_decay"], eps=1e-8)
-    scheduler = build_scheduler(optimizer, section)
-    ds_config = deepspeed_config(section, topology.get_data_parallel_world_size(), pipeline=pipeline)
-    # Without ZeRO, DeepSpeed clips but does not keep the norm: clip here (same maths, with the
-    # topology's model-parallel reduction) so train_log.csv has grad_norm for every layout.
-    clip = None
-    if ZERO_STAGES[section["sharding"]] == 0:
-        ds_config["gradient_clipping"] = 0.0
-        max_norm = section["max_grad_norm"] or float("inf")
-
-        def clip_and_measure(m: torch.nn.Module) -> float:
-            return float(clip_grad_norm_([p for p in m.parameters() if p.requires_grad], max_norm, mpu=topology))
-
-        clip = clip_and_measure
-    engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=topology)
-    return engine, scheduler, OptimizerAccess(engine), clip
 
 
 def open_checkpoints(model: torch.nn.Module, section: dict[str, Any], topology: Topology, checkpoint_dir: Path,
@@ -327,15 +103,6 @@ def open_checkpoints(model: torch.nn.Module, section: dict[str, Any], topology: 
     if resume is not None:
         load_model_weights(model, resume)
     return checkpointer, resume
-
-
-def layout_metrics(section: dict[str, Any], topology: Topology) -> dict[str, int]:
-    """The degrees of the run, for meta.json."""
-    degrees = topology.degrees
-    return {"world_size": degrees.world_size, "data_parallel_degree": topology.get_data_parallel_world_size(),
-            "tensor_parallel_degree": degrees.tensor_parallel_degree,
-            "pipeline_parallel_degree": degrees.pipeline_parallel_degree,
-            "zero_stage": ZERO_STAGES[section["sharding"]]}
 
 
 @dataclass
@@ -474,7 +241,7 @@ def run_steps(run: Run, source, evaluator: Callable[..., dict[str, float]] | Non
     """Steps from the resumed one to `max_steps`: log every `logging_steps`, evaluate every
     `eval_steps` with `evaluator(engine)` (dev metrics; collective), checkpoint every `save_steps`."""
     section, engine = run.section, run.engine
-    eval_steps = section.get("eval_steps", 0) if evaluator is not None else 0
+    eval_steps = section["eval_steps"] if evaluator is not None else 0  # fine-tuning sections only
     engine.train()
     since_log = 0
     for index in range(run.start_step, section["max_steps"]):

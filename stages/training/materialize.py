@@ -2,7 +2,7 @@
 
 A training rank used to build the whole fp32 model in host memory and then keep its
 tensor/pipeline-parallel slice: a 70B model is 276 GB per rank, 2.2 TB for 8 ranks of a node.
-Here our model is built on the meta device (shapes, no memory), `engine.parallelize` slices it
+Here our model is built on the meta device (shapes, no memory), `stages.training.parallelize` slices it
 there exactly as it slices a real one (tensor-parallel modules take meta slices, a pipeline rank
 keeps its own stages), and `materialize` then allocates only this rank's parameters and fills
 them from a weight source, one whole tensor at a time, sliced along the parameter's

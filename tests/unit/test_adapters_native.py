@@ -167,7 +167,7 @@ def _examples(n: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
 def test_packed_rows_give_the_loss_and_gradients_of_padded_ones(debug_model_dir, method):
     """The same examples, padded one per row or packed several per row (positions restarting,
     attention kept inside each example): the same summed loss and gradients within 1e-5."""
-    from stages.training.engine import _token_sum_loss
+    from stages.training.step import token_sum_loss
 
     examples = _examples(9)
     padded = SftBatches(examples, 32, 0, seed=0)
@@ -178,7 +178,7 @@ def test_packed_rows_give_the_loss_and_gradients_of_padded_ones(debug_model_dir,
         torch.manual_seed(0)
         model = load_pretrained(debug_model_dir) if method == "sft" else _adapted(debug_model_dir, method)[0]
         ids, labels, *pos = batches[0]
-        loss = _token_sum_loss(model, ids, labels, None, pos[0] if pos else None)
+        loss = token_sum_loss(model, ids, labels, None, pos[0] if pos else None)
         loss.backward()
         results.append((loss.detach(), {n: p.grad.clone() for n, p in trained_parameters(model)}))
     (loss_a, grads_a), (loss_b, grads_b) = results

@@ -32,6 +32,8 @@ from stages.checkpoint.hf import load_state_dict
 from stages.data.sft import encode_example
 from stages.parallel import ParallelDegrees
 from stages.training import engine, families
+from stages.training.distributed import init_distributed
+from stages.training.parallelize import check_model_fits
 from stages.training.batches import SftBatches
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -91,7 +93,7 @@ def test_our_families_train_through_our_model_and_stay_theirs(model_type, model_
     tokenizer = PreTrainedTokenizerFast.from_pretrained(source_dir)
     examples = [encode_example(tokenizer, r, 16, 24) for r in toy_records()[:48]]
     section = finetune_section("sft", max_steps=8, **SFT)
-    engine.init_distributed()
+    init_distributed()
     engine.train(model, SftBatches(examples, 24, 0, seed=0), section, tmp_path / "out",
                  stage="finetune-sft", tokenizer_dir=source_dir, parent=source_dir, meta_config=section)
     losses = train_losses(tmp_path / "out")
@@ -115,7 +117,7 @@ def test_family_trains_and_writes_what_transformers_loads(model_type, model_dir,
     tokenizer = PreTrainedTokenizerFast.from_pretrained(source_dir)
     examples = [encode_example(tokenizer, r, 16, 24) for r in toy_records()[:48]]
     section = finetune_section("sft", max_steps=8, **SFT)
-    engine.init_distributed()  # a world of one, in this process
+    init_distributed()  # a world of one, in this process
     metrics = engine.train(model, SftBatches(examples, 24, 0, seed=0), section, tmp_path / "out",
                            stage="finetune-sft", tokenizer_dir=source_dir, parent=source_dir, meta_config=section)
     losses = train_losses(tmp_path / "out")
@@ -235,7 +237,7 @@ def test_engine_refuses_to_split_a_transformers_model(model_dir, degrees):
     model = AutoModelForCausalLM.from_pretrained(model_dir("gpt2"))
     section = finetune_section("sft")
     with pytest.raises(ValueError, match=r"model_type='gpt2' trains through transformers' GPT2LMHeadModel"):
-        engine.check_model_fits(model, section, ParallelDegrees(world_size=2, **degrees))
+        check_model_fits(model, section, ParallelDegrees(world_size=2, **degrees))
 
 
 def test_families_module_imports_no_torch():

@@ -20,7 +20,7 @@ from stages.training.materialize import (
     lazy_pretrained,
     materialize,
 )
-from stages.training.memory import host_build_bytes, parameter_count
+from stages.planning.memory import host_build_bytes, parameter_count
 
 VARIANTS = {  # llama: separate lm_head; qwen2: q/k/v biases and tied embeddings
     "llama": dict(),
@@ -118,11 +118,11 @@ def test_a_source_without_a_parameter_names_it():
 
 
 def _sliced(rank: int, world: int, variant: str, layout: dict, from_checkpoint: str | None) -> dict:
-    """This rank's parameters after `engine.parallelize`, from a whole model and from a lazy one,
+    """This rank's parameters after `parallelize`, from a whole model and from a lazy one,
     plus the elements the lazy rank allocated."""
     torch.manual_seed(0)
     from stages.parallel.topology import Topology
-    from stages.training.engine import parallel_degrees, parallelize
+    from stages.training.parallelize import parallel_degrees, parallelize
 
     section = {"world_size": world, "tensor_parallel_degree": 1, "pipeline_parallel_degree": 1,
                "virtual_pp_degree": 1, "sharding": "none", "tensor_parallel_output": False, "recompute": False,

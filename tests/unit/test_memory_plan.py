@@ -1,4 +1,4 @@
-"""The memory model (stages/training/memory.py): the ZeRO paper's model-state formulas, exact
+"""The memory model (stages/planning/memory.py): the ZeRO paper's model-state formulas, exact
 parameter counts, the nearest layout that fits, and the estimate against what real engines hold
 and peak at (bench/memory_plan.py: 2 gloo ranks on the CPU, the profiler's allocator records)."""
 
@@ -14,7 +14,7 @@ import pytest
 from stages.config import check_config
 from stages.model import build_model, config_for_flavour
 from stages.model.config import FLAVOURS, LlamaConfig
-from stages.training.memory import (
+from stages.planning.memory import (
     estimate_memory,
     estimate_phases,
     nearest_fitting_layout,
@@ -133,7 +133,7 @@ def test_pipeline_ranks_hold_every_parameter_once():
 
 def test_the_module_imports_no_torch():
     """It runs when Snakemake parses the workflow."""
-    code = "import sys, stages.training.memory; sys.exit('torch' in sys.modules)"
+    code = "import sys, stages.planning.memory; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
 
 

@@ -11,7 +11,7 @@ import torch
 
 from pretrain_fixtures import make_data_dir, pretrain_section, requires_fp16, torchrun
 from stages.training.batches import SftBatches, WindowSampler
-from stages.training.engine import deepspeed_config
+from stages.training.deepspeed_engine import deepspeed_config
 
 
 def test_global_batch_is_the_same_for_any_number_of_ranks():

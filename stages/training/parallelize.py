@@ -1,0 +1,77 @@
+"""A training section's layout applied to a built model: the parallel degrees, the checks that
+the model fits them, and tensor parallel, recompute, compile and the pipeline split in torchtitan's
+order. Parameter names stay those of the single-device model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from stages.model import LlamaForCausalLM
+from stages.parallel import ParallelDegrees, Topology, apply_tensor_parallel
+from stages.parallel.pipeline import PipelineRunner
+from stages.training.deepspeed_engine import ZERO_STAGES
+from stages.training.families import check_transformers_model, prepare_transformers_model
+
+
+def parallel_degrees(section: dict[str, Any]) -> ParallelDegrees:
+    """The parallel degrees of a validated training section (data parallel derived)."""
+    return ParallelDegrees(world_size=section["world_size"],
+                           tensor_parallel_degree=section["tensor_parallel_degree"],
+                           pipeline_parallel_degree=section["pipeline_parallel_degree"])
+
+
+class PipelineModules(torch.nn.Module):
+    """This rank's pipeline chunks as one module for DeepSpeed; parameter names stay those of the
+    single-device model (the chunks hold `model.layers.<i>` under their own names)."""
+
+    def __init__(self, chunks: list[torch.nn.Module]):
+        super().__init__()
+        self.chunks = torch.nn.ModuleList(chunks)
+
+    def full_names(self) -> dict[str, str]:
+        """Local parameter/buffer name -> single-device name (drops the `chunks.<k>.` prefix)."""
+        return {k: k.split(".", 2)[2] for k in self.state_dict()}
+
+
+def check_model_fits(model: torch.nn.Module, section: dict[str, Any], degrees: ParallelDegrees) -> None:
+    """Raise ValueError when the section's layout cannot train `model`: our model's degrees must
+    divide its shapes; a transformers model takes data parallel and ZeRO only."""
+    if isinstance(model, LlamaForCausalLM):
+        degrees.validate_for_model(model.config)
+    else:
+        check_transformers_model(model, section, degrees.tensor_parallel_degree, degrees.pipeline_parallel_degree)
+
+
+def parallelize(model: torch.nn.Module, section: dict[str, Any],
+                topology: Topology) -> tuple[torch.nn.Module, PipelineRunner | None]:
+    """Apply the section's layout to the full `model` in place, in the torchtitan order (tensor
+    parallel, activation recompute, compile, pipeline split). Returns the module DeepSpeed wraps
+    (this rank's pipeline chunks under a pipeline) and the pipeline runner, if any."""
+    if not isinstance(model, LlamaForCausalLM):  # data parallel and ZeRO only (check_model_fits)
+        prepare_transformers_model(model, section)
+        return model, None
+    degrees = topology.degrees
+    if degrees.tensor_parallel_degree > 1:
+        apply_tensor_parallel(model, topology, tensor_parallel_output=section["tensor_parallel_output"])
+    model.gradient_checkpointing = bool(section["recompute"])
+    if section["torch_compile"]:
+        # In place, layer by layer, so parameter names stay those of the single-device model;
+        # the collectives inside tensor-parallel layers become graph breaks.
+        for layer in model.model.layers.values():
+            layer.compile()
+    if degrees.pipeline_parallel_degree == 1:
+        return model, None
+    runner = PipelineRunner(model, degrees.pipeline_parallel_degree, section["virtual_pp_degree"],
+                            n_microbatches=section["gradient_accumulation_steps"], pp_group=topology.group("pipeline"))
+    return PipelineModules(runner.modules), runner
+
+
+def layout_metrics(section: dict[str, Any], topology: Topology) -> dict[str, int]:
+    """The degrees of the run, for meta.json."""
+    degrees = topology.degrees
+    return {"world_size": degrees.world_size, "data_parallel_degree": topology.get_data_parallel_world_size(),
+            "tensor_parallel_degree": degrees.tensor_parallel_degree,
+            "pipeline_parallel_degree": degrees.pipeline_parallel_degree,
+            "zero_stage": ZERO_STAGES[section["sharding"]]}

@@ -1,0 +1,74 @@
+"""One optimizer step of any layout: the summed next-token loss of a micro-batch, the learned
+tokens of the global batch, and the step whose loss is their mean (so every layout follows the
+single-process curve)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from stages.model import causal_lm_loss, counted_tokens
+from stages.parallel.mappings import collective_device
+from stages.parallel.pipeline import PipelineRunner
+from stages.parallel.tensor import vocab_parallel_cross_entropy
+
+
+def token_sum_loss(engine, ids: torch.Tensor, labels: torch.Tensor, tp_group,
+                   position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Summed next-token cross-entropy over labels != IGNORE_INDEX (logits split over the vocabulary when
+    `tp_group` is given, i.e. tensor_parallel_output). Our model returns the logits, a transformers
+    model a ModelOutput holding them; right padding needs no attention mask under causal attention.
+    `position_ids` marks packed rows (our model only)."""
+    output = engine(input_ids=ids) if position_ids is None else engine(input_ids=ids, position_ids=position_ids)
+    logits = output if torch.is_tensor(output) else output.logits  # (B, T, V) or (B, T, V/tp)
+    per_token = None if tp_group is None else functools.partial(vocab_parallel_cross_entropy, group=tp_group)
+    return causal_lm_loss(logits, labels, reduction="sum", per_token=per_token)
+
+
+def train_step(engine, runner: PipelineRunner | None, batches: list[tuple[torch.Tensor, ...]],
+               num_tokens: int, dp: int, clip: Callable[[torch.nn.Module], float] | None,
+               tp_group=None) -> tuple[torch.Tensor, float | None]:
+    """One optimizer step over this rank's micro-batches; returns (this rank's share of the step
+    loss, grad norm or None). `num_tokens` counts the learned tokens of the whole global batch:
+    the step loss is their mean, and the shares of the data-parallel ranks add up to it.
+
+    DeepSpeed divides gradients by gradient_accumulation_steps (engine.backward) and by dp (its
+    data-parallel average), so each micro-batch's summed loss is scaled by accum x dp / num_tokens.
+    With a pipeline the schedule runs the micro-batches (normalised by num_tokens / dp) and
+    DeepSpeed's reduction and step are called explicitly. `clip`, when given, clips and measures
+    the gradients just before the update (ZeRO off).
+    """
+    if runner is not None:
+        if any(len(b) > 2 for b in batches):
+            raise ValueError("packed micro-batches (with position_ids) under pipeline parallelism: the stages pass "
+                             "hidden states only; set packing: false or pipeline_parallel_degree: 1")
+        ids = torch.cat([b[0] for b in batches]).to(engine.device)
+        labels = torch.cat([b[1] for b in batches]).to(engine.device)
+        engine.zero_grad()
+        share = runner.train_step(ids, labels, normalizer=num_tokens / dp).cpu() / dp
+        engine.allreduce_gradients()  # the schedule ran backward, not engine.backward
+        grad_norm = clip(engine.module) if clip else None
+        engine.step()
+        return share, grad_norm
+    share, grad_norm, accum = torch.zeros(()), None, len(batches)
+    for i, (ids, labels, *packed) in enumerate(batches):
+        position_ids = packed[0].to(engine.device) if packed else None  # a packed micro-batch
+        loss_sum = token_sum_loss(engine, ids.to(engine.device), labels.to(engine.device), tp_group, position_ids)
+        engine.backward(loss_sum * (accum * dp / num_tokens))
+        if clip and i == accum - 1:
+            grad_norm = clip(engine.module)
+        engine.step()  # DeepSpeed applies the optimizer only at the accumulation boundary
+        share += loss_sum.detach().float().cpu() / num_tokens
+    return share, grad_norm
+
+
+def learned_tokens(batches: list[tuple[torch.Tensor, ...]], dp_group) -> int:
+    """Learned (next-token) positions in the global batch: this rank's count summed over dp."""
+    import torch.distributed as dist
+
+    count = torch.tensor(sum(int(counted_tokens(b[1])) for b in batches),
+                         device=collective_device(dp_group))
+    dist.all_reduce(count, group=dp_group)
+    return max(int(count), 1)

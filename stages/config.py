@@ -17,13 +17,9 @@ from typing import Any
 import jsonschema
 import yaml
 
-from stages.errors import InputError, run_cli
+from stages.errors import ConfigError, InputError, run_cli
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "workflow" / "schemas" / "config.schema.yaml"
-
-
-class ConfigError(InputError):
-    """A config value the pipeline cannot use; the message names the key and the fix."""
 
 
 def load_yaml(path: str | Path) -> Any:
@@ -103,24 +99,36 @@ def _fill_defaults(instance: Any, schema: dict[str, Any], root: dict[str, Any]) 
                 _fill_defaults(value, extra, root)
 
 
+def _check_warmup(key: str, section: dict[str, Any]) -> None:
+    if section["warmup_steps"] > section["max_steps"]:
+        raise ConfigError(f"{key}: warmup_steps={section['warmup_steps']} exceeds max_steps={section['max_steps']}")
+
+
+def _check_lengths(key: str, section: dict[str, Any]) -> None:
+    if section["src_length"] >= section["max_length"]:
+        raise ConfigError(f"{key}: src_length={section['src_length']} must be smaller than "
+                          f"max_length={section['max_length']} (room is needed for the target)")
+
+
 def _check_relations(name: str, exp: dict[str, Any]) -> None:
     """Constraints between keys that a JSON schema cannot express."""
     for method, section in exp["finetune"].items():
-        if section["src_length"] >= section["max_length"]:
-            raise ConfigError(
-                f"experiments.{name}.finetune.{method}: src_length={section['src_length']} must be "
-                f"smaller than max_length={section['max_length']} (room is needed for the target)"
-            )
+        _check_lengths(f"experiments.{name}.finetune.{method}", section)
     predict = exp["predict"]
     if predict["src_length"] >= predict["max_length"]:
         raise ConfigError(f"experiments.{name}.predict: src_length={predict['src_length']} must be smaller than "
                           f"max_length={predict['max_length']} (prompt + generated tokens)")
-    for method, section in [("pretrain", exp["pretrain"]), *exp["finetune"].items()]:
-        if section["warmup_steps"] > section["max_steps"]:
-            raise ConfigError(
-                f"experiments.{name}.{method}: warmup_steps={section['warmup_steps']} exceeds "
-                f"max_steps={section['max_steps']}"
-            )
+    _check_warmup(f"experiments.{name}.pretrain", exp["pretrain"])
+    for method, section in exp["finetune"].items():
+        _check_warmup(f"experiments.{name}.finetune.{method}", section)
+
+
+def check_finetune_section(key: str, method: str, section: dict[str, Any]) -> None:
+    """The relations a complete `finetune.<method>` section must keep, as the workflow checks them
+    (for a stage run outside Snakemake); ConfigError naming `key`."""
+    _check_lengths(key, section)
+    _check_warmup(key, section)
+    _check_finetune(key, method, section, None)
 
 
 ARCH_OVERRIDES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -284,6 +292,13 @@ def pretrain_enabled(exp: dict[str, Any]) -> bool:
     starting checkpoint" (a random-init flavour must be pretrained; a checkpoint is fine-tuned as is)."""
     enabled = exp["pretrain"]["enabled"]
     return not exp["model"]["model_name_or_path"] if enabled is None else bool(enabled)
+
+
+def sharded_output(pretrain: dict[str, Any]) -> bool:
+    """Whether pretraining writes tensor/pipeline-parallel slices (for the `merge_tp` rule) instead of
+    the HF layout: unified_checkpoint off with tensor or pipeline parallelism."""
+    return not pretrain["unified_checkpoint"] and (pretrain["tensor_parallel_degree"] > 1
+                                                   or pretrain["pipeline_parallel_degree"] > 1)
 
 
 def finetune_source(exp: dict[str, Any]) -> str:

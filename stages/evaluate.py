@@ -85,6 +85,8 @@ from stages.checkpoint.atomic import write_json
 from stages.checkpoint.weights import check_adapter_dir, check_model_dir
 from stages.data.sft import encode_example, encode_prompt, read_sft_file, target_text
 from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
+from stages.settings import add_arguments, from_arguments
+from stages.settings import complete as complete_section
 from stages.errors import InputError, run_cli
 from stages.metrics.perplexity import model_perplexity, target_perplexity, unigram_perplexity, validation_windows
 from stages.metrics.speed import model_bytes, rss_bytes, speed_metrics
@@ -92,35 +94,20 @@ from stages.metrics.text import corpus_bleu, exact_match, rouge_l
 
 log = logging.getLogger(__name__)
 
-# Settings not (yet) in workflow/schemas/config.schema.yaml's `evaluate` section; a schema
-# default, when one is added, takes precedence over these.
-_EXTRA_DEFAULTS = {"src_length": 64}
+DEFAULT_SRC_LENGTH = 64  # finetune.sft.src_length's default; the workflow passes the real one
 _WEIGHT_PATTERNS = ("*.safetensors", "*.onnx", "*.onnx.data")
 _NUM_SAMPLES = 5
 
 
 # -- settings ------------------------------------------------------------------------------------
-def eval_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """The evaluate section with every missing key filled from the schema's defaults."""
-    from stages.config import load_schema
-
-    props = load_schema()["$defs"]["experiment"]["properties"]["evaluate"]["properties"]
-    defaults = {**_EXTRA_DEFAULTS, **{k: v["default"] for k, v in props.items() if "default" in v}}
-    unknown = sorted(set(config) - set(defaults))
-    if unknown:
-        raise InputError(f"evaluate config keys {unknown} are unknown; valid keys: {sorted(defaults)}")
-    settings = {**defaults, **config}
-    for key in ("max_new_tokens", "num_dev_examples", "ppl_max_length", "ppl_max_windows",
-                "src_length", "per_device_eval_batch_size", "speed_prefill_tokens", "speed_decode_tokens",
-                "speed_repeats"):
-        if not isinstance(settings[key], int) or settings[key] < 1:
-            raise InputError(f"evaluate.{key}={settings[key]!r} must be a positive integer")
-    sizes = settings["speed_batch_sizes"]
-    if not isinstance(sizes, list) or not sizes or not all(isinstance(b, int) and b >= 1 for b in sizes):
-        raise InputError(f"evaluate.speed_batch_sizes={sizes!r} must be a non-empty list of positive integers")
-    if settings["speed_decode_tokens"] < 2:
-        raise InputError(f"evaluate.speed_decode_tokens={settings['speed_decode_tokens']} must be at least 2")
-    return settings
+def eval_settings(config: dict[str, Any] | None) -> dict[str, Any]:
+    """The `evaluate` section completed with the schema's defaults and checked against it, and the
+    prompt length `src_length` (the fine-tuned one, which the workflow passes as --src-length)."""
+    config = dict(config or {})
+    src_length = config.pop("src_length", DEFAULT_SRC_LENGTH)
+    if not isinstance(src_length, int) or src_length < 1:
+        raise InputError(f"evaluate src_length={src_length!r} must be a positive integer")
+    return {"src_length": src_length, **complete_section(config, "evaluate")}
 
 
 # -- loading -------------------------------------------------------------------------------------
@@ -266,8 +253,9 @@ def generate_greedy(model: torch.nn.Module, prompts: Sequence[list[int]], *, max
 
 # -- the stage -----------------------------------------------------------------------------------
 def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, variant: str,
-        config: dict[str, Any]) -> dict[str, Any]:
-    """Evaluate `model_dir` on `data_dir`, write the metrics JSON to `out_path` and return it."""
+        config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Evaluate `model_dir` on `data_dir`, write the metrics JSON to `out_path` and return it.
+    `config`: the `evaluate` section (what it lacks takes the schema's default) and `src_length`."""
     t_start = time.perf_counter()
     settings = eval_settings(config)
     model_dir, data_dir = Path(model_dir), Path(data_dir)
@@ -344,16 +332,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--data", required=True, help="data dir written by prepare (index.json, *.bin, sft/dev.json)")
     parser.add_argument("--out", required=True, help="metrics JSON to write (eval/<variant>.json)")
     parser.add_argument("--variant", required=True, help="variant name recorded in the JSON (e.g. sft, lora, wint4)")
-    parser.add_argument("--config", default="{}", help="the experiment's `evaluate` section as one JSON object")
+    parser.add_argument("--config", metavar="JSON", help="the experiment's `evaluate` section as one JSON object")
     parser.add_argument("--src-length", type=int, default=None,
                         help="prompt tokens kept (left truncation), normally finetune.sft.src_length; "
                              "overrides the config's src_length (default 64)")
+    add_arguments(parser, "evaluate")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        config = json.loads(args.config)
-    except json.JSONDecodeError as e:
-        raise InputError(f"--config is not valid JSON ({e.msg}); pass the evaluate section as one object") from None
+    config = from_arguments(args, "evaluate", args.config)
     if args.src_length is not None:
         # Evaluate with the prompt length the model was fine-tuned with.
         config = {**config, "src_length": args.src_length}

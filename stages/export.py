@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stages import settings
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import copy_tokenizer, load_config, load_pretrained
 from stages.checkpoint.meta import write_meta
@@ -61,8 +62,6 @@ from stages.errors import InputError, run_cli
 log = logging.getLogger(__name__)
 
 ONNX_NAME = "model.onnx"
-RTOL = 1e-3  # fp32 graphs observed at 1e-7 (debug models) to ~1e-4 (135M) of the logit scale
-MIN_TOP1_AGREEMENT = 0.99
 _PROTOBUF_LIMIT = 2 * 1024**3  # bytes a single .onnx protobuf may hold
 _EXAMPLE_SHAPE = (2, 16)  # (batch, seq) traced; sizes 0/1 would be specialised by torch.export
 _PROBE_BATCH = 3
@@ -224,14 +223,18 @@ def check_onnx(model: torch.nn.Module, path: Path, probes: list[torch.Tensor]) -
     return agreement, (time.perf_counter() - start) * 1000 / _LATENCY_REPEATS
 
 
-def run(model_dir: str | Path, out_dir: str | Path, opset_version: int, rtol: float = RTOL,
-        min_top1_agreement: float = MIN_TOP1_AGREEMENT, config: dict[str, Any] | None = None) -> dict[str, Any]:
+def run(model_dir: str | Path, out_dir: str | Path, config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Export `model_dir` to `out_dir/model.onnx`, verify it with onnxruntime, return the metrics.
+    `config` is the `export` section (opset_version, rtol, min_top1_agreement); what it lacks takes
+    the schema's default (rtol 1e-3: fp32 graphs are observed at 1e-7 (debug models) to ~1e-4
+    (135M) of the logit scale).
 
     Raises ValueError (and leaves out_dir untouched) if onnxruntime's logits are off by more than
     `rtol` of the logit scale or agree on the top-1 token at fewer than `min_top1_agreement` of
     the probe positions.
     """
+    config = settings.complete(config, "export")
+    opset_version, rtol, min_top1_agreement = config["opset_version"], config["rtol"], config["min_top1_agreement"]
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if (model_dir / "config.json").exists() and "quantization_config" in json.loads(
             (model_dir / "config.json").read_text()):
@@ -259,34 +262,22 @@ def run(model_dir: str | Path, out_dir: str | Path, opset_version: int, rtol: fl
             "external_data": any(f.name != ONNX_NAME for f in tmp.glob(f"{ONNX_NAME}*")),
             "ort_latency_ms": latency,
         }
-        used = {**(config or {}), "opset_version": opset_version, "rtol": rtol,
-                "min_top1_agreement": min_top1_agreement}
-        write_meta(tmp, stage="export", config=used, parent=model_dir, seed=None, metrics=metrics)
+        write_meta(tmp, stage="export", config=config, parent=model_dir, seed=None, metrics=metrics)
     log.info("exported %s (%s model) with %s exporter: rel. error %.2e, top-1 agreement %.4f, %.1f ms per "
              "forward", model_dir, target.torch_model, exporter, agreement.rel_err, agreement.top1_agreement,
              latency)
     return metrics
 
 
-CONFIG_KEYS = ("opset_version", "rtol", "min_top1_agreement")
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m stages.export", description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="float Hugging Face model directory to export")
     parser.add_argument("--out", required=True, help="output directory (replaced atomically)")
-    parser.add_argument("--config", required=True,
-                        help="the experiment's `export` section as JSON (opset_version, rtol, "
-                             "min_top1_agreement), validated with defaults filled")
+    parser.add_argument("--config", metavar="JSON", help="the experiment's `export` section as one JSON object")
+    settings.add_arguments(parser, "export")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    config = json.loads(args.config)
-    missing = [k for k in CONFIG_KEYS if k not in config]
-    if missing:
-        raise ValueError(f"--config lacks {missing}; pass the export section after "
-                         "stages.config.check_config filled its defaults")
-    return run(args.model, args.out, config["opset_version"], config["rtol"], config["min_top1_agreement"],
-               config=config)
+    return run(args.model, args.out, settings.from_arguments(args, "export", args.config))
 
 
 if __name__ == "__main__":

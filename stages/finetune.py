@@ -25,22 +25,23 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import logging
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from stages.adapters import ADAPTER_METHODS, attach_adapter, count_parameters
 from stages.adapters.peft_files import peft_config_for, peft_model_tensors, peft_tensors, write_adapter
 from stages.checkpoint.integrity import sha256_file
-from stages.config import prefix_projection_conflict
+from stages import settings
+from stages.config import check_finetune_section
 from stages.data.corpus import read_index
 from stages.data.mix_sources import load_mix_sources
-from stages.data.sft import IGNORE_INDEX, encode_example, read_sft_file
+from stages.data.sft import encode_example, read_sft_file
+from stages.model.labels import IGNORE_INDEX
+from stages.model.loss import causal_lm_loss, counted_tokens
 from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
 from stages.errors import InputError, run_cli
 from stages.model import LlamaForCausalLM
@@ -49,7 +50,8 @@ from stages.training.mixed_batches import MixedSftBatches, reserve_for
 from stages.training.checkpointing import model_identity
 from stages.training.dev_eval import DevEvaluator
 from stages.training.peak_memory import log_memory_against_plan
-from stages.training.engine import finish_distributed, init_distributed, parallel_degrees
+from stages.training.distributed import finish_distributed, init_distributed
+from stages.training.parallelize import parallel_degrees
 from stages.training.engine import train as engine_train
 from stages.training.families import load_causal_lm
 from stages.training.seed import set_seed
@@ -57,17 +59,6 @@ from stages.training.seed import set_seed
 log = logging.getLogger(__name__)
 
 METHODS = ("sft", *ADAPTER_METHODS)
-# Keys of a finetune section this stage reads; stages.config.check_config fills them all.
-REQUIRED_KEYS = (
-    "per_device_train_batch_size", "gradient_accumulation_steps", "learning_rate", "min_learning_rate",
-    "warmup_steps", "max_steps", "lr_scheduler_type", "weight_decay", "adam_beta1", "adam_beta2",
-    "max_grad_norm", "seed", "logging_steps", "bf16", "src_length", "max_length",
-    "world_size", "sharding", "tensor_parallel_degree", "pipeline_parallel_degree", "packing",
-    "eval_steps", "eval_with_do_generation", "load_best_model_at_end", "metric_for_best_model",
-    "per_device_eval_batch_size", "num_eval_examples", "mix_ratio", "mix_datasets", "mix_weights",
-)
-METHOD_KEYS = {"sft": (), "lora": ("lora_rank", "lora_alpha", "lora_dropout", "target_modules"),
-               "prefix": ("num_prefix_tokens",)}
 
 Example = tuple[list[int], list[int]]  # (input_ids, labels)
 
@@ -115,7 +106,7 @@ def collate(examples: Sequence[Example], pad_token_id: int) -> dict[str, torch.T
 
 def target_token_count(labels: torch.Tensor) -> int:
     """Tokens that carry loss: labels shifted by one, as `summed_loss` scores them."""
-    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+    return int(counted_tokens(labels))
 
 
 def summed_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -125,10 +116,7 @@ def summed_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch
     token equally, whatever the micro-batch it falls in.
     """
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    V = logits.shape[-1]
-    shift_logits = logits[:, :-1, :].reshape(-1, V).float()  # (B*(T-1), V)
-    shift_labels = batch["labels"][:, 1:].reshape(-1)  # (B*(T-1),)
-    return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return causal_lm_loss(logits, batch["labels"], reduction="sum")
 
 
 @torch.no_grad()
@@ -147,20 +135,14 @@ def dev_loss(model: torch.nn.Module, examples: Sequence[Example], batch_size: in
 
 
 # -- training ------------------------------------------------------------------------------------
-def check_section(method: str, config: dict[str, Any]) -> None:
-    """Raise ValueError for an unknown method or a config section missing keys this stage reads."""
+def check_section(method: str, config: dict[str, Any] | None) -> dict[str, Any]:
+    """The `finetune.<method>` section `config` with the schema's defaults filled, checked as the
+    workflow checks it (InputError naming the key); InputError for an unknown method."""
     if method not in METHODS:
         raise InputError(f"--method {method!r} is unknown; choose one of {METHODS}")
-    missing = [k for k in (*REQUIRED_KEYS, *METHOD_KEYS[method]) if k not in config]
-    if missing:
-        raise InputError(f"finetune.{method} config lacks {missing}; pass the section as filled by "
-                         "stages.config.check_config (it adds every default)")
-    if config["src_length"] >= config["max_length"]:
-        raise InputError(f"finetune.{method}: src_length={config['src_length']} must be smaller than "
-                         f"max_length={config['max_length']} (room is needed for the target)")
-    conflict = prefix_projection_conflict(config) if method == "prefix" else None
-    if conflict:
-        raise InputError(f"finetune.prefix: {conflict}")
+    config = settings.complete(config, method)
+    check_finetune_section(f"finetune.{method}", method, config)
+    return config
 
 
 # -- the stage -----------------------------------------------------------------------------------
@@ -261,14 +243,15 @@ def adapter_writer(method: str, config: dict[str, Any], model: torch.nn.Module, 
 
 
 def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str | Path,
-        config: dict[str, Any], checkpoint_dir: str | Path | None = None) -> dict[str, Any]:
+        config: dict[str, Any] | None = None, checkpoint_dir: str | Path | None = None) -> dict[str, Any]:
     """Fine-tune the model in `model_dir` on `data_dir/sft/train.json` with `method` and the
     validated `finetune.<method>` section `config`, on the training engine in the section's
     layout; write `out_dir` atomically; return metrics (every rank). With `checkpoint_dir`,
-    checkpoints every `save_steps` steps and resumes as `resume_from_checkpoint` says."""
+    checkpoints every `save_steps` steps and resumes as `resume_from_checkpoint` says. Settings
+    missing from `config` take the schema's defaults of `finetune.<method>`."""
     import torch.distributed as dist
 
-    check_section(method, config)
+    config = check_section(method, config)
     model_dir, data_dir = Path(model_dir), Path(data_dir)
     train_path, dev_path = data_dir / "sft" / "train.json", data_dir / "sft" / "dev.json"
     if not train_path.exists():
@@ -336,20 +319,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--data", required=True, metavar="DIR",
                         help="prepare's output directory (reads sft/train.json, sft/dev.json)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory, written atomically")
-    parser.add_argument("--config", required=True, metavar="JSON",
-                        help="the finetune.<method> config section as a JSON object, defaults filled")
+    parser.add_argument("--config", metavar="JSON", help="the finetune.<method> section as one JSON object")
     parser.add_argument("--checkpoints", metavar="DIR",
                         help="working directory of checkpoints (every save_steps), resumed from on a rerun")
     parser.add_argument("--plan", metavar="JSON", default=None,
                         help="results/<name>/plan.json: log its planned per-device memory beside the measured peak")
+    settings.add_arguments(parser, *METHODS, group="finetune.<method> settings")
     args = parser.parse_args(argv)
-    try:
-        config = json.loads(args.config)
-    except json.JSONDecodeError as e:
-        parser.error(f"--config is not valid JSON ({e.msg} at column {e.colno})")
-    if not isinstance(config, dict):
-        parser.error(f"--config must be a JSON object (the finetune.{args.method} section), "
-                     f"got {type(config).__name__}")
+    own = settings.section_schema(args.method)["properties"]
+    stray = [key for key in settings.given_settings(args) if key not in own]
+    if stray:
+        parser.error(f"--method {args.method} has no setting {', '.join(stray)} (a setting of another method)")
+    config = settings.from_arguments(args, args.method, args.config)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     metrics = run(args.method, args.model, args.data, args.out, config, args.checkpoints)
     if args.plan:

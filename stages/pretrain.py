@@ -19,9 +19,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from stages import settings
 from stages.checkpoint.hf import load_config
 from stages.checkpoint.integrity import sha256_file
-from stages.config import ARCH_OVERRIDES
+from stages.config import ARCH_OVERRIDES, sharded_output
 from stages.data.corpus import load_split
 from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
 from stages.errors import InputError, run_cli
@@ -29,7 +30,9 @@ from stages.model import LlamaConfig, LlamaForCausalLM, config_for_flavour
 from stages.training.batches import WindowSampler
 from stages.training.checkpointing import model_identity
 from stages.training.peak_memory import log_memory_against_plan
-from stages.training.engine import finish_distributed, init_distributed, parallel_degrees, train
+from stages.training.distributed import finish_distributed, init_distributed
+from stages.training.engine import train
+from stages.training.parallelize import parallel_degrees
 from stages.training.materialize import lazy_model, lazy_pretrained
 from stages.training.seed import set_seed
 
@@ -69,12 +72,6 @@ def recorded_model_section(model_section: dict[str, Any], init_dir: Path | None,
             "hidden_size": model.config.hidden_size}
 
 
-def sharded_output(section: dict[str, Any]) -> bool:
-    """Whether the run writes tensor/pipeline-parallel slices (for `merge_tp`) instead of the HF layout."""
-    return not section["unified_checkpoint"] and (section["tensor_parallel_degree"] > 1
-                                                  or section["pipeline_parallel_degree"] > 1)
-
-
 def data_identity(data_dir: Path, init_dir: Path | None) -> dict[str, Any]:
     """What the checkpoints of a run depend on besides its config: the content of the training
     token files and of a starting checkpoint (hashing reads them once, ~1 s per GB)."""
@@ -84,14 +81,16 @@ def data_identity(data_dir: Path, init_dir: Path | None) -> dict[str, Any]:
     return identity
 
 
-def run(data_dir: str | Path, out_dir: str | Path, model_section: dict[str, Any],
-        section: dict[str, Any], checkpoint_dir: str | Path | None = None,
+def run(data_dir: str | Path, out_dir: str | Path, model_section: dict[str, Any] | None = None,
+        section: dict[str, Any] | None = None, checkpoint_dir: str | Path | None = None,
         init_dir: str | Path | None = None) -> dict[str, Any]:
     """Train for `section['max_steps']` optimizer steps in the section's layout
     (`stages.training.engine`), checkpointing into `checkpoint_dir` and resuming from it; write the
     HF checkpoint (or, with unified_checkpoint off and tp/pp > 1, the slices for merge_tp), the
-    tokenizer, train_log.csv and meta.json into `out_dir`. Returns the metrics (on every rank)."""
+    tokenizer, train_log.csv and meta.json into `out_dir`. Returns the metrics (on every rank).
+    Settings missing from the `model` and `pretrain` sections take the schema's defaults."""
     data_dir = Path(data_dir)
+    model_section, section = settings.complete(model_section, "model"), settings.complete(section, "pretrain")
     set_seed(section["seed"])
     index = json.loads((data_dir / "index.json").read_text())
     tokens, _ = load_split(data_dir, "train")
@@ -115,18 +114,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="output directory of the HF-layout checkpoint")
     parser.add_argument("--checkpoints", help="working directory of the run's checkpoints (resumed from when "
                         "it holds a complete one of the same recipe); none: no checkpoints")
-    parser.add_argument("--model-config", required=True, help="the experiment's validated `model` section as JSON")
-    parser.add_argument("--config", required=True, help="the experiment's validated `pretrain` section as JSON")
+    parser.add_argument("--model-config", metavar="JSON", help="the experiment's `model` section as one JSON object")
+    parser.add_argument("--config", metavar="JSON", help="the experiment's `pretrain` section as one JSON object")
     parser.add_argument("--init", default=None, metavar="DIR",
                         help="continued pretraining: start from this HF checkpoint (results/<name>/base) "
                              "instead of a random-init flavour")
     parser.add_argument("--plan", metavar="JSON", default=None,
                         help="results/<name>/plan.json: log its planned per-device memory beside the measured peak")
+    settings.add_arguments(parser, "pretrain")
+    settings.add_arguments(parser, "model")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    model_section = json.loads(args.model_config)
-    init = args.init or model_section.get("model_name_or_path")  # a direct call without --init
-    run(args.data, args.out, model_section, json.loads(args.config), args.checkpoints, init)
+    model_section = settings.from_arguments(args, "model", args.model_config)
+    section = settings.from_arguments(args, "pretrain", args.config)
+    init = args.init or model_section["model_name_or_path"]  # a direct call without --init
+    run(args.data, args.out, model_section, section, args.checkpoints, init)
     if args.plan:
         log_memory_against_plan(args.plan, "pretrain")
     finish_distributed()

@@ -67,6 +67,7 @@ from typing import Any
 import torch
 import transformers
 
+from stages import settings
 from stages.checkpoint.atomic import atomic_dir, write_json
 from stages.checkpoint.hf import copy_tokenizer, load_state_dict, save_state_dict
 from stages.checkpoint.meta import write_meta
@@ -76,7 +77,7 @@ from stages.quant.calibration import CalibrationSettings, calibration_ids, check
 from stages.quant.gptq import GPTQConfig, gptq_quantize_model
 from stages.quant.layers import decoder_blocks, decoder_linear_layers, meta_model
 from stages.quant.model import check_shapes, layer_weights, pack_gptq_model
-from stages.quant.variants import BUILTIN_VARIANTS, GPTQ_KEYS, VariantSpec, resolve_variant
+from stages.quant.variants import BUILTIN_VARIANTS, GPTQ_KEYS, VariantSpec, resolve_variant, variant_settings
 
 log = logging.getLogger(__name__)
 
@@ -238,10 +239,11 @@ def run(source_dir: str | Path, out_dir: str | Path, variant: str, group_size: i
     to meta.json.
 
     `config`: the experiment's `quantize` section (group_size, custom_variants, gptq, a8w8 and
-    calibration are read); `group_size`, when given, replaces its group_size; `data_dir`: the
-    experiment's prepared data, the calibration source of gptq and a8w8 variants."""
+    calibration are read; what it lacks takes the schema's default); `group_size`, when given,
+    replaces its group_size; `data_dir`: the experiment's prepared data, the calibration source of
+    gptq and a8w8 variants."""
     source_dir, out_dir = Path(source_dir), Path(out_dir)
-    section = dict(config or {})
+    section = settings.complete(config, "quantize")
     if group_size is not None:
         section["group_size"] = group_size
     spec = resolve_variant(variant, section)
@@ -305,7 +307,7 @@ def run(source_dir: str | Path, out_dir: str | Path, variant: str, group_size: i
             "max_rel_weight_error_layer": worst,
             **extra,
         }
-        write_meta(tmp, stage="quantize", config={**section, "variant": variant},
+        write_meta(tmp, stage="quantize", config={**variant_settings(variant, section), "variant": variant},
                    parent=source_dir, seed=None, metrics=metrics)
     log.info("%s: %.2f MB -> %.2f MB (x%.2f), mean rel. weight error %.4f", variant, source_size / 1e6,
              size / 1e6, metrics["compression_ratio"], metrics["mean_rel_weight_error"])
@@ -323,18 +325,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="the experiment's prepared data dir (results/<name>/data): the calibration "
                              "source of gptq and a8w8 variants (quantize.calibration.source corpus or sft); "
                              "not read by rtn variants")
-    parser.add_argument("--config", required=True,
-                        help="the experiment's `quantize` section as JSON, validated with defaults "
-                             "filled (group_size, custom_variants, gptq, a8w8 and calibration are read)")
+    parser.add_argument("--config", metavar="JSON",
+                        help="the experiment's `quantize` section as one JSON object (group_size, custom_variants, "
+                             "gptq, a8w8 and calibration are read)")
+    settings.add_arguments(parser, "quantize")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        config = json.loads(args.config)
-    except json.JSONDecodeError as e:
-        raise InputError(f"--config is not valid JSON ({e.msg}); pass the quantize section as one object") from None
-    if "group_size" not in config:
-        raise InputError("--config has no 'group_size'; pass the quantize section after "
-                         "stages.config.check_config filled its defaults")
+    config = settings.from_arguments(args, "quantize", args.config)
     return run(args.source, args.out, args.variant, config=config, data_dir=args.data)
 
 

@@ -136,3 +136,19 @@ def resolve_variant(name: str, section: dict[str, Any]) -> VariantSpec:
             key = "quantize.group_size"
         _check_group_size(settings["group_size"], key)
     return VariantSpec(name=name, method=method, settings=settings)
+
+
+def variant_settings(variant: str, quant: dict[str, Any]) -> dict[str, Any]:
+    """The part of a complete `quantize` section that variant `variant` reads: group_size, its
+    custom spec, its method's defaults (gptq, a8w8) and, when calibrated, `calibration`. The
+    workflow passes just this to the variant's job (changing one method's settings reruns only
+    its variants), and meta.json records it."""
+    method = spec_method(variant, quant)
+    settings: dict[str, Any] = {"group_size": quant["group_size"]}
+    if variant in quant["custom_variants"]:
+        settings["custom_variants"] = {variant: quant["custom_variants"][variant]}
+    if method in quant:  # gptq, a8w8
+        settings[method] = quant[method]
+    if method in CALIBRATED_METHODS:
+        settings["calibration"] = quant["calibration"]
+    return settings

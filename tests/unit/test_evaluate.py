@@ -196,10 +196,12 @@ def test_adapter_base_falls_back_to_a_sibling_dir(workspace, tmp_path):
 
 
 def test_bad_inputs_name_the_problem(workspace, tmp_path):
-    with pytest.raises(ValueError, match="unknown"):
+    with pytest.raises(ValueError, match="'evaluate.max_new_token' is unknown; did you mean 'max_new_tokens'"):
         evaluate.eval_settings({"max_new_token": 3})
-    with pytest.raises(ValueError, match="positive integer"):
+    with pytest.raises(ValueError, match="'evaluate.max_new_tokens': 0 is less than the minimum of 1"):
         evaluate.eval_settings({"max_new_tokens": 0})
+    with pytest.raises(ValueError, match="src_length=0 must be a positive integer"):
+        evaluate.eval_settings({"src_length": 0})
     with pytest.raises(ValueError, match="config.json is missing"):
         evaluate.run(tmp_path, workspace / "data", tmp_path / "x.json", "x", CONFIG)
     with pytest.raises(ValueError, match="dev.json is missing"):

@@ -112,7 +112,7 @@ def chain(request, tmp_path_factory, tokenizer_dir):
     m["merge"] = merge.run(root / "lora", root / "merged")
     for variant in ("wint8", "wint4"):
         m[variant] = quantize.run(root / "merged", root / variant, variant, GROUP)
-    m["export"] = export.run(root / "merged", root / "onnx", opset_version=18)
+    m["export"] = export.run(root / "merged", root / "onnx", {"opset_version": 18})
     for name in ("merged", "wint4"):
         m[f"eval_{name}"] = evaluate.run(root / name, data, root / "eval" / f"{name}.json", name, EVAL_CONFIG)
     return family, root, m

@@ -146,7 +146,7 @@ def test_bad_target_module_is_a_clear_error_and_writes_nothing(tmp_path, debug_m
 
 
 @pytest.mark.parametrize("method, config, message", [
-    ("lora", {"max_steps": 3}, r"finetune.lora config lacks \["),
+    ("lora", {"max_steps": 3, "lora_rnak": 4}, r"'finetune.lora.lora_rnak' is unknown; did you mean 'lora_rank'"),
     ("ia3", {}, "--method 'ia3' is unknown"),
 ])
 def test_bad_section_is_a_clear_error(tmp_path, debug_model_dir, data_dir, method, config, message):

@@ -153,7 +153,8 @@ def test_cli(source, tmp_path):
     metrics = quantize.main(["--source", str(source), "--out", str(out), "--variant", "wint4",
                              "--config", json.dumps({"source": "sft", "variants": ["wint4"], "group_size": 8})])
     assert metrics["group_size"] == 8
-    assert json.loads((out / "meta.json").read_text())["config"]["variants"] == ["wint4"]
+    # meta.json records what the variant read (stages.quant.variants.variant_settings), as the workflow passes it
+    assert json.loads((out / "meta.json").read_text())["config"] == {"group_size": 8, "variant": "wint4"}
 
 
 @pytest.mark.parametrize("case", ["already-quantized", "bad-group-size"])
@@ -166,7 +167,7 @@ def test_cli_refuses_bad_input_in_one_line(case, quantized, source, tmp_path):
 
     src, group, expected = {
         "already-quantized": (quantized["wint4"][0], GROUP, "is already quantized; quantize.source must name a float model"),
-        "bad-group-size": (source, -5, "quantize.group_size=-5 must be a positive integer"),
+        "bad-group-size": (source, -5, "'quantize.group_size': -5 is less than the minimum of -1"),
     }[case]
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, "-m", "stages.quantize", "--source", str(src), "--out", str(out),

@@ -5,19 +5,18 @@ import json
 import re
 from pathlib import Path
 
-from snakemake.utils import validate
-
 from stages.cluster.resources import single_process_resources
-from stages.config import ConfigError, check_config, finetune_source, load_schema, pretrain_enabled
+from stages.config import ConfigError, check_config, finetune_source, load_schema, pretrain_enabled, sharded_output
 from stages.config import experiment as named_experiment
 from stages.data.validate import check_data_section, check_mix_datasets, mix_files
 from stages.plan import check_plan
-from stages.quant.variants import BUILTIN_VARIANTS, CALIBRATED_METHODS, spec_method
+from stages.quant.variants import BUILTIN_VARIANTS, CALIBRATED_METHODS, spec_method, variant_settings
 
-_checked = check_config(config)  # unknown keys (closest name), types, relations; fills defaults
+# Validated once, here: unknown keys (closest name), types and values (the JSON schema), relations
+# between keys; every default filled (stages.config.check_config; stages read complete sections).
+_checked = check_config(config)
 config.clear()
 config.update(_checked)
-validate(config, "../schemas/config.schema.yaml")
 
 for _name, _experiment in config["experiments"].items():
     check_data_section(_experiment["data"], _name, Path.cwd())  # paths are relative to the workdir
@@ -36,20 +35,13 @@ EXPERIMENT_NAME = _ROOT_SCHEMA["properties"]["experiments"]["propertyNames"]["pa
 FINETUNE_METHODS = list(_SCHEMA["finetune"]["properties"])  # sft, lora, prefix
 
 
-def _writes_shards(settings):
-    """unified_checkpoint off with tensor or pipeline parallelism: pretrain writes slices for merge_tp."""
-    pretrain = settings["pretrain"]
-    return not pretrain["unified_checkpoint"] and (
-        pretrain["tensor_parallel_degree"] > 1 or pretrain["pipeline_parallel_degree"] > 1)
-
-
 def _one_of(names):
     """A wildcard regex matching exactly these experiment names (none: matches nothing)."""
     return "|".join(re.escape(n) for n in names) or "(?!)"
 
 
-SHARDED_PRETRAIN = _one_of([n for n, e in config["experiments"].items() if _writes_shards(e)])
-UNIFIED_PRETRAIN = _one_of([n for n, e in config["experiments"].items() if not _writes_shards(e)])
+SHARDED_PRETRAIN = _one_of([n for n, e in config["experiments"].items() if sharded_output(e["pretrain"])])
+UNIFIED_PRETRAIN = _one_of([n for n, e in config["experiments"].items() if not sharded_output(e["pretrain"])])
 # Experiments that start from a local checkpoint (model.model_name_or_path): rule import_base.
 FROM_CHECKPOINT = _one_of([n for n, e in config["experiments"].items() if e["model"]["model_name_or_path"]])
 FINETUNED_VARIANTS = ["sft", "lora", "prefix", "lora-merged"]
@@ -227,16 +219,7 @@ def quantize_section(wildcards):
     """The part of the `quantize` section the variant reads, as its params: its custom spec, its
     method's defaults and, when calibrated, `calibration`; so that changing one method's settings
     reruns only that method's variants."""
-    quant = experiment(wildcards)["quantize"]
-    method = spec_method(wildcards.variant, quant)
-    settings = {"group_size": quant["group_size"]}
-    if wildcards.variant in quant["custom_variants"]:
-        settings["custom_variants"] = {wildcards.variant: quant["custom_variants"][wildcards.variant]}
-    if method in quant:  # gptq, a8w8
-        settings[method] = quant[method]
-    if method in CALIBRATED_METHODS:
-        settings["calibration"] = quant["calibration"]
-    return json.dumps(settings, sort_keys=True)
+    return json.dumps(variant_settings(wildcards.variant, experiment(wildcards)["quantize"]), sort_keys=True)
 
 
 def quantize_data_flag(wildcards):

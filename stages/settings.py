@@ -1,0 +1,173 @@
+"""One experiment section's settings, with the defaults of workflow/schemas/config.schema.yaml.
+
+The schema is the one source of defaults. Snakemake fills them when it parses the workflow
+(`stages.config.check_config`); a stage's `run()` called from Python, a bench or a test completes
+the section it is given with `complete(section, name)`, so it trains with the same settings as
+under Snakemake. `add_arguments` lists a section's settings on a stage's command line (`--help`
+shows each with its default and description) and `from_arguments` lays the ones given over the
+section passed as `--config`. Torch-free.
+
+    complete({"max_steps": 20}, "lora")   # every other finetune.lora key at its default
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import jsonschema
+
+from stages.errors import ConfigError
+
+# section name -> its path below an experiment (finetune methods are one level deeper)
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "model": ("model",), "data": ("data",), "pretrain": ("pretrain",), "sft": ("finetune", "sft"),
+    "lora": ("finetune", "lora"), "prefix": ("finetune", "prefix"), "predict": ("predict",),
+    "quantize": ("quantize",), "export": ("export",), "evaluate": ("evaluate",), "cluster": ("cluster",),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _root() -> dict[str, Any]:
+    from stages.config import load_schema
+
+    return load_schema()
+
+
+def key_of(name: str) -> str:
+    """The section's config key below an experiment: `finetune.lora`, `pretrain`, ..."""
+    return ".".join(SECTIONS[name])
+
+
+def section_schema(name: str) -> dict[str, Any]:
+    """The schema of section `name` (see SECTIONS), its `$ref`s resolved against the root."""
+    if name not in SECTIONS:
+        raise ConfigError(f"no config section {name!r}; sections: {', '.join(SECTIONS)}")
+    from stages.config import _resolve
+
+    root = _root()
+    node = _resolve(root["$defs"]["experiment"], root)
+    for part in SECTIONS[name]:
+        node = _resolve(node["properties"][part], root)
+    return node
+
+
+def defaults(name: str) -> dict[str, Any]:
+    """Every setting of section `name` at its schema default (a fresh copy)."""
+    return complete({}, name)
+
+
+def complete(section: Mapping[str, Any] | None, name: str) -> dict[str, Any]:
+    """`section` with every missing setting at its schema default, checked against the schema:
+    an unknown key (with the closest valid one) or a wrong value is a ConfigError naming the key."""
+    from stages.config import _check_keys, _fill_defaults
+
+    root, schema = _root(), section_schema(name)
+    section = copy.deepcopy(dict(section or {}))
+    _check_keys(section, schema, root, [key_of(name)])
+    _fill_defaults(section, schema, root)
+    resolver_schema = {**schema, "$defs": root.get("$defs", {})}
+    errors = sorted(jsonschema.Draft202012Validator(resolver_schema).iter_errors(section),
+                    key=lambda e: list(e.absolute_path))
+    if errors:
+        e = errors[0]
+        where = ".".join([key_of(name), *(str(p) for p in e.absolute_path)])
+        raise ConfigError(f"config key {where!r}: {e.message}")
+    return section
+
+
+def _argument_type(prop: dict[str, Any]):
+    """How one setting is read from the command line: JSON for lists, mappings and mixed types,
+    else the schema type."""
+    kinds = prop.get("type")
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
+    plain = [k for k in kinds if k != "null"]
+    if "enum" in prop or plain == ["string"]:
+        return str
+    if plain == ["integer"]:
+        return int
+    if plain == ["number"]:
+        return float
+    return json.loads
+
+
+def _shared_description(key: str) -> str:
+    """The description of a setting the training sections share (`$defs.*_properties`), for a
+    section that overrides its default without repeating it."""
+    for name, group in _root().get("$defs", {}).items():
+        if name.endswith("_properties") and isinstance(group.get(key), dict) and group[key].get("description"):
+            return " ".join(str(group[key]["description"]).split())
+    return ""
+
+
+METAVARS = {int: "N", float: "X", str: "TEXT", json.loads: "JSON"}
+
+
+def add_arguments(parser: argparse.ArgumentParser, *names: str, group: str | None = None) -> None:
+    """One `--<setting>` option per setting of the sections `names` (several: the fine-tuning
+    methods, whose settings mostly coincide), in a group of its own; `--help` shows each one's
+    description and default (per section where they differ). An option given overrides the value
+    in `--config`; `from_arguments` refuses one the chosen section lacks."""
+    from stages.config import _resolve
+
+    root = _root()
+    keys = [", ".join(f"`{key_of(n)}`" for n in names)]
+    box = parser.add_argument_group(
+        group or f"{key_of(names[0])} settings",
+        f"the experiment's {keys[0]} section (workflow/schemas/config.schema.yaml); each overrides the "
+        "value in --config (Snakemake passes the section as --config)")
+    props: dict[str, dict[str, Any]] = {}
+    for name in names:
+        for key, prop in section_schema(name).get("properties", {}).items():
+            props.setdefault(key, {})[name] = _resolve(prop, root)
+    filled = {name: defaults(name) for name in names}
+    for key, per_section in props.items():
+        prop = next(iter(per_section.values()))
+        shown = {json.dumps(filled[n][key]) for n in per_section}
+        if len(shown) == 1 and len(per_section) == len(names):
+            default = f"default: {shown.pop()}"
+        else:
+            default = "default: " + ", ".join(f"{n} {json.dumps(filled[n][key])}" for n in per_section)
+        text = next((" ".join(str(p["description"]).split()) for p in per_section.values() if p.get("description")), "")
+        text = text or _shared_description(key)
+        help_text = f"{text} ({default})" if text else default
+        flag, dest = "--" + key.replace("_", "-"), f"setting.{key}"
+        if flag in parser._option_string_actions:  # the command's own option (quantize --source): --config only
+            continue
+        if prop.get("type") == "boolean":
+            box.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                             help=help_text)
+            continue
+        choices, kind = prop.get("enum"), _argument_type(prop)
+        box.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS, choices=choices,
+                         metavar=None if choices else METAVARS[kind], help=help_text)
+
+
+def from_arguments(args: argparse.Namespace, name: str, config: str | None = None) -> dict[str, Any]:
+    """Section `name` from a stage's command line: the JSON object of `--config` (none: {}), the
+    `--<setting>` options of that section given laid over it, completed with the schema's defaults."""
+    section: dict[str, Any] = {}
+    if config:
+        try:
+            section = json.loads(config)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--config is not valid JSON ({e.msg} at column {e.colno}); pass the "
+                              f"{key_of(name)} section as one object") from None
+        if not isinstance(section, dict):
+            raise ConfigError(f"--config must be a JSON object (the {key_of(name)} section), "
+                              f"not {type(section).__name__}")
+    own = section_schema(name).get("properties", {})
+    for dest, value in vars(args).items():
+        key = dest.removeprefix("setting.")
+        if dest.startswith("setting.") and key in own:
+            section[key] = value
+    return complete(section, name)
+
+
+def given_settings(args: argparse.Namespace) -> list[str]:
+    """The `--<setting>` options given on a command line (their keys)."""
+    return [dest.removeprefix("setting.") for dest in vars(args) if dest.startswith("setting.")]

@@ -1,14 +1,14 @@
-"""Every shell command README.md prints works as printed.
+"""Every shell command README.md and docs/*.md print works as printed.
 
-The convention, in README.md:
+The convention, in README.md and the pages of docs/:
 - fenced ```bash / ```sh / ```console blocks hold commands, one a line (a trailing `\\` continues a
   line, `#` starts a comment, in ```console only lines with a `$ ` prompt are commands);
 - an HTML comment on the line just before a block changes how it is run, with the reason:
   `<!-- readme-test: skip "<command prefix>" because <reason> -->`: commands of the block that start
   with the prefix are not run (keep these few: each must match a command);
   `<!-- readme-test: slow because <reason> -->`: the block runs only with the `slow` tests;
-- a ```yaml block whose first line is `# <file name>` is a file the README tells users to write: the
-  test writes it before running anything.
+- a ```yaml block whose first line is `# <file name>` is a file the guide tells users to write: the
+  test writes it before running anything (one name, one content, wherever it is printed).
 
 How a command runs, in a temporary copy of the workflow (Snakefile, workflow/, config/, profiles/):
 - `snakemake ...`: as printed plus `-n` (a dry run: the DAG is built, every parse-time check runs);
@@ -33,6 +33,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 SHELL_LANGS = {"bash", "sh", "console"}
 PLACEHOLDERS = {"<name>": "small-debug"}
 SKIP = re.compile(r'<!-- readme-test: skip "(?P<prefix>[^"]+)" because (?P<reason>.+?) -->')
@@ -41,6 +42,7 @@ SLOW = re.compile(r"<!-- readme-test: slow because (?P<reason>.+?) -->")
 
 @dataclass
 class Block:
+    page: str  # README.md or docs/<name>.md
     line: int  # of the opening fence, 1-based
     lang: str
     lines: list[str]
@@ -63,7 +65,7 @@ class Block:
         return next((reason for prefix, reason in self.skips.items() if command.startswith(prefix)), None)
 
 
-def readme_blocks(text: str) -> list[Block]:
+def readme_blocks(text: str, page: str = "README.md") -> list[Block]:
     blocks, lines, i = [], text.splitlines(), 0
     while i < len(lines):
         m = re.match(r"^```(\w*)\s*$", lines[i])
@@ -75,7 +77,7 @@ def readme_blocks(text: str) -> list[Block]:
         while i < len(lines) and not lines[i].startswith("```"):
             body.append(lines[i])
             i += 1
-        block = Block(start + 1, m.group(1), body)
+        block = Block(page, start + 1, m.group(1), body)
         marker = lines[start - 1] if start else ""
         if s := SKIP.match(marker):
             block.skips[s.group("prefix")] = s.group("reason")
@@ -86,29 +88,35 @@ def readme_blocks(text: str) -> list[Block]:
     return blocks
 
 
-BLOCKS = readme_blocks(README.read_text())
+BLOCKS = [b for page in PAGES for b in readme_blocks(page.read_text(), str(page.relative_to(ROOT)))]
 SHELL_BLOCKS = [b for b in BLOCKS if b.lang in SHELL_LANGS]
+# a block printed again on another page (the README's summary of a docs page) runs once
+DISTINCT_BLOCKS = [b for i, b in enumerate(SHELL_BLOCKS)
+                   if all(b.commands() != earlier.commands() for earlier in SHELL_BLOCKS[:i])]
 
 
 def _param(block: Block):
     marks = [pytest.mark.slow] if block.slow else []
-    return pytest.param(block, marks=marks, id=f"L{block.line}-{block.commands()[0].split(' -')[0][:40]}")
+    page = "" if block.page == "README.md" else f"{Path(block.page).stem}-"
+    return pytest.param(block, marks=marks, id=f"{page}L{block.line}-{block.commands()[0].split(' -')[0][:40]}")
 
 
 def write_readme_files(workdir: Path) -> list[str]:
     """The files README's yaml blocks name in their first line, plus the data `my.yaml` points at
     (a corpus text file and an SFT directory: the README leaves their content to the user)."""
-    written = []
+    written: dict[str, str] = {}
     for block in BLOCKS:
         if block.lang == "yaml" and block.lines and (m := re.match(r"^#\s*(\S+\.ya?ml)\s*$", block.lines[0])):
-            (workdir / m.group(1)).write_text("\n".join(block.lines) + "\n")
-            written.append(m.group(1))
+            content = "\n".join(block.lines) + "\n"
+            assert written.get(m.group(1), content) == content, f"{block.page}:{block.line}: a second {m.group(1)}"
+            (workdir / m.group(1)).write_text(content)
+            written[m.group(1)] = content
     (workdir / "corpora").mkdir()
     (workdir / "corpora" / "notes.txt").write_text("A small corpus file for the dry run.\n" * 20)
     (workdir / "my_sft_data").mkdir()
     for split in ("train", "dev"):
         (workdir / "my_sft_data" / f"{split}.json").write_text('{"src": "colour: red", "tgt": "It is red."}\n' * 4)
-    return written
+    return list(written)
 
 
 @pytest.fixture(scope="module")
@@ -155,12 +163,15 @@ def run_command(command: str, workdir: Path) -> None:
 
 
 def test_the_readme_has_its_commands_and_markers_match():
-    commands = [c for b in SHELL_BLOCKS for c in b.commands()]
-    assert len(commands) >= 8 and any(c.startswith("snakemake") for c in commands)
+    readme = [c for b in SHELL_BLOCKS if b.page == "README.md" for c in b.commands()]
+    assert readme[:2] == ["make demo", "make test"], "Quick start: exactly `make demo` and `make test` first"
+    assert len(readme) >= 8 and any(c.startswith("snakemake") for c in readme)
+    assert len(README.read_text().splitlines()) <= 250, "README.md is a guide: the rest goes to docs/"
     for block in SHELL_BLOCKS:
         for prefix in block.skips:
             assert any(c.startswith(prefix) for c in block.commands()), \
-                f"README line {block.line}: the skip marker {prefix!r} matches no command of its block"
+                f"{block.page} line {block.line}: the skip marker {prefix!r} matches no command of its block"
+    commands = [c for b in SHELL_BLOCKS for c in b.commands()]
     # --configfile takes every word after it: a target behind it would be read as a config file
     for command in commands:
         if command.startswith("snakemake") and "--configfile" in command:
@@ -168,7 +179,7 @@ def test_the_readme_has_its_commands_and_markers_match():
             assert not any(w.startswith("results/") for w in after), f"target after --configfile: {command}"
 
 
-@pytest.mark.parametrize("block", [_param(b) for b in SHELL_BLOCKS])
+@pytest.mark.parametrize("block", [_param(b) for b in DISTINCT_BLOCKS])
 def test_readme_command_block_works_as_printed(block, workdir):
     for command in block.commands():
         if block.skipped(command):

@@ -66,6 +66,8 @@ from stages.data.files import json_lines
 from stages.data.sft import SftRecord, encode_prompt, parse_record, uses_chat_template
 from stages.data.tokenizer import check_same_tokenizer
 from stages.errors import InputError, run_cli
+from stages.settings import complete as complete_section
+from stages.settings import defaults as section_defaults
 from stages.evaluate import load_variant  # one loader for every kind of model dir
 
 log = logging.getLogger(__name__)
@@ -75,21 +77,28 @@ CHAT_TEMPLATE_CHOICES = ("auto", "true", "false")
 _EXAMPLE = '{"src": "...", "tgt": "..."}'
 
 
+SECTION_DEFAULTS: dict[str, Any] = section_defaults("predict")  # the schema's, its one source
+
+
 @dataclass(frozen=True)
 class PredictSettings:
     """How to generate; field names are PaddleNLP's (llm/predictor.py), but `max_length` counts the
-    prompt too, as finetune.sft's max_length does (see "Lengths" in the module docstring)."""
+    prompt too, as finetune.sft's max_length does (see "Lengths" in the module docstring). The
+    defaults are the `predict` section's in workflow/schemas/config.schema.yaml."""
 
-    batch_size: int = 8  # records per generate call
-    src_length: int = 64  # prompt tokens kept (left truncation)
-    max_length: int = 128  # prompt + generated tokens, per record
-    max_new_tokens: int | None = None  # a further cap on generated tokens (None: max_length decides)
-    decode_strategy: str = "greedy_search"  # or "sampling"
-    top_k: int = 0  # sampling: keep the k most likely tokens (0: all)
-    top_p: float = 1.0  # sampling: nucleus mass kept (1.0: all)
-    temperature: float = 1.0  # sampling: logits divided by this
-    seed: int = 42  # torch.manual_seed before the first batch
-    chat_template: str = "auto"  # auto | true | false
+    batch_size: int = SECTION_DEFAULTS["batch_size"]  # records per generate call
+    src_length: int = SECTION_DEFAULTS["src_length"]  # prompt tokens kept (left truncation)
+    max_length: int = SECTION_DEFAULTS["max_length"]  # prompt + generated tokens, per record
+    # a further cap on generated tokens (None: max_length decides)
+    max_new_tokens: int | None = SECTION_DEFAULTS["max_new_tokens"]
+    decode_strategy: str = SECTION_DEFAULTS["decode_strategy"]  # greedy_search or sampling
+    top_k: int = SECTION_DEFAULTS["top_k"]  # sampling: keep the k most likely tokens (0: all)
+    top_p: float = SECTION_DEFAULTS["top_p"]  # sampling: nucleus mass kept (1.0: all)
+    temperature: float = SECTION_DEFAULTS["temperature"]  # sampling: logits divided by this
+    seed: int = SECTION_DEFAULTS["seed"]  # torch.manual_seed before the first batch
+    # auto | true | false; not a config key: the rule's input lies in the data dir, so `auto`
+    # follows its index.json (sft_format), as evaluate does
+    chat_template: str = "auto"
 
     def __post_init__(self):
         for key in ("batch_size", "src_length", "max_length"):
@@ -112,23 +121,15 @@ class PredictSettings:
             raise InputError(f"predict.chat_template={self.chat_template!r}; valid: {', '.join(CHAT_TEMPLATE_CHOICES)}")
 
 
-# The CLI's defaults, and the config section's: the `predict` section holds every setting but
-# chat_template (the rule's input lies in the data dir, so `auto` follows index.json as evaluate
-# does). workflow/rules/predict.smk falls back to these until the schema has the section; the
-# schema's defaults must equal them (tested).
-DEFAULTS: dict[str, Any] = asdict(PredictSettings())
-SECTION_DEFAULTS: dict[str, Any] = {k: v for k, v in DEFAULTS.items() if k != "chat_template"}
+DEFAULTS: dict[str, Any] = asdict(PredictSettings())  # the command line's: the section's and chat_template
 
 
 def settings_flags(section: dict[str, Any]) -> str:
     """The command-line flags of a `predict` config section (workflow/rules/predict.smk's params),
-    checked; missing keys take SECTION_DEFAULTS, a null max_new_tokens is left out."""
-    unknown = sorted(set(section) - set(SECTION_DEFAULTS))
-    if unknown:
-        raise InputError(f"predict config keys {unknown} are unknown; valid keys: {sorted(SECTION_DEFAULTS)}")
-    settings = {**SECTION_DEFAULTS, **section}
-    PredictSettings(**settings)  # a bad value fails while Snakemake builds the DAG, before any job
-    return " ".join(f"--{key.replace('_', '-')} {value}" for key, value in settings.items() if value is not None)
+    checked; missing keys take the schema's defaults, a null max_new_tokens is left out."""
+    section = complete_section(section, "predict")
+    PredictSettings(**section)  # a bad value fails while Snakemake builds the DAG, before any job
+    return " ".join(f"--{key.replace('_', '-')} {value}" for key, value in section.items() if value is not None)
 
 
 # -- input ---------------------------------------------------------------------------------------

@@ -233,11 +233,10 @@ def test_config_section_becomes_the_command_line_flags():
     assert {k: getattr(args, k) for k in predict.SECTION_DEFAULTS} == {
         **predict.SECTION_DEFAULTS, "batch_size": 4, "max_new_tokens": 7, "decode_strategy": "sampling"}
     assert "--max-new-tokens" not in predict.settings_flags({})  # null: max_length decides
-    with pytest.raises(InputError, match="unknown"):
+    with pytest.raises(InputError, match="'predict.batchsize' is unknown; did you mean 'batch_size'"):
         predict.settings_flags({"batchsize": 4})
     with pytest.raises(InputError, match="src_length=128 must be below predict.max_length=128"):
         predict.settings_flags({"src_length": 128})
-    props = load_schema()["$defs"]["experiment"]["properties"]
-    if "predict" in props:  # one source of truth once the schema has the section
-        schema = {k: v.get("default") for k, v in props["predict"]["properties"].items()}
-        assert schema == predict.SECTION_DEFAULTS
+    # the dataclass's defaults are the schema's section, field for field (chat_template is no config key)
+    schema = {k: v["default"] for k, v in load_schema()["$defs"]["experiment"]["properties"]["predict"]["properties"].items()}
+    assert {k: v for k, v in predict.DEFAULTS.items() if k != "chat_template"} == schema == predict.SECTION_DEFAULTS

@@ -3,7 +3,7 @@
 # pretrain, sft, lora, prefix, lora-merged, and each quantize.variants name for quant/<name>).
 # The input lies in the prepare data dir, so the predictor's --chat-template auto follows its
 # index.json (sft_format), as evaluate does. The flags come from the experiment's `predict`
-# section; stages.predict.settings_flags fills what it leaves out with stages.predict's defaults.
+# section, complete since the workflow's config check filled the schema's defaults.
 from stages.predict import settings_flags
 
 
@@ -19,7 +19,7 @@ rule predict:
     benchmark:
         "results/{experiment}/benchmarks/predict_{variant}.tsv"
     params:
-        flags=lambda wildcards: settings_flags(experiment(wildcards).get("predict", {})),
+        flags=lambda wildcards: settings_flags(experiment(wildcards)["predict"]),
         model_dir=variant_dir,
     threads: 1
     resources:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from stages import settings
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.meta import write_meta
 from stages.checkpoint.tokenizer_files import copy_tokenizer
@@ -32,7 +33,7 @@ from stages.data.sft import SftRecord, uses_chat_template, write_sft_file
 from stages.data.tokenizer import (TokenizerError, load_model_tokenizer, save_tokenizer,
                                    tokenizer_fingerprint, train_tokenizer)
 from stages.data.validate import read_sft_dir, resolve_corpus, resolve_sft
-from stages.errors import InputError, run_cli
+from stages.errors import ConfigError, run_cli
 
 log = logging.getLogger(__name__)
 
@@ -163,49 +164,23 @@ def run(corpus: list[str], sft: str, out_dir: str | os.PathLike, vocab_size: int
     return metrics
 
 
-RUN_KEYS = ("corpus", "sft", "vocab_size", "validation_fraction", "num_sft_train", "num_sft_dev", "seed",
-            "chat_template")
-
-
-class PrepareArgumentError(InputError):
-    """A --config JSON that does not hold exactly the data section's keys."""
-
-
-def parse_config(text: str) -> dict[str, Any]:
-    """The `data` section from --config: a JSON object with exactly RUN_KEYS."""
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise PrepareArgumentError(f"--config: malformed JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(config, dict):
-        raise PrepareArgumentError(f"--config: expected a JSON object (the experiment's data section), "
-                                   f"got {type(config).__name__}")
-    missing = [k for k in RUN_KEYS if k not in config]
-    unknown = [k for k in config if k not in RUN_KEYS]
-    if missing or unknown:
-        raise PrepareArgumentError(f"--config: missing keys {missing}, unknown keys {unknown}; pass the "
-                                   "data section after stages.config.check_config has filled its defaults")
-    return config
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m stages.prepare", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, type=Path,
                         help="output data directory (e.g. results/llama/data); replaced atomically")
-    parser.add_argument("--config", required=True,
-                        help="the experiment's validated `data` section as one JSON object "
-                             "(keys: " + ", ".join(RUN_KEYS) + ")")
+    parser.add_argument("--config", metavar="JSON", help="the experiment's `data` section as one JSON object")
     parser.add_argument("--tokenizer", type=Path, default=None, metavar="MODEL_DIR",
                         help="use this checkpoint's tokenizer (and its embedding's vocabulary) instead of "
                              "training one: the imported model.model_name_or_path (results/<name>/base)")
     parser.add_argument("--base-dir", type=Path, default=None,
                         help="directory that relative corpus/sft paths resolve against "
                              "(default: the current directory, Snakemake's workdir)")
+    settings.add_arguments(parser, "data")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = parse_config(args.config)
-    except PrepareArgumentError as e:
+        config = settings.from_arguments(args, "data", args.config)
+    except ConfigError as e:
         parser.error(str(e))  # usage + message, exit status 2
     return run(out_dir=args.out, base_dir=args.base_dir, tokenizer_dir=args.tokenizer, **config)
 

@@ -140,10 +140,10 @@ def test_main_cli(tmp_path):
 
 
 @pytest.mark.parametrize("config, match", [
-    ("{not json", "malformed JSON"),
-    ("[1, 2]", "expected a JSON object"),
-    (json.dumps({"corpus": ["builtin:pydoc"]}), r"missing keys \['sft'"),
-    (json.dumps({**SMALL, "vocab": 3}), r"unknown keys \['vocab'\]"),
+    ("{not json", "--config is not valid JSON"),
+    ("[1, 2]", "--config must be a JSON object"),
+    (json.dumps({**SMALL, "vocab": 3}), r"'data.vocab' is unknown; did you mean 'vocab_size'"),
+    (json.dumps({**SMALL, "validation_fraction": 0.7}), r"'data.validation_fraction': 0.7 is greater than or equal to"),
 ])
 def test_main_rejects_bad_config(tmp_path, capsys, config, match):
     with pytest.raises(SystemExit) as e:

@@ -49,7 +49,7 @@ def load_schema(path: str | Path = SCHEMA_PATH) -> dict[str, Any]:
     return yaml.safe_load(Path(path).read_text())
 
 
-def _resolve(node: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
+def resolve_ref(node: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
     ref = node.get("$ref")
     if ref:
         target: Any = root
@@ -59,18 +59,18 @@ def _resolve(node: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
     return node
 
 
-def _check_keys(instance: Any, schema: dict[str, Any], root: dict[str, Any], path: list[str]) -> None:
+def check_keys(instance: Any, schema: dict[str, Any], root: dict[str, Any], path: list[str]) -> None:
     """Reject unknown keys (with a suggestion) and recurse into known ones."""
-    schema = _resolve(schema, root)
+    schema = resolve_ref(schema, root)
     if not isinstance(instance, dict) or schema.get("type") != "object":
         return
     props = schema.get("properties", {})
     extra = schema.get("additionalProperties", True)
     for key, value in instance.items():
         if key in props:
-            _check_keys(value, props[key], root, path + [str(key)])
+            check_keys(value, props[key], root, path + [str(key)])
         elif isinstance(extra, dict):
-            _check_keys(value, extra, root, path + [str(key)])
+            check_keys(value, extra, root, path + [str(key)])
         elif extra is False:
             where = ".".join(path) or "the top level"
             close = difflib.get_close_matches(str(key), list(props), n=1, cutoff=0.5)
@@ -81,9 +81,9 @@ def _check_keys(instance: Any, schema: dict[str, Any], root: dict[str, Any], pat
             )
 
 
-def _fill_defaults(instance: Any, schema: dict[str, Any], root: dict[str, Any]) -> None:
+def fill_defaults(instance: Any, schema: dict[str, Any], root: dict[str, Any]) -> None:
     """Insert a deep copy of each missing property's default, then recurse."""
-    schema = _resolve(schema, root)
+    schema = resolve_ref(schema, root)
     if not isinstance(instance, dict):
         return
     props = schema.get("properties", {})
@@ -91,12 +91,12 @@ def _fill_defaults(instance: Any, schema: dict[str, Any], root: dict[str, Any]) 
         if key not in instance and "default" in sub:
             instance[key] = copy.deepcopy(sub["default"])
         if key in instance:
-            _fill_defaults(instance[key], sub, root)
+            fill_defaults(instance[key], sub, root)
     extra = schema.get("additionalProperties")
     if isinstance(extra, dict):
         for key, value in instance.items():
             if key not in props:
-                _fill_defaults(value, extra, root)
+                fill_defaults(value, extra, root)
 
 
 def _check_warmup(key: str, section: dict[str, Any]) -> None:
@@ -449,8 +449,8 @@ def check_config(config: dict[str, Any], schema: dict[str, Any] | None = None) -
     config = copy.deepcopy(config)
     if not isinstance(config, dict) or "experiments" not in config:
         raise ConfigError("the config has no 'experiments' mapping; see config/config.yaml for the layout")
-    _check_keys(config, schema, schema, [])
-    _fill_defaults(config, schema, schema)
+    check_keys(config, schema, schema, [])
+    fill_defaults(config, schema, schema)
     validator = jsonschema.Draft202012Validator(schema)
     errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
     if errors:

@@ -47,12 +47,12 @@ def section_schema(name: str) -> dict[str, Any]:
     """The schema of section `name` (see SECTIONS), its `$ref`s resolved against the root."""
     if name not in SECTIONS:
         raise ConfigError(f"no config section {name!r}; sections: {', '.join(SECTIONS)}")
-    from stages.config import _resolve
+    from stages.config import resolve_ref
 
     root = _root()
-    node = _resolve(root["$defs"]["experiment"], root)
+    node = resolve_ref(root["$defs"]["experiment"], root)
     for part in SECTIONS[name]:
-        node = _resolve(node["properties"][part], root)
+        node = resolve_ref(node["properties"][part], root)
     return node
 
 
@@ -64,12 +64,12 @@ def defaults(name: str) -> dict[str, Any]:
 def complete(section: Mapping[str, Any] | None, name: str) -> dict[str, Any]:
     """`section` with every missing setting at its schema default, checked against the schema:
     an unknown key (with the closest valid one) or a wrong value is a ConfigError naming the key."""
-    from stages.config import _check_keys, _fill_defaults
+    from stages.config import check_keys, fill_defaults
 
     root, schema = _root(), section_schema(name)
     section = copy.deepcopy(dict(section or {}))
-    _check_keys(section, schema, root, [key_of(name)])
-    _fill_defaults(section, schema, root)
+    check_keys(section, schema, root, [key_of(name)])
+    fill_defaults(section, schema, root)
     resolver_schema = {**schema, "$defs": root.get("$defs", {})}
     errors = sorted(jsonschema.Draft202012Validator(resolver_schema).iter_errors(section),
                     key=lambda e: list(e.absolute_path))
@@ -112,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser, *names: str, group: str | Non
     methods, whose settings mostly coincide), in a group of its own; `--help` shows each one's
     description and default (per section where they differ). An option given overrides the value
     in `--config`; `from_arguments` refuses one the chosen section lacks."""
-    from stages.config import _resolve
+    from stages.config import resolve_ref
 
     root = _root()
     keys = [", ".join(f"`{key_of(n)}`" for n in names)]
@@ -123,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser, *names: str, group: str | Non
     props: dict[str, dict[str, Any]] = {}
     for name in names:
         for key, prop in section_schema(name).get("properties", {}).items():
-            props.setdefault(key, {})[name] = _resolve(prop, root)
+            props.setdefault(key, {})[name] = resolve_ref(prop, root)
     filled = {name: defaults(name) for name in names}
     for key, per_section in props.items():
         prop = next(iter(per_section.values()))

@@ -60,6 +60,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -443,6 +444,30 @@ def gptq_quantize_model(
     `on_block(key, seconds, block_results)` is called after each block (wall time of its Hessians,
     GPTQ and the forward that makes the next block's inputs).
     """
+    def step(block: nn.Module, inputs: list[BlockInput], names: str):
+        outputs, block_results = quantize_layer_sequential(block, inputs, config, prefix=names)
+        return block_results, outputs
+
+    def summary(block_results: dict[str, GPTQResult]) -> str:
+        return f"mean loss {sum(r.loss for r in block_results.values()) / len(block_results):.4g}"
+
+    return quantize_blocks_sequentially(model, blocks, calibration, step, summary, desc="GPTQ", prefix=prefix,
+                                        on_block=on_block)
+
+
+@torch.no_grad()
+def quantize_blocks_sequentially(
+    model: nn.Module, blocks: nn.ModuleList | nn.ModuleDict | Mapping[str, nn.Module],
+    calibration: Iterable[torch.Tensor],
+    step: Callable[[nn.Module, list[BlockInput], str], tuple[dict[str, Any], list[torch.Tensor]]],
+    summary: Callable[[dict[str, Any]], str], *, desc: str, prefix: str = "",
+    on_block: Callable[[str, float, dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """The block-by-block calibration loop of GPTQ and A8W8: the first block's inputs are captured
+    from `calibration`, then each block is quantized by `step(block, inputs, names_prefix)`, which
+    returns its layers' results and the block's outputs on those inputs, the next block's inputs (so
+    each block sees the previous blocks quantized). `on_block(key, seconds, results)` after each
+    block; `summary(results)` ends its log line. The model is left in its training mode."""
     named = list(blocks.items()) if isinstance(blocks, (nn.ModuleDict, Mapping)) else \
         [(str(i), b) for i, b in enumerate(blocks)]
     if not named:
@@ -452,16 +477,15 @@ def gptq_quantize_model(
     inputs = capture_block_inputs(model, named[0][1], calibration)
     if not inputs:
         raise ValueError("the calibration set is empty")
-    results: dict[str, GPTQResult] = {}
+    results: dict[str, Any] = {}
     dot = f"{prefix}." if prefix else ""
-    for key, block in tqdm(named, desc="GPTQ", unit="block", disable=len(named) < 4):
+    for key, block in tqdm(named, desc=desc, unit="block", disable=len(named) < 4):
         start = time.perf_counter()
-        outputs, block_results = quantize_layer_sequential(block, inputs, config, prefix=f"{dot}{key}")
+        block_results, outputs = step(block, inputs, f"{dot}{key}")
         if on_block is not None:
             on_block(key, time.perf_counter() - start, block_results)
         results.update(block_results)
         inputs = [replace(inp, hidden=out) for inp, out in zip(inputs, outputs)]
-        log.info("GPTQ block %s: %d layers, mean loss %.4g", key, len(block_results),
-                 sum(r.loss for r in block_results.values()) / len(block_results))
+        log.info("%s block %s: %d layers, %s", desc, key, len(block_results), summary(block_results))
     model.train(was_training)
     return results

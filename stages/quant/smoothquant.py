@@ -28,16 +28,13 @@ inputs are.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from stages.quant.a8w8 import QMAX, A8W8Config, A8W8LayerResult, quantize_weight_int8
-from stages.quant.gptq import BlockInput, StopForward, capture_block_inputs, run_block, sequential_groups
+from stages.quant.gptq import BlockInput, StopForward, quantize_blocks_sequentially, run_block, sequential_groups
 from stages.quant.layers import LINEAR_TYPES, linear_weight
 
 log = logging.getLogger(__name__)
@@ -192,26 +189,14 @@ def a8w8_quantize_model(
     checkpoint names when `prefix` is the blocks' path. `on_block(key, seconds, block_results)` is
     called after each block.
     """
-    named = list(blocks.items()) if isinstance(blocks, (nn.ModuleDict, Mapping)) else \
-        [(str(i), b) for i, b in enumerate(blocks)]
-    if not named:
-        raise ValueError("no decoder blocks were given to quantize")
-    was_training = model.training
-    model.eval()
-    inputs = capture_block_inputs(model, named[0][1], calibration)
-    if not inputs:
-        raise ValueError("the calibration set is empty")
-    results: dict[str, A8W8LayerResult] = {}
-    dot = f"{prefix}." if prefix else ""
-    for key, block in tqdm(named, desc="A8W8", unit="block", disable=len(named) < 4):
-        start = time.perf_counter()
-        block_results = quantize_block(block, inputs, config, prefix=f"{dot}{key}")
-        inputs = [replace(inp, hidden=run_block(block, inp)) for inp in inputs]
-        if on_block is not None:
-            on_block(key, time.perf_counter() - start, block_results)
-        results.update(block_results)
+    def step(block: nn.Module, inputs: list[BlockInput], names: str):
+        block_results = quantize_block(block, inputs, config, prefix=names)
+        return block_results, [run_block(block, inp) for inp in inputs]
+
+    def summary(block_results: dict[str, A8W8LayerResult]) -> str:
         alphas = sorted({r.alpha for r in block_results.values() if r.alpha is not None})
-        log.info("A8W8 block %s: %d layers, mean output MSE %.4g, alpha %s", key, len(block_results),
-                 sum(r.output_mse for r in block_results.values()) / len(block_results), alphas or "-")
-    model.train(was_training)
-    return results
+        mse = sum(r.output_mse for r in block_results.values()) / len(block_results)
+        return f"mean output MSE {mse:.4g}, alpha {alphas or '-'}"
+
+    return quantize_blocks_sequentially(model, blocks, calibration, step, summary, desc="A8W8", prefix=prefix,
+                                        on_block=on_block)

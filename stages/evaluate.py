@@ -85,12 +85,12 @@ from stages.checkpoint.atomic import write_json
 from stages.checkpoint.weights import check_adapter_dir, check_model_dir
 from stages.data.sft import encode_example, encode_prompt, read_sft_file, target_text
 from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
-from stages.settings import add_arguments, from_arguments
-from stages.settings import complete as complete_section
 from stages.errors import InputError, run_cli
 from stages.metrics.perplexity import model_perplexity, target_perplexity, unigram_perplexity, validation_windows
 from stages.metrics.speed import model_bytes, rss_bytes, speed_metrics
 from stages.metrics.text import corpus_bleu, exact_match, rouge_l
+from stages.settings import add_arguments, from_arguments
+from stages.settings import complete as complete_section
 
 log = logging.getLogger(__name__)
 

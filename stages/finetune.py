@@ -32,28 +32,28 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from stages import settings
 from stages.adapters import ADAPTER_METHODS, attach_adapter, count_parameters
 from stages.adapters.peft_files import peft_config_for, peft_model_tensors, peft_tensors, write_adapter
 from stages.checkpoint.integrity import sha256_file
-from stages import settings
 from stages.config import check_finetune_section
 from stages.data.corpus import read_index
 from stages.data.mix_sources import load_mix_sources
 from stages.data.sft import encode_example, read_sft_file
-from stages.model.labels import IGNORE_INDEX
-from stages.model.loss import causal_lm_loss, counted_tokens
 from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
 from stages.errors import InputError, run_cli
 from stages.model import LlamaForCausalLM
+from stages.model.labels import IGNORE_INDEX
+from stages.model.loss import causal_lm_loss, counted_tokens
 from stages.training.batches import PackedSftBatches, SftBatches
-from stages.training.mixed_batches import MixedSftBatches, reserve_for
 from stages.training.checkpointing import model_identity
 from stages.training.dev_eval import DevEvaluator
-from stages.training.peak_memory import log_memory_against_plan
 from stages.training.distributed import finish_distributed, init_distributed
-from stages.training.parallelize import parallel_degrees
 from stages.training.engine import train as engine_train
 from stages.training.families import load_causal_lm
+from stages.training.mixed_batches import MixedSftBatches, reserve_for
+from stages.training.parallelize import parallel_degrees
+from stages.training.peak_memory import log_memory_against_plan
 from stages.training.seed import set_seed
 
 log = logging.getLogger(__name__)

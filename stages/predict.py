@@ -66,9 +66,9 @@ from stages.data.files import json_lines
 from stages.data.sft import SftRecord, encode_prompt, parse_record, uses_chat_template
 from stages.data.tokenizer import check_same_tokenizer
 from stages.errors import InputError, run_cli
+from stages.evaluate import load_variant  # one loader for every kind of model dir
 from stages.settings import complete as complete_section
 from stages.settings import defaults as section_defaults
-from stages.evaluate import load_variant  # one loader for every kind of model dir
 
 log = logging.getLogger(__name__)
 

@@ -29,11 +29,11 @@ from stages.errors import InputError, run_cli
 from stages.model import LlamaConfig, LlamaForCausalLM, config_for_flavour
 from stages.training.batches import WindowSampler
 from stages.training.checkpointing import model_identity
-from stages.training.peak_memory import log_memory_against_plan
 from stages.training.distributed import finish_distributed, init_distributed
 from stages.training.engine import train
-from stages.training.parallelize import parallel_degrees
 from stages.training.materialize import lazy_model, lazy_pretrained
+from stages.training.parallelize import parallel_degrees
+from stages.training.peak_memory import log_memory_against_plan
 from stages.training.seed import set_seed
 
 

@@ -50,6 +50,7 @@ from stages.training.checkpointing import (
     write_final,
 )
 from stages.training.capabilities import fp16_unsupported_reason
+from stages.training.deepspeed_engine import build_engine
 from stages.training.families import (
     config_identity,
     estimated_flops_per_token,
@@ -58,7 +59,6 @@ from stages.training.families import (
 from stages.training.flops import flops_per_token, peak_matmul_flops
 from stages.training.log import TrainLog
 from stages.training.materialize import ResumeWeights, is_lazy, materialize
-from stages.training.deepspeed_engine import build_engine
 from stages.training.parallelize import check_model_fits, layout_metrics, parallel_degrees, parallelize
 from stages.training.step import learned_tokens, train_step
 

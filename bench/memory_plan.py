@@ -562,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     records = compare(measure(plan, args.steps, args.device), args.steps, args.device)
     print(format_report(records))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(args.out, {"machine": machine_info(), "settings": {"device": args.device, "world_size": WORLD_SIZE[args.device],
+    write_json(args.out, {"machine": machine_info(),
+                          "settings": {"device": args.device, "world_size": WORLD_SIZE[args.device],
                                        "steps": args.steps, "flavours": {f: FLAVOURS[f] for f in args.flavours},
                                        "cases": {c: CASES[c] for c in args.cases}, "target": TARGET},
                           "seconds": round(time.perf_counter() - started, 1), "records": records})

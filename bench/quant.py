@@ -453,7 +453,8 @@ def format_report(result: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    result: dict[str, Any] = {"machine": machine_info("transformers", "safetensors", "numpy", has_int_mm=hasattr(torch, "_int_mm")), "settings": {
+    machine = machine_info("transformers", "safetensors", "numpy", has_int_mm=hasattr(torch, "_int_mm"))
+    result: dict[str, Any] = {"machine": machine, "settings": {
         "sizes": args.sizes, "variants": args.variants, "repeats": args.repeats, "warmup": args.warmup,
         "threads": args.threads, "batch": args.batch, "prefill_tokens": args.prefill_tokens,
         "decode_prompt": args.decode_prompt, "decode_tokens": args.decode_tokens, "group_size": args.group_size,

@@ -99,6 +99,16 @@ def fill_defaults(instance: Any, schema: dict[str, Any], root: dict[str, Any]) -
                 fill_defaults(value, extra, root)
 
 
+def validate(instance: Any, schema: dict[str, Any], where: list[str] | None = None) -> None:
+    """ConfigError for the first value `instance` breaks `schema` (types, enums, ranges), naming
+    its key path below `where`; `schema` carries `$defs` for its references."""
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(instance), key=lambda e: list(e.absolute_path))
+    if errors:
+        e = errors[0]
+        key = ".".join([*(where or []), *(str(p) for p in e.absolute_path)]) or "the top level"
+        raise ConfigError(f"config key {key!r}: {e.message}")
+
+
 def _check_warmup(key: str, section: dict[str, Any]) -> None:
     if section["warmup_steps"] > section["max_steps"]:
         raise ConfigError(f"{key}: warmup_steps={section['warmup_steps']} exceeds max_steps={section['max_steps']}")
@@ -451,12 +461,7 @@ def check_config(config: dict[str, Any], schema: dict[str, Any] | None = None) -
         raise ConfigError("the config has no 'experiments' mapping; see config/config.yaml for the layout")
     check_keys(config, schema, schema, [])
     fill_defaults(config, schema, schema)
-    validator = jsonschema.Draft202012Validator(schema)
-    errors = sorted(validator.iter_errors(config), key=lambda e: list(e.absolute_path))
-    if errors:
-        e = errors[0]
-        key = ".".join(str(p) for p in e.absolute_path) or "the top level"
-        raise ConfigError(f"config key {key!r}: {e.message}")
+    validate(config, schema)
     for name, exp in config["experiments"].items():
         _check_relations(name, exp)
         source = _check_model_source(name, exp)

@@ -59,7 +59,7 @@ Metrics JSON (`eval/<variant>.json`, written atomically), one object:
 
 Settings: the schema's `evaluate` keys (max_new_tokens, num_dev_examples, ppl_max_length,
 ppl_max_windows, per_device_eval_batch_size, speed_prefill_tokens, speed_batch_sizes,
-speed_decode_tokens, speed_repeats) plus `src_length` (default 64; the rule passes
+speed_decode_tokens, speed_repeats) plus `src_length` (default: finetune.sft's, 64; the rule passes
 finetune.sft.src_length with `--src-length`, so prompts are cut as in training).
 
 Generation: prompts are `stages.data.sft.encode_prompt` ids (bos + src, left-truncated to
@@ -91,10 +91,10 @@ from stages.metrics.speed import model_bytes, rss_bytes, speed_metrics
 from stages.metrics.text import corpus_bleu, exact_match, rouge_l
 from stages.settings import add_arguments, from_arguments
 from stages.settings import complete as complete_section
+from stages.settings import defaults as section_defaults
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SRC_LENGTH = 64  # finetune.sft.src_length's default; the workflow passes the real one
 _WEIGHT_PATTERNS = ("*.safetensors", "*.onnx", "*.onnx.data")
 _NUM_SAMPLES = 5
 
@@ -104,7 +104,8 @@ def eval_settings(config: dict[str, Any] | None) -> dict[str, Any]:
     """The `evaluate` section completed with the schema's defaults and checked against it, and the
     prompt length `src_length` (the fine-tuned one, which the workflow passes as --src-length)."""
     config = dict(config or {})
-    src_length = config.pop("src_length", DEFAULT_SRC_LENGTH)
+    # without one, finetune.sft's default (the workflow passes the length the model was tuned with)
+    src_length = config.pop("src_length", section_defaults("sft")["src_length"])
     if not isinstance(src_length, int) or src_length < 1:
         raise InputError(f"evaluate src_length={src_length!r} must be a positive integer")
     return {"src_length": src_length, **complete_section(config, "evaluate")}
@@ -335,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--config", metavar="JSON", help="the experiment's `evaluate` section as one JSON object")
     parser.add_argument("--src-length", type=int, default=None,
                         help="prompt tokens kept (left truncation), normally finetune.sft.src_length; "
-                             "overrides the config's src_length (default 64)")
+                             "overrides the config's src_length (default: finetune.sft's, 64)")
     add_arguments(parser, "evaluate")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

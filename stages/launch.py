@@ -13,7 +13,8 @@ One rule text serves both worlds, so the training rules call this instead of cho
   disabled"), `--overlap` lets the training step share them. `--kill-on-bad-exit` ends every rank
   when one fails instead of leaving the others blocked in a collective until the time limit. The
   rendezvous host is the first node of the allocation, the port free there for this job
-  (stages.cluster.rendezvous); each rank reads its rank from SLURM_PROCID (stages.training.distributed.init_distributed).
+  (stages.cluster.rendezvous); each rank reads its rank from SLURM_PROCID
+  (stages.training.distributed.init_distributed).
   The executor's step describes itself, not the job, in SLURM_JOB_NODELIST (one node): the srun gets
   the job's node list from slurmctld instead, else a multi-node step is refused ("Only allocated 1
   nodes asked for 2").

@@ -247,7 +247,7 @@ def run(source_dir: str | Path, out_dir: str | Path, variant: str, group_size: i
     if group_size is not None:
         section["group_size"] = group_size
     spec = resolve_variant(variant, section)
-    calibration = CalibrationSettings.from_section(section.get("calibration") or {}) if spec.calibrated else None
+    calibration = CalibrationSettings.from_section(section["calibration"]) if spec.calibrated else None
     config_path = source_dir / "config.json"
     if not config_path.exists():
         raise InputError(f"{config_path} is missing; --source must be a Hugging Face model directory")

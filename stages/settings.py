@@ -19,7 +19,6 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-import jsonschema
 
 from stages.errors import ConfigError
 
@@ -64,19 +63,13 @@ def defaults(name: str) -> dict[str, Any]:
 def complete(section: Mapping[str, Any] | None, name: str) -> dict[str, Any]:
     """`section` with every missing setting at its schema default, checked against the schema:
     an unknown key (with the closest valid one) or a wrong value is a ConfigError naming the key."""
-    from stages.config import check_keys, fill_defaults
+    from stages.config import check_keys, fill_defaults, validate
 
     root, schema = _root(), section_schema(name)
     section = copy.deepcopy(dict(section or {}))
     check_keys(section, schema, root, [key_of(name)])
     fill_defaults(section, schema, root)
-    resolver_schema = {**schema, "$defs": root.get("$defs", {})}
-    errors = sorted(jsonschema.Draft202012Validator(resolver_schema).iter_errors(section),
-                    key=lambda e: list(e.absolute_path))
-    if errors:
-        e = errors[0]
-        where = ".".join([key_of(name), *(str(p) for p in e.absolute_path)])
-        raise ConfigError(f"config key {where!r}: {e.message}")
+    validate(section, {**schema, "$defs": root.get("$defs", {})}, [key_of(name)])
     return section
 
 
@@ -136,15 +129,15 @@ def add_arguments(parser: argparse.ArgumentParser, *names: str, group: str | Non
         text = text or _shared_description(key)
         help_text = f"{text} ({default})" if text else default
         flag, dest = "--" + key.replace("_", "-"), f"setting.{key}"
-        if flag in parser._option_string_actions:  # the command's own option (quantize --source): --config only
-            continue
         if prop.get("type") == "boolean":
-            box.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                             help=help_text)
+            option = dict(action=argparse.BooleanOptionalAction)
+        else:
+            choices, kind = prop.get("enum"), _argument_type(prop)
+            option = dict(type=kind, choices=choices, metavar=None if choices else METAVARS[kind])
+        try:
+            box.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=help_text, **option)
+        except argparse.ArgumentError:  # the command's own option (quantize --source): set it in --config
             continue
-        choices, kind = prop.get("enum"), _argument_type(prop)
-        box.add_argument(flag, dest=dest, type=kind, default=argparse.SUPPRESS, choices=choices,
-                         metavar=None if choices else METAVARS[kind], help=help_text)
 
 
 def from_arguments(args: argparse.Namespace, name: str, config: str | None = None) -> dict[str, Any]:

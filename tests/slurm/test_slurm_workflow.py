@@ -31,7 +31,8 @@ pytestmark = pytest.mark.slurm
 LOCAL_SLURM = ROOT / "tests" / "slurm" / "local_slurm.sh"
 PROFILE = ROOT / "workflow" / "profiles" / "slurm"
 STAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)")  # the launcher's line, logging, DeepSpeed
-# stages.launch's line inside an allocation, and each rank's line after init (stages.training.distributed.init_distributed)
+# stages.launch's line inside an allocation, and each rank's line after init
+# (stages.training.distributed.init_distributed)
 LAUNCH = re.compile(r"stages\.launch: srun --overlap --kill-on-bad-exit=1 --ntasks=(\d+) --nodes=(\d+) "
                     r"--ntasks-per-node=(\d+) .*\(MASTER_ADDR=(\S+) MASTER_PORT=(\d+)\)")
 RANK = re.compile(r"rank (\d+) of (\d+) on node (\S+) \(local rank (\d+), rendezvous (\S+):(\d+), (\w+)\)")

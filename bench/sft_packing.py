@@ -33,7 +33,6 @@ are noisy: compare ratios measured in the same run, not absolute numbers across 
 from __future__ import annotations
 
 import argparse
-import copy
 import csv
 import logging
 import statistics
@@ -53,11 +52,11 @@ from stages import finetune  # noqa: E402
 from bench.common import csv_list, finish, load_average, machine_info  # noqa: E402
 from stages.checkpoint.atomic import atomic_dir  # noqa: E402
 from stages.checkpoint.hf import save_pretrained  # noqa: E402
-from stages.config import check_config  # noqa: E402
 from stages.data.sft import SftRecord, write_sft_file  # noqa: E402
 from stages.data.tokenizer import load_model_tokenizer, save_tokenizer, train_tokenizer  # noqa: E402
 from stages.model import build_model, config_for_flavour, counted_tokens  # noqa: E402
 from stages.model.config import FLAVOURS  # noqa: E402
+from stages.sections import FINETUNE, SftSettings  # noqa: E402
 
 DEFAULT_OUT = ROOT / "bench" / "out" / "sft_packing.json"
 METHODS = ("sft", "lora")
@@ -119,19 +118,18 @@ def write_model(model_dir: Path, flavour: str, data_dir: Path, vocab_size: int) 
             **{k: FLAVOURS[flavour][k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers")}}
 
 
-def section(method: str, packing: bool, args: argparse.Namespace) -> dict[str, Any]:
+def section(method: str, packing: bool, args: argparse.Namespace) -> SftSettings:
     """The validated `finetune.<method>` section (schema defaults) with the bench's settings."""
-    settings = dict(max_steps=args.steps, warmup_steps=min(args.warmup_steps, args.steps), seed=0,
-                    per_device_train_batch_size=args.batch_size, max_length=args.max_length,
-                    src_length=args.max_length // 2, logging_steps=1, eval_steps=0, save_steps=0,
-                    num_eval_examples=args.num_dev, packing=packing)
-    config = check_config({"experiments": {"bench": {"finetune": {method: settings}}}})
-    return copy.deepcopy(config["experiments"]["bench"]["finetune"][method])
+    return FINETUNE[method].of(dict(
+        max_steps=args.steps, warmup_steps=min(args.warmup_steps, args.steps), seed=0,
+        per_device_train_batch_size=args.batch_size, max_length=args.max_length,
+        src_length=args.max_length // 2, logging_steps=1, eval_steps=0, save_steps=0,
+        num_eval_examples=args.num_dev, packing=packing))
 
 
 # -- what each step trained on -------------------------------------------------------------------
 
-def step_contents(config: dict[str, Any], model_dir: Path, data_dir: Path) -> dict[str, Any]:
+def step_contents(config: SftSettings, model_dir: Path, data_dir: Path) -> dict[str, Any]:
     """The stage's batch source rebuilt (same examples, tokenizer, seed) and what each of the
     section's steps trains on: real (non-padding) tokens, learned tokens, examples."""
     tokenizer = load_model_tokenizer(model_dir)

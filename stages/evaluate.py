@@ -75,6 +75,7 @@ import argparse
 import json
 import logging
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -89,9 +90,8 @@ from stages.errors import InputError, run_cli
 from stages.metrics.perplexity import model_perplexity, target_perplexity, unigram_perplexity, validation_windows
 from stages.metrics.speed import model_bytes, rss_bytes, speed_metrics
 from stages.metrics.text import corpus_bleu, exact_match, rouge_l
+from stages.sections import EvaluateSettings, SftSettings
 from stages.settings import add_arguments, from_arguments
-from stages.settings import complete as complete_section
-from stages.settings import defaults as section_defaults
 
 log = logging.getLogger(__name__)
 
@@ -100,15 +100,15 @@ _NUM_SAMPLES = 5
 
 
 # -- settings ------------------------------------------------------------------------------------
-def eval_settings(config: dict[str, Any] | None) -> dict[str, Any]:
+def eval_settings(config: Mapping[str, Any] | None, src_length: int | None = None) -> tuple[EvaluateSettings, int]:
     """The `evaluate` section completed with the schema's defaults and checked against it, and the
-    prompt length `src_length` (the fine-tuned one, which the workflow passes as --src-length)."""
-    config = dict(config or {})
-    # without one, finetune.sft's default (the workflow passes the length the model was tuned with)
-    src_length = config.pop("src_length", section_defaults("sft")["src_length"])
-    if not isinstance(src_length, int) or src_length < 1:
+    prompt length `src_length`: the fine-tuned one, which the workflow passes as --src-length;
+    without one, finetune.sft's default."""
+    if src_length is None:
+        src_length = SftSettings.of({}).src_length
+    if isinstance(src_length, bool) or not isinstance(src_length, int) or src_length < 1:
         raise InputError(f"evaluate src_length={src_length!r} must be a positive integer")
-    return {"src_length": src_length, **complete_section(config, "evaluate")}
+    return EvaluateSettings.of(config), src_length
 
 
 # -- loading -------------------------------------------------------------------------------------
@@ -254,11 +254,12 @@ def generate_greedy(model: torch.nn.Module, prompts: Sequence[list[int]], *, max
 
 # -- the stage -----------------------------------------------------------------------------------
 def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, variant: str,
-        config: dict[str, Any] | None = None) -> dict[str, Any]:
+        config: Mapping[str, Any] | None = None, src_length: int | None = None) -> dict[str, Any]:
     """Evaluate `model_dir` on `data_dir`, write the metrics JSON to `out_path` and return it.
-    `config`: the `evaluate` section (what it lacks takes the schema's default) and `src_length`."""
+    `config`: the `evaluate` section (what it lacks takes the schema's default); `src_length`: the
+    prompt tokens kept, the model's finetune.sft.src_length (default: that key's default)."""
     t_start = time.perf_counter()
-    settings = eval_settings(config)
+    settings, src_length = eval_settings(config, src_length)
     model_dir, data_dir = Path(model_dir), Path(data_dir)
     dev_path = data_dir / "sft" / "dev.json"
     if not dev_path.exists():
@@ -270,22 +271,22 @@ def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, varia
     check_same_tokenizer(tokenizer, model_dir, index, data_dir)
     chat = index.get("sft_format") == "chat_template"
     train, _ = read_split(data_dir, "train")
-    windows = validation_windows(valid, settings["ppl_max_length"], settings["ppl_max_windows"])
-    ppl, ppl_tokens = model_perplexity(model, windows, batch_size=settings["per_device_eval_batch_size"])
+    windows = validation_windows(valid, settings.ppl_max_length, settings.ppl_max_windows)
+    ppl, ppl_tokens = model_perplexity(model, windows, batch_size=settings.per_device_eval_batch_size)
     unigram = unigram_perplexity(train, windows[:, 1:], index["vocab_size"])
 
-    records = read_sft_file(dev_path)[:settings["num_dev_examples"]]
+    records = read_sft_file(dev_path)[:settings.num_dev_examples]
     eos = tokenizer.eos_token_id
     if eos is None:
         raise InputError(f"the tokenizer in {model_dir} has no eos token; generation cannot stop")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    answers = [encode_example(tokenizer, r, settings["src_length"], settings["src_length"] + settings["max_new_tokens"],
+    answers = [encode_example(tokenizer, r, src_length, src_length + settings.max_new_tokens,
                               chat) for r in records]
-    dev_ppl, dev_ppl_tokens = target_perplexity(model, answers, pad, settings["per_device_eval_batch_size"])
-    prompts = [encode_prompt(tokenizer, r, settings["src_length"], chat) for r in records]
+    dev_ppl, dev_ppl_tokens = target_perplexity(model, answers, pad, settings.per_device_eval_batch_size)
+    prompts = [encode_prompt(tokenizer, r, src_length, chat) for r in records]
     t_gen = time.perf_counter()
-    generated = generate_greedy(model, prompts, max_new_tokens=settings["max_new_tokens"], eos_token_id=eos,
-                                pad_token_id=pad, batch_size=settings["per_device_eval_batch_size"])
+    generated = generate_greedy(model, prompts, max_new_tokens=settings.max_new_tokens, eos_token_id=eos,
+                                pad_token_id=pad, batch_size=settings.per_device_eval_batch_size)
     gen_seconds = time.perf_counter() - t_gen
     predictions = [tokenizer.decode(g, skip_special_tokens=True) for g in generated]
     references = [target_text(r) for r in records]
@@ -317,7 +318,7 @@ def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, varia
         "kernels": _kernel_counts(model),
         "quantization": _quantization_meta(model_dir) if kind == "quantized" else None,
         "eval_seconds": time.perf_counter() - t_start,
-        "settings": settings,
+        "settings": {"src_length": src_length, **settings},
         "samples": [{"src": r.src[-1], "reference": ref, "prediction": pred}
                     for r, ref, pred in zip(records[:_NUM_SAMPLES], references, predictions)],
     }
@@ -335,16 +336,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--variant", required=True, help="variant name recorded in the JSON (e.g. sft, lora, wint4)")
     parser.add_argument("--config", metavar="JSON", help="the experiment's `evaluate` section as one JSON object")
     parser.add_argument("--src-length", type=int, default=None,
-                        help="prompt tokens kept (left truncation), normally finetune.sft.src_length; "
-                             "overrides the config's src_length (default: finetune.sft's, 64)")
+                        help="prompt tokens kept (left truncation): the model's finetune.sft.src_length "
+                             "(default: that key's default)")
     add_arguments(parser, "evaluate")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     config = from_arguments(args, "evaluate", args.config)
-    if args.src_length is not None:
-        # Evaluate with the prompt length the model was fine-tuned with.
-        config = {**config, "src_length": args.src_length}
-    return run(args.model, args.data, args.out, args.variant, config)
+    # the prompt length the model was fine-tuned with
+    return run(args.model, args.data, args.out, args.variant, config, args.src_length)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ import argparse
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ from stages.checkpoint.hf import copy_tokenizer, load_config, load_pretrained
 from stages.checkpoint.meta import write_meta
 from stages.checkpoint.weights import check_model_dir
 from stages.errors import InputError, run_cli
+from stages.sections import ExportSettings
 
 log = logging.getLogger(__name__)
 
@@ -223,7 +225,7 @@ def check_onnx(model: torch.nn.Module, path: Path, probes: list[torch.Tensor]) -
     return agreement, (time.perf_counter() - start) * 1000 / _LATENCY_REPEATS
 
 
-def run(model_dir: str | Path, out_dir: str | Path, config: dict[str, Any] | None = None) -> dict[str, Any]:
+def run(model_dir: str | Path, out_dir: str | Path, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Export `model_dir` to `out_dir/model.onnx`, verify it with onnxruntime, return the metrics.
     `config` is the `export` section (opset_version, rtol, min_top1_agreement); what it lacks takes
     the schema's default (rtol 1e-3: fp32 graphs are observed at 1e-7 (debug models) to ~1e-4
@@ -233,8 +235,8 @@ def run(model_dir: str | Path, out_dir: str | Path, config: dict[str, Any] | Non
     `rtol` of the logit scale or agree on the top-1 token at fewer than `min_top1_agreement` of
     the probe positions.
     """
-    config = settings.complete(config, "export")
-    opset_version, rtol, min_top1_agreement = config["opset_version"], config["rtol"], config["min_top1_agreement"]
+    config = ExportSettings.of(config)
+    opset_version, rtol, min_top1_agreement = config.opset_version, config.rtol, config.min_top1_agreement
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     if (model_dir / "config.json").exists() and "quantization_config" in json.loads(
             (model_dir / "config.json").read_text()):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -45,6 +46,7 @@ from stages.errors import InputError, run_cli
 from stages.model import LlamaForCausalLM
 from stages.model.labels import IGNORE_INDEX
 from stages.model.loss import causal_lm_loss, counted_tokens
+from stages.sections import FINETUNE, PrefixSettings, SftSettings
 from stages.training.batches import PackedSftBatches, SftBatches
 from stages.training.checkpointing import model_identity
 from stages.training.dev_eval import DevEvaluator
@@ -135,12 +137,12 @@ def dev_loss(model: torch.nn.Module, examples: Sequence[Example], batch_size: in
 
 
 # -- training ------------------------------------------------------------------------------------
-def check_section(method: str, config: dict[str, Any] | None) -> dict[str, Any]:
+def check_section(method: str, config: Mapping[str, Any] | None) -> SftSettings:
     """The `finetune.<method>` section `config` with the schema's defaults filled, checked as the
     workflow checks it (InputError naming the key); InputError for an unknown method."""
     if method not in METHODS:
         raise InputError(f"--method {method!r} is unknown; choose one of {METHODS}")
-    config = settings.complete(config, method)
+    config = FINETUNE[method].of(config)
     check_finetune_section(f"finetune.{method}", method, config)
     return config
 
@@ -168,12 +170,12 @@ def sft_format(tokenizer, model_dir: Path, data_dir: Path) -> bool:
     return chat
 
 
-def prefix_init_ids(config: dict[str, Any], examples: Sequence[Example]) -> list[int] | None:
+def prefix_init_ids(config: SftSettings, examples: Sequence[Example]) -> list[int] | None:
     """With `prefix_init: tokens`, the first num_prefix_tokens tokens of the training examples
     (in file order, one after the other): real text of the task, whose KV cache starts the prefix."""
-    if config.get("prefix_init", "random") != "tokens":
+    if not isinstance(config, PrefixSettings) or config.prefix_init != "tokens":
         return None
-    P = config["num_prefix_tokens"]
+    P = config.num_prefix_tokens
     ids = [t for example, _ in examples for t in example][:P]
     if len(ids) < P:
         raise InputError(f"finetune.prefix.prefix_init=tokens: the training examples hold {len(ids)} tokens, "
@@ -181,52 +183,52 @@ def prefix_init_ids(config: dict[str, Any], examples: Sequence[Example]) -> list
     return ids
 
 
-def build_source(config: dict[str, Any], examples: Sequence[Example], pad: int,
+def build_source(config: SftSettings, examples: Sequence[Example], pad: int,
                  mix_sources: Sequence[np.ndarray] = ()):
     """The engine's batch source: padded rows, or with `packing` several examples per row; with
     `mix_ratio` > 0, general text from `mix_sources` in the room after the examples
     (`stages.training.mixed_batches`)."""
-    ratio = config["mix_ratio"]
-    reserve = reserve_for(examples, ratio, config["max_length"]) if ratio else None
-    if config["packing"]:  # examples were cut to max_length; PackedSftBatches refuses longer ones
-        source = PackedSftBatches(list(examples), config["max_length"], pad, config["seed"], reserve)
+    ratio = config.mix_ratio
+    reserve = reserve_for(examples, ratio, config.max_length) if ratio else None
+    if config.packing:  # examples were cut to max_length; PackedSftBatches refuses longer ones
+        source = PackedSftBatches(list(examples), config.max_length, pad, config.seed, reserve)
         log.info("packing: %d examples in %d rows of %d tokens (%.0f%% real tokens)", len(examples),
                  len(source.rows), source.seq_len, 100 * source.fill)
     else:
-        source = SftBatches(list(examples), config["max_length"], pad, config["seed"], reserve)
+        source = SftBatches(list(examples), config.max_length, pad, config.seed, reserve)
     if not ratio:
         return source
-    weights = config["mix_weights"] or [1.0] * len(mix_sources)
-    return MixedSftBatches(source, mix_sources, weights, ratio, config["seed"])
+    weights = config.mix_weights or [1.0] * len(mix_sources)
+    return MixedSftBatches(source, mix_sources, weights, ratio, config.seed)
 
 
-def mixing_metrics(config: dict[str, Any], source, global_batch: int) -> dict[str, Any]:
+def mixing_metrics(config: SftSettings, source, global_batch: int) -> dict[str, Any]:
     """meta.json's record of the mixing: the share of learned tokens that was general text over
     the run's global batches, as trained (the setting is in the section)."""
     if not isinstance(source, MixedSftBatches):
         return {}
-    share = source.token_share(config["max_steps"], global_batch)
-    if abs(share - config["mix_ratio"]) > 0.02:
+    share = source.token_share(config.max_steps, global_batch)
+    if abs(share - config.mix_ratio) > 0.02:
         log.warning("mix_ratio=%.3f but general text was %.3f of the learned tokens: the rows (max_length=%d) "
-                    "have too little room after the examples; raise max_length", config["mix_ratio"], share,
-                    config["max_length"])
+                    "have too little room after the examples; raise max_length", config.mix_ratio, share,
+                    config.max_length)
     return {"mix_token_share": share, "mix_rows_length": source.seq_len}
 
 
-def dev_evaluator(config: dict[str, Any], dev: Sequence[Example] | None, dev_records, tokenizer, pad: int,
+def dev_evaluator(config: SftSettings, dev: Sequence[Example] | None, dev_records, tokenizer, pad: int,
                   chat: bool) -> DevEvaluator | None:
     """What the engine evaluates every `eval_steps` (and at the end: meta.json's dev_loss), or
     None without a dev set or under pipeline parallelism (the schedule only trains)."""
-    if dev is None or config["pipeline_parallel_degree"] > 1:
+    if dev is None or config.pipeline_parallel_degree > 1:
         return None
     generation = None
-    if config["eval_with_do_generation"]:
-        generation = {"tokenizer": tokenizer, "records": dev_records, "src_length": config["src_length"],
-                      "max_new_tokens": config["max_length"] - config["src_length"], "chat": chat}
-    return DevEvaluator(dev, config["per_device_eval_batch_size"], pad, generation=generation)
+    if config.eval_with_do_generation:
+        generation = {"tokenizer": tokenizer, "records": dev_records, "src_length": config.src_length,
+                      "max_new_tokens": config.max_length - config.src_length, "chat": chat}
+    return DevEvaluator(dev, config.per_device_eval_batch_size, pad, generation=generation)
 
 
-def adapter_writer(method: str, config: dict[str, Any], model: torch.nn.Module, model_dir: Path):
+def adapter_writer(method: str, config: SftSettings, model: torch.nn.Module, model_dir: Path):
     """Writes the trained adapter tensors (whole, by the training model's names) as a peft adapter dir."""
     if isinstance(model, LlamaForCausalLM):
         peft_config = peft_config_for(method, config, model_dir)
@@ -243,7 +245,7 @@ def adapter_writer(method: str, config: dict[str, Any], model: torch.nn.Module, 
 
 
 def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str | Path,
-        config: dict[str, Any] | None = None, checkpoint_dir: str | Path | None = None) -> dict[str, Any]:
+        config: Mapping[str, Any] | None = None, checkpoint_dir: str | Path | None = None) -> dict[str, Any]:
     """Fine-tune the model in `model_dir` on `data_dir/sft/train.json` with `method` and the
     validated `finetune.<method>` section `config`, on the training engine in the section's
     layout; write `out_dir` atomically; return metrics (every rank). With `checkpoint_dir`,
@@ -261,25 +263,25 @@ def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str |
                          "directory such as results/<experiment>/pretrain")
     degrees = parallel_degrees(config)  # bad degrees fail before any process group exists
     init_distributed()
-    set_seed(config["seed"])
+    set_seed(config.seed)
     tokenizer = load_model_tokenizer(model_dir)
     chat = sft_format(tokenizer, model_dir, data_dir)
     pad = pad_id(tokenizer)
-    examples = load_examples(train_path, tokenizer, config["src_length"], config["max_length"], chat)
+    examples = load_examples(train_path, tokenizer, config.src_length, config.max_length, chat)
     dev = dev_records = None
     if dev_path.exists():
-        dev_records = read_sft_file(dev_path)[:config["num_eval_examples"] or None]
-        dev = encode_examples(dev_records, dev_path, tokenizer, config["src_length"], config["max_length"], chat)
+        dev_records = read_sft_file(dev_path)[:config.num_eval_examples or None]
+        dev = encode_examples(dev_records, dev_path, tokenizer, config.src_length, config.max_length, chat)
     else:
         log.warning("%s is missing; no evaluation, meta.json gets dev_loss=null", dev_path)
 
-    mix = load_mix_sources(config["mix_datasets"], data_dir, tokenizer, f"finetune.{method}.mix_datasets") \
-        if config["mix_ratio"] else []
+    mix = load_mix_sources(config.mix_datasets, data_dir, tokenizer, f"finetune.{method}.mix_datasets") \
+        if config.mix_ratio else []
 
     # Each rank reads only its slice of the base, unless the prefix starts from the base's own KV
     # cache of real tokens (prefix_init: tokens), which needs the whole model before slicing.
-    model = load_causal_lm(model_dir, lazy=config.get("prefix_init") != "tokens")
-    if config["packing"] and not isinstance(model, LlamaForCausalLM):
+    model = load_causal_lm(model_dir, lazy=not (isinstance(config, PrefixSettings) and config.prefix_init == "tokens"))
+    if config.packing and not isinstance(model, LlamaForCausalLM):
         raise InputError(f"finetune.{method}.packing: {model_dir} trains through transformers' "
                          f"{type(model).__name__}, whose attention does not keep packed examples apart; "
                          "packing needs a family our model implements (Llama, Qwen2, Mistral)")
@@ -295,7 +297,7 @@ def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str |
     evaluator = dev_evaluator(config, dev, dev_records, tokenizer, pad, chat)
     writer = adapter_writer(method, config, model, model_dir) if method != "sft" else None
     source = build_source(config, examples, pad, mix)
-    global_batch = (config["per_device_train_batch_size"] * config["gradient_accumulation_steps"]
+    global_batch = (config.per_device_train_batch_size * config.gradient_accumulation_steps
                     * degrees.data_parallel_degree * degrees.sharding_parallel_degree)
     metrics = engine_train(model, source, config, out_dir, stage=f"finetune-{method}",
                            tokenizer_dir=model_dir, parent=model_dir, meta_config=config,

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -34,6 +35,7 @@ from stages.data.tokenizer import (TokenizerError, load_model_tokenizer, save_to
                                    tokenizer_fingerprint, train_tokenizer)
 from stages.data.validate import read_sft_dir, resolve_corpus, resolve_sft
 from stages.errors import ConfigError, run_cli
+from stages.sections import DataSettings
 
 log = logging.getLogger(__name__)
 
@@ -85,40 +87,37 @@ def model_tokenizer(model_dir: str | os.PathLike):
     return tokenizer, rows
 
 
-def run(corpus: list[str], sft: str, out_dir: str | os.PathLike, vocab_size: int, validation_fraction: float,
-        num_sft_train: int, num_sft_dev: int, seed: int, chat_template: bool = True,
+def run(out_dir: str | os.PathLike, data: Mapping[str, Any] | None = None, *,
         base_dir: str | os.PathLike | None = None, tokenizer_dir: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Build the data artifact in `out_dir` and return its metrics.
+    """Build the data artifact in `out_dir` (replaced atomically when complete) from the experiment's
+    `data` section `data` (typed `DataSettings` or a mapping; what it lacks takes the schema's
+    default) and return its metrics.
 
-    Args:
-        corpus: paths, globs or builtins (`builtin:pydoc`) of the pretraining text.
-        sft: a directory with train.json/dev.json (or train/*.json, dev/*.json), or `builtin:attributes`.
-        out_dir: the artifact directory; replaced atomically when complete.
-        vocab_size: the BPE vocabulary size asked for (the tokenizer may end smaller on tiny corpora;
-            index.json records the real size).
-        validation_fraction: share of corpus tokens held out for validation, as whole documents
-            (rule in `stages.data.corpus.split_documents`).
-        num_sft_train, num_sft_dev: records of the builtin task.
-        seed: seed of the document split and of the builtin task.
-        chat_template: render SFT records with the tokenizer's chat template when it has one
-            (recorded as index.json's `sft_format`, which fine-tuning and evaluation follow).
-        base_dir: what relative paths resolve against (default: the current directory).
-        tokenizer_dir: a starting checkpoint's directory: its tokenizer is used as is (copied into
-            tokenizer/) and the vocabulary is its embedding's; `vocab_size` is then ignored.
+    The section's keys: `corpus` (paths, globs or builtins such as `builtin:pydoc`), `sft` (a
+    directory with train.json/dev.json, or train/*.json, dev/*.json, or `builtin:attributes`),
+    `vocab_size` (asked for; the tokenizer may end smaller on tiny corpora, index.json records the
+    real size), `validation_fraction` (share of corpus tokens held out as whole documents,
+    `stages.data.corpus.split_documents`), `num_sft_train`/`num_sft_dev` (records of the builtin
+    task), `seed` (the document split and the builtin task), `chat_template` (render SFT records
+    with the tokenizer's chat template when it has one, recorded as index.json's `sft_format`,
+    which fine-tuning and evaluation follow).
+
+    base_dir: what relative paths resolve against (default: the current directory).
+    tokenizer_dir: a starting checkpoint's directory: its tokenizer is used as is (copied into
+        tokenizer/) and the vocabulary is its embedding's; `vocab_size` is then ignored.
 
     Returns metrics: vocab_size (real), num_documents_<split>, num_tokens_<split> (eos included),
     num_sft_train, num_sft_dev, train_unigram_entropy_bits, chars_per_token.
     """
     t0 = time.perf_counter()
-    config = {"corpus": list(corpus), "sft": sft, "vocab_size": vocab_size,
-              "validation_fraction": validation_fraction, "num_sft_train": num_sft_train,
-              "num_sft_dev": num_sft_dev, "seed": seed, "chat_template": chat_template,
-              "tokenizer": str(tokenizer_dir) if tokenizer_dir else None}
+    data = DataSettings.of(data)
+    corpus, sft, seed = list(data.corpus), data.sft, data.seed
+    config = {**data.as_dict(), "tokenizer": str(tokenizer_dir) if tokenizer_dir else None}
     # Read and check every input first: nothing is written unless all of it is usable. Paths are
     # resolved before any file is read so that a typo fails at once, not after a long corpus read.
     resolve_corpus(corpus, base_dir)
     resolve_sft(sft, base_dir)
-    sft_train, sft_dev = load_sft(sft, num_sft_train, num_sft_dev, seed, base_dir)
+    sft_train, sft_dev = load_sft(sft, data.num_sft_train, data.num_sft_dev, seed, base_dir)
     files_and_pydoc = [c for c in corpus if c != SFT_TARGETS]
     docs = read_documents(files_and_pydoc, base_dir) if files_and_pydoc else []
     if SFT_TARGETS in corpus:
@@ -127,12 +126,12 @@ def run(corpus: list[str], sft: str, out_dir: str | os.PathLike, vocab_size: int
     if tokenizer_dir is None:
         # The SFT train texts join the tokenizer's training text so that task words become tokens;
         # dev texts stay out so that evaluation sees only what training saw.
-        tokenizer = train_tokenizer(docs + _sft_texts(sft_train), vocab_size)
+        tokenizer = train_tokenizer(docs + _sft_texts(sft_train), data.vocab_size)
         actual_vocab = len(tokenizer)
     else:  # a starting checkpoint: its own tokenizer, its embedding's vocabulary
         tokenizer, actual_vocab = model_tokenizer(tokenizer_dir)
-    chat = uses_chat_template(tokenizer, chat_template)
-    splits = split_documents(encode_documents(tokenizer, docs), validation_fraction, seed)
+    chat = uses_chat_template(tokenizer, data.chat_template)
+    splits = split_documents(encode_documents(tokenizer, docs), data.validation_fraction, seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     with atomic_dir(out_dir) as tmp:
@@ -182,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         config = settings.from_arguments(args, "data", args.config)
     except ConfigError as e:
         parser.error(str(e))  # usage + message, exit status 2
-    return run(out_dir=args.out, base_dir=args.base_dir, tokenizer_dir=args.tokenizer, **config)
+    return run(args.out, config, base_dir=args.base_dir, tokenizer_dir=args.tokenizer)
 
 
 if __name__ == "__main__":

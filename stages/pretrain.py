@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from stages.data.corpus import load_split
 from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
 from stages.errors import InputError, run_cli
 from stages.model import LlamaConfig, LlamaForCausalLM, config_for_flavour
+from stages.sections import ModelSettings, PretrainSettings
 from stages.training.batches import WindowSampler
 from stages.training.checkpointing import model_identity
 from stages.training.distributed import finish_distributed, init_distributed
@@ -37,16 +39,16 @@ from stages.training.peak_memory import log_memory_against_plan
 from stages.training.seed import set_seed
 
 
-def _build_config(model_section: dict[str, Any], index: dict[str, Any]) -> LlamaConfig:
-    if model_section.get("model_name_or_path"):
-        return load_config(model_section["model_name_or_path"])
-    overrides = {k: model_section.get(k) for k in ARCH_OVERRIDES}
-    return config_for_flavour(model_section["flavour"], vocab_size=index["vocab_size"],
+def _build_config(model_section: ModelSettings, index: dict[str, Any]) -> LlamaConfig:
+    if model_section.model_name_or_path:
+        return load_config(model_section.model_name_or_path)
+    overrides = {k: model_section[k] for k in ARCH_OVERRIDES}
+    return config_for_flavour(model_section.flavour, vocab_size=index["vocab_size"],
                               bos_token_id=index["bos_token_id"], eos_token_id=index["eos_token_id"],
                               pad_token_id=index["pad_token_id"], **overrides)
 
 
-def _build(model_section: dict[str, Any], vocab_size: int, index: dict[str, Any], seed: int,
+def _build(model_section: ModelSettings, vocab_size: int, index: dict[str, Any], seed: int,
            init_dir: Path | None = None) -> LlamaForCausalLM:
     """The full model on the meta device, filled with only this rank's slice once the engine has
     sliced it (`stages.training.materialize`): continued pretraining from `init_dir` (the imported
@@ -61,13 +63,13 @@ def _build(model_section: dict[str, Any], vocab_size: int, index: dict[str, Any]
     return lazy_model(_build_config(model_section, index), seed=seed)
 
 
-def recorded_model_section(model_section: dict[str, Any], init_dir: Path | None,
+def recorded_model_section(model_section: ModelSettings, init_dir: Path | None,
                            model: LlamaForCausalLM) -> dict[str, Any]:
     """The model section meta.json records: for continued pretraining the real source and
     architecture (the flavour and overrides did not apply), else the section as given."""
     if init_dir is None:
-        return model_section
-    return {"model_name_or_path": model_section.get("model_name_or_path"), "init": str(init_dir),
+        return model_section.as_dict()
+    return {"model_name_or_path": model_section.model_name_or_path, "init": str(init_dir),
             "model_type": model.config.model_type, "num_hidden_layers": model.config.num_hidden_layers,
             "hidden_size": model.config.hidden_size}
 
@@ -81,17 +83,18 @@ def data_identity(data_dir: Path, init_dir: Path | None) -> dict[str, Any]:
     return identity
 
 
-def run(data_dir: str | Path, out_dir: str | Path, model_section: dict[str, Any] | None = None,
-        section: dict[str, Any] | None = None, checkpoint_dir: str | Path | None = None,
+def run(data_dir: str | Path, out_dir: str | Path, model_section: Mapping[str, Any] | None = None,
+        section: Mapping[str, Any] | None = None, checkpoint_dir: str | Path | None = None,
         init_dir: str | Path | None = None) -> dict[str, Any]:
-    """Train for `section['max_steps']` optimizer steps in the section's layout
+    """Train for `section.max_steps` optimizer steps in the section's layout
     (`stages.training.engine`), checkpointing into `checkpoint_dir` and resuming from it; write the
     HF checkpoint (or, with unified_checkpoint off and tp/pp > 1, the slices for merge_tp), the
     tokenizer, train_log.csv and meta.json into `out_dir`. Returns the metrics (on every rank).
-    Settings missing from the `model` and `pretrain` sections take the schema's defaults."""
+    The `model` and `pretrain` sections are typed settings (`stages.sections`) or mappings, whose
+    missing settings take the schema's defaults."""
     data_dir = Path(data_dir)
-    model_section, section = settings.complete(model_section, "model"), settings.complete(section, "pretrain")
-    set_seed(section["seed"])
+    model_section, section = ModelSettings.of(model_section), PretrainSettings.of(section)
+    set_seed(section.seed)
     index = json.loads((data_dir / "index.json").read_text())
     tokens, _ = load_split(data_dir, "train")
     parallel_degrees(section)  # bad degrees fail here, before any process group exists
@@ -99,8 +102,8 @@ def run(data_dir: str | Path, out_dir: str | Path, model_section: dict[str, Any]
     init_dir = Path(init_dir) if init_dir is not None else None
     if init_dir is not None:  # the data must be tokenized by the checkpoint's own tokenizer
         check_same_tokenizer(load_model_tokenizer(init_dir), init_dir, index, data_dir)
-    model = _build(model_section, index["vocab_size"], index, section["seed"], init_dir)
-    source = WindowSampler(tokens, section["max_length"], section["seed"])
+    model = _build(model_section, index["vocab_size"], index, section.seed, init_dir)
+    source = WindowSampler(tokens, section.max_length, section.seed)
     recorded = recorded_model_section(model_section, init_dir, model)
     return train(model, source, section, out_dir, stage="pretrain", tokenizer_dir=data_dir / "tokenizer",
                  parent=init_dir or data_dir, meta_config={"model": recorded, "pretrain": section},
@@ -127,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     model_section = settings.from_arguments(args, "model", args.model_config)
     section = settings.from_arguments(args, "pretrain", args.config)
-    init = args.init or model_section["model_name_or_path"]  # a direct call without --init
+    init = args.init or model_section.model_name_or_path  # a direct call without --init
     run(args.data, args.out, model_section, section, args.checkpoints, init)
     if args.plan:
         log_memory_against_plan(args.plan, "pretrain")

@@ -61,6 +61,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,7 @@ from stages.quant.gptq import GPTQConfig, gptq_quantize_model
 from stages.quant.layers import decoder_blocks, decoder_linear_layers, meta_model
 from stages.quant.model import check_shapes, layer_weights, pack_gptq_model
 from stages.quant.variants import BUILTIN_VARIANTS, GPTQ_KEYS, VariantSpec, resolve_variant, variant_settings
+from stages.sections import QuantizeSettings
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +236,7 @@ def _rtn(spec: VariantSpec, state: dict[str, torch.Tensor], layers: dict[str, bo
 
 
 def run(source_dir: str | Path, out_dir: str | Path, variant: str, group_size: int | None = None,
-        config: dict[str, Any] | None = None, data_dir: str | Path | None = None) -> dict[str, Any]:
+        config: Mapping[str, Any] | None = None, data_dir: str | Path | None = None) -> dict[str, Any]:
     """Quantize `source_dir` (HF layout) into `out_dir` as `variant` and return the metrics written
     to meta.json.
 
@@ -243,11 +245,11 @@ def run(source_dir: str | Path, out_dir: str | Path, variant: str, group_size: i
     replaces its group_size; `data_dir`: the experiment's prepared data, the calibration source of
     gptq and a8w8 variants."""
     source_dir, out_dir = Path(source_dir), Path(out_dir)
-    section = settings.complete(config, "quantize")
+    section = QuantizeSettings.of(config)
     if group_size is not None:
-        section["group_size"] = group_size
+        section = section.replace(group_size=group_size)
     spec = resolve_variant(variant, section)
-    calibration = CalibrationSettings.from_section(section["calibration"]) if spec.calibrated else None
+    calibration = CalibrationSettings.from_section(section.calibration) if spec.calibrated else None
     config_path = source_dir / "config.json"
     if not config_path.exists():
         raise InputError(f"{config_path} is missing; --source must be a Hugging Face model directory")

@@ -140,9 +140,10 @@ def add_arguments(parser: argparse.ArgumentParser, *names: str, group: str | Non
             continue
 
 
-def from_arguments(args: argparse.Namespace, name: str, config: str | None = None) -> dict[str, Any]:
+def from_arguments(args: argparse.Namespace, name: str, config: str | None = None):
     """Section `name` from a stage's command line: the JSON object of `--config` (none: {}), the
-    `--<setting>` options of that section given laid over it, completed with the schema's defaults."""
+    `--<setting>` options of that section given laid over it, completed with the schema's defaults,
+    as its typed settings object (`stages.sections`)."""
     section: dict[str, Any] = {}
     if config:
         try:
@@ -158,7 +159,9 @@ def from_arguments(args: argparse.Namespace, name: str, config: str | None = Non
         key = dest.removeprefix("setting.")
         if dest.startswith("setting.") and key in own:
             section[key] = value
-    return complete(section, name)
+    from stages.sections import typed
+
+    return typed(section, name)
 
 
 def given_settings(args: argparse.Namespace) -> list[str]:

@@ -24,6 +24,8 @@ import peft
 import torch
 from transformers.pytorch_utils import Conv1D
 
+from stages.sections import LoraSettings
+
 ALL_LINEAR = "all-linear"
 LINEAR_TYPES = (torch.nn.Linear, Conv1D)
 
@@ -70,17 +72,17 @@ def targets_conv1d(model: torch.nn.Module, target_modules: str | list[str]) -> b
     return any(_matches(n, t) for n in convs for t in target_modules)
 
 
-def build_lora_config(section: dict, fan_in_fan_out: bool = False) -> peft.LoraConfig:
+def build_lora_config(section: LoraSettings, fan_in_fan_out: bool = False) -> peft.LoraConfig:
     """A peft LoraConfig for a validated `finetune.lora` section (lora_rank, lora_alpha,
     lora_dropout, target_modules). Biases stay frozen and are not saved, so the adapter holds
     only A and B and merging is exactly W += (alpha / r) B A. `fan_in_fan_out` must be True when
     the targets are Conv1D layers (GPT-2), whose weight is stored (in, out)."""
-    targets = section["target_modules"]
+    targets = section.target_modules
     return peft.LoraConfig(
         task_type=peft.TaskType.CAUSAL_LM,
-        r=section["lora_rank"],
-        lora_alpha=section["lora_alpha"],
-        lora_dropout=section["lora_dropout"],
+        r=section.lora_rank,
+        lora_alpha=section.lora_alpha,
+        lora_dropout=section.lora_dropout,
         target_modules=targets if isinstance(targets, str) else list(targets),
         fan_in_fan_out=fan_in_fan_out,
         bias="none",

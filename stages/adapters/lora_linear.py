@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stages.adapters.lora import ALL_LINEAR, _matches
+from stages.sections import LoraSettings
 
 # What "all-linear" selects in our model: every projection of the decoder blocks, as peft's
 # "all-linear" does for transformers' Llama (never lm_head).
@@ -65,19 +66,19 @@ def selected(name: str, target_modules: str | list[str]) -> bool:
     return any(_matches(name, t) for t in target_modules)
 
 
-def add_lora(model: nn.Module, section: dict) -> list[str]:
-    """Freeze every parameter of our `model` and wrap the Linears `section['target_modules']`
+def add_lora(model: nn.Module, section: LoraSettings) -> list[str]:
+    """Freeze every parameter of our `model` and wrap the Linears `section.target_modules`
     selects (a validated `finetune.lora` section) with LoRA, in place, before any parallelism.
     Returns the wrapped module names (peft's `target_modules` for the adapter config)."""
     for p in model.parameters():
         p.requires_grad_(False)
-    targets = section["target_modules"]
+    targets = section.target_modules
     wrapped = []
     for name, module in list(model.named_modules()):
         if type(module) is nn.Linear and selected(name, targets):
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child,
-                    lora_linear(module, section["lora_rank"], section["lora_alpha"], section["lora_dropout"]))
+                    lora_linear(module, section.lora_rank, section.lora_alpha, section.lora_dropout))
             wrapped.append(name)
     if not wrapped:
         raise ValueError(f"finetune.lora.target_modules={targets!r} selects no Linear of the model")

@@ -15,6 +15,7 @@ widths) is what peft itself would write.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,12 @@ from stages.adapters.lora_linear import peft_name
 from stages.adapters.prefix import build_prefix_config
 from stages.adapters.prefix_kv import PEFT_KEY, prefix_names, projected_table, to_peft
 from stages.checkpoint.integrity import write_tensors
+from stages.sections import FINETUNE
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
-def peft_config_for(method: str, section: dict[str, Any], base_dir: str | Path) -> peft.PeftConfig:
+def peft_config_for(method: str, section: Mapping[str, Any], base_dir: str | Path) -> peft.PeftConfig:
     """The adapter config peft would write for `method` on the transformers model of `base_dir`'s
     config.json (built on the meta device)."""
     import transformers
@@ -38,6 +40,7 @@ def peft_config_for(method: str, section: dict[str, Any], base_dir: str | Path) 
     hf_config = transformers.AutoConfig.from_pretrained(base_dir, local_files_only=True, trust_remote_code=False)
     with torch.device("meta"):
         skeleton = transformers.AutoModelForCausalLM.from_config(hf_config)
+    section = FINETUNE[method].of(section)
     config = build_lora_config(section) if method == "lora" else build_prefix_config(section)
     return peft.get_peft_model(skeleton, config).peft_config["default"]
 

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import peft
 
+from stages.sections import PrefixSettings
 
-def build_prefix_config(section: dict) -> peft.PrefixTuningConfig:
+
+def build_prefix_config(section: PrefixSettings) -> peft.PrefixTuningConfig:
     """A peft PrefixTuningConfig for a validated `finetune.prefix` section.
 
     Without `prefix_projection` the trained vectors are the prefix itself, so the adapter file is
@@ -30,7 +32,7 @@ def build_prefix_config(section: dict) -> peft.PrefixTuningConfig:
     """
     return peft.PrefixTuningConfig(
         task_type=peft.TaskType.CAUSAL_LM,
-        num_virtual_tokens=section["num_prefix_tokens"],
-        prefix_projection=bool(section.get("prefix_projection", False)),
-        encoder_hidden_size=section.get("prefix_projection_hidden_size"),
+        num_virtual_tokens=section.num_prefix_tokens,
+        prefix_projection=section.prefix_projection,
+        encoder_hidden_size=section.prefix_projection_hidden_size,
     )

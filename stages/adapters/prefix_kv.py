@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from stages.sections import PrefixSettings
+
 PEFT_KEY = "prompt_embeddings"
 
 
@@ -36,7 +38,7 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
     return [layer.self_attn for _, layer in sorted(model.model.layers.items(), key=lambda kv: int(kv[0]))]
 
 
-def add_prefix(model: nn.Module, section: dict, init_ids: list[int] | None = None) -> int:
+def add_prefix(model: nn.Module, section: PrefixSettings, init_ids: list[int] | None = None) -> int:
     """Freeze our `model` and give each attention layer fresh prefix keys/values (a validated
     `finetune.prefix` section's `num_prefix_tokens`), in place, before any parallelism: the KV
     cache of `init_ids` (P token ids) when given, else drawn from torch's global RNG in peft's
@@ -45,12 +47,12 @@ def add_prefix(model: nn.Module, section: dict, init_ids: list[int] | None = Non
         p.requires_grad_(False)
     layers = attention_layers(model)
     config = model.config
-    P, K, hd = section["num_prefix_tokens"], config.num_key_value_heads, config.head_dim
+    P, K, hd = section.num_prefix_tokens, config.num_key_value_heads, config.head_dim
     weight = model.model.embed_tokens.weight
-    if section.get("prefix_projection"):
+    if section.prefix_projection:
         if init_ids is not None:
             raise ValueError("prefix_init=tokens sets the prefix itself; a prefix_projection computes it")
-        encoder = PrefixProjection(P, K * hd, section.get("prefix_projection_hidden_size") or K * hd, len(layers))
+        encoder = PrefixProjection(P, K * hd, section.prefix_projection_hidden_size or K * hd, len(layers))
         model.prefix_encoder = encoder.to(dtype=weight.dtype, device="cpu" if weight.is_meta else weight.device)
         return len(layers)
     if init_ids is not None:

@@ -7,6 +7,9 @@ gets peft's, on transformers' model (data parallel and ZeRO only). Both save in 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import peft
 import torch
 
@@ -15,11 +18,12 @@ from stages.adapters.lora_linear import add_lora
 from stages.adapters.prefix import build_prefix_config
 from stages.adapters.prefix_kv import add_prefix, to_peft
 from stages.model import LlamaForCausalLM
+from stages.sections import FINETUNE
 
 ADAPTER_METHODS = ("lora", "prefix")
 
 
-def attach_adapter(model: torch.nn.Module, method: str, section: dict,
+def attach_adapter(model: torch.nn.Module, method: str, section: Mapping[str, Any],
                    init_ids: list[int] | None = None) -> torch.nn.Module:
     """Freeze `model` and give it a fresh `method` adapter ("lora" or "prefix"): in place for our
     model (returned as is), else wrapped by peft (the PeftModel is returned). `init_ids`: the
@@ -30,8 +34,9 @@ def attach_adapter(model: torch.nn.Module, method: str, section: dict,
     """
     if method not in ADAPTER_METHODS:
         raise ValueError(f"adapter method={method!r} is unknown; choose one of {ADAPTER_METHODS}")
+    section = FINETUNE[method].of(section)
     if method == "lora":
-        check_target_modules(model, section["target_modules"])
+        check_target_modules(model, section.target_modules)
     if isinstance(model, LlamaForCausalLM):
         if method == "lora":
             add_lora(model, section)
@@ -39,7 +44,7 @@ def attach_adapter(model: torch.nn.Module, method: str, section: dict,
             add_prefix(model, section, init_ids)
         return model
     if method == "lora":
-        config = build_lora_config(section, fan_in_fan_out=targets_conv1d(model, section["target_modules"]))
+        config = build_lora_config(section, fan_in_fan_out=targets_conv1d(model, section.target_modules))
     else:
         config = build_prefix_config(section)
     wrapped = peft.get_peft_model(model, config)

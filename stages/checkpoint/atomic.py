@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -71,6 +72,8 @@ def _json_default(o: Any) -> Any:
         return o.item()
     if isinstance(o, Path):
         return str(o)
+    if isinstance(o, Mapping):  # a typed settings section (stages.sections)
+        return dict(o)
     raise TypeError(f"{type(o).__name__} is not JSON serialisable")
 
 

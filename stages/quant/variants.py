@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stages.errors import InputError
+from stages.settings import defaults
 
 METHODS = ("rtn", "gptq", "a8w8")
 CALIBRATED_METHODS = ("gptq", "a8w8")  # read the experiment's data for calibration
@@ -108,7 +109,9 @@ def resolve_variant(name: str, section: dict[str, Any]) -> VariantSpec:
     """The spec of variant `name` with the `quantize` section's defaults filled (see module docstring).
 
     `section` is the experiment's `quantize` section with the schema's defaults filled (its
-    group_size, gptq, a8w8 and custom_variants entries are read)."""
+    group_size, gptq, a8w8 and custom_variants entries are read; a key it lacks takes the schema's
+    default)."""
+    section = {**defaults("quantize"), **section}
     method = spec_method(name, section)
     spec = dict(variant_specs(section)[name])
     spec.pop("method")
@@ -123,7 +126,7 @@ def resolve_variant(name: str, section: dict[str, Any]) -> VariantSpec:
                          f"valid: {list(METHOD_KEYS[method])}")
     settings = {**METHOD_DEFAULTS[method], **section_defaults, **spec}
     if settings.get("group_size", -1) is None:
-        settings["group_size"] = section.get("group_size", 64)
+        settings["group_size"] = section["group_size"]
     if method == "rtn" and settings["bits"] not in (4, 8):
         raise InputError(f"{where}: bits={settings['bits']} is not supported by round-to-nearest; choose 4 or 8 "
                          "(GPTQ also packs 2 and 3 bits)")

@@ -35,6 +35,7 @@ import logging
 import random
 import shutil
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
@@ -82,7 +83,7 @@ LAYOUT_KEYS = frozenset({
 })
 
 
-def run_fingerprint(section: dict[str, Any], global_batch: int, identity: dict[str, Any]) -> str:
+def run_fingerprint(section: Mapping[str, Any], global_batch: int, identity: dict[str, Any]) -> str:
     """A short hash of what determines the training trajectory: the section without its layout
     keys, the global batch, and `identity` (model config, input data). Checkpoints are kept per
     fingerprint, so a changed recipe starts afresh while a changed layout resumes."""
@@ -363,7 +364,7 @@ class Checkpointer:
     """Saves every `save_steps` steps into `run_dir` (rotating to `save_total_limit`), optionally in
     a background thread, and finds the checkpoint to resume from. Every method is collective."""
 
-    def __init__(self, run_dir: Path, section: dict[str, Any], topology: Topology, model_config=None):
+    def __init__(self, run_dir: Path, section: Mapping[str, Any], topology: Topology, model_config=None):
         """`model_config` (our LlamaConfig or a transformers config), when given, is written as
         config.json into unified checkpoints, so that they load with
         `AutoModelForCausalLM.from_pretrained`."""

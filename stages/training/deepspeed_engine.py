@@ -3,6 +3,7 @@ offload, mixed precision, batch sizes) and the engine with torch AdamW and the L
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from stages.training.schedule import build_scheduler
 ZERO_STAGES = {"none": 0, "stage1": 1, "stage2": 2, "stage3": 3}
 
 
-def deepspeed_config(section: dict[str, Any], data_parallel: int, pipeline: bool = False) -> dict[str, Any]:
+def deepspeed_config(section: Mapping[str, Any], data_parallel: int, pipeline: bool = False) -> dict[str, Any]:
     """The DeepSpeed JSON config for a validated training section over `data_parallel` replicas.
     With `pipeline`, DeepSpeed sees one batch of micro x accum per step: the pipeline schedule,
     not DeepSpeed, cuts it into the micro-batches."""
@@ -41,7 +42,7 @@ def deepspeed_config(section: dict[str, Any], data_parallel: int, pipeline: bool
     }
 
 
-def build_engine(module: torch.nn.Module, section: dict[str, Any], topology: Topology, *, pipeline: bool):
+def build_engine(module: torch.nn.Module, section: Mapping[str, Any], topology: Topology, *, pipeline: bool):
     """DeepSpeed over `module`: torch AdamW, the LR schedule and ZeRO as the section says. Returns
     (engine, scheduler, OptimizerAccess, clip); `clip` clips and measures the gradient norm when
     ZeRO is off (see `train_step`), else None."""

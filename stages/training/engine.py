@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -65,7 +66,7 @@ from stages.training.step import learned_tokens, train_step
 log = logging.getLogger(__name__)
 
 
-def _peak_flops(section: dict[str, Any], device: torch.device, world: int) -> float:
+def _peak_flops(section: Mapping[str, Any], device: torch.device, world: int) -> float:
     """Matmul FLOP/s of all devices of the run, measured in the training dtype (once per process):
     on GPU each rank has a device; on CPU the ranks of a node share its cores, so a node counts once."""
     dtype = torch.bfloat16 if section["bf16"] else torch.float16 if section["fp16"] else torch.float32
@@ -91,7 +92,7 @@ def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> int:
     return estimated_flops_per_token(model, seq_len)["total"]
 
 
-def open_checkpoints(model: torch.nn.Module, section: dict[str, Any], topology: Topology, checkpoint_dir: Path,
+def open_checkpoints(model: torch.nn.Module, section: Mapping[str, Any], topology: Topology, checkpoint_dir: Path,
                      global_batch: int, identity: dict[str, Any] | None):
     """The run's Checkpointer in `checkpoint_dir/<fingerprint>/` and the checkpoint to resume from
     (a StateReader, or None). When resuming, the checkpoint's weights are already loaded into the
@@ -109,7 +110,7 @@ def open_checkpoints(model: torch.nn.Module, section: dict[str, Any], topology: 
 class Run:
     """A training run between `setup` and `finish`: the engine and what the step loop keeps."""
 
-    section: dict[str, Any]
+    section: Mapping[str, Any]
     stage: str
     topology: Topology
     engine: Any
@@ -153,7 +154,7 @@ class Run:
                 "evaluations": list(self.evaluations), **engine_state(self.engine, self.scheduler)}
 
 
-def setup(model: torch.nn.Module, source, section: dict[str, Any], *, stage: str,
+def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: str,
           num_parameters: int | None = None, checkpoint_dir: str | Path | None = None,
           identity: dict[str, Any] | None = None, out_dir: str | Path) -> Run:
     """Check the layout against `model`, find the checkpoint to resume from (its weights loaded
@@ -368,7 +369,7 @@ def finish(run: Run, out_dir: str | Path, metrics: dict[str, Any], *, tokenizer_
     dist.barrier()
 
 
-def train(model: torch.nn.Module, source, section: dict[str, Any], out_dir: str | Path, *, stage: str,
+def train(model: torch.nn.Module, source, section: Mapping[str, Any], out_dir: str | Path, *, stage: str,
           tokenizer_dir: str | Path | None, parent: str | Path, meta_config: dict[str, Any],
           num_parameters: int | None = None, checkpoint_dir: str | Path | None = None,
           identity: dict[str, Any] | None = None, sharded_output: bool = False,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ def check_model_parallel(model_type: str, tensor_parallel_degree: int, pipeline_
         _refuse_model_parallel(model_type, tensor_parallel_degree, pipeline_parallel_degree)
 
 
-def check_transformers_model(model, section: dict[str, Any], tensor_parallel_degree: int,
+def check_transformers_model(model, section: Mapping[str, Any], tensor_parallel_degree: int,
                              pipeline_parallel_degree: int) -> None:
     """Refuse what the engine cannot do for a transformers `model` with the training `section`:
     tensor/pipeline parallelism (whatever the family: ours may have declined a variant of its own,
@@ -143,7 +144,7 @@ def estimated_flops_per_token(model, seq_len: int) -> dict[str, int]:
             "total": 6 * n_matmul + attention}
 
 
-def prepare_transformers_model(model, section: dict[str, Any]) -> None:
+def prepare_transformers_model(model, section: Mapping[str, Any]) -> None:
     """Apply the section's `recompute` (transformers' gradient checkpointing, non-reentrant) and
     `torch_compile` (the whole model compiled in place, so parameter names do not change)."""
     if section["recompute"]:

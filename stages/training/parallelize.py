@@ -4,6 +4,7 @@ order. Parameter names stay those of the single-device model."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ from stages.training.deepspeed_engine import ZERO_STAGES
 from stages.training.families import check_transformers_model, prepare_transformers_model
 
 
-def parallel_degrees(section: dict[str, Any]) -> ParallelDegrees:
+def parallel_degrees(section: Mapping[str, Any]) -> ParallelDegrees:
     """The parallel degrees of a validated training section (data parallel derived)."""
     return ParallelDegrees(world_size=section["world_size"],
                            tensor_parallel_degree=section["tensor_parallel_degree"],
@@ -35,7 +36,7 @@ class PipelineModules(torch.nn.Module):
         return {k: k.split(".", 2)[2] for k in self.state_dict()}
 
 
-def check_model_fits(model: torch.nn.Module, section: dict[str, Any], degrees: ParallelDegrees) -> None:
+def check_model_fits(model: torch.nn.Module, section: Mapping[str, Any], degrees: ParallelDegrees) -> None:
     """Raise ValueError when the section's layout cannot train `model`: our model's degrees must
     divide its shapes; a transformers model takes data parallel and ZeRO only."""
     if isinstance(model, LlamaForCausalLM):
@@ -44,7 +45,7 @@ def check_model_fits(model: torch.nn.Module, section: dict[str, Any], degrees: P
         check_transformers_model(model, section, degrees.tensor_parallel_degree, degrees.pipeline_parallel_degree)
 
 
-def parallelize(model: torch.nn.Module, section: dict[str, Any],
+def parallelize(model: torch.nn.Module, section: Mapping[str, Any],
                 topology: Topology) -> tuple[torch.nn.Module, PipelineRunner | None]:
     """Apply the section's layout to the full `model` in place, in the torchtitan order (tensor
     parallel, activation recompute, compile, pipeline split). Returns the module DeepSpeed wraps
@@ -68,7 +69,7 @@ def parallelize(model: torch.nn.Module, section: dict[str, Any],
     return PipelineModules(runner.modules), runner
 
 
-def layout_metrics(section: dict[str, Any], topology: Topology) -> dict[str, int]:
+def layout_metrics(section: Mapping[str, Any], topology: Topology) -> dict[str, int]:
     """The degrees of the run, for meta.json."""
     degrees = topology.degrees
     return {"world_size": degrees.world_size, "data_parallel_degree": topology.get_data_parallel_world_size(),

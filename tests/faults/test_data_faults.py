@@ -122,7 +122,7 @@ def earlier_data(tmp_path_factory) -> Path:
 
     workdir = tmp_path_factory.mktemp("good")
     _write_files(workdir, GOOD_FILES)
-    prepare.run(**GOOD_DATA, out_dir=workdir / EARLIER, base_dir=workdir)
+    prepare.run(workdir / EARLIER, GOOD_DATA, base_dir=workdir)
     return workdir / EARLIER
 
 

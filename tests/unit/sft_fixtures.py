@@ -5,7 +5,6 @@ Not a conftest: test modules import these functions directly (pytest puts tests/
 
 from __future__ import annotations
 
-import copy
 import csv
 import json
 import os
@@ -15,6 +14,7 @@ from pathlib import Path
 
 from stages.config import check_config
 from stages.data.sft import SftRecord, write_sft_file
+from stages.sections import FINETUNE, SftSettings
 
 # A trivially learnable mapping: the target is a fixed function of one word of the prompt.
 _COLOURS = {"apple": "red", "sky": "blue", "grass": "green", "banana": "yellow", "plum": "purple",
@@ -36,8 +36,8 @@ def write_toy_data(data_dir: Path) -> Path:
     return data_dir
 
 
-def finetune_section(method: str, **overrides) -> dict:
-    """The `finetune.<method>` section with schema defaults, small-run settings and `overrides`."""
+def finetune_section(method: str, **overrides) -> SftSettings:
+    """The `finetune.<method>` section (typed) with schema defaults, small-run settings and `overrides`."""
     small = dict(max_steps=30, warmup_steps=2, per_device_train_batch_size=8, src_length=16,
                  max_length=24, seed=0)
     if method == "lora":
@@ -46,7 +46,7 @@ def finetune_section(method: str, **overrides) -> dict:
         small.update(num_prefix_tokens=4)
     small.update(overrides)
     config = check_config({"experiments": {"t": {"finetune": {method: small}}}})
-    return copy.deepcopy(config["experiments"]["t"]["finetune"][method])
+    return FINETUNE[method].of(config["experiments"]["t"]["finetune"][method])
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def torchrun_finetune_sft(nproc: int, model_dir: Path, data_dir: Path, out: Path
     the losses of its train_log.csv."""
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
            "-m", "stages.finetune", "--method", method, "--model", str(model_dir), "--data", str(data_dir),
-           "--out", str(out), "--config", json.dumps(config)]
+           "--out", str(out), "--config", json.dumps(dict(config))]
     if checkpoints is not None:
         cmd += ["--checkpoints", str(checkpoints)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")

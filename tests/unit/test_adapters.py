@@ -105,7 +105,7 @@ def test_all_linear_on_llama_is_the_default_list(debug_model_dir):
     for targets in (default, "all-linear"):
         torch.manual_seed(0)
         base = AutoModelForCausalLM.from_pretrained(debug_model_dir, dtype=torch.float32)
-        section = finetune_section("lora", target_modules=default) | {"target_modules": targets}
+        section = finetune_section("lora", target_modules=default).replace(target_modules=targets)
         model = attach_adapter(base, "lora", section)
         wrapped = {n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)}
         assert wrapped == set(default)

@@ -201,9 +201,16 @@ def test_bad_inputs_name_the_problem(workspace, tmp_path):
     with pytest.raises(ValueError, match="'evaluate.max_new_tokens': 0 is less than the minimum of 1"):
         evaluate.eval_settings({"max_new_tokens": 0})
     with pytest.raises(ValueError, match="src_length=0 must be a positive integer"):
-        evaluate.eval_settings({"src_length": 0})
+        evaluate.eval_settings({}, src_length=0)
     with pytest.raises(ValueError, match="config.json is missing"):
         evaluate.run(tmp_path, workspace / "data", tmp_path / "x.json", "x", CONFIG)
     with pytest.raises(ValueError, match="dev.json is missing"):
         evaluate.run(workspace / "sft", tmp_path, tmp_path / "x.json", "x", CONFIG)
     assert not (tmp_path / "x.json").exists()
+
+
+def test_run_from_python_gets_the_schema_defaults(workspace, tmp_path):
+    from stages import settings
+
+    metrics = evaluate.run(workspace / "sft", workspace / "data", tmp_path / "e.json", "sft")
+    assert metrics["settings"] == {"src_length": settings.defaults("sft")["src_length"], **settings.defaults("evaluate")}

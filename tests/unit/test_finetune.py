@@ -115,7 +115,7 @@ def test_prefix_output_loads_and_generates(trained, debug_model_dir, tokenizer):
 
 def test_same_seed_same_train_losses(tmp_path, debug_model_dir, data_dir):
     """Reruns reproduce every logged loss, LoRA dropout and adapter init included; through the CLI."""
-    config = json.dumps(finetune_section("lora", max_steps=5, lora_dropout=0.1, seed=7))
+    config = json.dumps(dict(finetune_section("lora", max_steps=5, lora_dropout=0.1, seed=7)))
     for name in ("a", "b"):
         finetune.main(["--method", "lora", "--model", str(debug_model_dir), "--data", str(data_dir),
                        "--out", str(tmp_path / name), "--config", config])

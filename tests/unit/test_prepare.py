@@ -27,7 +27,7 @@ def listing(d):
 @pytest.fixture(scope="module")
 def pydoc_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("prep") / "data"
-    return out, prepare.run(out_dir=out, **SMALL)
+    return out, prepare.run(out, SMALL)
 
 
 def test_writes_the_documented_files(pydoc_run):
@@ -74,7 +74,7 @@ def test_sft_files(pydoc_run):
 def test_tokenizer_learns_sft_words(tmp_path):
     """SFT train texts join the tokenizer's training text, so the task's words become tokens."""
     (tmp_path / "c.txt").write_text("A small corpus about nothing in particular. " * 5)
-    prepare.run(**{**SMALL, "corpus": [str(tmp_path / "c.txt")], "vocab_size": 400}, out_dir=tmp_path / "out")
+    prepare.run(tmp_path / "out", {**SMALL, "corpus": [str(tmp_path / "c.txt")], "vocab_size": 400})
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "out" / "tokenizer"))
     for word in (" crosses", " enormous", " purple", "three"):
         assert len(tok(word).input_ids) == 1, word
@@ -83,7 +83,7 @@ def test_tokenizer_learns_sft_words(tmp_path):
 def test_deterministic(pydoc_run, tmp_path):
     out, _ = pydoc_run
     again = tmp_path / "data"
-    prepare.run(out_dir=again, **SMALL)
+    prepare.run(again, SMALL)
     for name in FILES:
         assert (out / name).read_bytes() == (again / name).read_bytes(), name
 
@@ -96,8 +96,8 @@ def test_user_corpus_and_sft_dir(tmp_path):
     (tmp_path / "my_sft" / "train" / "b.json").write_text('{"src": ["q1", "q2"], "tgt": ["a1", "a2"]}\n')
     (tmp_path / "my_sft" / "train" / "a.json").write_text('{"src": "hello", "tgt": "world"}\n')
     (tmp_path / "my_sft" / "dev.json").write_text('{"src": ["x"], "tgt": ["y"]}\n')
-    metrics = prepare.run(corpus=["texts/*.txt"], sft="my_sft", out_dir=tmp_path / "out", vocab_size=300,
-                          validation_fraction=0.2, num_sft_train=1, num_sft_dev=1, seed=0, base_dir=tmp_path)
+    metrics = prepare.run(tmp_path / "out", dict(corpus=["texts/*.txt"], sft="my_sft", vocab_size=300,
+                          validation_fraction=0.2, num_sft_train=1, num_sft_dev=1, seed=0), base_dir=tmp_path)
     assert (metrics["num_documents_train"], metrics["num_documents_validation"]) == (4, 1)
     assert (metrics["num_sft_train"], metrics["num_sft_dev"]) == (2, 1)
     assert (tmp_path / "out" / "sft" / "train.json").read_text() == (
@@ -107,8 +107,8 @@ def test_user_corpus_and_sft_dir(tmp_path):
 
 def test_single_document_corpus(tmp_path):
     (tmp_path / "one.txt").write_text("just one document, split at token level. " * 10)
-    metrics = prepare.run(**{**SMALL, "corpus": [str(tmp_path / "one.txt")], "vocab_size": 300,
-                             "num_sft_train": 5, "num_sft_dev": 2}, out_dir=tmp_path / "out")
+    metrics = prepare.run(tmp_path / "out", {**SMALL, "corpus": [str(tmp_path / "one.txt")], "vocab_size": 300,
+                                             "num_sft_train": 5, "num_sft_dev": 2})
     assert (metrics["num_documents_train"], metrics["num_documents_validation"]) == (1, 1)
 
 
@@ -127,8 +127,8 @@ def test_bad_input_raises_before_writing(tmp_path, breakage, error, match):
     out.mkdir()
     (out / "previous.txt").write_text("an earlier result")
     with pytest.raises(error, match=match):
-        prepare.run(corpus=corpus, sft="sft", out_dir=out, vocab_size=300, validation_fraction=0.1,
-                    num_sft_train=1, num_sft_dev=1, seed=0, base_dir=tmp_path)
+        prepare.run(out, dict(corpus=corpus, sft="sft", vocab_size=300, validation_fraction=0.1,
+                              num_sft_train=1, num_sft_dev=1, seed=0), base_dir=tmp_path)
     assert listing(out) == ["previous.txt"]  # the earlier artifact is untouched
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "out", "sft"]
 
@@ -168,7 +168,7 @@ def test_a_checkpoint_keeps_its_tokenizer(chat_checkpoint, tmp_path):
     from stages.data.tokenizer import tokenizer_fingerprint
 
     config = {**SMALL, "num_sft_train": 20, "num_sft_dev": 4}
-    metrics = prepare.run(**config, out_dir=tmp_path / "d", tokenizer_dir=chat_checkpoint)
+    metrics = prepare.run(tmp_path / "d", config, tokenizer_dir=chat_checkpoint)
     index = json.loads((tmp_path / "d" / "index.json").read_text())
     own = AutoTokenizer.from_pretrained(chat_checkpoint)
     assert metrics["vocab_size"] == index["vocab_size"] == json.loads(
@@ -181,7 +181,7 @@ def test_a_checkpoint_keeps_its_tokenizer(chat_checkpoint, tmp_path):
     tokens, offsets = load_split(tmp_path / "d", "train")
     first = np.asarray(tokens[offsets[0]:offsets[1] - 1]).tolist()
     assert own.decode(first) in {topics[k] for k in topics}  # the model's ids, decoded by the model
-    plain = prepare.run(**{**config, "chat_template": False}, out_dir=tmp_path / "p", tokenizer_dir=chat_checkpoint)
+    plain = prepare.run(tmp_path / "p", {**config, "chat_template": False}, tokenizer_dir=chat_checkpoint)
     assert plain["vocab_size"] == metrics["vocab_size"]
     assert json.loads((tmp_path / "p" / "index.json").read_text())["sft_format"] == "plain"
 
@@ -192,8 +192,7 @@ def test_a_model_evaluated_on_data_of_another_tokenizer_is_refused(chat_checkpoi
     from stages import evaluate, finetune
     from sft_fixtures import finetune_section
 
-    prepare.run(**{**SMALL, "num_sft_train": 20, "num_sft_dev": 4}, out_dir=tmp_path / "d",
-                tokenizer_dir=chat_checkpoint)
+    prepare.run(tmp_path / "d", {**SMALL, "num_sft_train": 20, "num_sft_dev": 4}, tokenizer_dir=chat_checkpoint)
     match = (rf"tokenizer mismatch: {debug_model_dir} carries tokenizer \w{{12}} \(\d+ tokens\) but "
              rf"{tmp_path / 'd'} was tokenized with tokenizer \w{{12}}.*from {chat_checkpoint}")
     with pytest.raises(ValueError, match=match):

@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_continued_pretraining_starts_from_the_checkpoint(tmp_path, tiny_tokenizer_dir):
     source = save_checkpoint(tmp_path / "published", chat_tokenizer(tiny_tokenizer_dir))
     import_base.run(source, tmp_path / "base")
-    prepare.run(corpus=["builtin:sft_targets"], sft="builtin:attributes", out_dir=tmp_path / "data", vocab_size=512,
-                validation_fraction=0.1, num_sft_train=200, num_sft_dev=4, seed=0, tokenizer_dir=tmp_path / "base")
+    prepare.run(tmp_path / "data", dict(corpus=["builtin:sft_targets"], sft="builtin:attributes", vocab_size=512,
+                validation_fraction=0.1, num_sft_train=200, num_sft_dev=4, seed=0), tokenizer_dir=tmp_path / "base")
     exp = check_config({"experiments": {"x": {"model": {"model_name_or_path": str(source)}, "pretrain": {
         "enabled": True, "world_size": 1, "sharding": "none", "max_steps": 3, "warmup_steps": 0,
         "max_length": 32, "per_device_train_batch_size": 2, "learning_rate": 1e-3}}}})["experiments"]["x"]

@@ -114,3 +114,11 @@ def test_quantize_and_export_run_from_python_get_the_schema_defaults(tmp_path, d
     quantize.run(debug_model_dir, tmp_path / "wint8", "wint8")
     recorded = json.loads((tmp_path / "wint8" / "meta.json").read_text())["config"]
     assert recorded["group_size"] == schema_file_defaults("quantize")["group_size"]
+
+
+def test_prepare_run_from_python_gets_the_schema_defaults(tmp_path):
+    small = {"corpus": ["builtin:sft_targets"], "vocab_size": 300, "num_sft_train": 50, "num_sft_dev": 4}
+    prepare.run(tmp_path / "data", small)
+    recorded = json.loads((tmp_path / "data" / "meta.json").read_text())["config"]
+    assert recorded == {**settings.defaults("data"), **small, "tokenizer": None}
+    assert recorded["chat_template"] is schema_file_defaults("data")["chat_template"]

@@ -1,0 +1,235 @@
+"""Typed settings: one frozen dataclass per config section, built from the validated section.
+
+The fields are the section's keys in workflow/schemas/config.schema.yaml with their types and no
+defaults: `Section.of(section)` completes what it is given with the schema's defaults
+(`stages.settings.complete`), checks it there (ConfigError naming the key), and only then builds
+the object, so the schema stays the one source of defaults and of the rules on values.
+`tests/unit/test_sections.py` keeps the fields and their types equal to the schema's.
+
+A section is also a read-only mapping (`section["max_steps"]`, `.get`, `.items()`), so the engine's
+functions that take a section as a mapping accept it; a stage's own code reads attributes:
+
+    lora = LoraSettings.of({"max_steps": 20})    # every other finetune.lora key at its default
+    lora.learning_rate, lora["lora_rank"]
+    lora.replace(max_steps=40)                   # checked again; as does lora | {"max_steps": 40}
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import Any, ClassVar, TypeVar
+
+from stages import settings
+
+S = TypeVar("S", bound="Section")
+
+
+@dataclasses.dataclass(frozen=True)
+class Section(Mapping[str, Any]):
+    """Base of the typed sections; SECTION names the section (a key of stages.settings.SECTIONS)."""
+
+    SECTION: ClassVar[str] = ""
+
+    @classmethod
+    def of(cls: type[S], section: Mapping[str, Any] | None = None) -> S:
+        """`section` completed with the schema's defaults and checked (ConfigError naming the key)."""
+        if type(section) is cls:
+            return section  # type: ignore[return-value]
+        return cls(**settings.complete(dict(section or {}), cls.SECTION))
+
+    def replace(self: S, **changes: Any) -> S:
+        """A copy with `changes`, checked against the schema like the original."""
+        return type(self).of({**self.as_dict(), **changes})
+
+    def __or__(self: S, other: Mapping[str, Any]) -> S:
+        """`section | {"max_steps": 40}`: as for a dict, the other's values win; checked like replace."""
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        return self.replace(**other)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A plain dict (deep copy), in field order: what meta.json records."""
+        return {key: copy.deepcopy(getattr(self, key)) for key in self}
+
+    @classmethod
+    def keys_of(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self.keys_of():
+            raise KeyError(f"{key!r} is not a {settings.key_of(self.SECTION)} setting")
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys_of())
+
+    def __len__(self) -> int:
+        return len(dataclasses.fields(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings(Section):
+    SECTION: ClassVar[str] = "model"
+    flavour: str
+    model_name_or_path: str | None
+    hidden_size: int | None
+    intermediate_size: int | None
+    num_hidden_layers: int | None
+    num_attention_heads: int | None
+    num_key_value_heads: int | None
+    tie_word_embeddings: bool | None
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSettings(Section):
+    SECTION: ClassVar[str] = "data"
+    corpus: list[str]
+    sft: str
+    vocab_size: int
+    chat_template: bool
+    validation_fraction: float
+    num_sft_train: int
+    num_sft_dev: int
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSettings(Section):
+    """What every training section has: the layout, the optimizer and schedule, checkpointing."""
+
+    world_size: int
+    sharding: str
+    tensor_parallel_degree: int
+    tensor_parallel_output: bool
+    pipeline_parallel_degree: int
+    virtual_pp_degree: int
+    recompute: bool
+    torch_compile: bool
+    fp16: bool
+    sharding_offload: bool
+    unified_checkpoint: bool
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    learning_rate: float
+    min_learning_rate: float
+    warmup_steps: int
+    max_steps: int
+    lr_scheduler_type: str
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    max_grad_norm: float
+    seed: int
+    logging_steps: int
+    bf16: bool
+    save_steps: int
+    save_total_limit: int
+    async_save: bool
+    resume_from_checkpoint: bool | str
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainSettings(TrainingSettings):
+    SECTION: ClassVar[str] = "pretrain"
+    enabled: bool | None
+    max_length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SftSettings(TrainingSettings):
+    """finetune.sft; LoRA and prefix tuning add their adapter's keys."""
+
+    SECTION: ClassVar[str] = "sft"
+    src_length: int
+    max_length: int
+    packing: bool
+    eval_steps: int
+    eval_with_do_generation: bool
+    per_device_eval_batch_size: int
+    num_eval_examples: int
+    load_best_model_at_end: bool
+    metric_for_best_model: str
+    mix_ratio: float
+    mix_datasets: list[str]
+    mix_weights: list[float] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSettings(SftSettings):
+    SECTION: ClassVar[str] = "lora"
+    lora_rank: int
+    lora_alpha: float
+    lora_dropout: float
+    target_modules: str | list[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixSettings(SftSettings):
+    SECTION: ClassVar[str] = "prefix"
+    num_prefix_tokens: int
+    prefix_init: str
+    prefix_projection: bool
+    prefix_projection_hidden_size: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeSettings(Section):
+    SECTION: ClassVar[str] = "quantize"
+    source: str
+    variants: list[str]
+    custom_variants: dict[str, Any]
+    group_size: int
+    gptq: dict[str, Any]
+    a8w8: dict[str, Any]
+    calibration: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportSettings(Section):
+    SECTION: ClassVar[str] = "export"
+    opset_version: int
+    rtol: float
+    min_top1_agreement: float
+
+
+@dataclasses.dataclass(frozen=True)
+class EvaluateSettings(Section):
+    SECTION: ClassVar[str] = "evaluate"
+    max_new_tokens: int
+    num_dev_examples: int
+    ppl_max_length: int
+    ppl_max_windows: int
+    per_device_eval_batch_size: int
+    speed_prefill_tokens: int
+    speed_batch_sizes: list[int]
+    speed_decode_tokens: int
+    speed_repeats: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSettings(Section):
+    SECTION: ClassVar[str] = "cluster"
+    gpus_per_node: int
+    device_memory_gb: float | None
+    node_memory_gb: float | None
+    tasks_per_node: int | None
+    cpus_per_task: int
+    partition: str | None
+    account: str | None
+    runtime_minutes: dict[str, Any]
+
+
+# section name (stages.settings.SECTIONS) -> its class; `predict` is stages.predict.PredictSettings
+BY_NAME: dict[str, type[Section]] = {cls.SECTION: cls for cls in (
+    ModelSettings, DataSettings, PretrainSettings, SftSettings, LoraSettings, PrefixSettings,
+    QuantizeSettings, ExportSettings, EvaluateSettings, ClusterSettings)}
+FINETUNE: dict[str, type[SftSettings]] = {"sft": SftSettings, "lora": LoraSettings, "prefix": PrefixSettings}
+
+
+def typed(section: Mapping[str, Any] | None, name: str) -> Section:
+    """Section `name` as its typed settings object (completed and checked)."""
+    return BY_NAME[name].of(section)

@@ -228,8 +228,3 @@ BY_NAME: dict[str, type[Section]] = {cls.SECTION: cls for cls in (
     ModelSettings, DataSettings, PretrainSettings, SftSettings, LoraSettings, PrefixSettings,
     QuantizeSettings, ExportSettings, EvaluateSettings, ClusterSettings)}
 FINETUNE: dict[str, type[SftSettings]] = {"sft": SftSettings, "lora": LoraSettings, "prefix": PrefixSettings}
-
-
-def typed(section: Mapping[str, Any] | None, name: str) -> Section:
-    """Section `name` as its typed settings object (completed and checked)."""
-    return BY_NAME[name].of(section)

@@ -143,7 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser, *names: str, group: str | Non
 def from_arguments(args: argparse.Namespace, name: str, config: str | None = None):
     """Section `name` from a stage's command line: the JSON object of `--config` (none: {}), the
     `--<setting>` options of that section given laid over it, completed with the schema's defaults,
-    as its typed settings object (`stages.sections`)."""
+    as its typed settings object (`stages.sections`; a dict for `predict`)."""
     section: dict[str, Any] = {}
     if config:
         try:
@@ -159,9 +159,10 @@ def from_arguments(args: argparse.Namespace, name: str, config: str | None = Non
         key = dest.removeprefix("setting.")
         if dest.startswith("setting.") and key in own:
             section[key] = value
-    from stages.sections import typed
+    from stages.sections import BY_NAME
 
-    return typed(section, name)
+    # `predict` has its own dataclass with a non-config switch (stages.predict.PredictSettings)
+    return BY_NAME[name].of(section) if name in BY_NAME else complete(section, name)
 
 
 def given_settings(args: argparse.Namespace) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 import typing
 
 import pytest
@@ -34,7 +35,7 @@ def schema_types(prop: dict) -> set[type]:
 
 def field_types(annotation) -> set[type]:
     """The runtime types of a field's annotation (`int | None` -> {int, NoneType}, list[str] -> list)."""
-    if typing.get_origin(annotation) in (typing.Union, getattr(__import__("types"), "UnionType")):
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         return set().union(*(field_types(a) for a in typing.get_args(annotation)))
     return {typing.get_origin(annotation) or annotation}
 

@@ -111,13 +111,13 @@ def run(out_dir: str | os.PathLike, data: Mapping[str, Any] | None = None, *,
     """
     t0 = time.perf_counter()
     data = DataSettings.of(data)
-    corpus, sft, seed = list(data.corpus), data.sft, data.seed
+    corpus = data.corpus
     config = {**data.as_dict(), "tokenizer": str(tokenizer_dir) if tokenizer_dir else None}
     # Read and check every input first: nothing is written unless all of it is usable. Paths are
     # resolved before any file is read so that a typo fails at once, not after a long corpus read.
     resolve_corpus(corpus, base_dir)
-    resolve_sft(sft, base_dir)
-    sft_train, sft_dev = load_sft(sft, data.num_sft_train, data.num_sft_dev, seed, base_dir)
+    resolve_sft(data.sft, base_dir)
+    sft_train, sft_dev = load_sft(data.sft, data.num_sft_train, data.num_sft_dev, data.seed, base_dir)
     files_and_pydoc = [c for c in corpus if c != SFT_TARGETS]
     docs = read_documents(files_and_pydoc, base_dir) if files_and_pydoc else []
     if SFT_TARGETS in corpus:
@@ -131,7 +131,7 @@ def run(out_dir: str | os.PathLike, data: Mapping[str, Any] | None = None, *,
     else:  # a starting checkpoint: its own tokenizer, its embedding's vocabulary
         tokenizer, actual_vocab = model_tokenizer(tokenizer_dir)
     chat = uses_chat_template(tokenizer, data.chat_template)
-    splits = split_documents(encode_documents(tokenizer, docs), data.validation_fraction, seed)
+    splits = split_documents(encode_documents(tokenizer, docs), data.validation_fraction, data.seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     with atomic_dir(out_dir) as tmp:
@@ -158,7 +158,7 @@ def run(out_dir: str | os.PathLike, data: Mapping[str, Any] | None = None, *,
             "chars_per_token": round(sum(map(len, docs)) / sum(map(len, all_docs)), 4),
         }
         del train_tokens  # release the memmap before the directory is renamed
-        write_meta(tmp, stage=STAGE, config=config, parent=None, seed=seed, metrics=metrics)
+        write_meta(tmp, stage=STAGE, config=config, parent=None, seed=data.seed, metrics=metrics)
     log.info("prepare wrote %s in %.1f s: %s", out_dir, time.perf_counter() - t0, metrics)
     return metrics
 

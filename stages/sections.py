@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar, TypeVar
 
@@ -39,11 +40,11 @@ class Section(Mapping[str, Any]):
         """`section` completed with the schema's defaults and checked (ConfigError naming the key)."""
         if type(section) is cls:
             return section  # type: ignore[return-value]
-        return cls(**settings.complete(dict(section or {}), cls.SECTION))
+        return cls(**settings.complete(section, cls.SECTION))  # complete() copies what it is given
 
     def replace(self: S, **changes: Any) -> S:
         """A copy with `changes`, checked against the schema like the original."""
-        return type(self).of({**self.as_dict(), **changes})
+        return type(self).of({**self, **changes})
 
     def __or__(self: S, other: Mapping[str, Any]) -> S:
         """`section | {"max_steps": 40}`: as for a dict, the other's values win; checked like replace."""
@@ -55,20 +56,23 @@ class Section(Mapping[str, Any]):
         """A plain dict (deep copy), in field order: what meta.json records."""
         return {key: copy.deepcopy(getattr(self, key)) for key in self}
 
-    @classmethod
-    def keys_of(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
-
     def __getitem__(self, key: str) -> Any:
-        if key not in self.keys_of():
+        if key not in _field_names(type(self)):
             raise KeyError(f"{key!r} is not a {settings.key_of(self.SECTION)} setting")
         return getattr(self, key)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.keys_of())
+        return iter(_field_names(type(self)))
 
     def __len__(self) -> int:
-        return len(dataclasses.fields(self))
+        return len(_field_names(type(self)))
+
+
+@functools.cache
+def _field_names(cls: type[Section]) -> dict[str, None]:
+    """A section class's field names in order (a dict: ordered, O(1) membership), computed once:
+    the training loop reads its section by key every step."""
+    return dict.fromkeys(f.name for f in dataclasses.fields(cls))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from stages.errors import InputError
-from stages.settings import defaults
 
 METHODS = ("rtn", "gptq", "a8w8")
 CALIBRATED_METHODS = ("gptq", "a8w8")  # read the experiment's data for calibration
@@ -109,9 +108,7 @@ def resolve_variant(name: str, section: dict[str, Any]) -> VariantSpec:
     """The spec of variant `name` with the `quantize` section's defaults filled (see module docstring).
 
     `section` is the experiment's `quantize` section with the schema's defaults filled (its
-    group_size, gptq, a8w8 and custom_variants entries are read; a key it lacks takes the schema's
-    default)."""
-    section = {**defaults("quantize"), **section}
+    group_size, gptq, a8w8 and custom_variants entries are read)."""
     method = spec_method(name, section)
     spec = dict(variant_specs(section)[name])
     spec.pop("method")

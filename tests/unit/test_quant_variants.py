@@ -75,7 +75,7 @@ def test_section_and_custom_settings_override_in_that_order():
 ])
 def test_bad_variants_name_the_key_and_the_valid_choices(name, section, expected):
     with pytest.raises(InputError, match=expected):
-        resolve_variant(name, section)
+        resolve_variant(name, _section(**section))
 
 
 def test_spec_method():

@@ -63,9 +63,14 @@ def peft_model_tensors(model: peft.PeftModel, tensors: dict[str, torch.Tensor]) 
 
 def write_adapter(directory: Path, config: peft.PeftConfig, tensors: dict[str, torch.Tensor],
                   base_dir: str | Path) -> None:
-    """adapter_config.json (inference mode, base = `base_dir`) and adapter_model.safetensors."""
+    """adapter_config.json (inference mode, base = `base_dir`) and adapter_model.safetensors.
+    Set-valued fields (peft keeps `target_modules` as a set) are written as sorted lists: peft
+    writes a set in its iteration order, which changes between processes (string hashing)."""
     config = copy.deepcopy(config)
     config.inference_mode, config.base_model_name_or_path = True, str(base_dir)
+    for name, value in vars(config).items():
+        if isinstance(value, set):
+            setattr(config, name, sorted(value))
     config.save_pretrained(directory)
     write_tensors(Path(directory) / ADAPTER_WEIGHTS, {k: v.float() for k, v in tensors.items()})
 

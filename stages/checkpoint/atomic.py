@@ -8,6 +8,7 @@ result stays intact until its replacement is whole.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -15,6 +16,42 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Iterator
+
+from stages.errors import DiskFullError
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC / EDQUOT, raw or already reported by `disk_full`."""
+    return isinstance(exc, DiskFullError) or isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def free_bytes(path: str | os.PathLike) -> int | None:
+    """Free space on the file system holding `path` (or its nearest existing parent)."""
+    path = Path(path)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def disk_full(path: str | os.PathLike, needed_bytes: int | None, cause: BaseException | None = None, *,
+              at_least: bool = False) -> DiskFullError:
+    """The error of a write into `path` that ran out of space: the path, what the write needed
+    (`at_least`: the bytes written when the disk filled) and what is free, and what to do."""
+    free = free_bytes(path)
+    need = ("size unknown" if needed_bytes is None else
+            f"{'more than ' if at_least else ''}{needed_bytes / 1e6:,.1f} MB needed")
+    have = f"{free / 1e6:,.1f} MB free there" if free is not None else "free space unknown"
+    detail = f" ({cause.strerror})" if isinstance(cause, OSError) and cause.strerror else ""
+    return DiskFullError(f"no space left writing {path}{detail}: {need}, {have}; nothing earlier was "
+                         "overwritten (the previous checkpoint and results are intact): free space on that "
+                         "file system, or move results/ elsewhere, and rerun the same command")
+
+
+def _bytes_under(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
 
 
 def _read_umask() -> int:
@@ -54,9 +91,12 @@ def atomic_file(path: str | os.PathLike, mode: str = "w") -> Iterator[Any]:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as exc:
+        written = os.path.getsize(tmp) if is_disk_full(exc) and os.path.exists(tmp) else 0
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if is_disk_full(exc) and not isinstance(exc, DiskFullError):
+            raise disk_full(path, written, exc, at_least=True) from exc
         raise
 
 
@@ -103,6 +143,9 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
         _fsync_dir(path.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as exc:
+        written = _bytes_under(tmp) if is_disk_full(exc) else 0
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(exc):  # named after the whole directory, an inner file's error too
+            raise disk_full(path, written, exc, at_least=True) from exc
         raise

@@ -49,7 +49,22 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
     """Write `tensors` as one safetensors file; `metadata` values are stored as JSON strings."""
     meta = {"format": "pt", **{k: json.dumps(v) for k, v in (metadata or {}).items()}}
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    return write_bytes(path, save(tensors, metadata=meta))
+    data = save(tensors, metadata=meta)
+    return write_bytes(path, sorted_metadata(data) if len(meta) > 1 else data)
+
+
+def sorted_metadata(data: bytes) -> bytes:
+    """A serialised safetensors file with its `__metadata__` keys in sorted order. The library
+    writes them from a hash map, in an order that changes between processes, so two runs of the
+    same inputs would write different bytes. The header is JSON after its 8-byte little-endian
+    length and the data offsets count from the header's end, so only the header is rewritten
+    (padded with spaces to a multiple of 8, as the library pads it)."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + data[8 + size:]
 
 
 def sha256_file(path: str | Path) -> str:

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from stages.checkpoint.atomic import atomic_dir, write_json
+from stages.checkpoint.atomic import atomic_dir, disk_full, is_disk_full, write_json
 from stages.checkpoint.integrity import FileRecord, sha256_file, write_tensors
 from stages.checkpoint.store import (
     INDEX,
@@ -378,8 +378,9 @@ class Checkpointer:
         self.topology = topology
         self.rank = dist.get_rank()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint") if self.async_save else None
-        self._pending: tuple[int, Path, Future, dict[str, Any] | None, dict[str, Any]] | None = None
+        self._pending: PendingSave | None = None
         self.stall_s: list[float] = []  # time the step loop spent in each save call
+        self.save_s: list[float] = []  # from each save call to its checkpoint being complete
 
     # -- resume --------------------------------------------------------------------------------
     def find(self) -> StateReader | None:
@@ -403,6 +404,7 @@ class Checkpointer:
         """Checkpoint the state after optimizer step `step` (1-based)."""
         start = time.perf_counter()
         self.wait()  # one save in flight at a time
+        begun = time.perf_counter()
         part = snapshot(engine, access, names, self.topology, unified=self.unified, optimizer=True)
         state = trainer_state() if self.rank == 0 else None
         partial = self.run_dir / f"{checkpoint_name(step)}.partial"
@@ -416,7 +418,7 @@ class Checkpointer:
                 future.set_result(write_part(partial, part))
             except Exception as exc:  # noqa: BLE001 - reported to every rank by _finish
                 future.set_exception(exc)
-        self._pending = (step, partial, future, state, header)
+        self._pending = PendingSave(step, partial, future, state, header, begun, part_bytes(part))
         if self._pool is None:
             self._finish()
         self.stall_s.append(time.perf_counter() - start)
@@ -425,7 +427,7 @@ class Checkpointer:
         """Finish the pending save if every rank's writer is done (one small all-reduce)."""
         if self._pending is None:
             return
-        done = torch.tensor(int(self._pending[2].done()), device=collective_device())
+        done = torch.tensor(int(self._pending.future.done()), device=collective_device())
         dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if int(done):
             start = time.perf_counter()
@@ -435,7 +437,7 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until the pending save, if any, is complete."""
         if self._pending is not None:
-            futures_wait([self._pending[2]])  # a failed write raises in _finish, on every rank
+            futures_wait([self._pending.future])  # a failed write raises in _finish, on every rank
             self._finish()
 
     def close(self) -> None:
@@ -444,27 +446,67 @@ class Checkpointer:
             self._pool.shutdown()
 
     def _finish(self) -> None:
-        step, partial, future, state, header = self._pending
-        self._pending = None
+        pending, self._pending = self._pending, None
+        step, partial, state, header = pending.step, pending.partial, pending.state, pending.header
         try:
-            written = future.result()
+            written = pending.future.result()
         except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others would hang
-            written = {"rank": self.rank, "error": f"{type(exc).__name__}: {exc}"}
+            written = {"rank": self.rank, "error": f"{type(exc).__name__}: {exc}", "disk_full": is_disk_full(exc)}
+        written["nbytes"] = pending.nbytes
         parts: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(parts, written)
-        failed = [f"rank {p['rank']}: {p['error']}" for p in parts if "error" in p]
+        failed = [p for p in parts if "error" in p]
         if failed:
-            raise RuntimeError(f"saving {partial} failed (the previous checkpoint is intact): " + "; ".join(failed))
+            if self.rank == 0:  # what was written of it only takes space; resume never reads a .partial
+                shutil.rmtree(partial, ignore_errors=True)
+            dist.barrier()
+            if any(p["disk_full"] for p in failed):
+                raise disk_full(self.run_dir / checkpoint_name(step), sum(p["nbytes"] for p in parts))
+            raise RuntimeError(f"saving {partial} failed (the previous checkpoint is intact): "
+                               + "; ".join(f"rank {p['rank']}: {p['error']}" for p in failed))
+        outcome: list[Any] = [None]  # rank 0's error, if finishing the directory fails (it alone writes)
         if self.rank == 0:
-            index = build_index(header, parts)
-            state = {**state, "optimizer_step": header["optimizer_step"]}
-            if self.unified and self.model_config is not None:
-                write_config(self.model_config, partial)
-            finalize(partial, self.run_dir / checkpoint_name(step), index=index, trainer_state=state,
-                     hf_index=self.unified)  # sharded slices do not load with from_pretrained
-            prune(self.run_dir, self.limit)
-            log.info("saved %s", self.run_dir / checkpoint_name(step))
-        dist.barrier()
+            try:
+                self._complete(partial, step, header, state, parts)
+            except Exception as exc:  # noqa: BLE001 - the other ranks wait for the outcome below
+                shutil.rmtree(partial, ignore_errors=True)
+                outcome = [(f"{type(exc).__name__}: {exc}", is_disk_full(exc))]
+        dist.broadcast_object_list(outcome, src=0)
+        if outcome[0] is not None:
+            error, full = outcome[0]
+            if full:
+                raise disk_full(self.run_dir / checkpoint_name(step), sum(p["nbytes"] for p in parts))
+            raise RuntimeError(f"finishing {partial} failed (the previous checkpoint is intact): {error}")
+        self.save_s.append(time.perf_counter() - pending.begun)
+
+    def _complete(self, partial: Path, step: int, header: dict[str, Any], state: dict[str, Any],
+                  parts: list[dict[str, Any]]) -> None:
+        """Rank 0: the index, trainer state and config into `partial`, then rename it complete."""
+        index = build_index(header, parts)
+        state = {**state, "optimizer_step": header["optimizer_step"]}
+        if self.unified and self.model_config is not None:
+            write_config(self.model_config, partial)
+        finalize(partial, self.run_dir / checkpoint_name(step), index=index, trainer_state=state,
+                 hf_index=self.unified)  # sharded slices do not load with from_pretrained
+        prune(self.run_dir, self.limit)
+        log.info("saved %s", self.run_dir / checkpoint_name(step))
+
+
+@dataclass
+class PendingSave:
+    """A save whose files are being written (in the background with async_save)."""
+
+    step: int
+    partial: Path
+    future: Future
+    state: dict[str, Any] | None  # trainer_state.json (rank 0)
+    header: dict[str, Any]
+    begun: float  # perf_counter at the save call
+    nbytes: int  # this rank's tensors
+
+
+def part_bytes(part: RankPart) -> int:
+    return sum(t.numel() * t.element_size() for tensors in part.files.values() for t in tensors.values())
 
 
 def build_index(header: dict[str, Any], parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -489,7 +531,13 @@ def write_final(out_dir: Path, engine, access: OptimizerAccess, names: dict[str,
     if rank == 0 and partial.exists():
         shutil.rmtree(partial)
     dist.barrier()
-    written = write_part(partial, part)
+    try:
+        written = write_part(partial, part)
+    except Exception as exc:  # this rank exits; the launcher ends the others
+        if is_disk_full(exc):
+            shutil.rmtree(partial, ignore_errors=True)
+            raise disk_full(out_dir, part_bytes(part) * dist.get_world_size(), exc) from exc
+        raise
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, written)
     if rank == 0:

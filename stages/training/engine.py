@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,8 +37,11 @@ import torch
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import copy_tokenizer
 from stages.checkpoint.meta import write_meta
+from stages.checkpoint.store import checkpoint_name
+from stages.errors import StopRequested
 from stages.model import LlamaForCausalLM
 from stages.parallel import Topology
+from stages.parallel.mappings import collective_device
 from stages.parallel.pipeline import PipelineRunner
 from stages.training.checkpointing import (
     Checkpointer,
@@ -61,6 +65,7 @@ from stages.training.flops import flops_per_token, peak_matmul_flops
 from stages.training.log import TrainLog
 from stages.training.materialize import ResumeWeights, is_lazy, materialize
 from stages.training.parallelize import check_model_fits, layout_metrics, parallel_degrees, parallelize
+from stages.training.preemption import StopWatch, reason_name, requeue_slurm_job
 from stages.training.step import learned_tokens, train_step
 
 log = logging.getLogger(__name__)
@@ -133,6 +138,7 @@ class Run:
     start_step: int = 0
     losses: list[float] = field(default_factory=list)
     evaluations: list[dict[str, Any]] = field(default_factory=list)  # {"step", metric: value}
+    stops: list[dict[str, Any]] = field(default_factory=list)  # {"step", "reason"}: stopped on request there
     best: dict[str, Any] | None = None  # the best evaluation and its weights (load_best_model_at_end)
 
     @property
@@ -151,7 +157,8 @@ class Run:
         return {"global_step": step, "consumed_samples": step * self.global_batch,
                 "global_batch_size": self.global_batch, "max_steps": self.section["max_steps"],
                 "losses": list(self.losses), "train_log": list(self.train_log.rows), "layout": self.layout(),
-                "evaluations": list(self.evaluations), **engine_state(self.engine, self.scheduler)}
+                "evaluations": list(self.evaluations), "stops": list(self.stops),
+                **engine_state(self.engine, self.scheduler)}
 
 
 def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: str,
@@ -194,11 +201,11 @@ def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: 
                     topology.coordinates["tensor"], degrees.tensor_parallel_degree)
     engine, scheduler, access, clip = build_engine(module, section, topology, pipeline=runner is not None)
 
-    start_step, losses, rows, evaluations = 0, [], [], []
+    start_step, losses, rows, evaluations, stops = 0, [], [], [], []
     if resume is not None:
         state = restore_training_state(engine, access, names, topology, resume, scheduler)
         start_step, losses, rows = state["global_step"], state["losses"], state["train_log"]
-        evaluations = state.get("evaluations", [])
+        evaluations, stops = state.get("evaluations", []), state.get("stops", [])
         if rank == 0:
             log.info("%s: resumed at step %d of %d (checkpoint saved with %s)", stage, start_step,
                      section["max_steps"], state["layout"])
@@ -215,7 +222,8 @@ def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: 
                clip=clip, runner=runner, names=names, config=config, generation_config=generation_config,
                checkpointer=checkpointer, train_log=train_log, staging=staging, global_batch=global_batch,
                seq_len=source.seq_len, num_parameters=n_params, trainable_parameters=n_trainable,
-               flops_per_token=fpt, peak_flops=peak, start_step=start_step, losses=losses, evaluations=evaluations)
+               flops_per_token=fpt, peak_flops=peak, start_step=start_step, losses=losses, evaluations=evaluations,
+               stops=stops)
 
 
 def step(run: Run, source, index: int) -> tuple[float, float | None]:
@@ -240,33 +248,65 @@ def tp_output_group(run: Run):
 
 def run_steps(run: Run, source, evaluator: Callable[..., dict[str, float]] | None = None) -> None:
     """Steps from the resumed one to `max_steps`: log every `logging_steps`, evaluate every
-    `eval_steps` with `evaluator(engine)` (dev metrics; collective), checkpoint every `save_steps`."""
+    `eval_steps` with `evaluator(engine)` (dev metrics; collective), checkpoint every `save_steps`.
+    Asked to stop (SIGTERM, SIGUSR1, the SLURM job's deadline: `stages.training.preemption`), every
+    rank stops after the same step, saves a checkpoint there and raises StopRequested."""
     section, engine = run.section, run.engine
     eval_steps = section["eval_steps"] if evaluator is not None else 0  # fine-tuning sections only
     engine.train()
     since_log = 0
-    for index in range(run.start_step, section["max_steps"]):
-        lr = run.scheduler.get_last_lr()[0]  # the rate this step's update uses
-        loss, grad_norm = step(run, source, index)
-        done = index + 1
-        run.losses.append(loss)
-        since_log += run.global_batch * run.seq_len
-        run.train_log.advance()
-        evaluation = None
-        if eval_steps and (done % eval_steps == 0 or done == section["max_steps"]):
-            evaluation = evaluate(run, evaluator, done)
-        if done % section["logging_steps"] == 0 or done == section["max_steps"] or evaluation:
-            if grad_norm is None:
-                grad_norm = engine.get_global_grad_norm()
-            run.train_log.log(done, loss, lr, None if grad_norm is None else float(grad_norm), since_log, evaluation)
-            since_log = 0
-        if run.checkpointer is not None:
-            run.checkpointer.poll()
-            if run.checkpointer.due(done, section["max_steps"]):
-                run.checkpointer.save(done, engine, run.access, run.names, lambda: run.trainer_state(done))
+    with StopWatch(watch_deadline=run.rank == 0) as watch:  # the others learn of it in agreed()
+        for index in range(run.start_step, section["max_steps"]):
+            started = time.perf_counter()
+            lr = run.scheduler.get_last_lr()[0]  # the rate this step's update uses
+            loss, grad_norm = step(run, source, index)
+            done = index + 1
+            run.losses.append(loss)
+            since_log += run.global_batch * run.seq_len
+            run.train_log.advance()
+            evaluation = None
+            if eval_steps and (done % eval_steps == 0 or done == section["max_steps"]):
+                evaluation = evaluate(run, evaluator, done)
+            if done % section["logging_steps"] == 0 or done == section["max_steps"] or evaluation:
+                if grad_norm is None:
+                    grad_norm = engine.get_global_grad_norm()
+                grad_norm = None if grad_norm is None else float(grad_norm)
+                run.train_log.log(done, loss, lr, grad_norm, since_log, evaluation)
+                since_log = 0
+            watch.longest_step_s = max(watch.longest_step_s, time.perf_counter() - started)
+            if done < section["max_steps"]:
+                reason = watch.agreed(collective_device())
+                if reason:
+                    stop(run, done, reason)  # its own save, before a periodic one of this step
+            if run.checkpointer is not None:
+                run.checkpointer.poll()
+                if run.checkpointer.due(done, section["max_steps"]):
+                    run.checkpointer.save(done, engine, run.access, run.names, lambda: run.trainer_state(done))
+                watch.longest_save_s = max([watch.longest_save_s, *run.checkpointer.save_s])
     run.train_log.close()
     if run.checkpointer is not None:
         run.checkpointer.close()
+
+
+def stop(run: Run, done: int, reason: int) -> None:
+    """Save a complete checkpoint after step `done` (unless the periodic one is that step), wait for
+    it, ask SLURM to requeue the job (rank 0, inside an allocation), and raise StopRequested."""
+    name = reason_name(reason)
+    if run.rank == 0:
+        log.warning("%s: asked to stop by %s: saving a checkpoint at step %d", run.stage, name, done)
+    checkpoint = None
+    run.stops.append({"step": done, "reason": name})  # in the checkpoint's trainer state, then meta.json
+    if run.checkpointer is not None:
+        run.checkpointer.save(done, run.engine, run.access, run.names, lambda: run.trainer_state(done))
+        run.checkpointer.close()
+        checkpoint = str(run.checkpointer.run_dir / checkpoint_name(done))
+    run.train_log.close()
+    error = StopRequested(name, done, run.section["max_steps"], checkpoint)
+    if run.rank == 0:
+        log.warning("%s: %s", run.stage, error)
+        if checkpoint is not None:
+            requeue_slurm_job()  # inside a SLURM job only
+    raise error
 
 
 def evaluate(run: Run, evaluator: Callable[..., dict[str, float]], done: int) -> dict[str, float]:
@@ -332,6 +372,7 @@ def run_metrics(run: Run) -> dict[str, Any]:
         "checkpoint_save_stall_s": [round(s, 4) for s in run.checkpointer.stall_s] if run.checkpointer else [],
         "evaluations": run.evaluations,
         "best_step": run.best["step"] if run.best else None,
+        "stops": run.stops,  # where a signal or the job's time limit stopped the run, resumed since
     }
 
 

@@ -7,8 +7,11 @@ SLURM nodes (llmnode1, llmnode2, one slurmd each) on this one machine. Every rul
 pretraining as a 2-node job (one rank per node, `cluster.tasks_per_node: 1`) whose ranks, per their
 own log lines, ran on different nodes and met at the first node's rendezvous; a second experiment
 pretrains at the same time as a 2-task step on one node, sharing a node with the first, without
-colliding; a job failing on bad data and one over its time limit are reported while Snakemake
-stops cleanly with the results made before them intact.
+colliding; a job failing on bad data and one reaching its time limit (which saves a checkpoint
+before it, and is not requeued here) are reported while Snakemake stops cleanly with the results
+made before them intact; a pretraining job whose time limit is cut short mid-run saves a checkpoint
+before it, requeues itself, and the workflow finishes on its own with the weights of an
+uninterrupted run; a job requeued by `scontrol requeue` resumes from its periodic checkpoint.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -152,18 +156,130 @@ def test_a_failing_and_a_timed_out_job_are_reported_and_earlier_results_stay(tmp
     config = _config(tmp_path, {"bad": bad, "slow": slow})
 
     start = time.monotonic()
-    proc = _through_slurm(tmp_path, config, "results/bad/data", "results/slow/pretrain",
-                          extra=("--keep-going", "--retries", "0"), check=False)
+    os.environ["LLM_LIFECYCLE_MAX_REQUEUES"] = "0"  # stop before the time limit, but do not requeue
+    try:
+        proc = _through_slurm(tmp_path, config, "results/bad/data", "results/slow/pretrain",
+                              extra=("--keep-going", "--retries", "0"), check=False)
+    finally:
+        del os.environ["LLM_LIFECYCLE_MAX_REQUEUES"]
     print(f"failure run through SLURM: {time.monotonic() - start:.0f} s")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert re.search(r"Error in rule prepare", out) and "no 'text' field" in \
         (tmp_path / "results" / "bad" / "logs" / "prepare.log").read_text()
     assert re.search(r"Error in rule pretrain", out)
-    assert re.search(r"TIMEOUT", out), out[-4000:]
+    log = (tmp_path / "results" / "slow" / "logs" / "pretrain.log").read_text()
+    # stopped by itself ahead of the limit (a 1-minute job keeps 6 s), with a checkpoint to resume from
+    assert "stopped by the SLURM job's time limit (deadline) at step" in log and "not again" in log, log[-3000:]
+    checkpoints = tmp_path / "results" / "slow" / "checkpoints" / "pretrain"
+    assert list(checkpoints.glob("*/checkpoint-*/checkpoint_complete.json"))
     results = tmp_path / "results"
     assert not (results / "bad" / "data").exists()
     assert not (results / "slow" / "pretrain").exists()  # no half-written output
     assert (results / "slow" / "data" / "index.json").is_file()  # made before the time-out, kept
     assert (results / "slow" / "plan" / "pretrain.json").is_file()
     assert "Complete log" in out or "Exiting because a job execution failed" in out
+
+
+def _job_id(workdir: Path, rule: str, experiment: str) -> str:
+    """The SLURM job id of a rule's job, from the executor's log file name."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        logs = sorted((workdir / ".snakemake" / "slurm_logs" / f"rule_{rule}" / experiment).glob("*.log"))
+        if logs:
+            return logs[-1].stem
+        time.sleep(1)
+    raise AssertionError(f"no SLURM job for {rule} of {experiment}")
+
+
+def _logged_steps(workdir: Path, experiment: str) -> int:
+    live = workdir / "results" / experiment / ".pretrain.log" / "train_log.csv"
+    try:
+        return max(0, len(live.read_text().splitlines()) - 1)
+    except FileNotFoundError:
+        return 0
+
+
+def _wait_for(condition, what: str, timeout: float = 600):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+
+
+def _scontrol(*args: str) -> str:
+    out = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"scontrol {' '.join(args)}: {out.stderr}"
+    return out.stdout
+
+
+def _release(job: str, time_limit: int | None = None) -> None:
+    """A requeued job waits (BeginTime) about two minutes before it may start again; a user waits,
+    the test lets it start now (with `time_limit` minutes, set first)."""
+    _wait_for(lambda: "JobState=PENDING" in _scontrol("show", "job", job), f"job {job} pending again")
+    if time_limit is not None:
+        _scontrol("update", f"JobId={job}", f"TimeLimit={time_limit}")
+    _scontrol("update", f"JobId={job}", "StartTime=now")
+
+
+def _run_seconds(job: str) -> int:
+    clock = _scontrol("show", "job", job).split("RunTime=")[1].split()[0]  # [days-]hh:mm:ss
+    days, _, clock = clock.rpartition("-")
+    h, m, sec = (int(x) for x in clock.split(":"))
+    return int(days or 0) * 86400 + h * 3600 + m * 60 + sec
+
+
+def _weights(model_dir: Path) -> dict[str, str]:
+    import hashlib
+
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(model_dir.glob("model*.safetensors"))}
+
+
+def test_a_time_limit_cut_short_and_a_requeue_end_in_the_uninterrupted_weights(tmp_path, slurm_cluster):
+    """Three pretraining jobs of one recipe: `limit` has its time limit cut to a minute or two
+    mid-run (`scontrol update TimeLimit`): it saves a checkpoint before the limit, requeues itself
+    and resumes there; `requeue` is requeued by hand (`scontrol requeue`: SIGTERM, then SIGKILL)
+    and resumes from its newest periodic checkpoint; `straight` runs through. One Snakemake run
+    finishes all three without a manual rerun, with bit-identical weights."""
+    recipe = _debug_experiment()
+    recipe["pretrain"].update(max_steps=800, save_steps=50)
+    config = _config(tmp_path, {"limit": recipe, "requeue": recipe, "straight": recipe})
+    targets = [f"results/{name}/pretrain" for name in ("limit", "requeue", "straight")]
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(tmp_path),
+           "--configfile", str(ROOT / "config" / "config.yaml"), str(config), "--workflow-profile", str(PROFILE),
+           "--slurm-keep-successful-logs", "--slurm-init-seconds-before-status-checks", "5", "--retries", "0",
+           *targets]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        limit_job, requeue_job = _job_id(tmp_path, "pretrain", "limit"), _job_id(tmp_path, "pretrain", "requeue")
+        _wait_for(lambda: _logged_steps(tmp_path, "limit") >= 20, "limit: 20 steps")
+        # the job ends 40-100 s from now; it keeps 12-18 s of slack and looks again every 15 s
+        _scontrol("update", f"JobId={limit_job}", f"TimeLimit={_run_seconds(limit_job) // 60 + 2}")
+        _wait_for(lambda: _logged_steps(tmp_path, "requeue") >= 120, "requeue: 120 steps (two checkpoints)")
+        _scontrol("requeue", requeue_job)
+        _release(requeue_job)
+        _release(limit_job, time_limit=30)  # room to finish after the restart
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    print(f"three pretraining jobs, one stopped at its time limit, one requeued: {time.monotonic() - start:.0f} s")
+    assert proc.returncode == 0, out[-4000:]
+
+    results = tmp_path / "results"
+    straight = _weights(results / "straight" / "pretrain")
+    assert straight
+    limit = json.loads((results / "limit" / "pretrain" / "meta.json").read_text())["metrics"]
+    assert [s["reason"] for s in limit["stops"]] == ["the SLURM job's time limit (deadline)"], limit["stops"]
+    assert limit["resumed_from_step"] == limit["stops"][0]["step"] < 800
+    assert _weights(results / "limit" / "pretrain") == straight
+    # SIGTERM reached the executor's own Snakemake and srun too, which end the step at once: the
+    # ranks rarely finish a save of their own, and the rerun starts from the newest checkpoint
+    requeued = json.loads((results / "requeue" / "pretrain" / "meta.json").read_text())["metrics"]
+    print(f"requeue: resumed from step {requeued['resumed_from_step']}, stops {requeued['stops']}")
+    assert requeued["resumed_from_step"] >= 50
+    assert _weights(results / "requeue" / "pretrain") == straight
+    assert "resumed at step" in (results / "limit" / "logs" / "pretrain.log").read_text()

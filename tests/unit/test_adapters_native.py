@@ -279,3 +279,30 @@ def test_a_prefix_from_tokens_is_the_kv_cache_of_those_tokens(debug_model_dir, f
                                    "prefix", section, init_ids=tokens).eval()
             logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
     assert torch.allclose(logits, expected, atol=TOL, rtol=TOL)
+
+
+def test_adapter_config_is_the_same_bytes_in_every_process(tmp_path, debug_model_dir):
+    """peft keeps target_modules as a set and writes it in iteration order, which follows the
+    process's string-hash seed; written sorted, two processes with other seeds write equal bytes."""
+    import os
+    import subprocess
+    import sys
+
+    script = ("import sys, json; from pathlib import Path; from sft_fixtures import finetune_section;"
+              "from stages.adapters.peft_files import peft_config_for, write_adapter;"
+              "section = finetune_section('lora', target_modules="
+              "['q_proj', 'k_proj', 'v_proj', 'o_proj', 'up_proj', 'down_proj']);"
+              "write_adapter(Path(sys.argv[1]), peft_config_for('lora', section, sys.argv[2]), {}, sys.argv[2])")
+    here = os.path.dirname(__file__)
+    written = []
+    for seed in ("1", "2"):
+        out = tmp_path / seed
+        env = dict(os.environ, PYTHONHASHSEED=seed,
+                   PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+        subprocess.run([sys.executable, "-c", script, str(out), str(debug_model_dir)], check=True, env=env,
+                       cwd=os.path.dirname(os.path.dirname(here)))
+        written.append((out / "adapter_config.json").read_bytes())
+    assert written[0] == written[1]
+    import json
+    targets = json.loads(written[0])["target_modules"]
+    assert targets == sorted(targets) and len(targets) == 6

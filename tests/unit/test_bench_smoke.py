@@ -139,3 +139,16 @@ def test_finetune_quality_judges_every_seed_and_the_forgetting():
     text = fq.format_report(result)
     assert "lora-merged ppl <= 1.5x pretrain's on every seed: FAIL" in text
     assert "sft exact match >= 0.85 on every seed: FAIL" in text
+
+
+@pytest.mark.multiproc
+def test_stop_check_bench_report_has_its_keys(tmp_path):
+    out = tmp_path / "stop_check.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "stop_check.py"), "--flavour", "debug", "--steps", "2",
+                           "--checks", "20", "--batch", "2", "--seq", "32", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "stop check (all-reduce of one integer)" in proc.stdout
+    result = json.loads(out.read_text())["result"]
+    assert result["steps"] == 2 and result["checks"] == 20
+    assert result["step_median_s"] > 0 and result["check_median_s"] > 0 and result["check_over_step"] > 0

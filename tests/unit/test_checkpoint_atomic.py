@@ -38,3 +38,34 @@ def test_failed_file_write_keeps_the_old_file(tmp_path):
             raise ValueError("boom")
     assert json.loads(path.read_text()) == {"a": 1}
     assert os.listdir(tmp_path) == ["m.json"]
+
+
+def test_sorted_metadata_makes_the_bytes_independent_of_insertion_order_and_still_loads(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from stages.checkpoint.integrity import write_tensors
+
+    tensors = {"b": torch.arange(5.0), "a": torch.ones(3, dtype=torch.int64)}
+    one = write_tensors(tmp_path / "one.safetensors", tensors, {"python": [1, 2], "numpy": "x", "c": 3})
+    two = write_tensors(tmp_path / "two.safetensors", tensors, {"c": 3, "numpy": "x", "python": [1, 2]})
+    assert one.sha256 == two.sha256
+    loaded = load_file(tmp_path / "one.safetensors")
+    assert torch.equal(loaded["a"], tensors["a"]) and torch.equal(loaded["b"], tensors["b"])
+
+
+def test_a_full_disk_names_the_path_and_the_space(tmp_path):
+    import errno
+
+    from stages.errors import DiskFullError
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    target = tmp_path / "out"
+    message = r"no space left writing .*out.*: more than 0\.0 MB needed, [\d,.]+ MB free"
+    with pytest.raises(DiskFullError, match=message):
+        with atomic_dir(target) as tmp:
+            (tmp / "part").write_bytes(b"x" * 10)
+            no_space()
+    assert not target.exists() and not list(tmp_path.iterdir())  # nothing half-written left

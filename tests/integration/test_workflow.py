@@ -1,5 +1,6 @@
-"""The workflow through real Snakemake runs: lint, dry run, the whole DAG on the debug flavour,
-a rerun that finds nothing to do, and a LoRA change that reruns only the LoRA branch."""
+"""The workflow through real Snakemake runs: lint, dry run, the whole DAG on the debug flavour (twice
+from scratch, writing the same bytes), a rerun that finds nothing to do, and a LoRA change that
+reruns only the LoRA branch."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import yaml
+from rerun_identity import differing_artifacts
 from workflow_helpers import DEBUG_CONFIG, TARGET, planned_jobs, snakemake
 
 
@@ -99,6 +101,12 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
     report = pd.read_csv(exp / "report.csv")
     assert len(report) == 9
     assert "## Fine-tuning: the task learned, the language kept" in (exp / "report.md").read_text()
+
+    # A second run from scratch writes the same bytes (measurements of speed and memory aside).
+    again = tmp_path / "again"
+    again.mkdir()
+    snakemake(again, "--configfile", str(DEBUG_CONFIG), "--cores", "2", TARGET)
+    assert differing_artifacts(tmp_path / "results", again / "results") == []
 
     # A second run finds nothing to do.
     proc = snakemake(tmp_path, "--configfile", str(DEBUG_CONFIG), "-n", TARGET)

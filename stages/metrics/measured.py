@@ -2,7 +2,8 @@
 memory, model FLOP utilisation. Two runs of the same inputs and seed on the same machine write
 every other byte identically (sorted lists, no timestamps or host names outside meta.json's
 provenance); these fields are the only ones that differ, and they are named here once, for the
-rerun test (tests/integration/test_workflow.py with rerun_identity.py) and for anyone diffing two results trees.
+rerun test (tests/integration/test_workflow.py with rerun_identity.py) and for anyone diffing two
+results trees.
 """
 
 from __future__ import annotations

@@ -289,8 +289,8 @@ def run_steps(run: Run, source, evaluator: Callable[..., dict[str, float]] | Non
 
 
 def stop(run: Run, done: int, reason: int) -> None:
-    """Save a complete checkpoint after step `done` (unless the periodic one is that step), wait for
-    it, ask SLURM to requeue the job (rank 0, inside an allocation), and raise StopRequested."""
+    """Save a complete checkpoint after step `done` (the stop recorded in its trainer state), wait
+    for it, ask SLURM to requeue the job (rank 0, inside an allocation), and raise StopRequested."""
     name = reason_name(reason)
     if run.rank == 0:
         log.warning("%s: asked to stop by %s: saving a checkpoint at step %d", run.stage, name, done)

@@ -82,10 +82,14 @@ def requeue_slurm_job(env: dict[str, str] | None = None) -> bool:
         log.warning("SLURM job %s was requeued %d times (LLM_LIFECYCLE_MAX_REQUEUES=%d): not again; it ends, "
                     "and rerunning the workflow resumes from the checkpoint", job, restarts, MAX_REQUEUES)
         return False
-    proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
-    if proc.returncode != 0:
+    try:
+        proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+        failure = None if proc.returncode == 0 else (proc.stderr or proc.stdout).strip()
+    except (subprocess.SubprocessError, OSError) as exc:  # a controller that does not answer
+        failure = str(exc)
+    if failure is not None:
         log.warning("scontrol requeue %s failed (%s); the job ends and is rerun by the profile's retries",
-                    job, (proc.stderr or proc.stdout).strip())
+                    job, failure)
         return False
     log.info("SLURM job %s requeued: it resumes from the checkpoint when it starts again", job)
     return True

@@ -380,7 +380,7 @@ class Checkpointer:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint") if self.async_save else None
         self._pending: PendingSave | None = None
         self.stall_s: list[float] = []  # time the step loop spent in each save call
-        self.save_s: list[float] = []  # from each save call to its checkpoint being complete
+        self.longest_save_s = 0.0  # the longest time from a save call to its checkpoint being complete
 
     # -- resume --------------------------------------------------------------------------------
     def find(self) -> StateReader | None:
@@ -477,7 +477,7 @@ class Checkpointer:
             if full:
                 raise disk_full(self.run_dir / checkpoint_name(step), sum(p["nbytes"] for p in parts))
             raise RuntimeError(f"finishing {partial} failed (the previous checkpoint is intact): {error}")
-        self.save_s.append(time.perf_counter() - pending.begun)
+        self.longest_save_s = max(self.longest_save_s, time.perf_counter() - pending.begun)
 
     def _complete(self, partial: Path, step: int, header: dict[str, Any], state: dict[str, Any],
                   parts: list[dict[str, Any]]) -> None:
@@ -536,7 +536,7 @@ def write_final(out_dir: Path, engine, access: OptimizerAccess, names: dict[str,
     except Exception as exc:  # this rank exits; the launcher ends the others
         if is_disk_full(exc):
             shutil.rmtree(partial, ignore_errors=True)
-            raise disk_full(out_dir, part_bytes(part) * dist.get_world_size(), exc) from exc
+            raise disk_full(out_dir, part_bytes(part), exc, at_least=True) from exc  # this rank's share
         raise
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, written)

@@ -282,7 +282,7 @@ def run_steps(run: Run, source, evaluator: Callable[..., dict[str, float]] | Non
                 run.checkpointer.poll()
                 if run.checkpointer.due(done, section["max_steps"]):
                     run.checkpointer.save(done, engine, run.access, run.names, lambda: run.trainer_state(done))
-                watch.longest_save_s = max([watch.longest_save_s, *run.checkpointer.save_s])
+                watch.longest_save_s = run.checkpointer.longest_save_s
     run.train_log.close()
     if run.checkpointer is not None:
         run.checkpointer.close()

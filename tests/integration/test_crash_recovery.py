@@ -11,7 +11,6 @@ not reach them by itself: they must notice that their launcher is gone and stop 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -24,7 +23,7 @@ import psutil
 import pytest
 import yaml
 
-from workflow_helpers import ROOT, snakemake
+from workflow_helpers import ROOT, snakemake, weights_sha256
 
 pytestmark = pytest.mark.slow
 
@@ -73,9 +72,6 @@ def _processes_in(workdir: Path) -> list[psutil.Process]:
             continue
     return found
 
-
-def _weights_sha256(model_dir: Path) -> dict[str, str]:
-    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(model_dir.glob("model*.safetensors"))}
 
 
 def _env() -> dict[str, str]:
@@ -137,7 +133,7 @@ def test_snakemake_process_group_sigkill_resumes_bit_identically(tmp_path):
     assert resumed == max(saved), (resumed, saved)
     run_log = (crashed / "results" / "crash" / "logs" / "pretrain.log").read_text()
     assert f"pretrain: resumed at step {resumed} of {PRETRAIN['max_steps']}" in run_log
-    assert _weights_sha256(done) == _weights_sha256(reference) != {}
+    assert weights_sha256(done) == weights_sha256(reference) != {}
     logs = [[row.split(",")[:2] for row in (d / "train_log.csv").read_text().splitlines()[1:]]
             for d in (done, reference)]
     assert [int(step) for step, _ in logs[0]] == list(range(1, PRETRAIN["max_steps"] + 1))

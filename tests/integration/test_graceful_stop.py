@@ -6,7 +6,6 @@ save_steps is 0, so every checkpoint on disk is one a signal asked for."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -19,23 +18,13 @@ import psutil
 import yaml
 
 from stages.checkpoint.store import checkpoint_name
-from workflow_helpers import ROOT, snakemake
+from workflow_helpers import ROOT, logged_steps, snakemake, weights_sha256
 
 PRETRAIN = {"seed": 5, "max_steps": 60, "warmup_steps": 3, "max_length": 32, "per_device_train_batch_size": 2,
             "world_size": 2, "sharding": "stage1", "save_steps": 0, "async_save": True}
 EXPERIMENT = {"model": {"flavour": "debug"}, "data": {"vocab_size": 512, "num_sft_train": 50}, "pretrain": PRETRAIN}
 
 
-def _weights_sha256(model_dir: Path) -> dict[str, str]:
-    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(model_dir.glob("model*.safetensors"))}
-
-
-def _logged_steps(workdir: Path) -> int:
-    live = workdir / "results" / "stop" / ".pretrain.log" / "train_log.csv"
-    try:
-        return max(0, len(live.read_text().splitlines()) - 1)
-    except FileNotFoundError:
-        return 0
 
 
 def _complete_checkpoints(workdir: Path) -> list[str]:
@@ -52,11 +41,11 @@ def _run_and_signal(workdir: Path, extra: Path, at_step: int, rank: str, signum:
            "--configfile", str(ROOT / "config" / "config.yaml"), str(extra), "--cores", "2", "results/stop/pretrain"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 600
-    while _logged_steps(workdir) < at_step:
+    while logged_steps(workdir, "stop") < at_step:
         assert proc.poll() is None, f"the job ended before step {at_step}:\n{proc.stdout.read()[-4000:]}"
         assert time.monotonic() < deadline, "the job did not reach the step in time"
         time.sleep(0.02)
-    sent = _logged_steps(workdir)
+    sent = logged_steps(workdir, "stop")
     ranks = [c for c in psutil.Process(proc.pid).children(recursive=True)
              if "stages.pretrain" in " ".join(c.cmdline()) and c.environ().get("RANK") is not None]
     target = [c for c in ranks if c.environ()["RANK"] == rank]
@@ -92,4 +81,4 @@ def test_a_signal_to_one_rank_stops_both_at_one_step_and_the_rerun_resumes_exact
     done, reference = tmp_path / "results" / "stop" / "pretrain", tmp_path / "results" / "straight" / "pretrain"
     meta = json.loads((done / "meta.json").read_text())["metrics"]
     assert meta["resumed_from_step"] == stops[-1]
-    assert _weights_sha256(done) == _weights_sha256(reference) != {}
+    assert weights_sha256(done) == weights_sha256(reference) != {}

@@ -5,7 +5,6 @@ uninterrupted run of the same recipe (fp32, CPU, 2 ranks with ZeRO-1, asynchrono
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -19,24 +18,13 @@ import pandas as pd
 import psutil
 import yaml
 
-from workflow_helpers import ROOT, snakemake
+from workflow_helpers import ROOT, logged_steps, snakemake, weights_sha256
 
 PRETRAIN = {"seed": 11, "max_steps": 40, "warmup_steps": 3, "max_length": 32, "per_device_train_batch_size": 2,
             "world_size": 2, "sharding": "stage1", "save_steps": 5, "save_total_limit": 2, "async_save": True}
 EXPERIMENT = {"model": {"flavour": "debug"}, "data": {"vocab_size": 512, "num_sft_train": 50}, "pretrain": PRETRAIN}
 
 
-def _weights_sha256(model_dir: Path) -> dict[str, str]:
-    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(model_dir.glob("model*.safetensors"))}
-
-
-def _logged_steps(workdir: Path) -> int:
-    """Rows in the running job's live train_log.csv (it is moved into the output at the end)."""
-    live = workdir / "results" / "kill" / ".pretrain.log" / "train_log.csv"
-    try:
-        return max(0, len(live.read_text().splitlines()) - 1)
-    except FileNotFoundError:
-        return 0
 
 
 def _run_and_kill_at(workdir: Path, extra: Path, step: int) -> int:
@@ -48,11 +36,11 @@ def _run_and_kill_at(workdir: Path, extra: Path, step: int) -> int:
            "--configfile", str(ROOT / "config" / "config.yaml"), str(extra), "--cores", "2", "results/kill/pretrain"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 600
-    while _logged_steps(workdir) < step:
+    while logged_steps(workdir, "kill") < step:
         assert proc.poll() is None, f"the job ended before step {step}:\n{proc.stdout.read()[-4000:]}"
         assert time.monotonic() < deadline, "the job did not reach the step in time"
         time.sleep(0.02)
-    killed = _logged_steps(workdir)
+    killed = logged_steps(workdir, "kill")
     for child in psutil.Process(proc.pid).children(recursive=True):
         if "stages.pretrain" in " ".join(child.cmdline()):
             child.send_signal(signal.SIGKILL)
@@ -78,7 +66,7 @@ def test_pretrain_resumes_bit_identically_after_sigkill(tmp_path):
     meta = json.loads((done / "meta.json").read_text())["metrics"]
     # from a checkpoint the last killed attempt wrote (a save still in flight at the kill is skipped)
     assert meta["resumed_from_step"] % 5 == 0 and meta["resumed_from_step"] > killed[-2], (killed, meta)
-    assert _weights_sha256(done) == _weights_sha256(reference) != {}
+    assert weights_sha256(done) == weights_sha256(reference) != {}
     log, ref_log = pd.read_csv(done / "train_log.csv"), pd.read_csv(reference / "train_log.csv")
     assert list(log["step"]) == list(range(1, 41))
     assert (log["loss"] == ref_log["loss"]).all()  # the printed curve too, every step

@@ -44,3 +44,19 @@ def planned_jobs(stdout: str) -> dict[str, int]:
     return counts
 
 
+
+
+def weights_sha256(model_dir: Path) -> dict[str, str]:
+    """{weight file name: sha256} of a model directory: equal dicts are bit-identical weights."""
+    import hashlib
+
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(model_dir.glob("model*.safetensors"))}
+
+
+def logged_steps(workdir: Path, experiment: str) -> int:
+    """Rows in the running pretrain job's live train_log.csv (moved into the output at the end)."""
+    live = workdir / "results" / experiment / ".pretrain.log" / "train_log.csv"
+    try:
+        return max(0, len(live.read_text().splitlines()) - 1)
+    except FileNotFoundError:
+        return 0

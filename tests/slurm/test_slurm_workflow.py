@@ -28,7 +28,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.integration.workflow_helpers import DEBUG_CONFIG, ROOT, planned_jobs, snakemake
+from tests.integration.workflow_helpers import (
+    DEBUG_CONFIG, ROOT, logged_steps, planned_jobs, snakemake, weights_sha256,
+)
 
 pytestmark = pytest.mark.slurm
 
@@ -192,13 +194,6 @@ def _job_id(workdir: Path, rule: str, experiment: str) -> str:
     raise AssertionError(f"no SLURM job for {rule} of {experiment}")
 
 
-def _logged_steps(workdir: Path, experiment: str) -> int:
-    live = workdir / "results" / experiment / ".pretrain.log" / "train_log.csv"
-    try:
-        return max(0, len(live.read_text().splitlines()) - 1)
-    except FileNotFoundError:
-        return 0
-
 
 def _wait_for(condition, what: str, timeout: float = 600):
     deadline = time.monotonic() + timeout
@@ -221,11 +216,6 @@ def _release(job: str, time_limit: int | None = None) -> None:
         _scontrol("update", f"JobId={job}", f"TimeLimit={time_limit}")
     _scontrol("update", f"JobId={job}", "StartTime=now")
 
-
-def _weights(model_dir: Path) -> dict[str, str]:
-    import hashlib
-
-    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(model_dir.glob("model*.safetensors"))}
 
 
 def test_a_time_limit_and_a_requeue_end_in_the_uninterrupted_weights(tmp_path, slurm_cluster):
@@ -250,7 +240,7 @@ def test_a_time_limit_and_a_requeue_end_in_the_uninterrupted_weights(tmp_path, s
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         limit_job, requeue_job = _job_id(tmp_path, "pretrain", "limit"), _job_id(tmp_path, "pretrain", "requeue")
-        _wait_for(lambda: _logged_steps(tmp_path, "requeue") >= 220, "requeue: 220 steps (two checkpoints)")
+        _wait_for(lambda: logged_steps(tmp_path, "requeue") >= 220, "requeue: 220 steps (two checkpoints)")
         _scontrol("requeue", requeue_job)
         _release(requeue_job)
         _release(limit_job, time_limit=30)  # room to finish after the restart
@@ -262,16 +252,16 @@ def test_a_time_limit_and_a_requeue_end_in_the_uninterrupted_weights(tmp_path, s
     assert proc.returncode == 0, out[-4000:]
 
     results = tmp_path / "results"
-    straight = _weights(results / "straight" / "pretrain")
+    straight = weights_sha256(results / "straight" / "pretrain")
     assert straight
     limit = json.loads((results / "limit" / "pretrain" / "meta.json").read_text())["metrics"]
     assert [s["reason"] for s in limit["stops"]] == ["the SLURM job's time limit (deadline)"], limit["stops"]
     assert limit["resumed_from_step"] == limit["stops"][0]["step"] < 1200
-    assert _weights(results / "limit" / "pretrain") == straight
+    assert weights_sha256(results / "limit" / "pretrain") == straight
     # SIGTERM reached the executor's own Snakemake and srun too, which end the step at once: the
     # ranks rarely finish a save of their own, and the rerun starts from the newest checkpoint
     requeued = json.loads((results / "requeue" / "pretrain" / "meta.json").read_text())["metrics"]
     print(f"requeue: resumed from step {requeued['resumed_from_step']}, stops {requeued['stops']}")
     assert requeued["resumed_from_step"] >= 100
-    assert _weights(results / "requeue" / "pretrain") == straight
+    assert weights_sha256(results / "requeue" / "pretrain") == straight
     assert "resumed at step" in (results / "limit" / "logs" / "pretrain.log").read_text()

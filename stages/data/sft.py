@@ -21,6 +21,7 @@ from stages.model.labels import IGNORE_INDEX
 class SftRecord:
     src: list[str]  # one entry per round
     tgt: list[str]
+    system: str | None = None  # a system prompt before the first round (the server's system messages)
 
 
 class SftDataError(InputError):
@@ -96,7 +97,7 @@ def chat_segments(tokenizer, record: SftRecord) -> list[tuple[str, bool]]:
     The cut comes from rendering growing prefixes of the conversation, so it needs a template whose
     rendering of a prefix is a prefix of the whole; SftDataError otherwise (set data.chat_template:
     false to use the plain format)."""
-    messages: list[dict[str, str]] = []
+    messages: list[dict[str, str]] = [] if record.system is None else [{"role": "system", "content": record.system}]
     segments: list[tuple[str, bool]] = []
     done = ""
     for src, tgt in zip(record.src, record.tgt):
@@ -118,11 +119,12 @@ def chat_segments(tokenizer, record: SftRecord) -> list[tuple[str, bool]]:
 def encode_prompt(tokenizer, record: SftRecord, src_length: int, chat: bool = False) -> list[int]:
     """Ids the model generates from: all earlier rounds in full, then the last src (with `chat`,
     rendered by the chat template up to the assistant header); truncated from the left to
-    `src_length` so the most recent context is kept. Plain format: [bos] first."""
+    `src_length` so the most recent context is kept. Plain format: [bos] first, then the system
+    prompt's text when the record has one."""
     if chat:
         ids = [i for text, _ in chat_segments(tokenizer, record)[:-1] for i in _ids(tokenizer, text)]
         return ids[-src_length:]
-    ids: list[int] = []
+    ids: list[int] = [] if record.system is None else _ids(tokenizer, record.system)
     for src, tgt in zip(record.src[:-1], record.tgt[:-1]):
         ids += _ids(tokenizer, src) + _ids(tokenizer, tgt) + [tokenizer.eos_token_id]
     ids += _ids(tokenizer, record.src[-1])

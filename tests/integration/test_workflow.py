@@ -1,6 +1,6 @@
 """The workflow through real Snakemake runs: lint, dry run, the whole DAG on the debug flavour (twice
-from scratch, writing the same bytes), a rerun that finds nothing to do, and a LoRA change that
-reruns only the LoRA branch."""
+from scratch, writing the same bytes; its models served over HTTP answer as the predictor does), a
+rerun that finds nothing to do, and a LoRA change that reruns only the LoRA branch."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 import yaml
 from rerun_identity import differing_artifacts
+from served_answers import served_and_predicted
 from workflow_helpers import DEBUG_CONFIG, TARGET, planned_jobs, snakemake
 
 
@@ -101,6 +102,15 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
     report = pd.read_csv(exp / "report.csv")
     assert len(report) == 9
     assert "## Fine-tuning: the task learned, the language kept" in (exp / "report.md").read_text()
+
+    # The run's models served over HTTP answer as the predictor does (stages.serve, the openai client):
+    # the merged model, a GPTQ variant on its int4 kernels, and the LoRA adapter on its base.
+    for variant, kind in (("lora-merged", "hf"), ("quant/gptq-w4", "quantized"), ("lora", "adapter")):
+        for served, predicted in served_and_predicted(exp, variant, tmp_path):
+            assert served["kind"] == kind
+            assert served["output"] == served["streamed"] == predicted["output"], variant
+            assert served["prompt_tokens"] == predicted["prompt_tokens"], variant
+            assert served["output_tokens"] == predicted["output_tokens"], variant
 
     # A second run from scratch writes the same bytes (measurements of speed and memory aside).
     again = tmp_path / "again"

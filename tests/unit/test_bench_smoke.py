@@ -152,3 +152,21 @@ def test_stop_check_bench_report_has_its_keys(tmp_path):
     result = json.loads(out.read_text())["result"]
     assert result["steps"] == 2 and result["checks"] == 20
     assert result["step_median_s"] > 0 and result["check_median_s"] > 0 and result["check_over_step"] > 0
+
+
+def test_serve_bench_report_has_its_keys(tmp_path, tiny_tokenizer_dir):
+    from checkpoint_fixtures import chat_tokenizer, save_checkpoint
+
+    model = save_checkpoint(tmp_path / "model", chat_tokenizer(tiny_tokenizer_dir))
+    out = tmp_path / "serve.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), "--model", str(model), "--concurrency",
+                           "1,2", "--requests", "1", "--max-tokens", "8", "--repeats", "1", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "generate on a batch, tokens/s" in proc.stdout
+    result = json.loads(out.read_text())["result"]
+    assert [v["clients"] for v in result["levels"]] == [1, 2]
+    assert [v["requests"] for v in result["levels"]] == [1, 2]
+    assert all(v["tokens"] > 0 and v["latency_p95_s"] >= v["latency_p50_s"] > 0 for v in result["levels"])
+    single = result["single_request"]
+    assert single["tokens"] == single["whole_tokens"] == single["peer_tokens"]

@@ -1,0 +1,247 @@
+"""What the server costs and what batching buys: `python -m stages.serve` on loopback against
+calling `generate` directly, in one run, on the same model and prompts.
+
+Peer: transformers `generate` (greedy, KV cache) in this process, on one prompt, and on a batch
+of C prompts for each concurrency C, while the server (`python -m stages.serve --model DIR`, its
+own process on a free 127.0.0.1 port) idles. One request is timed `--repeats` times, interleaved:
+`generate`, the server streaming, the server answering whole. Then, per concurrency, C client
+threads (1, 4, 16 by default) each send `--requests` streamed greedy chat requests (raw HTTP,
+server-sent events read as they come). Per concurrency: generated tokens/s over the
+wall time, request latency p50/p95, time to first token p50, and the ratio against the peer:
+  - one request, streamed and answered whole, against one `generate` call for the same prompt
+    (the server's overhead: HTTP, JSON, the scheduler thread, per-token detokenizing and stop
+    checks, and the client's reading, all on the same cores);
+  - C streams: tokens/s against `generate` on a batch of C prompts (what batching recovers).
+Bounded: every request has max_tokens `--max-tokens`, and a concurrency level stops sending new
+requests after `--time-limit` seconds.
+
+    .venv/bin/python bench/serve.py --model results/llama/lora-merged     # after `make demo`
+    .venv/bin/python bench/serve.py --model DIR --concurrency 1,4 --requests 2
+Prints a table and writes JSON (default bench/out/serve.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.common import csv_list, finish, machine_info  # noqa: E402
+
+DEFAULT_OUT = ROOT / "bench" / "out" / "serve.json"
+DEFAULT_MODEL = ROOT / "results" / "llama" / "lora-merged"
+PROMPTS = ["What colour is the sky on a clear day?", "Name three animals that live on a farm.",
+           "Write one sentence about the sea.", "What is the opposite of cold?",
+           "Give a short title for a story about a lost cat.", "What do bees make?",
+           "Count from one to five.", "Describe bread in a few words."]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+# -- the peer: generate directly ------------------------------------------------------------------
+class Direct:
+    """transformers `generate` in this process, on the prompts as the server encodes them
+    (served_model.prompt_ids of the same chat requests)."""
+
+    def __init__(self, model_dir: Path, max_tokens: int):
+        from stages.serving.openai_api import parse_request
+        from stages.serving.served_model import load_served_model
+
+        self.served = load_served_model(model_dir)
+        self.max_tokens = max_tokens
+        self.prompts = [self.served.prompt_ids(parse_request(_body(p, max_tokens, self.served.model_id), "chat"))
+                        for p in PROMPTS]
+
+    def run(self, count: int) -> tuple[float, int]:
+        """(seconds, generated tokens) of one greedy generate call on the first `count` prompts
+        (cycled), left-padded as the server pads."""
+        import torch
+
+        batch = [self.prompts[i % len(self.prompts)] for i in range(count)]
+        served, width = self.served, max(len(p) for p in batch)
+        ids = torch.full((len(batch), width), served.pad_token_id)
+        mask = torch.zeros_like(ids)
+        for r, p in enumerate(batch):
+            ids[r, width - len(p):], mask[r, width - len(p):] = torch.tensor(p), 1
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = served.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=self.max_tokens,
+                                        do_sample=False, eos_token_id=served.eos_token_id,
+                                        pad_token_id=served.pad_token_id)
+        seconds = time.perf_counter() - start
+        new = out[:, width:]
+        tokens = sum(int((row != served.pad_token_id).sum()) for row in new)  # rows ended by eos are padded
+        return seconds, tokens
+
+
+# -- the server --------------------------------------------------------------------------------
+def _body(prompt: str, max_tokens: int, model: str, stream: bool = False) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+            "max_tokens": max_tokens, "stream": stream, "stream_options": {"include_usage": stream}}
+
+
+def start_server(model_dir: Path, max_batch_size: int, max_queue: int) -> tuple[subprocess.Popen, str, int]:
+    proc = subprocess.Popen([sys.executable, "-m", "stages.serve", "--model", str(model_dir), "--max-batch-size",
+                             str(max_batch_size), "--max-queue", str(max_queue)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = proc.stdout.readline()
+    if not line.startswith("serving "):
+        proc.kill()
+        raise RuntimeError(f"the server did not start: {line!r}")
+    host, port = line.split()[3].removeprefix("http://").split(":")
+    return proc, host, int(port)
+
+
+def stream_request(host: str, port: int, body: dict) -> dict:
+    """One streamed request: latency, time to first content, completion tokens."""
+    conn = http.client.HTTPConnection(host, port, timeout=600)
+    start = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    first, tokens = None, 0
+    for raw in response:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        if "usage" in event:
+            tokens = event["usage"]["completion_tokens"]
+        elif first is None and event["choices"] and event["choices"][0]["delta"].get("content"):
+            first = time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    conn.close()
+    if response.status != 200:
+        raise RuntimeError(f"status {response.status}")
+    return {"seconds": seconds, "first_token_seconds": first if first is not None else seconds, "tokens": tokens}
+
+
+def plain_request(host: str, port: int, body: dict) -> dict:
+    """One request answered whole (no streaming): latency and completion tokens."""
+    conn = http.client.HTTPConnection(host, port, timeout=600)
+    start = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    answer = json.loads(response.read())
+    seconds = time.perf_counter() - start
+    conn.close()
+    if response.status != 200:
+        raise RuntimeError(f"status {response.status}: {answer}")
+    return {"seconds": seconds, "tokens": answer["usage"]["completion_tokens"]}
+
+
+def load(host: str, port: int, model: str, clients: int, requests: int, max_tokens: int, time_limit: float) -> dict:
+    results: list[dict] = []
+    lock = threading.Lock()
+    deadline = time.perf_counter() + time_limit
+
+    def client(i: int) -> None:
+        for k in range(requests):
+            if time.perf_counter() > deadline:
+                return
+            r = stream_request(host, port, _body(PROMPTS[(i + k) % len(PROMPTS)], max_tokens, model, stream=True))
+            with lock:
+                results.append(r)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    latencies = [r["seconds"] for r in results]
+    return {"clients": clients, "requests": len(results), "wall_seconds": wall,
+            "tokens": sum(r["tokens"] for r in results),
+            "tokens_per_s": sum(r["tokens"] for r in results) / wall,
+            "latency_p50_s": percentile(latencies, 0.5), "latency_p95_s": percentile(latencies, 0.95),
+            "first_token_p50_s": percentile([r["first_token_seconds"] for r in results], 0.5)}
+
+
+def measure(model_dir: Path, concurrency: list[int], requests: int, max_tokens: int, time_limit: float,
+            repeats: int) -> dict:
+    direct = Direct(model_dir, max_tokens)
+    model_id = direct.served.model_id
+    proc, host, port = start_server(model_dir, max_batch_size=max(concurrency), max_queue=max(concurrency))
+    try:
+        streamed_body, whole_body = (_body(PROMPTS[0], max_tokens, model_id, stream=s) for s in (True, False))
+        direct.run(1), stream_request(host, port, streamed_body), plain_request(host, port, whole_body)  # warm-ups
+        # interleaved, so that a slower or faster minute of a shared machine touches all three alike
+        single = {"generate": [], "streamed": [], "whole": []}
+        for _ in range(repeats):
+            single["generate"].append(dict(zip(("seconds", "tokens"), direct.run(1))))
+            single["streamed"].append(stream_request(host, port, streamed_body))
+            single["whole"].append(plain_request(host, port, whole_body))
+        levels = []
+        for c in concurrency:
+            runs = [direct.run(c) for _ in range(max(1, repeats // 2))]
+            level = load(host, port, model_id, c, requests, max_tokens, time_limit)
+            level["peer_tokens_per_s"] = statistics.median(tokens / seconds for seconds, tokens in runs)
+            level["over_peer"] = level["tokens_per_s"] / level["peer_tokens_per_s"]
+            levels.append(level)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    median = {k: statistics.median(r["seconds"] for r in v) for k, v in single.items()}
+    return {"model_dir": str(model_dir), "kind": direct.served.kind, "max_tokens": max_tokens, "repeats": repeats,
+            "single_request": {"generate_seconds": median["generate"], "peer_tokens": single["generate"][0]["tokens"],
+                               "tokens": single["streamed"][0]["tokens"], "whole_tokens": single["whole"][0]["tokens"],
+                               "server_seconds": median["streamed"],
+                               "overhead": median["streamed"] / median["generate"] - 1.0,
+                               "whole_seconds": median["whole"],
+                               "whole_overhead": median["whole"] / median["generate"] - 1.0},
+            "levels": levels}
+
+
+def report(result: dict) -> str:
+    r = result["result"]
+    s = r["single_request"]
+    lines = [f"serving {r['model_dir']} ({r['kind']}), greedy, max_tokens {r['max_tokens']}", "",
+             f"one request against generate {s['generate_seconds'] * 1e3:.1f} ms ({s['peer_tokens']} tokens): "
+             f"streamed {s['server_seconds'] * 1e3:.1f} ms ({s['tokens']} tokens, {s['overhead']:+.1%}), "
+             f"answered whole {s['whole_seconds'] * 1e3:.1f} ms ({s['whole_tokens']} tokens, "
+             f"{s['whole_overhead']:+.1%})", "",
+             "| streams | requests | tokens/s | generate on a batch, tokens/s | ratio | latency p50 | p95 | "
+             "first token p50 |", "|---|---|---|---|---|---|---|---|"]
+    for v in r["levels"]:
+        lines.append(f"| {v['clients']} | {v['requests']} | {v['tokens_per_s']:.1f} | {v['peer_tokens_per_s']:.1f} | "
+                     f"{v['over_peer']:.2f} | {v['latency_p50_s'] * 1e3:.0f} ms | {v['latency_p95_s'] * 1e3:.0f} ms | "
+                     f"{v['first_token_p50_s'] * 1e3:.0f} ms |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL,
+                        help="model dir to serve (default: the default run's lora-merged, after `make demo`)")
+    parser.add_argument("--concurrency", default="1,4,16", help="concurrent streams, comma-separated")
+    parser.add_argument("--requests", type=int, default=4, help="requests per stream and level (default 4)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (default 64)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed single requests / generate calls (default 5)")
+    parser.add_argument("--time-limit", type=float, default=120.0,
+                        help="seconds after which a level sends no new request (default 120)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    if not (args.model / "config.json").exists() and not (args.model / "adapter_config.json").exists():
+        parser.error(f"--model {args.model} holds no model; run `make demo` first or pass a model dir")
+    started = time.perf_counter()
+    concurrency = [int(c) for c in csv_list(args.concurrency)]
+    result = {"machine": machine_info("transformers"),
+              "result": measure(args.model, concurrency, args.requests, args.max_tokens, args.time_limit,
+                                args.repeats)}
+    return finish(args.out, result, report, started)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Serve one model over HTTP: the OpenAI API and a chat page.
+
+`python -m stages.serve --model DIR [--host 127.0.0.1] [--port 0] [--api-key KEY]
+ [--served-model-name NAME] [--max-length N] [--max-batch-size 8] [--max-queue 16]
+ [--chat-template auto|true|false]`
+
+`--model` is anything stages.predict answers with (`stages.evaluate.load_variant`): a full model
+(pretrain, sft, lora-merged, an imported base), a LoRA or prefix adapter (on its base), or a
+quantized dir (quant/<variant>, on its low-bit kernels). Local files only, safetensors only,
+never `trust_remote_code`.
+
+Safe by default: the server listens on 127.0.0.1 (this machine only) and, with `--port 0` (the
+default), on a free port; its address is printed as `serving <model> at http://127.0.0.1:PORT`
+once it accepts connections. `--host 0.0.0.0` (or any other address) opens it to the network,
+with a warning; `--api-key` (or the LLM_LIFECYCLE_API_KEY environment variable) then requires
+`Authorization: Bearer <key>` on every /v1 request.
+
+API (stages/serving/http_server.py): /v1/models, /v1/chat/completions, /v1/completions, streamed
+as server-sent events with `"stream": true`; the chat page at `/`. A greedy answer
+(`temperature: 0`) is stages.predict's answer for the same record and the same max_length.
+Ctrl-C or SIGTERM stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Sequence
+
+from stages.errors import InputError, run_cli
+from stages.serving.http_server import ModelServer
+from stages.serving.scheduler import Scheduler
+from stages.serving.served_model import load_served_model
+
+log = logging.getLogger(__name__)
+
+API_KEY_ENV = "LLM_LIFECYCLE_API_KEY"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def start(model_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
+          served_model_name: str | None = None, max_length: int | None = None, max_batch_size: int = 8,
+          max_queue: int = 16, chat_template: str = "auto") -> ModelServer:
+    """Load the model and bind the server (not yet serving: call `serve_forever`, e.g. in a thread).
+    Tests and bench/serve.py start it this way; `main` adds the signals and the printed address."""
+    served = load_served_model(model_dir, model_id=served_model_name, chat_template=chat_template,
+                               max_length=max_length)
+    scheduler = Scheduler(served.model, eos_token_id=served.eos_token_id, pad_token_id=served.pad_token_id,
+                          max_batch_size=max_batch_size, max_queue=max_queue)
+    try:
+        return ModelServer((host, port), served, scheduler, api_key)
+    except OSError as e:
+        scheduler.close()
+        raise InputError(f"cannot listen on {host}:{port}: {e.strerror}; choose another --port (0: a free one)") \
+            from None
+
+
+def stop(server: ModelServer) -> None:
+    server.shutdown()
+    server.server_close()
+    server.scheduler.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m stages.serve", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", required=True, help="model dir: HF layout, peft adapter or quantized HF dir")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default %(default)s: this machine only; another address "
+                             "opens the server to the network)")
+    parser.add_argument("--port", type=int, default=0, help="port (default 0: a free one, printed)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"require 'Authorization: Bearer KEY' on /v1 requests (default: ${API_KEY_ENV}, "
+                             "else none)")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model id clients pass as `model` (default: the model dir's name)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="prompt + answer tokens (default: the model's max_position_embeddings)")
+    parser.add_argument("--max-batch-size", type=int, default=8,
+                        help="greedy requests generated together in one batch (default %(default)s)")
+    parser.add_argument("--max-queue", type=int, default=16,
+                        help="requests admitted at once, running or waiting; more get 503 (default %(default)s)")
+    parser.add_argument("--chat-template", choices=("auto", "true", "false"), default="auto",
+                        help="chat prompt format: auto = the experiment's data/index.json sft_format for a model "
+                             "in results/<exp>/, else the tokenizer's chat template when it has one")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not is_loopback(args.host):
+        log.warning("listening on %s: anyone who can reach this machine can use the model%s", args.host,
+                    "" if args.api_key else " (no --api-key set)")
+    server = start(args.model, host=args.host, port=args.port, api_key=args.api_key,
+                   served_model_name=args.served_model_name, max_length=args.max_length,
+                   max_batch_size=args.max_batch_size, max_queue=args.max_queue, chat_template=args.chat_template)
+    # serve_forever runs in this thread; a signal handler must not call shutdown() from it (it
+    # waits for serve_forever to return), so a helper thread does.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: threading.Thread(target=server.shutdown, daemon=True).start())
+    print(f"serving {server.served.model_id} at {server.url} (chat page: {server.url}/, "
+          f"OpenAI API: {server.url}/v1)", flush=True)
+    try:
+        server.serve_forever()
+    finally:
+        server.server_close()
+        server.scheduler.close()
+    print("server stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    run_cli(main, "serve")

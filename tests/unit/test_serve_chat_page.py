@@ -1,0 +1,97 @@
+"""The chat page of stages/serve.py in a real browser: headless Chromium (Debian's chromium and
+chromium-driver packages, driven by selenium) opens the page, a message is typed and sent with
+Enter, the answer streams in and equals the API's greedy answer; a second turn carries the first.
+
+Marked slow (it needs the browser, which `.ci/run` installs before the slow tests): without
+Chromium the test is skipped, unless LLM_LIFECYCLE_REQUIRE_BROWSER=1 (set by .ci/run), where a
+missing browser fails it. A screenshot is written to $LLM_LIFECYCLE_SCREENSHOT when that is set."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+
+import pytest
+
+from checkpoint_fixtures import chat_tokenizer, save_checkpoint
+from stages import serve
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+MAX_TOKENS = 16  # typed into the page's "max tokens" field: two turns fit the context
+
+
+@pytest.fixture
+def browser():
+    if not (CHROMIUM and DRIVER):
+        if os.environ.get("LLM_LIFECYCLE_REQUIRE_BROWSER") == "1":
+            pytest.fail("chromium and chromedriver are required (apt-get install chromium chromium-driver)")
+        pytest.skip("no chromium/chromedriver (apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1000,700"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(executable_path=DRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture
+def server(tmp_path, tiny_tokenizer_dir):
+    model = save_checkpoint(tmp_path / "chat-model", chat_tokenizer(tiny_tokenizer_dir), seed=3)
+    running = serve.start(model, max_length=256)
+    thread = threading.Thread(target=running.serve_forever, daemon=True)
+    thread.start()
+    yield running
+    serve.stop(running)
+
+
+def _api_answer(server, messages):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    return client.chat.completions.create(model=server.served.model_id, messages=messages, temperature=0,
+                                          max_tokens=MAX_TOKENS).choices[0].message.content
+
+
+def _send_and_wait(browser, text, turn):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    box = browser.find_element(By.ID, "input")
+    box.send_keys(text)
+    box.send_keys(Keys.ENTER)
+    done = f"#log .msg:nth-of-type({2 * turn})[data-state='done']"
+    WebDriverWait(browser, 60).until(lambda b: b.find_elements(By.CSS_SELECTOR, done),
+                                     message=f"no answer to turn {turn}; the page shows: "
+                                             f"{browser.find_element(By.ID, 'log').text!r}")
+    bubble = browser.find_element(By.CSS_SELECTOR, done)
+    assert "assistant" in bubble.get_attribute("class"), bubble.text  # an error shows in its place
+    return bubble.find_element(By.CLASS_NAME, "content").text, bubble.find_element(By.CLASS_NAME, "meta").text
+
+
+def test_a_message_typed_in_the_page_gets_the_apis_answer(browser, server):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(server.url + "/")
+    WebDriverWait(browser, 30).until(lambda b: b.find_element(By.ID, "model").text == server.served.model_id)
+    browser.find_element(By.ID, "max_tokens").send_keys(str(MAX_TOKENS))
+    first, meta = _send_and_wait(browser, "one two", 1)
+    expected = _api_answer(server, [{"role": "user", "content": "one two"}])
+    # the page shows text as the browser renders it (trailing whitespace trimmed)
+    assert first == expected.strip() and first, (first, expected)
+    assert meta.startswith("finish: ") and "tokens" in meta
+    second, _ = _send_and_wait(browser, "the apple", 2)
+    assert second == _api_answer(server, [{"role": "user", "content": "one two"},
+                                          {"role": "assistant", "content": expected},
+                                          {"role": "user", "content": "the apple"}]).strip()
+    assert [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#log .user")] == ["one two", "the apple"]
+    if os.environ.get("LLM_LIFECYCLE_SCREENSHOT"):
+        browser.save_screenshot(os.environ["LLM_LIFECYCLE_SCREENSHOT"])

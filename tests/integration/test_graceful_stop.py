@@ -15,10 +15,15 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 import yaml
 
 from stages.checkpoint.store import checkpoint_name
 from workflow_helpers import ROOT, logged_steps, snakemake, weights_sha256
+
+# Slow (about 70 s each): CI runs them beside the SLURM tests, where the machine has time to spare;
+# `make test-all` runs them here.
+pytestmark = pytest.mark.slow
 
 PRETRAIN = {"seed": 5, "max_steps": 60, "warmup_steps": 3, "max_length": 32, "per_device_train_batch_size": 2,
             "world_size": 2, "sharding": "stage1", "save_steps": 0, "async_save": True}

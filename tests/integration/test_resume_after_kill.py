@@ -16,9 +16,14 @@ from pathlib import Path
 
 import pandas as pd
 import psutil
+import pytest
 import yaml
 
 from workflow_helpers import ROOT, logged_steps, snakemake, weights_sha256
+
+# Slow (about 70 s each): CI runs them beside the SLURM tests, where the machine has time to spare;
+# `make test-all` runs them here.
+pytestmark = pytest.mark.slow
 
 PRETRAIN = {"seed": 11, "max_steps": 40, "warmup_steps": 3, "max_length": 32, "per_device_train_batch_size": 2,
             "world_size": 2, "sharding": "stage1", "save_steps": 5, "save_total_limit": 2, "async_save": True}

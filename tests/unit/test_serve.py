@@ -1,8 +1,9 @@
 """stages/serve.py through the official `openai` client (and raw HTTP for what a client library
 hides): a greedy answer is stages.predict's answer for the same record, on a full model saved by
-transformers, a LoRA adapter on it and its wint4 quantization on low-bit kernels; streamed deltas
-join to the same text; max_tokens, stop strings, usage, system messages, the completions endpoint,
-seeded sampling; each error status; two concurrent streams; a full queue; a client that leaves."""
+transformers, LoRA and prefix-tuning adapters on it and its wint4 quantization on low-bit
+kernels; streamed deltas join to the same text; max_tokens, stop strings, usage, system messages,
+the completions endpoint, seeded sampling; each error status; two concurrent streams; a full
+queue; a client that leaves."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ RECORDS = [{"src": "what colour is the apple?"}, {"src": "one two three four"}]
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory, tiny_tokenizer_dir):
     """{name: dir}: a Llama saved by transformers with a ChatML tokenizer (eos <|im_end|>), a LoRA
-    adapter on it (B != 0) and its wint4 quantization."""
+    adapter on it (B != 0), a prefix-tuning adapter and its wint4 quantization."""
     import peft
     from transformers import AutoModelForCausalLM
 
@@ -44,8 +45,14 @@ def model_dirs(tmp_path_factory, tiny_tokenizer_dir):
         lora.save_pretrained(d)
         copy_tokenizer(full, d)
         write_meta(d, stage="finetune", config={}, parent=full, seed=0, metrics={})
+    prefix = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(full, dtype=torch.float32),
+                                 peft.PrefixTuningConfig(num_virtual_tokens=4, task_type="CAUSAL_LM"))
+    with atomic_dir(root / "prefix") as d:
+        prefix.save_pretrained(d)
+        copy_tokenizer(full, d)
+        write_meta(d, stage="finetune", config={}, parent=full, seed=0, metrics={})
     quantize.run(full, root / "wint4", "wint4", 32)
-    return {"full": full, "lora": root / "lora", "wint4": root / "wint4"}
+    return {"full": full, "lora": root / "lora", "prefix": root / "prefix", "wint4": root / "wint4"}
 
 
 class Running:
@@ -97,7 +104,7 @@ def _chat(client, model, text, **kwargs):
                                           temperature=0, **kwargs)
 
 
-@pytest.mark.parametrize("name", ["full", "lora", "wint4"])
+@pytest.mark.parametrize("name", ["full", "lora", "prefix", "wint4"])
 def test_greedy_chat_is_the_predictors_answer_streamed_or_not(model_dirs, name, tmp_path):
     expected = _predicted(model_dirs[name], tmp_path)
     running = Running(model_dirs[name], max_length=MAX_LENGTH)
@@ -117,7 +124,8 @@ def test_greedy_chat_is_the_predictors_answer_streamed_or_not(model_dirs, name, 
             assert chunks[-1].usage.completion_tokens == want["output_tokens"]
     finally:
         running.close()
-    assert running.server.served.kind == {"full": "hf", "lora": "adapter", "wint4": "quantized"}[name]
+    kinds = {"full": "hf", "lora": "adapter", "prefix": "adapter", "wint4": "quantized"}
+    assert running.server.served.kind == kinds[name]
 
 
 def test_the_model_list_and_an_unknown_model(full_server):

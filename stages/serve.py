@@ -57,6 +57,8 @@ def start(model_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, api_
           max_queue: int = 16, chat_template: str = "auto") -> ModelServer:
     """Load the model and bind the server (not yet serving: call `serve_forever`, e.g. in a thread).
     Tests and bench/serve.py start it this way; `main` adds the signals and the printed address."""
+    if max_batch_size < 1 or max_queue < 1:  # before the model loads
+        raise InputError(f"--max-batch-size {max_batch_size} and --max-queue {max_queue} must both be >= 1")
     served = load_served_model(model_dir, model_id=served_model_name, chat_template=chat_template,
                                max_length=max_length)
     scheduler = Scheduler(served.model, eos_token_id=served.eos_token_id, pad_token_id=served.pad_token_id,

@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from stages.errors import InputError
 from stages.serving.text_stream import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, TextStream
 
 log = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class Scheduler:
     def __init__(self, model: torch.nn.Module, *, eos_token_id: int | None, pad_token_id: int,
                  max_batch_size: int = 8, max_queue: int = 16):
         if max_batch_size < 1 or max_queue < 1:
-            raise ValueError(f"max_batch_size={max_batch_size} and max_queue={max_queue} must be >= 1")
+            raise InputError(f"--max-batch-size {max_batch_size} and --max-queue {max_queue} must both be >= 1")
         self.model = model
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
@@ -135,7 +136,7 @@ class Scheduler:
         self._admitted = 0  # submitted and not finished: waiting, or rows of the batch still generating
         self._closed = False
         self._cond = threading.Condition(threading.RLock())  # re-entrant: finish() frees places under it
-        self.batches = 0  # batches run so far (the bench reads it)
+        self.batches = 0  # generate calls so far
         self.current: list[Completion] = []  # the batch being generated
         self.finished: Counter[str] = Counter()  # requests ended, by finish reason (/health shows it)
         self._worker = threading.Thread(target=self._loop, name="generate", daemon=True)

@@ -107,6 +107,10 @@ class Handler(BaseHTTPRequestHandler):
         except QueueFull as e:
             self._error(RequestError(503, str(e)))
             return
+        except Exception as e:  # e.g. a chat template the SFT encoder cannot cut (SftDataError): answer, don't drop
+            log.exception("request failed before generation")
+            self._error(RequestError(500, f"{type(e).__name__}: {e}"))
+            return
         if request.stream:
             self._stream(request, completion, prompt_tokens)
         else:

@@ -367,3 +367,17 @@ def test_a_model_inside_an_experiment_takes_the_experiments_prompt_format(model_
     (exp / "data" / "index.json").write_text(json.dumps(index))
     assert not load_served_model(exp / "sft").chat
     assert load_served_model(exp / "sft", chat_template="true").chat
+
+
+def test_a_failure_before_generation_is_answered_with_500_not_a_dropped_connection(full_server, monkeypatch):
+    from stages.data.sft import SftDataError
+
+    def broken_template(request):
+        raise SftDataError("the tokenizer's chat template renders a conversation prefix that is not a prefix")
+
+    monkeypatch.setattr(full_server.server.served, "prompt_ids", broken_template)
+    status, body = full_server.post("/v1/chat/completions", {"model": "full",
+                                                             "messages": [{"role": "user", "content": "x"}]})
+    assert status == 500 and "SftDataError" in body["error"]["message"]
+    monkeypatch.undo()
+    assert _chat(full_server.client(), "full", "one", max_tokens=2).usage.completion_tokens <= 2

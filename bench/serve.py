@@ -69,12 +69,11 @@ class Direct:
         (cycled), left-padded as the server pads."""
         import torch
 
-        batch = [self.prompts[i % len(self.prompts)] for i in range(count)]
-        served, width = self.served, max(len(p) for p in batch)
-        ids = torch.full((len(batch), width), served.pad_token_id)
-        mask = torch.zeros_like(ids)
-        for r, p in enumerate(batch):
-            ids[r, width - len(p):], mask[r, width - len(p):] = torch.tensor(p), 1
+        from stages.predict import left_padded
+
+        served = self.served
+        ids, mask = left_padded([self.prompts[i % len(self.prompts)] for i in range(count)], served.pad_token_id)
+        width = ids.shape[1]
         start = time.perf_counter()
         with torch.no_grad():
             out = served.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=self.max_tokens,

@@ -165,24 +165,44 @@ def read_records(path: str | Path) -> list[InputRecord]:
     return rows
 
 
-def chat_format(choice: str, tokenizer, model_dir: str | Path, input_path: str | Path) -> bool:
-    """Whether prompts are rendered with the tokenizer's chat template (see the module docstring)."""
+def prompt_format(choice: str, tokenizer, model_dir: str | Path, data_dir: Path | None) -> bool:
+    """Whether prompts are rendered with the tokenizer's chat template: `choice` true or false as
+    asked; auto: the sft_format prepare recorded in `data_dir`'s index.json (as evaluate and
+    finetune follow it) when there is such a data dir, else whether the tokenizer has a template.
+    The predictor and the server (stages.serving.served_model) both decide here."""
     has_template = uses_chat_template(tokenizer, True)
     if choice == "false":
         return False
     if choice == "true":
         if not has_template:
             raise InputError(f"--chat-template true but the tokenizer in {model_dir} has no chat template; "
-                             "use --chat-template false (plain bos + src prompts)")
+                             "use --chat-template false (plain bos + text prompts)")
         return True
+    if data_dir is None:
+        return has_template
+    index = read_index(data_dir)
+    check_same_tokenizer(tokenizer, model_dir, index, data_dir)
+    return index.get("sft_format") == "chat_template"
+
+
+def chat_format(choice: str, tokenizer, model_dir: str | Path, input_path: str | Path) -> bool:
+    """prompt_format for an input file: its data dir is the one it lies in (`<data>/sft/<file>`)."""
     input_path = Path(input_path)
     data_dir = input_path.parent.parent
-    if input_path.parent.name == "sft" and (data_dir / "index.json").is_file():
-        # The decision prepare recorded for this data, as evaluate and finetune follow it.
-        index = read_index(data_dir)
-        check_same_tokenizer(tokenizer, model_dir, index, data_dir)
-        return index.get("sft_format") == "chat_template"
-    return has_template
+    inside = input_path.parent.name == "sft" and (data_dir / "index.json").is_file()
+    return prompt_format(choice, tokenizer, model_dir, data_dir if inside else None)
+
+
+def left_padded(prompts: Sequence[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask), both (B, T) with T the longest prompt: each prompt at the right end
+    of its row, where generation continues; the mask hides the pads."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)  # (B, T)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)  # (B, T)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p)
+        mask[r, width - len(p):] = 1
+    return ids, mask
 
 
 # -- generation ----------------------------------------------------------------------------------
@@ -229,12 +249,8 @@ def generate_batched(model: torch.nn.Module, prompts: Sequence[list[int]], setti
     results: list[Generation | None] = [None] * len(prompts)
     for batch, start in enumerate(range(0, len(order), settings.batch_size)):
         rows = order[start:start + settings.batch_size]
-        width = max(len(prompts[i]) for i in rows)
-        ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)  # (B, T)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)  # (B, T)
-        for r, i in enumerate(rows):
-            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[r, width - len(prompts[i]):] = 1
+        ids, mask = left_padded([prompts[i] for i in rows], pad_token_id)  # (B, T) each
+        width = ids.shape[1]
         row_budgets = [budgets[i] for i in rows]
         t0 = time.perf_counter()
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=True,

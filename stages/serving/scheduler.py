@@ -28,6 +28,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from stages.errors import InputError
+from stages.predict import left_padded
 from stages.serving.text_stream import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, TextStream
 
 log = logging.getLogger(__name__)
@@ -220,12 +221,7 @@ class Scheduler:
 
     @torch.no_grad()
     def _generate(self, batch: list[Completion]) -> None:
-        width = max(len(c.prompt) for c in batch)
-        ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)  # (B, T)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)  # (B, T)
-        for r, c in enumerate(batch):
-            ids[r, width - len(c.prompt):] = torch.tensor(c.prompt)
-            mask[r, width - len(c.prompt):] = 1
+        ids, mask = left_padded([c.prompt for c in batch], self.pad_token_id)  # (B, T) each, as predict pads
         sampling = batch[0].sampling
         if sampling is None:
             decode = dict(do_sample=False)

@@ -23,11 +23,10 @@ from typing import Any
 
 import torch
 
-from stages.data.corpus import read_index
-from stages.data.sft import SftRecord, encode_prompt, uses_chat_template
-from stages.data.tokenizer import check_same_tokenizer
+from stages.data.sft import SftRecord, encode_prompt
 from stages.errors import InputError
 from stages.evaluate import load_variant
+from stages.predict import prompt_format
 from stages.serving.openai_api import Request, RequestError
 
 log = logging.getLogger(__name__)
@@ -94,19 +93,9 @@ def experiment_data_dir(model_dir: Path) -> Path | None:
 
 
 def chat_format(choice: str, tokenizer, model_dir: Path) -> bool:
-    """Whether chat requests are rendered with the tokenizer's chat template (see the module docstring)."""
-    has_template = uses_chat_template(tokenizer, True)
-    if choice == "true" and not has_template:
-        raise InputError(f"--chat-template true but the tokenizer in {model_dir} has no chat template; "
-                         "use --chat-template false (plain bos + text prompts)")
-    if choice != "auto":
-        return choice == "true"
-    data_dir = experiment_data_dir(model_dir)
-    if data_dir is None:
-        return has_template
-    index = read_index(data_dir)
-    check_same_tokenizer(tokenizer, model_dir, index, data_dir)
-    return index.get("sft_format") == "chat_template"
+    """Whether chat requests use the tokenizer's chat template: predict's rule, with the data dir
+    of the experiment the model lies in."""
+    return prompt_format(choice, tokenizer, model_dir, experiment_data_dir(model_dir))
 
 
 def load_served_model(model_dir: str | Path, *, model_id: str | None = None, chat_template: str = "auto",

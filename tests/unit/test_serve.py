@@ -170,6 +170,8 @@ def test_the_same_seed_samples_the_same_answer(full_server):
                                               max_tokens=12, temperature=1.0, seed=s).choices[0].message.content
                for s in (7, 7)]
     assert sampled[0] == sampled[1]
+    greedy = _chat(client, "full", "one two", max_tokens=12).choices[0].message.content
+    assert sampled[0] != greedy  # it did sample (the random model's distribution is nearly flat)
 
 
 def test_each_bad_request_gets_its_status(full_server):
@@ -209,6 +211,25 @@ def test_two_concurrent_streams_both_complete(full_server):
     assert results == {0: alone[0], 1: alone[1]}
 
 
+class Gate:
+    """Holds every forward pass of `model` until opened (a forward pre-hook), so a test controls
+    what is running and what waits."""
+
+    def __init__(self, model):
+        self.event = threading.Event()
+        self.hook = model.register_forward_pre_hook(self._wait)
+
+    def _wait(self, module, args):
+        self.event.wait(60)  # returns None: the forward's inputs stay as they are
+
+    def open(self):
+        self.event.set()
+
+    def remove(self):
+        self.event.set()
+        self.hook.remove()
+
+
 def _health(running) -> dict:
     conn = http.client.HTTPConnection(*running.server.server_address[:2], timeout=30)
     conn.request("GET", "/health")
@@ -219,12 +240,7 @@ def _health(running) -> dict:
 
 def test_a_full_queue_answers_503_and_a_client_that_leaves_is_cancelled(model_dirs):
     running = Running(model_dirs["full"], max_length=MAX_LENGTH, max_queue=1, max_batch_size=1)
-    gate = threading.Event()  # every forward pass waits for it: the first request holds the only place
-
-    def wait_at_the_gate(module, args):
-        gate.wait(60)  # returns None: the forward's inputs stay as they are
-
-    hook = running.server.served.model.register_forward_pre_hook(wait_at_the_gate)
+    gate = Gate(running.server.served.model)  # the first request holds the only place
     try:
         client = running.client()
         stream = _chat(client, running.model, "one", stream=True, max_tokens=30)
@@ -241,7 +257,7 @@ def test_a_full_queue_answers_503_and_a_client_that_leaves_is_cancelled(model_di
             threading.Event().wait(0.1)
         else:
             pytest.fail("the server did not notice that its client left")
-        gate.set()
+        gate.open()
         for _ in range(100):
             if scheduler.finished["cancelled"] == 1:
                 break
@@ -249,8 +265,7 @@ def test_a_full_queue_answers_503_and_a_client_that_leaves_is_cancelled(model_di
         assert dict(scheduler.finished) == {"cancelled": 1} and _health(running)["finished"] == {"cancelled": 1}
         assert _chat(client, running.model, "two", max_tokens=2).usage.completion_tokens <= 2  # free again
     finally:
-        gate.set()
-        hook.remove()
+        gate.remove()
         running.close()
 
 
@@ -320,12 +335,7 @@ def test_a_request_cancelled_while_waiting_never_runs(full_server):
     from stages.serving.text_stream import TextStream
 
     served = full_server.server.served
-    gate = threading.Event()
-
-    def wait_at_the_gate(module, args):
-        gate.wait(60)
-
-    hook = served.model.register_forward_pre_hook(wait_at_the_gate)
+    gate = Gate(served.model)
     scheduler = Scheduler(served.model, eos_token_id=served.eos_token_id, pad_token_id=served.pad_token_id,
                           max_batch_size=1, max_queue=4)
     try:
@@ -334,7 +344,7 @@ def test_a_request_cancelled_while_waiting_never_runs(full_server):
 
         running, left, after = (scheduler.submit(completion()) for _ in range(3))
         left.cancelled.set()  # its client went away while it waited
-        gate.set()
+        gate.open()
         for c in (running, after):
             while c.events.get(timeout=60)[0] != "done":
                 pass
@@ -345,8 +355,7 @@ def test_a_request_cancelled_while_waiting_never_runs(full_server):
             threading.Event().wait(0.05)
         assert scheduler.batches == 2 and dict(scheduler.finished) == {"length": 2, "cancelled": 1}
     finally:
-        gate.set()
-        hook.remove()
+        gate.remove()
         scheduler.close()
 
 

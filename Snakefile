@@ -14,6 +14,9 @@ check_yaml_syntax("config/config.yaml")
 configfile: "config/config.yaml"
 
 
+report: "workflow/report/workflow.rst"  # the front page of `snakemake --report report.html`
+
+
 include: "workflow/rules/common.smk"
 include: "workflow/rules/prepare.smk"
 include: "workflow/rules/plan.smk"
@@ -25,9 +28,10 @@ include: "workflow/rules/export.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/predict.smk"
+include: "workflow/rules/compare.smk"
 
 
 rule all:
     input:
-        expand("results/{experiment}/quant_eval.json", experiment=config["experiments"]),
+        DEFAULT_TARGETS,
     default_target: True

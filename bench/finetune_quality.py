@@ -1,16 +1,18 @@
 """Fine-tuning quality over seeds: dev exact match of full SFT, LoRA and prefix tuning on the default
 task, and what each forgot of the language (corpus perplexity against the starting model's).
 
-For each seed (`--seeds`, default 1 2 3 7 42) experiment `--base` (default `llama`) of `--config`
-(default config/config.yaml) is copied as experiment `q<prefix>s<seed>` with every seed of the chain
-set to that seed (data.seed: the generated task and the split; pretrain.seed;
-finetune.{sft,lora,prefix}.seed; predict.seed and quantize.calibration.seed for completeness), after
-applying the recipe overrides of `--overrides` (a YAML/JSON file: `{sft: {...}, lora: {...},
-prefix: {...}}`, or `{finetune: {...}, <other experiment sections>: {...}}`). The experiments are
-written to a config file under bench/out/ and built by one Snakemake run (the whole chain up to the
-evaluations of the starting model, sft, lora, prefix and lora-merged; not quantization):
+A sweep (stages/sweeps.py): experiment `--base` (default `llama`) of `--config` (default
+config/config.yaml), with the recipe overrides of `--overrides` applied (a YAML/JSON file: `{sft:
+{...}, lora: {...}, prefix: {...}}`, or `{finetune: {...}, <other experiment sections>: {...}}`),
+becomes experiment `q<prefix>-base`, and sweep `q<prefix>` runs it over the seeds (`--seeds`, default
+1 2 3 7 42; `seed` sets every seed of the chain: the generated task and its split, pretraining,
+fine-tuning, prediction and calibration) as experiments `q<prefix>.seed-<seed>`. Each seed's data and
+pretrained model are made once by the sweep's hidden `shared-<hash>` experiment and reused by any later
+call whose overrides change only fine-tuning. The config is written under bench/out/ and built by
+one Snakemake run whose target is the sweep's comparison (the whole chain up to the evaluations of
+the starting model, sft, lora, prefix and lora-merged; not quantization):
 
-    snakemake --cores 2 results/q<p>s<seed>/eval/{pretrain,sft,lora,prefix,lora-merged}.json ... \
+    snakemake --cores 2 results/sweeps/q<p>/compare.md \
         --configfile config/config.yaml bench/out/finetune_quality_q<p>.yaml
 
 The starting model is `pretrain`, or `base` for an experiment that fine-tunes a checkpoint
@@ -25,8 +27,7 @@ separately (SFT >= 0.85; LoRA >= 90% of the same seed's SFT; prefix >= 70%; corp
 model's), and writes JSON (default bench/out/finetune_quality.json).
 
 Snakemake reruns only what changed: a second call with other fine-tuning overrides and the same
-`--prefix` reuses each seed's prepared data and pretrained model and reruns fine-tuning and
-evaluation. A benchmark TSV older than the run (a rule Snakemake did not rerun) is reported with
+`--prefix` reruns fine-tuning and evaluation only. A benchmark TSV older than the run (a rule Snakemake did not rerun) is reported with
 `fresh: false`.
 
     .venv/bin/python bench/finetune_quality.py                       # seeds 1 2 3 7 42, config.yaml's recipes
@@ -59,6 +60,7 @@ from bench.common import git_commit, machine_info  # noqa: E402
 from stages.checkpoint.atomic import write_json  # noqa: E402
 from stages.config import check_config, finetune_source, merge  # noqa: E402
 from stages.config import experiment as named_experiment  # noqa: E402
+from stages.sweeps import expand as expand_sweeps  # noqa: E402
 
 DEFAULT_OUT = ROOT / "bench" / "out" / "finetune_quality.json"
 METHODS = ("sft", "lora", "prefix")
@@ -88,18 +90,6 @@ def load_overrides(path: Path | None) -> dict[str, Any]:
     return data
 
 
-def seeded_experiment(base: dict[str, Any], overrides: dict[str, Any], seed: int) -> dict[str, Any]:
-    """A copy of experiment `base` with `overrides` merged in and every seed set to `seed`."""
-    exp = merge(base, overrides)
-    for section in ("data", "pretrain", "predict"):
-        exp.setdefault(section, {})["seed"] = seed
-    finetune = exp.setdefault("finetune", {})
-    for method in METHODS:
-        finetune.setdefault(method, {})["seed"] = seed
-    exp.setdefault("quantize", {}).setdefault("calibration", {})["seed"] = seed
-    return exp
-
-
 def start_variant(exp: dict[str, Any]) -> str:
     """The variant fine-tuning starts from, the forgetting reference: `pretrain`, or `base` for an
     experiment that fine-tunes a checkpoint without pretraining it."""
@@ -107,32 +97,44 @@ def start_variant(exp: dict[str, Any]) -> str:
     return finetune_source(named_experiment(checked, "x"))
 
 
+def sweep_name(prefix: str) -> str:
+    return f"q{prefix}"
+
+
 def experiment_name(prefix: str, seed: int) -> str:
-    return f"q{prefix}s{seed}"
+    """The sweep member of one seed (stages/sweeps.py names members <sweep>.<key>-<value>)."""
+    return f"{sweep_name(prefix)}.seed-{seed}"
 
 
-def write_experiments(args: argparse.Namespace) -> tuple[Path, dict[str, dict[str, Any]]]:
+def write_sweep(args: argparse.Namespace) -> tuple[Path, dict[str, Any], dict[str, str]]:
+    """The generated config: experiment q<prefix>-base (the base with the overrides) and sweep
+    q<prefix> over its seeds. Returns its path, the base with overrides, and {member: the hidden
+    experiment that makes its data and pretrained model}."""
     config = yaml.safe_load(args.config.read_text())
     try:
         base = config["experiments"][args.base]
     except (KeyError, TypeError):
         raise SystemExit(f"{args.config}: no experiments.{args.base}")
-    overrides = load_overrides(args.overrides)
-    experiments = {experiment_name(args.prefix, s): seeded_experiment(base, overrides, s) for s in args.seeds}
-    path = args.generated or ROOT / "bench" / "out" / f"finetune_quality_q{args.prefix}.yaml"
+    name = sweep_name(args.prefix)
+    recipe = merge(base, load_overrides(args.overrides))
+    generated = {"experiments": {f"{name}-base": recipe},
+                 "sweeps": {name: {"base": f"{name}-base", "grid": {"seed": list(args.seeds)},
+                                   "variants": list(VARIANTS), "metrics": ["exact_match", "ppl", "ppl_ratio"]}}}
+    path = args.generated or ROOT / "bench" / "out" / f"finetune_quality_{name}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    header = (f"# Written by bench/finetune_quality.py: experiments.{args.base} of {args.config.name}, one copy\n"
-              f"# per seed with every seed set to it; overrides: {args.overrides or 'none'}\n")
-    path.write_text(header + yaml.safe_dump({"experiments": experiments}, sort_keys=False))
-    return path, experiments
+    header = (f"# Written by bench/finetune_quality.py: experiments.{args.base} of {args.config.name} with the\n"
+              f"# overrides of {args.overrides or 'none'}, swept over the seeds (every seed of the chain)\n")
+    path.write_text(header + yaml.safe_dump(generated, sort_keys=False))
+    _, comparisons = expand_sweeps(merge(config, generated))  # as the workflow expands it
+    return path, recipe, comparisons[f"sweeps/{name}"]["shared"]
 
 
 def snakemake_command(args: argparse.Namespace, generated: Path) -> list[str]:
-    targets = [f"results/{experiment_name(args.prefix, s)}/eval/{m}.json" for s in args.seeds
-               for m in (args.start, *VARIANTS)]
+    """The sweep's comparison (which needs every member's evaluations of the start and the
+    fine-tuned variants) is the target."""
     snakemake = Path(sys.executable).with_name("snakemake")
     cmd = [str(snakemake) if snakemake.exists() else "snakemake", "--cores", str(args.cores),
-           "--rerun-incomplete", *args.snakemake_arg, *targets,
+           "--rerun-incomplete", *args.snakemake_arg, f"results/sweeps/{sweep_name(args.prefix)}/compare.md",
            "--configfile", _rel(args.config), _rel(generated)]
     return cmd
 
@@ -188,7 +190,8 @@ def collect(args: argparse.Namespace, since: float | None) -> dict[str, Any]:
     for seed in args.seeds:
         exp = experiment_name(args.prefix, seed)
         res = ROOT / "results" / exp
-        shared[str(seed)] = {rule: read_benchmark(res / "benchmarks" / f"{rule}.tsv", since)
+        upstream = ROOT / "results" / args.shared[exp]  # the sweep's hidden experiment made these
+        shared[str(seed)] = {rule: read_benchmark(upstream / "benchmarks" / f"{rule}.tsv", since)
                              for rule in ("prepare", "pretrain")}
         start_eval = res / "eval" / f"{args.start}.json"
         start_ppl = json.loads(start_eval.read_text()).get("ppl") if start_eval.exists() else None
@@ -339,7 +342,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/finetune_quality.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 7, 42],
                    help="seeds of the whole chain (default 1 2 3 7 42)")
-    p.add_argument("--prefix", default="", help="experiment names are q<prefix>s<seed> (default: qs1, qs2, ...)")
+    p.add_argument("--prefix", default="", help="the sweep is q<prefix>, its experiments q<prefix>.seed-<seed> "
+                   "(default: q.seed-1, q.seed-2, ...)")
     p.add_argument("--overrides", type=Path, help="YAML/JSON recipe overrides: {sft: {..}, lora: {..}, prefix: {..}}")
     p.add_argument("--config", type=Path, default=ROOT / "config" / "config.yaml",
                    help="the config file holding the base experiment (default config/config.yaml)")
@@ -367,8 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     start_wall = time.time()
     start = time.perf_counter()
-    generated, experiments = write_experiments(args)
-    args.start = start_variant(next(iter(experiments.values())))
+    generated, recipe, args.shared = write_sweep(args)
+    args.start = start_variant(recipe)
     cmd = snakemake_command(args, generated)
     print("$ " + " ".join(cmd), flush=True)
     machine = machine_info("transformers", "deepspeed", "snakemake")
@@ -388,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                      "overrides_content": load_overrides(args.overrides), "generated_config": _rel(generated),
                      "cores": args.cores, "targets": TARGETS, "start": args.start,
                      "ppl_limit": args.ppl_limit, "ppl_variants": args.ppl_variants, "git_commit": git_commit(),
-                     "recipes": {m: next(iter(experiments.values()))["finetune"].get(m) for m in METHODS}},
+                     "recipes": {m: recipe.get("finetune", {}).get(m) for m in METHODS}},
         "command": " ".join(cmd),
         "argv": sys.argv,
         "snakemake_rc": snakemake_rc,

@@ -28,8 +28,11 @@ Metrics JSON (`eval/<variant>.json`, written atomically), one object:
                             same num_dev_examples records (stages.metrics.perplexity.target_perplexity)
   dev_ppl_tokens     int    answer tokens scored
   exact_match        float  [0, 1] on the first num_dev_examples records of data/sft/dev.json
-  bleu4              float  [0, 1] corpus BLEU-4, add-one smoothing for n > 1 (stages.metrics.text)
-  rouge_l            float  [0, 1] mean ROUGE-L F1
+  bleu4              float  [0, 1] sacrebleu corpus BLEU-4 / 100: 13a tokens, exp smoothing (stages.metrics.text)
+  rouge_l            float  [0, 1] rouge-score ROUGE-L F1 (default tokenizer, no stemming), mean over examples
+  metric_implementations
+                     dict   {"bleu4", "rouge_l"}: the library, version and tokenization that computed
+                            them (bleu4 with its sacrebleu signature; stages.metrics.text.metric_implementations)
   num_dev_examples   int    dev records scored
   gen_tokens         int    tokens generated (up to and including each eos)
   gen_seconds        float  wall seconds spent in generate
@@ -89,9 +92,10 @@ from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
 from stages.errors import InputError, run_cli
 from stages.metrics.perplexity import model_perplexity, target_perplexity, unigram_perplexity, validation_windows
 from stages.metrics.speed import model_bytes, rss_bytes, speed_metrics
-from stages.metrics.text import corpus_bleu, exact_match, rouge_l
+from stages.metrics.text import corpus_bleu, exact_match, metric_implementations, rouge_l
 from stages.sections import EvaluateSettings, SftSettings
 from stages.settings import add_arguments, from_arguments
+from stages.stage_logs import Progress, configure_logging, log_io
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +239,7 @@ def generate_greedy(model: torch.nn.Module, prompts: Sequence[list[int]], *, max
     device = next(model.parameters()).device
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     outputs: list[list[int]] = [[] for _ in prompts]
+    progress = Progress(log, "generation on dev examples", len(prompts))
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
         width = max(len(prompts[i]) for i in rows)
@@ -249,6 +254,7 @@ def generate_greedy(model: torch.nn.Module, prompts: Sequence[list[int]], *, max
         for r, i in enumerate(rows):
             new = out[r, width:].tolist()
             outputs[i] = new[:new.index(eos_token_id) + 1] if eos_token_id in new else new
+        progress.advance(len(rows))
     return outputs
 
 
@@ -261,6 +267,8 @@ def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, varia
     t_start = time.perf_counter()
     settings, src_length = eval_settings(config, src_length)
     model_dir, data_dir = Path(model_dir), Path(data_dir)
+    log_io("evaluate", reads={"model": model_dir, "validation and train tokens, sft/dev.json": data_dir},
+           writes={"metrics": out_path}, logger=log)
     dev_path = data_dir / "sft" / "dev.json"
     if not dev_path.exists():
         raise InputError(f"{dev_path} is missing; --data must be the data dir written by prepare")
@@ -307,6 +315,7 @@ def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, varia
         "exact_match": exact_match(predictions, references),
         "bleu4": corpus_bleu(predictions, references, smooth=True),
         "rouge_l": rouge_l(predictions, references),
+        "metric_implementations": metric_implementations(),
         "num_dev_examples": len(records),
         "gen_tokens": gen_tokens,
         "gen_seconds": gen_seconds,
@@ -340,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                              "(default: that key's default)")
     add_arguments(parser, "evaluate")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     config = from_arguments(args, "evaluate", args.config)
     # the prompt length the model was fine-tuned with
     return run(args.model, args.data, args.out, args.variant, config, args.src_length)

@@ -60,6 +60,7 @@ from stages.checkpoint.meta import write_meta
 from stages.checkpoint.weights import check_model_dir
 from stages.errors import InputError, run_cli
 from stages.sections import ExportSettings
+from stages.stage_logs import Progress, configure_logging, log_io
 
 log = logging.getLogger(__name__)
 
@@ -238,19 +239,25 @@ def run(model_dir: str | Path, out_dir: str | Path, config: Mapping[str, Any] | 
     config = ExportSettings.of(config)
     opset_version, rtol, min_top1_agreement = config.opset_version, config.rtol, config.min_top1_agreement
     model_dir, out_dir = Path(model_dir), Path(out_dir)
+    log_io("export", reads={"float model": model_dir}, writes={f"{ONNX_NAME}, tokenizer, meta.json": out_dir},
+           logger=log)
     if (model_dir / "config.json").exists() and "quantization_config" in json.loads(
             (model_dir / "config.json").read_text()):
         raise InputError(f"{model_dir} is a quantized checkpoint; export takes the float source model")
+    steps = Progress(log, "export steps", 3, lines=3, min_interval_s=0, eta=False)
     target = load_for_export(model_dir)
     n_bytes = sum(p.numel() * p.element_size() for p in target.module.parameters())
     external = n_bytes > _PROTOBUF_LIMIT
+    steps.advance(detail=f"loaded the {target.torch_model} model ({n_bytes / 1e6:.1f} MB); next: the ONNX export")
 
     with atomic_dir(out_dir) as tmp:
         onnx_path = tmp / ONNX_NAME
         exporter = export_onnx(target.module, onnx_path, opset_version, target.vocab_size, external)
+        steps.advance(detail=f"exported {ONNX_NAME} with the {exporter} exporter; next: the onnxruntime check")
         probes = probe_batches(target.vocab_size, target.max_positions)
         agreement, latency = check_onnx(target.module, onnx_path, probes)
         check_agreement(agreement, rtol, min_top1_agreement)
+        steps.advance(detail="onnxruntime agrees with torch on the probes; next: the tokenizer and meta.json")
         copy_tokenizer(model_dir, tmp)
         metrics = {
             "torch_model": target.torch_model,
@@ -278,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--config", metavar="JSON", help="the experiment's `export` section as one JSON object")
     settings.add_arguments(parser, "export")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     return run(args.model, args.out, settings.from_arguments(args, "export", args.config))
 
 

@@ -43,10 +43,12 @@ from stages.data.mix_sources import load_mix_sources
 from stages.data.sft import encode_example, read_sft_file
 from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
 from stages.errors import InputError, run_cli
+from stages.metrics.text import metric_implementations
 from stages.model import LlamaForCausalLM
 from stages.model.labels import IGNORE_INDEX
 from stages.model.loss import causal_lm_loss, counted_tokens
 from stages.sections import FINETUNE, PrefixSettings, SftSettings
+from stages.stage_logs import configure_logging, log_io
 from stages.training.batches import PackedSftBatches, SftBatches
 from stages.training.checkpointing import model_identity
 from stages.training.dev_eval import DevEvaluator
@@ -256,6 +258,9 @@ def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str |
     config = check_section(method, config)
     model_dir, data_dir = Path(model_dir), Path(data_dir)
     train_path, dev_path = data_dir / "sft" / "train.json", data_dir / "sft" / "dev.json"
+    log_io(f"finetune-{method}", reads={"base model": model_dir, "SFT records": [train_path, dev_path]},
+           writes={f"{'model' if method == 'sft' else 'adapter'}, train_log.csv, meta.json": out_dir,
+                   "checkpoints, resumed from on a rerun": checkpoint_dir}, logger=log)
     if not train_path.exists():
         raise InputError(f"--data {data_dir}: {train_path} is missing; run the prepare stage first")
     if not (model_dir / "config.json").exists():
@@ -299,13 +304,14 @@ def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str |
     source = build_source(config, examples, pad, mix)
     global_batch = (config.per_device_train_batch_size * config.gradient_accumulation_steps
                     * degrees.data_parallel_degree * degrees.sharding_parallel_degree)
+    extra_metrics = {"trainable_params": trainable, "total_params": total, "train_examples": len(examples),
+                     **mixing_metrics(config, source, global_batch)}
+    if evaluator is not None and evaluator.generation is not None:  # what dev_bleu4 and dev_rouge_l are
+        extra_metrics["dev_metric_implementations"] = metric_implementations()
     metrics = engine_train(model, source, config, out_dir, stage=f"finetune-{method}",
                            tokenizer_dir=model_dir, parent=model_dir, meta_config=config,
                            checkpoint_dir=checkpoint_dir, identity=identity, evaluator=evaluator,
-                           adapter_writer=writer,
-                           extra_metrics={"trainable_params": trainable, "total_params": total,
-                                          "train_examples": len(examples),
-                                          **mixing_metrics(config, source, global_batch)})
+                           adapter_writer=writer, extra_metrics=extra_metrics)
     if dist.get_rank() == 0:
         log.info("finetune-%s: loss %.4f -> %.4f, dev loss %s", method, metrics["first_loss"], metrics["final_loss"],
                  metrics["dev_loss"])
@@ -333,7 +339,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if stray:
         parser.error(f"--method {args.method} has no setting {', '.join(stray)} (a setting of another method)")
     config = settings.from_arguments(args, args.method, args.config)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     metrics = run(args.method, args.model, args.data, args.out, config, args.checkpoints)
     if args.plan:
         log_memory_against_plan(args.plan, f"finetune_{args.method}")

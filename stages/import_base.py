@@ -42,6 +42,7 @@ from stages.checkpoint.tokenizer_files import copy_tokenizer
 from stages.checkpoint.weights import check_model_dir, read_header
 from stages.data.tokenizer import load_model_tokenizer
 from stages.errors import run_cli
+from stages.stage_logs import configure_logging, log_io
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ def run(source: str | Path, out_dir: str | Path, check_parity: bool = True) -> d
     """Check and import `source` into `out_dir`; returns the metrics written to meta.json."""
     t0 = time.perf_counter()
     source, out_dir = Path(source), Path(out_dir)
+    log_io("import_base", reads={"Hugging Face checkpoint": source}, writes={"checked copy": out_dir}, logger=log)
     config = read_source_config(source, key="--source")
     family = family_of(config, source / "config.json")
     check_model_dir(source)  # every shard its index lists is there and whole (meta.json's sha256 if any)
@@ -129,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                         help=f"skip the our-Llama-vs-transformers logits check (families: "
                              f"{', '.join(f.name for f in FAMILIES.values() if f.ours)}); it loads the model twice")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     return run(args.source, args.out, check_parity=not args.no_parity_check)
 
 

@@ -40,6 +40,7 @@ from stages.checkpoint.meta import META_NAME, write_meta
 from stages.checkpoint.store import INDEX, SHARDED
 from stages.checkpoint.weights import check_adapter_dir, check_model_dir
 from stages.errors import InputError, run_cli
+from stages.stage_logs import configure_logging, log_io
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,8 @@ def run(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | Non
     adapter_dir = Path(adapter_dir)
     adapter_config = read_adapter_config(adapter_dir)
     base_dir = resolve_base(adapter_dir, adapter_config, base_dir)
+    log_io("merge", reads={"LoRA adapter": adapter_dir, "base model": base_dir}, writes={"merged model": out_dir},
+           logger=log)
     check_adapter_dir(adapter_dir)  # sha256 against meta.json, no pickle, a whole safetensors file
     refuse_quantized(base_dir, adapter_dir)
     with tempfile.TemporaryDirectory(prefix="merge-tp-") as joined:
@@ -178,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--base", default=None, metavar="DIR",
                         help="base model directory (default: the adapter's meta.json parent)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     return run(args.adapter, args.out, args.base)
 
 

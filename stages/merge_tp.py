@@ -5,8 +5,9 @@ Input: a directory written with `unified_checkpoint: false` — the pretrain sta
 (`results/<experiment>/pretrain_shards`) or a sharded training checkpoint (`checkpoint-<step>`).
 Its `checkpoint_index.json` lists, per tensor, the file of each tensor-parallel slice and the
 `partition_dim` to join them along; pipeline stages hold disjoint tensors. Output: config.json,
-safetensors weights (fp32, sharded with an index past 2 GiB), the tokenizer, train_log.csv and
-meta.json when the input has them. Nothing is loaded with pickle; the output appears atomically.
+safetensors weights (fp32, sharded with an index past 2 GiB), the tokenizer, train_log.csv, its
+TensorBoard event files and meta.json when the input has them. Nothing is loaded with pickle; the
+output appears atomically.
 
     python -m stages.merge_tp --shards results/llama/pretrain_shards --out results/llama/pretrain
 """
@@ -26,6 +27,8 @@ from stages.checkpoint.tokenizer_files import TOKENIZER_FILES
 from stages.checkpoint.integrity import verify, weight_records
 from stages.checkpoint.store import COMPLETE, INDEX, SHARDED, StateReader, problems
 from stages.errors import InputError, run_cli
+from stages.stage_logs import configure_logging, log_io
+from stages.training.log import event_files
 
 log = logging.getLogger(__name__)
 _CARRIED = ("config.json", "generation_config.json", "train_log.csv", *TOKENIZER_FILES)
@@ -34,6 +37,8 @@ _CARRIED = ("config.json", "generation_config.json", "train_log.csv", *TOKENIZER
 def merge(shards_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
     """Write the merged HF-layout model of `shards_dir` into `out_dir`; returns what was merged."""
     shards_dir, out_dir = Path(shards_dir), Path(out_dir)
+    log_io("merge_tp", reads={"tensor/pipeline-parallel slices": shards_dir}, writes={"HF-layout model": out_dir},
+           logger=log)
     if not (shards_dir / INDEX).is_file():
         raise FileNotFoundError(f"{shards_dir / INDEX} is missing: {shards_dir} was not written by a training "
                                 "run with unified_checkpoint: false")
@@ -51,6 +56,8 @@ def merge(shards_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
         for name in _CARRIED:
             if (shards_dir / name).exists():
                 shutil.copy2(shards_dir / name, tmp / name)
+        for path in event_files(shards_dir):
+            shutil.copy2(path, tmp / path.name)
         if (shards_dir / "meta.json").exists():
             meta = json.loads((shards_dir / "meta.json").read_text())
             meta["merged_from"] = {"path": str(shards_dir), **summary}
@@ -69,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shards", required=True, help="directory written with unified_checkpoint: false")
     parser.add_argument("--out", required=True, help="output directory of the HF-layout model")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     merge(args.shards, args.out)
     return 0
 

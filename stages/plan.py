@@ -29,6 +29,7 @@ from stages.cluster.resources import training_resources
 from stages.config import ConfigError, architecture, check_config, experiment, load_yaml
 from stages.config import merge, pretrain_enabled
 from stages.planning.memory import estimate_memory, host_build_bytes, nearest_fitting_layout, parameter_count
+from stages.stage_logs import configure_logging, log_io
 
 log = logging.getLogger("stages.plan")
 
@@ -234,12 +235,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="only this training job's estimate (the file its training rule reads)")
     parser.add_argument("--out", default=None, help="write the plan as JSON here (atomically)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    configure_logging()
+    configfiles = args.configfile or ["config/config.yaml"]
+    what = f"the memory plan of {args.job or 'every training job'}"
+    source = "--experiment-json" if args.experiment_json else configfiles
+    log_io("plan", reads={f"experiment {args.experiment}": source},
+           writes={what: [args.out, "stdout"] if args.out else "stdout"}, logger=log)
     try:
         if args.experiment_json:
             exp = json.loads(args.experiment_json)
         else:
-            exp = experiment(load_config(args.configfile or ["config/config.yaml"]), args.experiment)
+            exp = experiment(load_config(configfiles), args.experiment)
         if args.job:
             jobs = {job: (section, trained) for job, _, section, trained in training_sections(args.experiment, exp)}
             if args.job not in jobs:

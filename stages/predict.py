@@ -69,6 +69,7 @@ from stages.errors import InputError, run_cli
 from stages.evaluate import load_variant  # one loader for every kind of model dir
 from stages.settings import complete as complete_section
 from stages.settings import defaults as section_defaults
+from stages.stage_logs import Progress, configure_logging, log_io
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +248,8 @@ def generate_batched(model: torch.nn.Module, prompts: Sequence[list[int]], setti
         decode = dict(do_sample=False)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     results: list[Generation | None] = [None] * len(prompts)
+    progress = Progress(log, "predicted records", len(prompts))
+    num_batches = -(-len(prompts) // settings.batch_size)
     for batch, start in enumerate(range(0, len(order), settings.batch_size)):
         rows = order[start:start + settings.batch_size]
         ids, mask = left_padded([prompts[i] for i in rows], pad_token_id)  # (B, T) each
@@ -262,6 +265,7 @@ def generate_batched(model: torch.nn.Module, prompts: Sequence[list[int]], setti
             new = out[r, width:width + budgets[i]].tolist()
             new = new[:new.index(eos_token_id) + 1] if eos_token_id in new else new
             results[i] = Generation(tokens=new, batch=batch, batch_seconds=seconds)
+        progress.advance(len(rows), detail=f"{batch + 1} of {num_batches} batches")
     return results  # type: ignore[return-value]
 
 
@@ -278,6 +282,8 @@ def run(model_dir: str | Path, input_path: str | Path, out_path: str | Path,
     t_start = time.perf_counter()
     settings = settings or PredictSettings()
     model_dir, input_path = Path(model_dir), Path(input_path)
+    log_io("predict", reads={"model": model_dir, "records": input_path},
+           writes={"predictions": out_path, "summary": summary_path(out_path)}, logger=log)
     rows = read_records(input_path)  # bad input fails before the model loads
     model, tokenizer, kind = load_variant(model_dir)
     load_seconds = time.perf_counter() - t_start
@@ -349,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     settings = PredictSettings(**{key: getattr(args, key) for key in DEFAULTS})
     return run(args.model, args.input, args.out, settings)
 

@@ -36,6 +36,7 @@ from stages.data.tokenizer import (TokenizerError, load_model_tokenizer, save_to
 from stages.data.validate import read_sft_dir, resolve_corpus, resolve_sft
 from stages.errors import ConfigError, run_cli
 from stages.sections import DataSettings
+from stages.stage_logs import configure_logging, log_io
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,8 @@ def run(out_dir: str | os.PathLike, data: Mapping[str, Any] | None = None, *,
     data = DataSettings.of(data)
     corpus = data.corpus
     config = {**data.as_dict(), "tokenizer": str(tokenizer_dir) if tokenizer_dir else None}
+    log_io(STAGE, reads={"corpus": corpus, "SFT records": data.sft, "tokenizer": tokenizer_dir},
+           writes={"tokenizer, train/validation tokens, sft/train.json, sft/dev.json": out_dir}, logger=log)
     # Read and check every input first: nothing is written unless all of it is usable. Paths are
     # resolved before any file is read so that a typo fails at once, not after a long corpus read.
     resolve_corpus(corpus, base_dir)
@@ -176,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                              "(default: the current directory, Snakemake's workdir)")
     settings.add_arguments(parser, "data")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     try:
         config = settings.from_arguments(args, "data", args.config)
     except ConfigError as e:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
 from stages.errors import InputError, run_cli
 from stages.model import LlamaConfig, LlamaForCausalLM, config_for_flavour
 from stages.sections import ModelSettings, PretrainSettings
+from stages.stage_logs import configure_logging, log_io
 from stages.training.batches import WindowSampler
 from stages.training.checkpointing import model_identity
 from stages.training.distributed import finish_distributed, init_distributed
@@ -94,6 +94,8 @@ def run(data_dir: str | Path, out_dir: str | Path, model_section: Mapping[str, A
     missing settings take the schema's defaults."""
     data_dir = Path(data_dir)
     model_section, section = ModelSettings.of(model_section), PretrainSettings.of(section)
+    log_io("pretrain", reads={"train tokens, tokenizer": data_dir, "starting checkpoint": init_dir},
+           writes={"model, train_log.csv, meta.json": out_dir, "checkpoints, resumed from on a rerun": checkpoint_dir})
     set_seed(section.seed)
     index = json.loads((data_dir / "index.json").read_text())
     tokens, _ = load_split(data_dir, "train")
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     settings.add_arguments(parser, "pretrain")
     settings.add_arguments(parser, "model")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     model_section = settings.from_arguments(args, "model", args.model_config)
     section = settings.from_arguments(args, "pretrain", args.config)
     init = args.init or model_section.model_name_or_path  # a direct call without --init

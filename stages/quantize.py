@@ -80,6 +80,7 @@ from stages.quant.layers import decoder_blocks, decoder_linear_layers, meta_mode
 from stages.quant.model import check_shapes, layer_weights, pack_gptq_model
 from stages.quant.variants import BUILTIN_VARIANTS, GPTQ_KEYS, VariantSpec, resolve_variant, variant_settings
 from stages.sections import QuantizeSettings
+from stages.stage_logs import configure_logging, log_io
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,17 @@ def _calibrated_model(source_dir: Path, data_dir: Path | None, calibration: Cali
         raise InputError(f"quantize.calibration.source={calibration.source}: token id {int(ids.max())} is outside "
                          f"the model's vocabulary of {vocab}; the data was prepared with another tokenizer")
     return model, blocks_path, list(ids.split(CALIBRATION_BATCH)), info
+
+
+def _calibration_reads(calibration: CalibrationSettings | None, data_dir: str | Path | None) -> dict[str, Any]:
+    """{what: path} of the calibration input for the stage's first log line (none for rtn)."""
+    if calibration is None:
+        return {}
+    if calibration.source == "corpus":
+        return {"calibration: the training tokens": data_dir}
+    if calibration.source == "sft":
+        return {"calibration: sft/train.json": data_dir}
+    return {"calibration records": calibration.source}
 
 
 def _block_timer() -> tuple[dict[str, float], Any]:
@@ -250,6 +262,8 @@ def run(source_dir: str | Path, out_dir: str | Path, variant: str, group_size: i
         section = section.replace(group_size=group_size)
     spec = resolve_variant(variant, section)
     calibration = CalibrationSettings.from_section(section.calibration) if spec.calibrated else None
+    log_io("quantize", reads={"float model": source_dir, **_calibration_reads(calibration, data_dir)},
+           writes={f"variant {variant}, method {spec.method}": out_dir}, logger=log)
     config_path = source_dir / "config.json"
     if not config_path.exists():
         raise InputError(f"{config_path} is missing; --source must be a Hugging Face model directory")
@@ -332,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "gptq, a8w8 and calibration are read)")
     settings.add_arguments(parser, "quantize")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     config = settings.from_arguments(args, "quantize", args.config)
     return run(args.source, args.out, args.variant, config=config, data_dir=args.data)
 

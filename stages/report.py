@@ -14,8 +14,12 @@ Inputs, all under the experiment dir (results/<experiment>/):
                            max of memory).
 
 Outputs (each written atomically):
-  report.csv        the metrics table: one row per variant, scalar metrics as columns
-  report.md         markdown: metrics table, stage timings, quantization deltas
+  report.csv        the metrics table: one row per variant, every scalar metric as a column
+  report.md         markdown for a person: what fine-tuning did (task score beside forgetting), then
+                    narrow tables in human units (stages.reporting.tables: quality, size and memory,
+                    speed, stage timings), each variant against the starting model, and the plots
+  --figures-dir     (optional) training.png, quantization.png, stages.png (stages.reporting.plots)
+                    and the narrow tables' numbers as quality.csv, size.csv, speed.csv, stages.csv
   quant_eval.json   the quantization comparison, one object (schema_version 3):
     schema_version  3
     experiment      name of the experiment dir
@@ -68,12 +72,11 @@ import pandas as pd
 
 from stages.checkpoint.atomic import atomic_file, write_json
 from stages.errors import InputError, run_cli
+from stages.reporting import tables
+from stages.stage_logs import configure_logging, log_io
 
 log = logging.getLogger(__name__)
 
-# Metrics whose change against a reference is worth a column in report.md, in display order.
-_DELTA_COLUMNS = ("ppl", "dev_ppl", "exact_match", "bleu4", "rouge_l", "size_bytes", "model_bytes",
-                  "prefill_tokens_per_s_b8", "decode_tokens_per_s_b1")
 QUANT_EVAL_VERSION = 3
 FINETUNED = ("sft", "lora", "prefix", "lora-merged")  # the fine-tuned variants, in report order
 QUALITY = ("ppl", "dev_ppl", "exact_match", "bleu4", "rouge_l")
@@ -83,6 +86,7 @@ COUNTS = ("num_parameters", "num_dev_examples", "dev_ppl_tokens", "ppl_tokens", 
 _QUANTIZATION_KEYS = ("method", "spec", "bits", "group_size", "bits_per_weight", "compression_ratio",
                       "mean_rel_weight_error", "quantize_seconds", "seconds_per_decoder_layer", "calibration")
 _VERSIONED = ("torch", "transformers", "peft", "deepspeed", "safetensors", "snakemake", "pandas")
+FIGURES = ("training.png", "quantization.png", "stages.png")  # written by --figures-dir
 _TIMING_COLUMNS = ("s", "cpu_time", "max_rss", "max_uss", "mean_load", "io_in", "io_out")
 
 
@@ -230,15 +234,18 @@ def finetune_summary(evals: dict[str, dict[str, Any]], start: str | None) -> dic
 
 
 def _summary_markdown(summary: dict[str, Any]) -> list[str]:
-    rows = {name: {"exact match": v["exact_match"], "of SFT's": v["exact_match_ratio"], "dev ppl": v["dev_ppl"],
-                   "corpus ppl": v["ppl"], f"× {summary['start']}'s": v["ppl_ratio"]}
+    start = summary["start"]
+    rows = {name: {"exact match": tables.fmt_percent(v["exact_match"]),
+                   "of SFT's": tables.fmt_percent(v["exact_match_ratio"]), "dev ppl": tables.fmt_float(v["dev_ppl"]),
+                   "corpus ppl": tables.fmt_float(v["ppl"]),
+                   f"× {start}'s": "" if v["ppl_ratio"] is None else f"×{v['ppl_ratio']:.3g}"}
             for name, v in summary["variants"].items()}
     table = pd.DataFrame.from_dict(rows, orient="index")
     table.index.name = "variant"
     return ["## Fine-tuning: the task learned, the language kept", "",
-            f"Exact match on the dev task, and corpus perplexity against `{summary['start']}`'s "
-            f"({_cell(summary['start_ppl'])}): a ratio near 1 means the model is still the language model it "
-            "started as.", "", markdown_table(table), ""]
+            f"Exact match on the dev task, and corpus perplexity against `{start}`'s "
+            f"({tables.fmt_float(summary['start_ppl'])}): a ratio near 1 means the model is still the language "
+            "model it started as.", "", markdown_table(table), ""]
 
 
 # -- markdown ------------------------------------------------------------------------------------
@@ -261,68 +268,89 @@ def markdown_table(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def start_deltas(table: pd.DataFrame, start: str) -> pd.DataFrame:
-    """Every other variant's change in the headline metrics against the starting model `start`
-    (what fine-tuning gained, and quantization lost, relative to it)."""
-    columns = [c for c in _DELTA_COLUMNS if c in table.columns]
-    base = table.loc[start, columns]
-    rows = {name: {f"Δ {c}": (row[c] - base[c]) if _is_number(row[c]) and _is_number(base[c]) else None
-                   for c in columns}
-            for name, row in table[columns].iterrows() if name != start}
-    deltas = pd.DataFrame.from_dict(rows, orient="index")
-    deltas.index.name = "variant"
-    return deltas
+def variant_order(evals: dict[str, dict[str, Any]], reference: str, source: str, variants: Sequence[str]) -> list[str]:
+    """The report's row order: the starting model, the fine-tuned variants in chain order, the
+    quantization source, its quantized variants, then anything else evaluated (sorted)."""
+    first = [reference, *FINETUNED, source, *variants]
+    order = list(dict.fromkeys(v for v in first if v in evals))
+    return order + sorted(v for v in evals if v not in order)
 
 
-def _markdown_report(experiment: str, table: pd.DataFrame, timings: pd.DataFrame, quant: dict[str, Any],
-                     start: str | None = None) -> str:
-    parts = [f"# Report: {experiment}", ""]
+def _table_markdown(table: tables.Table) -> list[str]:
+    return [f"## {table.title}", "", table.caption, "", markdown_table(table.display), ""]
+
+
+def _markdown_report(experiment: str, quant: dict[str, Any], report_tables: Sequence[tables.Table],
+                     reference: str, figures: Sequence[str] = ()) -> str:
+    source = quant["source"]
+    parts = [f"# Report: {experiment}", "",
+             f"Every variant against the starting model `{reference}`; the quantized variants are made of "
+             f"`{source}`. All metrics of every variant: `report.csv`; the quantization comparison: "
+             "`quant_eval.json`.", ""]
     if quant.get("summary") and quant["summary"]["variants"]:
         parts += _summary_markdown(quant["summary"])
-    parts += ["## Metrics per variant", "",
-             markdown_table(table.drop(columns=[c for c in ("model_dir",) if c in table.columns])), ""]
-    if start is not None and start in table.index:
-        parts += [f"## Change against the starting model `{start}`", "",
-                  markdown_table(start_deltas(table, start)), ""]
-    parts += ["## Stage timings (Snakemake benchmarks)", ""]
-    parts.append(markdown_table(timings) if len(timings) else "No benchmark files found.")
-    parts += ["", f"## Quantization: change against `{quant['source']}`", ""]
-    if quant["variants"]:
-        rows = {name: {f"Δ {k}": v["delta"].get(k) for k in _DELTA_COLUMNS}
-                for name, v in quant["variants"].items()}
-        deltas = pd.DataFrame.from_dict(rows, orient="index")
-        deltas.index.name = "variant"
-        parts.append(markdown_table(deltas))
-    else:
-        parts.append("No quantized variants.")
-    return "\n".join(parts) + "\n"
+    for table in report_tables:
+        empty = [f"## {table.title}", "", "No benchmark files found.", ""]
+        parts += _table_markdown(table) if len(table.display) else empty
+    if figures:
+        parts += ["## Plots", ""] + [f"![{Path(f).stem}]({f})" for f in figures] + [""]
+    return "\n".join(parts)
 
 
 # -- the stage -----------------------------------------------------------------------------------
 def run(experiment_dir: str | Path, source_variant: str, out_csv: str | Path, out_md: str | Path,
         out_quant_eval: str | Path, variants: list[str], start_variant: str | None = None,
-        quantize_config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write report.csv, report.md and quant_eval.json; return the quant_eval object. With
-    `start_variant` (the model fine-tuning started from: `base` or `pretrain`), report.md also
-    shows every variant's change against it."""
+        quantize_config: dict[str, Any] | None = None, figures_dir: str | Path | None = None) -> dict[str, Any]:
+    """Write report.csv, report.md and quant_eval.json; return the quant_eval object. Every
+    variant is compared with `start_variant` (the model fine-tuning started from: `base` or
+    `pretrain`), or with the source without one. With `figures_dir`, also the plots
+    (stages.reporting.plots) and each narrow table as CSV there, linked from report.md."""
     experiment_dir = Path(experiment_dir)
+    log_io("report", reads={"evaluations": experiment_dir / "eval", "benchmarks": experiment_dir / "benchmarks",
+                            "training logs": experiment_dir / "*" / "train_log.csv"},
+           writes={"tables": [out_csv, out_md], "quantization comparison": out_quant_eval,
+                   "plots and table CSVs": figures_dir}, logger=log)
     if source_variant in variants:
         raise InputError(f"source variant {source_variant!r} is also listed in variants {list(variants)}; "
                          "variants are the ones compared against the source")
     evals = read_evals(experiment_dir, [source_variant, *variants, *([start_variant] if start_variant else [])])
-    table = metrics_table(evals, first=[*([start_variant] if start_variant else []), source_variant, *variants])
+    reference = start_variant or source_variant
+    order = variant_order(evals, reference, source_variant, variants)
+    table = metrics_table(evals, first=order)
     timings = read_benchmarks(experiment_dir)
     quant = quant_eval(evals, experiment_dir.name, source_variant, variants, quantize_config)
     quant["summary"] = finetune_summary(evals, start_variant)
+    report_tables = [tables.quality_table(evals, order, reference), tables.size_table(evals, order, reference),
+                     tables.speed_table(evals, order, reference), tables.stage_table(timings)]
 
+    figures: list[str] = []
+    if figures_dir is not None:
+        figures = _write_figures(Path(figures_dir), experiment_dir, evals, [source_variant, *variants], timings)
+        for t in report_tables:
+            with atomic_file(Path(figures_dir) / f"{t.name}.csv") as f:
+                t.numbers.to_csv(f)
+        figures = [os.path.relpath(Path(figures_dir) / f, Path(out_md).parent) for f in figures]
     with atomic_file(out_csv) as f:
         table.to_csv(f)
     with atomic_file(out_md) as f:
-        f.write(_markdown_report(experiment_dir.name, table, timings, quant, start_variant))
+        f.write(_markdown_report(experiment_dir.name, quant, report_tables, reference, figures))
     write_json(out_quant_eval, quant)
-    log.info("report of %d variants and %d benchmarks -> %s, %s, %s", len(table), len(timings),
-             out_csv, out_md, out_quant_eval)
+    log.info("report of %d variants and %d benchmarks -> %s, %s, %s%s", len(table), len(timings),
+             out_csv, out_md, out_quant_eval, f", {figures_dir}" if figures_dir else "")
     return quant
+
+
+def _write_figures(figures_dir: Path, experiment_dir: Path, evals: dict[str, dict[str, Any]],
+                   quantized: Sequence[str], timings: pd.DataFrame) -> list[str]:
+    """The three plots (stages.reporting.plots) under figures_dir; their file names. `quantized`:
+    the float source first, then its quantized variants."""
+    from stages.reporting import plots  # matplotlib only where figures are asked for
+
+    experiment = experiment_dir.name
+    plots.plot_training(plots.training_logs(experiment_dir), figures_dir / "training.png", experiment)
+    plots.plot_quantization(evals, quantized, figures_dir / "quantization.png", experiment, marked=quantized[:1])
+    plots.plot_stages(timings, figures_dir / "stages.png", experiment)
+    return list(FIGURES)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -336,16 +364,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--csv", required=True, help="per-variant metrics table to write (report.csv)")
     parser.add_argument("--md", required=True, help="markdown report to write (report.md)")
     parser.add_argument("--quant-eval", required=True, help="quantization comparison JSON to write (quant_eval.json)")
+    parser.add_argument("--figures-dir", default=None,
+                        help="directory for the plots (training.png, quantization.png, stages.png) and the "
+                             "report's tables as CSV (quality, size, speed, stages)")
     parser.add_argument("--quantize-config", default=None,
                         help="the experiment's quantize section as JSON, recorded in quant_eval.json's provenance")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     try:
         quantize_config = None if args.quantize_config is None else json.loads(args.quantize_config)
     except json.JSONDecodeError as e:
         raise InputError(f"--quantize-config is not valid JSON ({e.msg}); pass the quantize section as one object") from None
     return run(args.experiment, args.source, args.csv, args.md, args.quant_eval, args.variants, args.start,
-               quantize_config)
+               quantize_config, args.figures_dir)
 
 
 if __name__ == "__main__":

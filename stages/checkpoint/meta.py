@@ -15,7 +15,8 @@ from stages.checkpoint.atomic import write_json
 from stages.checkpoint.integrity import weight_records
 
 META_NAME = "meta.json"
-_PACKAGES = ("torch", "transformers", "peft", "deepspeed", "safetensors", "tokenizers", "snakemake")
+_PACKAGES = ("torch", "transformers", "peft", "deepspeed", "safetensors", "tokenizers", "snakemake", "sacrebleu",
+             "rouge-score")
 
 
 def git_commit() -> str | None:

@@ -29,6 +29,7 @@ from stages.checkpoint.atomic import atomic_file, write_json
 from stages.data.files import json_lines, read_text
 from stages.data.validate import resolve_corpus
 from stages.errors import InputError
+from stages.stage_logs import Progress
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +127,11 @@ def encode_documents(tokenizer, docs: list[str], batch_size: int = 1024) -> list
     if backend is None:  # a slow (Python) tokenizer
         return [tokenizer(doc, add_special_tokens=False)["input_ids"] for doc in docs]
     ids: list[list[int]] = []
+    progress = Progress(log, "documents tokenized", len(docs))
     for start in range(0, len(docs), batch_size):
-        ids += [e.ids for e in backend.encode_batch(docs[start:start + batch_size], add_special_tokens=False)]
+        batch = docs[start:start + batch_size]
+        ids += [e.ids for e in backend.encode_batch(batch, add_special_tokens=False)]
+        progress.advance(len(batch))
     return ids
 
 

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+from collections.abc import Collection, Iterable
 from pathlib import Path
-from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from stages.checkpoint.atomic import write_json
 from stages.errors import InputError
+from stages.stage_logs import progress_iter
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +57,15 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
+    if isinstance(texts, Collection):  # what the trainer has read; counting its merges has no hook
+        texts = progress_iter(texts, log, "tokenizer training texts read")
+    start = time.perf_counter()
     tok.train_from_iterator(texts, trainer)
     for expected_id, token in enumerate(SPECIAL_TOKENS):
         if tok.token_to_id(token) != expected_id:  # guards the contract against a library change
             raise TokenizerError(f"{token!r} got id {tok.token_to_id(token)}, the contract needs {expected_id}")
-    log.info("trained byte-level BPE: %d tokens (asked for %d)", tok.get_vocab_size(), vocab_size)
+    log.info("trained byte-level BPE: %d tokens (asked for %d) in %.1f s", tok.get_vocab_size(), vocab_size,
+             time.perf_counter() - start)
     return _wrap(tok)
 
 

@@ -21,6 +21,7 @@ import torch
 
 from stages.model.labels import IGNORE_INDEX
 from stages.model.loss import causal_lm_loss, counted_tokens
+from stages.stage_logs import Progress
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ def model_perplexity(model: torch.nn.Module, windows: np.ndarray, batch_size: in
     model.eval()
     device = next(model.parameters()).device
     total_nll, total_tokens = 0.0, 0
+    progress = Progress(log, "perplexity windows", len(windows))
     for i in range(0, len(windows), batch_size):
         batch = torch.as_tensor(windows[i:i + batch_size], device=device)  # (B, L)
         logits = model(input_ids=batch).logits.float()  # (B, L, V)
@@ -78,6 +80,7 @@ def model_perplexity(model: torch.nn.Module, windows: np.ndarray, batch_size: in
         nll = causal_lm_loss(logits, batch, reduction="sum")  # position t predicts token t + 1
         total_nll += float(nll)
         total_tokens += batch[:, 1:].numel()
+        progress.advance(len(batch))
     mean_nll = total_nll / total_tokens
     log.info("perplexity %.3f over %d tokens in %d windows", math.exp(mean_nll), total_tokens, len(windows))
     return math.exp(mean_nll), total_tokens
@@ -97,6 +100,7 @@ def target_perplexity(model: torch.nn.Module, examples: list[tuple[list[int], li
     model.eval()
     device = next(model.parameters()).device
     total_nll, total_tokens = 0.0, 0
+    progress = Progress(log, "dev answer perplexity examples", len(examples))
     for i in range(0, len(examples), batch_size):
         chunk = examples[i:i + batch_size]
         width = max(len(ids) for ids, _ in chunk)
@@ -109,6 +113,7 @@ def target_perplexity(model: torch.nn.Module, examples: list[tuple[list[int], li
         labels = labels.to(device)
         total_nll += float(causal_lm_loss(logits, labels, reduction="sum"))
         total_tokens += int(counted_tokens(labels))
+        progress.advance(len(chunk))
     if total_tokens == 0:
         raise ValueError("no answer tokens to score: every SFT example was cut to its prompt")
     return math.exp(total_nll / total_tokens), total_tokens

@@ -19,12 +19,17 @@ every variant sees the same inputs.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from stages.stage_logs import Progress
+
+log = logging.getLogger(__name__)
 
 
 def _median_seconds(fn, repeats: int) -> float:
@@ -116,10 +121,15 @@ def speed_metrics(model: torch.nn.Module, vocab_size: int, settings: dict[str, A
     prompt = min(16, max(1, limit // 4))
     new_tokens = max(2, min(settings["speed_decode_tokens"], limit - prompt))
     metrics: dict[str, Any] = {}
+    steps = len(settings["speed_batch_sizes"]) + 1  # a prefill per batch size, then the decode
+    progress = Progress(log, "speed measurements", steps, lines=steps, min_interval_s=0, eta=False)
     for batch in settings["speed_batch_sizes"]:
-        metrics[f"prefill_tokens_per_s_b{batch}"] = prefill_tokens_per_s(model, vocab_size, batch, prefill, repeats)
-    metrics["decode_tokens_per_s_b1"] = decode_tokens_per_s(model, vocab_size, prompt_tokens=prompt,
-                                                            new_tokens=new_tokens, repeats=repeats)
+        rate = prefill_tokens_per_s(model, vocab_size, batch, prefill, repeats)
+        metrics[f"prefill_tokens_per_s_b{batch}"] = rate
+        progress.advance(detail=f"prefill, batch {batch} x {prefill} tokens: {rate:.0f} tokens/s")
+    rate = decode_tokens_per_s(model, vocab_size, prompt_tokens=prompt, new_tokens=new_tokens, repeats=repeats)
+    metrics["decode_tokens_per_s_b1"] = rate
+    progress.advance(detail=f"decode, batch 1, {new_tokens} new tokens: {rate:.0f} tokens/s")
     metrics["speed_tokens"] = {"prefill": prefill, "decode_prompt": prompt, "decode_new": new_tokens}
     metrics["torch_threads"] = torch.get_num_threads()
     return metrics

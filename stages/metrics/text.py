@@ -1,15 +1,36 @@
 """Text-overlap metrics between generated predictions and references.
 
-All metrics tokenize by whitespace (`str.split()`), so they are language- and
-tokenizer-independent but treat punctuation attached to a word as part of it. Inputs are two
-equal-length sequences of strings, one prediction and one reference per example.
+BLEU-4 and ROUGE-L are the reference implementations, so the numbers compare with published ones:
+
+  * `corpus_bleu`: sacrebleu's corpus BLEU (`sacrebleu.metrics.BLEU`), its default 13a tokenizer
+    (the mteval-v13a rules: punctuation split off words, case kept) and its default exp smoothing,
+    divided by 100 (the [0, 1] scale the pipeline reports). The sacrebleu signature is
+    `nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:<sacrebleu version>`.
+  * `rouge_l`: rouge-score's rougeL F-measure (`rouge_scorer.RougeScorer(["rougeL"],
+    use_stemmer=False)`, its default tokenizer: lowercase, every run of characters outside
+    [a-z0-9] is a separator, no stemming), averaged over examples.
+
+Scripts beyond ASCII: rouge-score's tokenizer drops every character outside [a-z0-9], so "café"
+counts as "caf" and a reference written wholly in another script (Cyrillic, Chinese, ...) has no
+tokens and scores 0 against any prediction (`rouge_l` logs a warning when references hold such
+letters). 13a keeps those letters but splits only at spaces and punctuation, so in scripts written
+without spaces (Chinese, Japanese, Thai) a whole clause is one token and BLEU is near 0 unless it
+matches exactly. Both metrics are meant for space-separated text such as the builtin English task.
+
+The libraries are imported inside the functions: importing this module stays light (the Snakefile
+parse imports stages modules). Inputs are two equal-length sequences of strings, one prediction
+and one reference per example.
 """
 
 from __future__ import annotations
 
-import math
-from collections import Counter
+import importlib.metadata
+import logging
 from typing import Sequence
+
+log = logging.getLogger(__name__)
+
+BLEU_TOKENIZE = "13a"  # sacrebleu's default; the signature and the docs name it
 
 
 def _check_pairs(predictions: Sequence[str], references: Sequence[str]) -> None:
@@ -27,82 +48,73 @@ def exact_match(predictions: Sequence[str], references: Sequence[str]) -> float:
     return hits / len(predictions)
 
 
-def _ngrams(tokens: list[str], n: int) -> Counter:
-    return Counter(tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1))
-
-
 def corpus_bleu(predictions: Sequence[str], references: Sequence[str], max_order: int = 4,
                 smooth: bool = True) -> float:
-    """Corpus-level BLEU (Papineni et al., 2002) with one reference per prediction, in [0, 1].
+    """sacrebleu corpus BLEU with one reference per prediction, divided by 100: in [0, 1].
 
     Counts are summed over the whole corpus before any ratio is taken (this is not the mean of
-    sentence BLEU):
+    sentence BLEU), on sacrebleu's 13a tokens, case-sensitive:
 
         p_n  = sum_i sum_g min(count_pred_i(g), count_ref_i(g)) / sum_i #n-grams(pred_i)
-        BP   = 1 if c > r else exp(1 - r / c)      c, r: total prediction / reference tokens
+        BP   = 1 if c >= r else exp(1 - r / c)     c, r: total prediction / reference tokens
         BLEU = BP * exp(sum_{n=1..N} (1/N) log p_n)
 
-    Smoothing (`smooth=True`, the default used by `stages.evaluate`): add one to the numerator
-    and the denominator of p_n for n > 1 only (Lin & Och 2004; "smoothing 2" in Chen & Cherry
-    2014, NLTK's `method2`). It keeps a short corpus with no matching 4-gram from scoring exactly
-    0 while a wholly disjoint corpus still scores 0 (p_1 stays unsmoothed) and identical text
-    still scores 1. With `smooth=False` any p_n = 0 gives BLEU = 0, as in the original paper.
-    An empty prediction corpus (c = 0) scores 0.
+    `smooth=True` (what `stages.evaluate` and evaluation while training use): sacrebleu's default
+    "exp" smoothing (mteval-v13a's; Chen & Cherry 2014 method 3): the k-th order with no match
+    counts as p_n = 1 / (2^k #n-grams). `smooth=False`: any p_n = 0 gives BLEU = 0. Either way a
+    corpus with no matching n-gram at all, an empty prediction corpus (c = 0), and a corpus whose
+    predictions are all shorter than `max_order` tokens (no n-grams of that order) score 0;
+    identical text scores 1 otherwise.
     """
     _check_pairs(predictions, references)
-    matches = [0] * max_order
-    totals = [0] * max_order
-    pred_len = ref_len = 0
-    for pred, ref in zip(predictions, references):
-        p_tok, r_tok = pred.split(), ref.split()
-        pred_len += len(p_tok)
-        ref_len += len(r_tok)
-        for n in range(1, max_order + 1):
-            p_ngrams, r_ngrams = _ngrams(p_tok, n), _ngrams(r_tok, n)
-            # Clipping: an n-gram is credited at most as often as the reference holds it.
-            matches[n - 1] += sum(min(c, r_ngrams[g]) for g, c in p_ngrams.items())
-            totals[n - 1] += max(len(p_tok) - n + 1, 0)
-    if pred_len == 0:
-        return 0.0
-    log_precision = 0.0
-    for n in range(1, max_order + 1):
-        num, den = matches[n - 1], totals[n - 1]
-        if smooth and n > 1:
-            num, den = num + 1, den + 1
-        if num == 0 or den == 0:
-            return 0.0
-        log_precision += math.log(num / den) / max_order
-    brevity = 1.0 if pred_len > ref_len else math.exp(1.0 - ref_len / pred_len)
-    return brevity * math.exp(log_precision)
+    from sacrebleu.metrics import BLEU
+
+    bleu = BLEU(tokenize=BLEU_TOKENIZE, smooth_method="exp" if smooth else "none", max_ngram_order=max_order)
+    score = bleu.corpus_score(list(predictions), [list(references)]).score / 100
+    return min(score, 1.0)  # identical text comes out as 1 + 4e-16 (exp of a sum of logs)
 
 
-def _lcs_length(a: list[str], b: list[str]) -> int:
-    """Length of the longest common subsequence, O(len(a) * len(b)) time, O(len(b)) memory."""
-    prev = [0] * (len(b) + 1)
-    for x in a:
-        cur = [0]
-        for j, y in enumerate(b, start=1):
-            cur.append(prev[j - 1] + 1 if x == y else max(prev[j], cur[j - 1]))
-        prev = cur
-    return prev[-1]
+def _dropped_by_rouge_tokenizer(text: str) -> bool:
+    """Whether `text` holds a letter or digit that rouge-score's [a-z0-9] tokenizer discards."""
+    return any(c.isalnum() and not c.isascii() for c in text)
 
 
 def rouge_l(predictions: Sequence[str], references: Sequence[str]) -> float:
-    """ROUGE-L F1 (Lin, 2004) averaged over examples, in [0, 1].
+    """rouge-score's ROUGE-L F1 (Lin, 2004) averaged over examples, in [0, 1].
 
-    Per example, with L = LCS(pred, ref) over whitespace tokens:
+    Per example, with L = LCS(pred, ref) over rouge-score's default tokens (lowercased,
+    [a-z0-9]+ runs, no stemming):
         P = L / |pred|,  R = L / |ref|,  F1 = 2 P R / (P + R)   (0 when L = 0)
-    Two empty strings count as a perfect match (1.0); one empty string scores 0.
+    An example where either side has no tokens scores 0 (two empty strings included), as in
+    rouge-score. See the module docstring for text outside ASCII.
     """
     _check_pairs(predictions, references)
-    total = 0.0
-    for pred, ref in zip(predictions, references):
-        p_tok, r_tok = pred.split(), ref.split()
-        if not p_tok and not r_tok:
-            total += 1.0
-            continue
-        lcs = _lcs_length(p_tok, r_tok)
-        if lcs:
-            precision, recall = lcs / len(p_tok), lcs / len(r_tok)
-            total += 2 * precision * recall / (precision + recall)
+    from rouge_score import rouge_scorer
+
+    lossy = sum(_dropped_by_rouge_tokenizer(r) for r in references)
+    if lossy:
+        log.warning("rouge_l: %d of %d references hold letters outside a-z/0-9, which rouge-score's tokenizer "
+                    "drops; ROUGE-L undercounts on them (0 for text wholly in another script)",
+                    lossy, len(references))
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
+    # score(target, prediction): the reference comes first
+    total = sum(scorer.score(ref, pred)["rougeL"].fmeasure for pred, ref in zip(predictions, references))
     return total / len(predictions)
+
+
+def metric_implementations() -> dict[str, str]:
+    """What computed `corpus_bleu` (with its defaults) and `rouge_l`: library, version, tokenization
+    and scale, keyed by the metrics JSON's names. Reads package metadata only (imports neither)."""
+    bleu_signature = f"nrefs:1|case:mixed|eff:no|tok:{BLEU_TOKENIZE}|smooth:exp|version:{_version('sacrebleu')}"
+    return {
+        "bleu4": f"sacrebleu corpus BLEU / 100, tokenize={BLEU_TOKENIZE}, signature {bleu_signature}",
+        "rouge_l": f"rouge-score {_version('rouge-score')} rougeL F1 averaged over examples, default tokenizer "
+                   "(lowercase, [a-z0-9]+ tokens), no stemming",
+    }
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"

@@ -64,11 +64,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm import tqdm
 from transformers.pytorch_utils import Conv1D
 
 from stages.quant.layers import LINEAR_TYPES, linear_weight
 from stages.quant.rtn import QuantizedWeight, asymmetric_grid, symmetric_grid
+from stages.stage_logs import Progress
 
 log = logging.getLogger(__name__)
 
@@ -479,13 +479,14 @@ def quantize_blocks_sequentially(
         raise ValueError("the calibration set is empty")
     results: dict[str, Any] = {}
     dot = f"{prefix}." if prefix else ""
-    for key, block in tqdm(named, desc=desc, unit="block", disable=len(named) < 4):
+    progress = Progress(log, f"{desc} blocks", len(named), lines=len(named), min_interval_s=0)  # every block
+    for key, block in named:
         start = time.perf_counter()
         block_results, outputs = step(block, inputs, f"{dot}{key}")
         if on_block is not None:
             on_block(key, time.perf_counter() - start, block_results)
         results.update(block_results)
         inputs = [replace(inp, hidden=out) for inp, out in zip(inputs, outputs)]
-        log.info("%s block %s: %d layers, %s", desc, key, len(block_results), summary(block_results))
+        progress.advance(detail=f"block {key}: {len(block_results)} layers, {summary(block_results)}")
     model.train(was_training)
     return results

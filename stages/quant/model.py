@@ -21,6 +21,7 @@ import torch
 from stages.quant import gptq_format
 from stages.quant.gptq import GPTQConfig, GPTQResult
 from stages.quant.rtn import dequantize_weight, quantize_weight, relative_error
+from stages.stage_logs import progress_iter
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ def quantize_model(
     replaced = {f"{name}.weight" for name in weights}
     out = {k: v for k, v in state.items() if k not in replaced}
     errors: dict[str, float] = {}
-    for name, w in weights.items():
+    for name, w in progress_iter(weights.items(), log, f"RTN {bits}-bit layers"):
         q = quantize_weight(w, bits, group_size, name=name, sym=sym)
         for suffix, packed in gptq_format.pack(q, checkpoint_format).items():
             out[f"{name}.{suffix}"] = packed

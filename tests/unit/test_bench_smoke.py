@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "train_throughput.py"
@@ -139,6 +140,24 @@ def test_finetune_quality_judges_every_seed_and_the_forgetting():
     text = fq.format_report(result)
     assert "lora-merged ppl <= 1.5x pretrain's on every seed: FAIL" in text
     assert "sft exact match >= 0.85 on every seed: FAIL" in text
+
+
+def test_finetune_quality_is_a_sweep_over_seeds(tmp_path):
+    """The bench writes a sweep of the base experiment over the seeds; the workflow expands it into
+    the experiments the bench then reads, each seed's upstream shared by name."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import finetune_quality as fq
+
+    args = fq.parse_args(["--seeds", "1", "7", "--prefix", "t", "--generated", str(tmp_path / "sweep.yaml"),
+                          "--overrides", str(ROOT / "bench" / "recipes" / "no_mixing.yaml")])
+    path, recipe, shared = fq.write_sweep(args)
+    generated = yaml.safe_load(path.read_text())
+    assert generated["sweeps"]["qt"]["grid"] == {"seed": [1, 7]} and generated["sweeps"]["qt"]["base"] == "qt-base"
+    assert recipe["finetune"]["lora"]["mix_ratio"] == 0.0  # the overrides are in the swept base
+    assert set(shared) == {fq.experiment_name("t", 1), fq.experiment_name("t", 7)} == {"qt.seed-1", "qt.seed-7"}
+    assert len(set(shared.values())) == 2  # each seed pretrains its own model
+    assert fq.snakemake_command(args, path)[-4:] == ["results/sweeps/qt/compare.md", "--configfile",
+                                                     "config/config.yaml", str(path)]
 
 
 @pytest.mark.multiproc

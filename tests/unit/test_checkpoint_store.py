@@ -318,7 +318,8 @@ def test_reading_never_unpickles(tmp_path, monkeypatch):
 # -- merge_tp ------------------------------------------------------------------------------------
 _EXTRAS = {"config.json": '{"model_type": "llama"}\n', "tokenizer.json": '{"version": "1.0"}\n',
            "tokenizer_config.json": '{"bos_token": "<s>"}\n', "special_tokens_map.json": '{"eos_token": "</s>"}\n',
-           "train_log.csv": "step,loss\n1,2.5\n2,2.25\n"}
+           "train_log.csv": "step,loss\n1,2.5\n2,2.25\n",
+           "events.out.tfevents.1700000000.host.1.0": "TensorBoard records\n"}  # any name TensorBoard gives
 
 
 def _sharded_dir(directory: Path, state: dict[str, torch.Tensor], *, as_checkpoint: bool) -> Path:

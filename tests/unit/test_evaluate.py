@@ -19,11 +19,12 @@ WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
 CONFIG = {"max_new_tokens": 6, "num_dev_examples": 6, "ppl_max_length": 16, "ppl_max_windows": 3,
           "per_device_eval_batch_size": 4, "speed_prefill_tokens": 8, "speed_batch_sizes": [1, 2],
           "speed_decode_tokens": 3, "speed_repeats": 1}
-DOCUMENTED_KEYS = {"variant", "model_dir", "kind", "sft_format", "ppl", "unigram_ppl", "ppl_tokens", "ppl_windows", "dev_ppl", "dev_ppl_tokens",
-                   "exact_match", "bleu4", "rouge_l", "num_dev_examples", "gen_tokens", "gen_seconds",
-                   "gen_tokens_per_s", "size_bytes", "num_parameters", "eval_seconds", "settings", "samples",
-                   "model_bytes", "rss_bytes", "prefill_tokens_per_s_b1", "prefill_tokens_per_s_b2",
-                   "decode_tokens_per_s_b1", "speed_tokens", "torch_threads", "kernels", "quantization"}
+DOCUMENTED_KEYS = {"variant", "model_dir", "kind", "sft_format", "ppl", "unigram_ppl", "ppl_tokens", "ppl_windows",
+                   "dev_ppl", "dev_ppl_tokens", "exact_match", "bleu4", "rouge_l", "metric_implementations",
+                   "num_dev_examples", "gen_tokens", "gen_seconds", "gen_tokens_per_s", "size_bytes", "num_parameters",
+                   "eval_seconds", "settings", "samples", "model_bytes", "rss_bytes", "prefill_tokens_per_s_b1",
+                   "prefill_tokens_per_s_b2", "decode_tokens_per_s_b1", "speed_tokens", "torch_threads", "kernels",
+                   "quantization"}
 
 
 def _texts(n, seed):
@@ -105,6 +106,8 @@ def _check_metrics(metrics, out_path, variant, kind):
     assert metrics["dev_ppl"] > 1 and metrics["dev_ppl_tokens"] > 0
     for key in ("exact_match", "bleu4", "rouge_l"):
         assert 0.0 <= metrics[key] <= 1.0
+    assert set(metrics["metric_implementations"]) == {"bleu4", "rouge_l"}
+    assert "tok:13a" in metrics["metric_implementations"]["bleu4"]
     assert metrics["num_dev_examples"] == 6
     assert 6 <= metrics["gen_tokens"] <= 6 * 6 and metrics["gen_tokens_per_s"] > 0
     assert metrics["size_bytes"] > 0 and metrics["num_parameters"] > 0 and metrics["eval_seconds"] > 0
@@ -134,8 +137,9 @@ def test_lora_adapter_dir(workspace):
     import peft
 
     # init_lora_weights=False: B != 0, so the adapter really changes the outputs.
-    adapter = _adapter(workspace, "lora", peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                         init_lora_weights=False, task_type="CAUSAL_LM"))
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                           task_type="CAUSAL_LM")
+    adapter = _adapter(workspace, "lora", lora)
     out = workspace / "eval" / "lora.json"
     metrics = evaluate.run(adapter, workspace / "data", out, "lora", CONFIG)
     _check_metrics(metrics, out, "lora", "adapter")
@@ -213,4 +217,5 @@ def test_run_from_python_gets_the_schema_defaults(workspace, tmp_path):
     from stages import settings
 
     metrics = evaluate.run(workspace / "sft", workspace / "data", tmp_path / "e.json", "sft")
-    assert metrics["settings"] == {"src_length": settings.defaults("sft")["src_length"], **settings.defaults("evaluate")}
+    defaults = settings.defaults("evaluate")
+    assert metrics["settings"] == {"src_length": settings.defaults("sft")["src_length"], **defaults}

@@ -213,6 +213,7 @@ def test_eval_steps_log_dev_metrics_and_the_best_model_is_written(tmp_path, debu
     assert metrics["best_step"] == best
     assert metrics["dev_loss"] == pytest.approx(losses[best], rel=1e-5)  # the written weights are the best's
     assert {"dev_exact_match", "dev_bleu4", "dev_rouge_l"} <= metrics.keys()
+    assert set(metrics["dev_metric_implementations"]) == {"bleu4", "rouge_l"}  # meta.json says what they are
 
 
 def test_examples_longer_than_max_length_are_cut_and_counted(tmp_path, tokenizer, caplog):

@@ -203,9 +203,11 @@ def test_command_line_error_is_one_line_with_the_location(tmp_path):
                            "--out", str(tmp_path / "out.jsonl")], cwd=ROOT, capture_output=True, text=True,
                           timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        f"predict: error: {inp}:2: malformed JSON (Expecting value at column 1); "
-        'each line must be one JSON object such as {"src": "...", "tgt": "..."}']
+    first, *rest = proc.stderr.strip().splitlines()  # the log's first line says what the stage reads and writes
+    assert first.endswith(f"predict: reads {tmp_path} (model), {inp} (records); writes {tmp_path / 'out.jsonl'} "
+                          f"(predictions), {tmp_path / 'out.summary.json'} (summary)")
+    assert rest == [f"predict: error: {inp}:2: malformed JSON (Expecting value at column 1); "
+                    'each line must be one JSON object such as {"src": "...", "tgt": "..."}']
 
 
 def test_chat_format_follows_the_data_dir_then_the_tokenizer(tiny_tokenizer_dir, tmp_path):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from stages import report
+from stages.reporting import plots, tables
 from stages.checkpoint.atomic import write_json
 
 # Snakemake 9's benchmark header (extended columns omitted); "-" marks a value not measured.
@@ -80,7 +81,8 @@ def test_quant_eval_deltas(experiment):
 def test_csv_has_one_row_per_variant(experiment):
     _, out = _run(experiment)
     df = pd.read_csv(out / "report.csv", index_col="variant")
-    assert list(df.index) == ["lora-merged", "wint8", "wint4", "sft"]  # source, compared, then the rest
+    # the reference (here the source), the fine-tuned variants in chain order, the quantized ones
+    assert list(df.index) == ["lora-merged", "sft", "wint8", "wint4"]
     assert df.loc["wint4", "ppl"] == 12.5 and df.loc["sft", "size_bytes"] == 4000
     assert "samples" not in df.columns and "settings" not in df.columns
 
@@ -93,9 +95,13 @@ def test_benchmarks_and_markdown(experiment):
     assert row["max_uss"] == pytest.approx(90.0)  # "-" is missing, not zero
     _, out = _run(experiment)
     md = (out / "report.md").read_text()
-    assert "## Metrics per variant" in md and "| variant | kind | ppl |" in md
-    assert "| evaluate_wint8 | 2 | 13 |" in md
-    assert "| wint4 | 2.5 |" in md  # the Δ ppl column
+    # narrow tables in human units, every variant against the reference (here the source)
+    assert "| variant | corpus ppl | × lora-merged | dev ppl | exact match | EM vs lora-merged |" in md
+    assert "| wint4 | 12.50 | ×1.25 | 6.250 | 25.0% | -25.0 pts | 20.0 | 50.0 |" in md
+    assert "| wint4 | 0.0 | ×0.125 | 0.0 |  | 100.0 |" in md  # MB on disk, ratio, in memory, bits, peak RSS
+    assert "| wint8 | 1,000 | 4,000 | 200 | ×2 | 100 | int8pack (14) |" in md
+    assert "| evaluate_wint8 | 13.0 s | 11.0 s | 120 |" in md  # mean of the repeats, the peak memory
+    assert md.index("| prepare |") < md.index("| evaluate_wint8 |")  # chain order
 
 
 def test_markdown_table_escapes_and_formats():
@@ -142,10 +148,114 @@ def test_summary_sets_forgetting_beside_the_task(experiment):
     assert summary["variants"]["lora-merged"]["ppl_ratio"] == pytest.approx(10 / 6)
     assert summary["variants"]["lora"]["exact_match_ratio"] == pytest.approx(0.8)
     md = (out / "report.md").read_text()
-    assert md.index("## Fine-tuning: the task learned, the language kept") < md.index("## Metrics per variant")
-    assert "| lora | 0.4 | 0.8 | 6 | 12 | 2 |" in md
+    assert md.index("## Fine-tuning: the task learned, the language kept") < md.index("## Quality")
+    assert "| lora | 40.0% | 80.0% | 6.000 | 12.00 | ×2 |" in md
+    assert "Every variant against the starting model `pretrain`" in md
+    quality = md[md.index("## Quality"):md.index("## Size and memory")]
+    assert quality.index("| pretrain |") < quality.index("| sft |") < quality.index("| lora |") \
+        < quality.index("| lora-merged |") < quality.index("| wint8 |")
 
 
 def test_no_summary_without_a_start(experiment):
     quant, out = _run(experiment)
     assert quant["summary"] is None and "## Fine-tuning" not in (out / "report.md").read_text()
+
+
+def test_human_units():
+    assert [tables.fmt_float(v) for v in (48.6512, 0.98437, 10170.4, 2.15e6, None)] == \
+        ["48.65", "0.9844", "10,170", "2.150e+06", ""]
+    assert tables.fmt_seconds(3.71) == "3.7 s" and tables.fmt_seconds(163.4) == "2 min 43 s"
+    assert tables.fmt_seconds(3725) == "1 h 02 min"
+    assert tables.fmt_ratio(59.21, 48.65) == "×1.22" and tables.fmt_ratio(1.0, 0) == ""
+    assert tables.fmt_points(0.984375, 0.0) == "+98.4 pts" and tables.fmt_percent(0.5) == "50.0%"
+    assert tables.fmt_mb(20198496) == "20.2" and tables.fmt_rate(13899.4) == "13,899"
+
+
+def test_bleu_and_rouge_labels_name_their_implementation(experiment):
+    evals = report.read_evals(experiment, [])
+    plain = tables.quality_table(evals, ["lora-merged", "wint8"], "lora-merged")
+    assert "BLEU-4" in plain.display.columns and "ROUGE-L" in plain.display.columns  # eval files of before
+    from stages.metrics.text import metric_implementations
+
+    evals["wint8"]["metric_implementations"] = metric_implementations()
+    quality = tables.quality_table(evals, ["lora-merged", "wint8"], "lora-merged")
+    assert "BLEU-4 (sacrebleu, 13a)" in quality.display.columns
+    assert "ROUGE-L F1 (rouge-score)" in quality.display.columns
+
+
+def _train_log(path, steps, eval_every=0):
+    from stages.training.log import COLUMNS
+
+    rows = [",".join(COLUMNS)]
+    for step in range(1, steps + 1):
+        evaluation = f"{3.0 - step / steps:.6f},0.5,0.1,0.2" if eval_every and step % eval_every == 0 else ",,,"
+        rows.append(f"{step},{4.0 - step / steps:.6f},{1e-3 * step / steps:.6e},1.0,100,1000.0,,{step * 0.1:.3f},"
+                    + evaluation)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(rows) + "\n")
+
+
+def _png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")  # IHDR width, height
+
+
+def test_figures_and_table_csvs(experiment):
+    _train_log(experiment / "sft" / "train_log.csv", 40, eval_every=10)
+    out = experiment / "out"
+    report.run(experiment, "lora-merged", out / "report.csv", out / "report.md", out / "quant_eval.json",
+               ["wint8", "wint4"], figures_dir=out / "report")
+    md = (out / "report.md").read_text()
+    for name in report.FIGURES:
+        assert f"](report/{name})" in md  # linked relative to report.md
+        width, height = _png_size(out / "report" / name)
+        assert width > 300 and height > 200
+    one_stage_width = _png_size(out / "report" / "training.png")[0]
+    _train_log(experiment / "pretrain" / "train_log.csv", 60)
+    _train_log(experiment / "lora" / "train_log.csv", 30)
+    assert list(plots.training_logs(experiment)) == ["pretrain", "sft", "lora"]  # chain order
+    sft_log = plots.training_logs(experiment)["sft"]
+    assert sft_log["eval_loss"].notna().sum() == 4 and sft_log["loss"].iloc[-1] == pytest.approx(3.0)
+    report.run(experiment, "lora-merged", out / "report.csv", out / "report.md", out / "quant_eval.json",
+               ["wint8", "wint4"], figures_dir=out / "report")
+    assert _png_size(out / "report" / "training.png")[0] > 2 * one_stage_width  # a column per stage
+    quality = pd.read_csv(out / "report" / "quality.csv", index_col="variant")
+    assert quality.loc["wint4", "corpus_ppl"] == 12.5
+    assert quality.loc["wint4", "corpus_ppl_ratio"] == pytest.approx(1.25)
+    size = pd.read_csv(out / "report" / "size.csv", index_col="variant")
+    assert size.loc["wint8", "size_mb"] == pytest.approx(1000 / 1e6)
+    speed = pd.read_csv(out / "report" / "speed.csv", index_col="variant")
+    assert speed.loc["wint8", "decode_tokens_per_s_ratio"] == pytest.approx(2.0)
+    stages = pd.read_csv(out / "report" / "stages.csv", index_col="stage")
+    assert stages.loc["evaluate_wint8", "wall_s"] == pytest.approx(13.0)
+
+
+def test_figures_without_training_logs_or_benchmarks(experiment, tmp_path):
+    import shutil
+
+    shutil.rmtree(experiment / "benchmarks")
+    out = tmp_path / "bare"
+    report.run(experiment, "lora-merged", out / "report.csv", out / "report.md", out / "quant_eval.json",
+               ["wint8"], figures_dir=out / "figures")
+    assert all(_png_size(out / "figures" / name)[0] > 0 for name in report.FIGURES)
+    assert "](figures/training.png)" in (out / "report.md").read_text()
+
+
+def test_measured_columns_are_known_as_measurements(experiment):
+    """Two runs of the same chain must write the same report apart from what stages.metrics.measured
+    names (the rerun test drops those): every speed and memory column, nothing else."""
+    from stages.metrics.measured import is_measured
+
+    evals = report.read_evals(experiment, [])
+    order = ["lora-merged", "wint8"]
+    speed = tables.speed_table(evals, order, "lora-merged")
+    assert [c for c in speed.display.columns if not is_measured(c)] == ["kernels"]
+    assert all(is_measured(c) for c in speed.numbers.columns)
+    stages = tables.stage_table(report.read_benchmarks(experiment))
+    assert all(is_measured(c) for c in (*stages.display.columns, *stages.numbers.columns))
+    size = tables.size_table(evals, order, "lora-merged")
+    assert [c for c in (*size.display.columns, *size.numbers.columns) if is_measured(c)] == \
+        ["peak RSS (MB)", "peak_rss_mb"]
+    quality = tables.quality_table(evals, order, "lora-merged")
+    assert not any(is_measured(c) for c in (*quality.display.columns, *quality.numbers.columns))

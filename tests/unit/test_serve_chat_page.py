@@ -2,43 +2,29 @@
 chromium-driver packages, driven by selenium) opens the page, a message is typed and sent with
 Enter, the answer streams in and equals the API's greedy answer; a second turn carries the first.
 
-Marked slow (it needs the browser, which `.ci/run` installs before the slow tests): without
-Chromium the test is skipped, unless LLM_LIFECYCLE_REQUIRE_BROWSER=1 (set by .ci/run), where a
-missing browser fails it. A screenshot is written to $LLM_LIFECYCLE_SCREENSHOT when that is set."""
+Marked slow (it needs the browser, which `.ci/run` installs before the slow tests; tests/browser.py:
+skipped without Chromium unless LLM_LIFECYCLE_REQUIRE_BROWSER=1). A screenshot is written to
+$LLM_LIFECYCLE_SCREENSHOT_DIR/chat_page.png when that is set."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import threading
 
 import pytest
 
+from browser import headless_chromium, screenshot
 from checkpoint_fixtures import chat_tokenizer, save_checkpoint
 from stages import serve
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 MAX_TOKENS = 16  # typed into the page's "max tokens" field: two turns fit the context
 
 
 @pytest.fixture
 def browser():
-    if not (CHROMIUM and DRIVER):
-        if os.environ.get("LLM_LIFECYCLE_REQUIRE_BROWSER") == "1":
-            pytest.fail("chromium and chromedriver are required (apt-get install chromium chromium-driver)")
-        pytest.skip("no chromium/chromedriver (apt-get install chromium chromium-driver)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1000,700"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(executable_path=DRIVER), options=options)
-    yield driver
-    driver.quit()
+    with headless_chromium() as driver:
+        yield driver
 
 
 @pytest.fixture
@@ -93,5 +79,4 @@ def test_a_message_typed_in_the_page_gets_the_apis_answer(browser, server):
                                           {"role": "assistant", "content": expected},
                                           {"role": "user", "content": "the apple"}]).strip()
     assert [e.text for e in browser.find_elements(By.CSS_SELECTOR, "#log .user")] == ["one two", "the apple"]
-    if os.environ.get("LLM_LIFECYCLE_SCREENSHOT"):
-        browser.save_screenshot(os.environ["LLM_LIFECYCLE_SCREENSHOT"])
+    screenshot(browser, "chat_page")

@@ -11,12 +11,26 @@ from stages.config import experiment as named_experiment
 from stages.data.validate import check_data_section, check_mix_datasets, mix_files
 from stages.plan import check_plan
 from stages.quant.variants import BUILTIN_VARIANTS, CALIBRATED_METHODS, spec_method, variant_settings
+from stages.sweeps import expand as expand_sweeps
 
-# Validated once, here: unknown keys (closest name), types and values (the JSON schema), relations
-# between keys; every default filled (stages.config.check_config; stages read complete sections).
-_checked = check_config(config)
+# Sweeps (and plain comparisons) first: each sweep's rows become ordinary experiments, members that
+# share their upstream (model, data, pretraining) link to one hidden `shared-<hash>` experiment
+# that makes it (stages/sweeps.py). Then everything is validated once, here: unknown keys (closest
+# name), types and values (the JSON schema), relations between keys; every default filled
+# (stages.config.check_config; stages read complete sections).
+_USER_EXPERIMENTS = list((config.get("experiments") or {}) if isinstance(config.get("experiments"), dict) else [])
+_expanded, COMPARISONS = expand_sweeps(config)
+_checked = check_config(_expanded)
 config.clear()
 config.update(_checked)
+# member -> the hidden experiment whose data and starting model it links to
+SHARED_UPSTREAM = {m: up for spec in COMPARISONS.values() for m, up in spec["shared"].items()}
+for _spec in COMPARISONS.values():  # the variant each member's forgetting (ppl_ratio) is measured against
+    _spec["starts"] = {m: finetune_source(config["experiments"][m]) for m in _spec["members"]}
+# what `snakemake` builds without a target: the experiments the config lists and every comparison
+# (a sweep's members are built as the comparison needs them; the hidden upstreams as members need them)
+DEFAULT_TARGETS = [f"results/{name}/quant_eval.json" for name in _USER_EXPERIMENTS] + [
+    f"results/{key}/compare.md" for key in COMPARISONS]
 
 for _name, _experiment in config["experiments"].items():
     check_data_section(_experiment["data"], _name, Path.cwd())  # paths are relative to the workdir
@@ -40,10 +54,15 @@ def _one_of(names):
     return "|".join(re.escape(n) for n in names) or "(?!)"
 
 
-SHARDED_PRETRAIN = _one_of([n for n, e in config["experiments"].items() if sharded_output(e["pretrain"])])
-UNIFIED_PRETRAIN = _one_of([n for n, e in config["experiments"].items() if not sharded_output(e["pretrain"])])
+# Experiments that make their own data and starting model (not sweep members that link to a shared one).
+_OWNERS = {n: e for n, e in config["experiments"].items() if n not in SHARED_UPSTREAM}
+OWN_UPSTREAM = _one_of(list(_OWNERS))
+SHARING_UPSTREAM = _one_of(list(SHARED_UPSTREAM))
+SHARDED_PRETRAIN = _one_of([n for n, e in _OWNERS.items() if sharded_output(e["pretrain"])])
+UNIFIED_PRETRAIN = _one_of([n for n, e in _OWNERS.items() if not sharded_output(e["pretrain"])])
 # Experiments that start from a local checkpoint (model.model_name_or_path): rule import_base.
-FROM_CHECKPOINT = _one_of([n for n, e in config["experiments"].items() if e["model"]["model_name_or_path"]])
+FROM_CHECKPOINT = _one_of([n for n, e in _OWNERS.items() if e["model"]["model_name_or_path"]])
+COMPARISON_NAMES = _one_of(list(COMPARISONS))
 FINETUNED_VARIANTS = ["sft", "lora", "prefix", "lora-merged"]
 
 
@@ -246,6 +265,21 @@ def variant_inputs(wildcards):
     if wildcards.variant in ("lora", "prefix"):
         inputs.append(finetune_base(wildcards))
     return inputs
+
+
+def shared_artifact(wildcards):
+    """What a sweep member links to: the same artifact of its shared upstream experiment."""
+    return f"results/{SHARED_UPSTREAM[wildcards.experiment]}/{wildcards.artifact}"
+
+
+def comparison_inputs(wildcards):
+    """Every compared variant's evaluation of every member, and each member's starting model's
+    when a metric is a ratio to it (ppl_ratio)."""
+    spec = COMPARISONS[wildcards.comparison]
+    files = [f"results/{m}/eval/{v}.json" for m in spec["members"] for v in spec["variants"]]
+    if any(metric.endswith("_ratio") for metric in spec["metrics"]):
+        files += [f"results/{m}/eval/{spec['starts'][m]}.json" for m in spec["members"]]
+    return list(dict.fromkeys(files))
 
 
 def all_eval_files(wildcards):

@@ -5,6 +5,8 @@ rule prepare:
         prepare_inputs,
     output:
         directory("results/{experiment}/data"),
+    wildcard_constraints:
+        experiment=OWN_UPSTREAM,
     log:
         "results/{experiment}/logs/prepare.log",
     benchmark:
@@ -42,3 +44,25 @@ rule import_base:
         "../../environment.yml"
     shell:
         "python -m stages.import_base --source {params.source:q} --out {output} > {log} 2>&1"
+
+
+# A sweep member's data and starting model (results/<member>/{data,pretrain,base}) are links to its
+# shared upstream experiment's, made once for every member with the same model, data and
+# pretraining sections (stages/sweeps.py).
+rule share_upstream:
+    input:
+        shared_artifact,
+    output:
+        directory("results/{experiment}/{artifact}"),
+    wildcard_constraints:
+        experiment=SHARING_UPSTREAM,
+        artifact="data|pretrain|base",
+    log:
+        "results/{experiment}/logs/share_{artifact}.log",
+    params:
+        target=lambda wildcards: f"../{SHARED_UPSTREAM[wildcards.experiment]}/{wildcards.artifact}",
+    localrule: True
+    conda:
+        "../../environment.yml"
+    shell:
+        "ln -sfn {params.target:q} {output:q} > {log} 2>&1"

@@ -1,13 +1,30 @@
-# pandas aggregates every variant's metrics and the rules' benchmark TSVs.
+# pandas aggregates every variant's metrics and the rules' benchmark TSVs; matplotlib draws the
+# plots. The report()-tagged files make `snakemake --report report.html` a page per experiment.
 rule report:
     input:
         evals=all_eval_files,
         export="results/{experiment}/export",
         plan="results/{experiment}/plan.json",  # recorded with the results
     output:
-        quant_eval="results/{experiment}/quant_eval.json",
-        csv=report("results/{experiment}/report.csv", caption="../report/metrics.rst", category="Metrics"),
+        quant_eval=report("results/{experiment}/quant_eval.json", caption="../report/quant_eval.rst",
+                          category="{experiment}", subcategory="Tables", labels={"file": "quant_eval.json"}),
+        csv=report("results/{experiment}/report.csv", caption="../report/metrics.rst",
+                   category="{experiment}", subcategory="Tables", labels={"file": "report.csv (every metric)"}),
         md="results/{experiment}/report.md",
+        training=report("results/{experiment}/report/training.png", caption="../report/training.rst",
+                        category="{experiment}", subcategory="Plots", labels={"file": "training curves"}),
+        quantization=report("results/{experiment}/report/quantization.png", caption="../report/quantization.rst",
+                            category="{experiment}", subcategory="Plots", labels={"file": "quantization trade-off"}),
+        stages=report("results/{experiment}/report/stages.png", caption="../report/stages.rst",
+                      category="{experiment}", subcategory="Plots", labels={"file": "stage time and memory"}),
+        quality=report("results/{experiment}/report/quality.csv", caption="../report/quality.rst",
+                       category="{experiment}", subcategory="Tables", labels={"file": "quality"}),
+        size=report("results/{experiment}/report/size.csv", caption="../report/size.rst",
+                    category="{experiment}", subcategory="Tables", labels={"file": "size and memory"}),
+        speed=report("results/{experiment}/report/speed.csv", caption="../report/speed.rst",
+                     category="{experiment}", subcategory="Tables", labels={"file": "speed"}),
+        timings=report("results/{experiment}/report/stages.csv", caption="../report/stage_timings.rst",
+                       category="{experiment}", subcategory="Tables", labels={"file": "stage timings"}),
     log:
         "results/{experiment}/logs/report.log",
     benchmark:
@@ -17,6 +34,7 @@ rule report:
         variants=quant_variants,
         start=start_variant,
         quantize=section("quantize"),
+        figures_dir=subpath(output.training, parent=True),
     resources:
         **cluster_resources("report"),
     conda:
@@ -24,4 +42,5 @@ rule report:
     shell:
         "python -m stages.report --experiment-dir results/{wildcards.experiment} "
         "--source {params.source} --start {params.start} --variants {params.variants} --csv {output.csv} --md {output.md} "
-        "--quant-eval {output.quant_eval} --quantize-config {params.quantize:q} > {log} 2>&1"
+        "--quant-eval {output.quant_eval} --figures-dir {params.figures_dir} --quantize-config {params.quantize:q} "
+        "> {log} 2>&1"

@@ -1,0 +1,21 @@
+# A sweep's members (or a comparison's listed experiments) side by side: the chosen metrics of the
+# chosen variants per experiment, and their mean and spread over seeds (stages/compare.py).
+rule compare:
+    input:
+        comparison_inputs,
+    output:
+        csv="results/{comparison}/compare.csv",
+        md="results/{comparison}/compare.md",
+        plot=report("results/{comparison}/compare.png", caption="../report/compare.rst", category="Comparisons",
+                    labels={"comparison": "{comparison}"}),
+    wildcard_constraints:
+        comparison=COMPARISON_NAMES,
+    log:
+        "results/{comparison}/logs/compare.log",
+    params:
+        spec=lambda wildcards: json.dumps(COMPARISONS[wildcards.comparison], sort_keys=True),
+    localrule: True
+    conda:
+        "../../environment.yml"
+    shell:
+        "python -m stages.compare --spec {params.spec:q} --out-dir results/{wildcards.comparison} > {log} 2>&1"

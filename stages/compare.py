@@ -55,9 +55,9 @@ def metric_value(evals: dict[str, Any], start: dict[str, Any] | None, metric: st
 def comparison_table(spec: dict[str, Any], results: Path) -> pd.DataFrame:
     """One row per member and variant: `experiment`, the swept columns, `variant`, the metrics."""
     rows = []
+    needs_start = any(m.endswith("_ratio") for m in spec["metrics"])
     for member in spec["members"]:
         start_name = spec.get("starts", {}).get(member)
-        needs_start = any(m.endswith("_ratio") for m in spec["metrics"])
         start = _eval(results, member, start_name) if needs_start and start_name else None
         for variant in spec["variants"]:
             evals = _eval(results, member, variant)

@@ -73,6 +73,7 @@ import pandas as pd
 from stages.checkpoint.atomic import atomic_file, write_json
 from stages.errors import InputError, run_cli
 from stages.reporting import tables
+from stages.reporting.tables import is_number
 from stages.stage_logs import configure_logging, log_io
 
 log = logging.getLogger(__name__)
@@ -146,10 +147,6 @@ def read_benchmarks(experiment_dir: str | Path) -> pd.DataFrame:
 
 
 # -- quantization deltas -------------------------------------------------------------------------
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and not (isinstance(v, float) and math.isnan(v))
-
-
 def _speed_keys(metrics: dict[str, Any]) -> list[str]:
     prefill = sorted((k for k in metrics if k.startswith("prefill_tokens_per_s_b")),
                      key=lambda k: int(k.rsplit("_b", 1)[1]))
@@ -208,7 +205,7 @@ def quant_eval(evals: dict[str, dict[str, Any]], experiment: str, source: str, v
         delta, relative = {}, {}
         for key in compared:
             value, base = metrics.get(key), baseline.get(key)
-            if _is_number(value) and _is_number(base):
+            if is_number(value) and is_number(base):
                 delta[key] = value - base
                 relative[key] = value / base - 1.0 if base != 0 else None
         out["variants"][name] = {**metrics, "delta": delta, "relative": relative}
@@ -227,9 +224,9 @@ def finetune_summary(evals: dict[str, dict[str, Any]], start: str | None) -> dic
         m = evals[name]
         ppl, em = m.get("ppl"), m.get("exact_match")
         variants[name] = {
-            "ppl": ppl, "ppl_ratio": ppl / start_ppl if _is_number(ppl) and _is_number(start_ppl) and start_ppl else None,
+            "ppl": ppl, "ppl_ratio": ppl / start_ppl if is_number(ppl) and is_number(start_ppl) and start_ppl else None,
             "dev_ppl": m.get("dev_ppl"), "exact_match": em,
-            "exact_match_ratio": em / sft_em if _is_number(em) and _is_number(sft_em) and sft_em else None}
+            "exact_match_ratio": em / sft_em if is_number(em) and is_number(sft_em) and sft_em else None}
     return {"start": start, "start_ppl": start_ppl, "variants": variants}
 
 

@@ -1,10 +1,8 @@
 """Tests of stages/data/validate.py: the parse-time checks of a `data:` section."""
 
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from light_imports import loaded_by_import
 
 from stages.data.validate import DataConfigError, check_data_section, read_sft_dir, sft_split_files
 
@@ -129,9 +127,4 @@ def test_bad_sft_file_names_key_file_and_line(repo, content, match):
 
 def test_validate_stays_light():
     """common.smk imports this while Snakemake parses: no numpy, torch, tokenizers, transformers."""
-    code = ("import sys, stages.data.validate; "
-            "heavy = [m for m in ('torch', 'numpy', 'tokenizers', 'transformers', 'pandas') if m in sys.modules]; "
-            "print(heavy); sys.exit(1 if heavy else 0)")
-    repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
+    assert loaded_by_import("stages.data.validate", ("torch", "numpy", "tokenizers", "transformers", "pandas")) == []

@@ -8,10 +8,15 @@ One rule text serves both worlds, so the training rules call this instead of cho
   sets RANK/LOCAL_RANK/WORLD_SIZE and picks its own rendezvous port);
 - inside an allocation (SLURM_JOB_ID set: a batch job of the slurm profile, or `salloc`):
   `srun --overlap --kill-on-bad-exit=1 --ntasks N --nodes M --ntasks-per-node N/M python -m <module>`.
-  The slurm executor already runs the rule's shell command inside a job step (`srun -n1`) that holds
-  the job's CPUs and memory; a plain nested srun waits for them forever ("step creation temporarily
-  disabled"), `--overlap` lets the training step share them. `--kill-on-bad-exit` ends every rank
-  when one fails instead of leaving the others blocked in a collective until the time limit. The
+  Training jobs declare `mpi` (stages.cluster.resources), so the slurm executor runs the rule's
+  shell command in the batch step and this srun is the job's only step (a signal sent to the
+  job's steps, `scancel --signal=TERM`, reaches the ranks and not the executor's Snakemake). Run
+  inside a step instead (`srun -n1`, which holds the job's CPUs and memory), a plain nested srun
+  waits for them forever ("step creation temporarily disabled"): `--overlap` lets the training
+  step share them. The executor drops the job's SLURM_* variables but SLURM_JOB_ID from the
+  command's environment, so CPUs per task and the node list are asked from slurmctld.
+  `--kill-on-bad-exit` ends every rank when one fails instead of leaving the others blocked in a
+  collective until the time limit. The
   rendezvous host is the first node of the allocation, the port free there for this job
   (stages.cluster.rendezvous); each rank reads its rank from SLURM_PROCID
   (stages.training.distributed.init_distributed).
@@ -27,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
+import subprocess
 import sys
 import time
 
@@ -39,11 +46,23 @@ def inside_slurm(env: dict[str, str] | None = None) -> bool:
     return bool(env.get("SLURM_JOB_ID"))
 
 
+def job_cpus_per_task(env: dict[str, str]) -> str:
+    """CPUs per task of the job SLURM_JOB_ID as slurmctld holds it (`CPUs/Task=` of `scontrol show
+    job`); "" when it does not answer (srun then uses its default of one)."""
+    try:
+        out = subprocess.run(["scontrol", "show", "job", "-o", env["SLURM_JOB_ID"]], capture_output=True,
+                             text=True, timeout=30, check=True, env=env).stdout
+    except (KeyError, OSError, subprocess.SubprocessError):
+        return ""
+    match = re.search(r"\bCPUs/Task=(\d+)", out)
+    return match.group(1) if match else ""
+
+
 def srun_command(nproc: int, nodes: int, module: str, args: list[str], env: dict[str, str]) -> list[str]:
     """The srun line of a training step inside the current allocation."""
     if nproc % nodes:
         raise SystemExit(f"stages.launch: --nproc {nproc} is not a multiple of --nodes {nodes}")
-    cpus = env.get("SLURM_CPUS_PER_TASK")
+    cpus = env.get("SLURM_CPUS_PER_TASK") or job_cpus_per_task(env)
     return ["srun", "--overlap", "--kill-on-bad-exit=1", f"--ntasks={nproc}", f"--nodes={nodes}",
             f"--ntasks-per-node={nproc // nodes}", *([f"--cpus-per-task={cpus}"] if cpus else []),
             "--export=ALL", sys.executable, "-m", module, *args]

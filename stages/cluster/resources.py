@@ -91,6 +91,11 @@ def training_resources(exp: dict[str, Any], section: dict[str, Any], key: str, r
         "runtime": runtime_minutes(exp, rule),
         **site_settings(exp),
     }
+    if layout.tasks > 1:  # the executor refuses `mpi` for one task
+        # the executor runs the job's Snakemake in the batch step instead of a `srun -n1` step, so
+        # the training step (stages.launch's srun) is the job's only step: `scancel --signal=TERM`
+        # (steps only) reaches the ranks, which save, and not the Snakemake that waits for them
+        resources["mpi"] = "srun"
     if layout.gpus_per_node:
         resources.update(gres=f"gpu:{layout.gpus_per_node}", tasks_per_gpu=1)
     elif layout.nodes > 1:

@@ -207,8 +207,9 @@ def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: 
         start_step, losses, rows = state["global_step"], state["losses"], state["train_log"]
         evaluations, stops = state.get("evaluations", []), state.get("stops", [])
         if rank == 0:
-            log.info("%s: resumed at step %d of %d (checkpoint saved with %s)", stage, start_step,
-                     section["max_steps"], state["layout"])
+            on_stop = [s["reason"] for s in stops if s["step"] == start_step]
+            log.info("%s: resumed at step %d of %d (checkpoint saved with %s%s)", stage, start_step,
+                     section["max_steps"], state["layout"], f" when stopped by {on_stop[-1]}" if on_stop else "")
         resume.close()
 
     out_dir = Path(out_dir)
@@ -306,6 +307,10 @@ def stop(run: Run, done: int, reason: int) -> None:
         log.warning("%s: %s", run.stage, error)
         if checkpoint is not None:
             requeue_slurm_job()  # inside a SLURM job only
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()  # a rank that exits first would have srun (--kill-on-bad-exit) end rank 0's requeue
     raise error
 
 

@@ -208,6 +208,10 @@ def _scontrol(*args: str) -> str:
     return out.stdout
 
 
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
 def _release(job: str, time_limit: int | None = None) -> None:
     """A requeued job waits (BeginTime) about two minutes before it may start again; a user waits,
     the test lets it start now (with `time_limit` minutes, set first)."""
@@ -217,14 +221,16 @@ def _release(job: str, time_limit: int | None = None) -> None:
     _scontrol("update", f"JobId={job}", "StartTime=now")
 
 
-
 def test_a_time_limit_and_a_requeue_end_in_the_uninterrupted_weights(tmp_path, slurm_cluster):
     """Three pretraining jobs of one recipe: `limit` runs under a 1-minute time limit, too short
     for its 1200 steps (about 30 s are left for training, ~17 steps/s here): it saves a checkpoint
     before the limit (a 1-minute job keeps 6 s), requeues itself and resumes there (released with a
-    30-minute limit); `requeue` is requeued by hand (`scontrol requeue`: SIGTERM,
-    then SIGKILL) and resumes from its newest checkpoint; `straight` runs through. One Snakemake
-    run finishes all three without a manual rerun, with bit-identical weights."""
+    30-minute limit); `requeue` is first sent SIGTERM by `scancel --signal=TERM` (the job's steps:
+    the ranks, not the executor's Snakemake in the batch step), saves a checkpoint at the step the
+    ranks agree on, requeues itself and resumes there, then is requeued by hand (`scontrol requeue`:
+    SIGTERM to the whole job, then SIGKILL) and resumes from its newest checkpoint; `straight` runs
+    through. One Snakemake run finishes all three without a manual rerun, with bit-identical
+    weights."""
     recipe = _debug_experiment()
     recipe["pretrain"].update(max_steps=1200, save_steps=100)
     limit = {**recipe, "cluster": {"runtime_minutes": {"pretrain": 1}}}  # not in the checkpoint fingerprint
@@ -240,10 +246,17 @@ def test_a_time_limit_and_a_requeue_end_in_the_uninterrupted_weights(tmp_path, s
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         limit_job, requeue_job = _job_id(tmp_path, "pretrain", "limit"), _job_id(tmp_path, "pretrain", "requeue")
-        _wait_for(lambda: logged_steps(tmp_path, "requeue") >= 220, "requeue: 220 steps (two checkpoints)")
+        _wait_for(lambda: logged_steps(tmp_path, "requeue") >= 150, "requeue: 150 steps (one checkpoint)")
+        cancel = subprocess.run(["scancel", "--signal=TERM", requeue_job], capture_output=True, text=True, timeout=60)
+        assert cancel.returncode == 0, cancel.stderr
+        _release(requeue_job)  # requeued by its rank 0 after the save
+        _release(limit_job, time_limit=30)  # room to finish after the restart
+        resumed = tmp_path / "results" / "requeue" / "logs" / "pretrain.log"
+        _wait_for(lambda: "resumed at step" in _text(resumed), "requeue: resumed after SIGTERM")
+        assert "when stopped by SIGTERM" in _text(resumed), _text(resumed)[-3000:]
+        _wait_for(lambda: logged_steps(tmp_path, "requeue") >= 500, "requeue: 500 steps")
         _scontrol("requeue", requeue_job)
         _release(requeue_job)
-        _release(limit_job, time_limit=30)  # room to finish after the restart
         out, _ = proc.communicate(timeout=900)
     finally:
         if proc.poll() is None:
@@ -258,10 +271,12 @@ def test_a_time_limit_and_a_requeue_end_in_the_uninterrupted_weights(tmp_path, s
     assert [s["reason"] for s in limit["stops"]] == ["the SLURM job's time limit (deadline)"], limit["stops"]
     assert limit["resumed_from_step"] == limit["stops"][0]["step"] < 1200
     assert weights_sha256(results / "limit" / "pretrain") == straight
-    # SIGTERM reached the executor's own Snakemake and srun too, which end the step at once: the
-    # ranks rarely finish a save of their own, and the rerun starts from the newest checkpoint
+    # scancel --signal=TERM: a save at the signal's step, the first stop; `scontrol requeue` also
+    # signals the executor's Snakemake in the batch step, which may end the job before the ranks
+    # save: then the rerun starts from the newest periodic checkpoint
     requeued = json.loads((results / "requeue" / "pretrain" / "meta.json").read_text())["metrics"]
     print(f"requeue: resumed from step {requeued['resumed_from_step']}, stops {requeued['stops']}")
-    assert requeued["resumed_from_step"] >= 100
+    assert requeued["stops"][0]["reason"] == "SIGTERM" and 150 <= requeued["stops"][0]["step"] < 500, requeued
+    assert requeued["resumed_from_step"] > requeued["stops"][0]["step"]  # from the second run's checkpoints
     assert weights_sha256(results / "requeue" / "pretrain") == straight
     assert "resumed at step" in (results / "limit" / "logs" / "pretrain.log").read_text()

@@ -22,6 +22,10 @@ def test_gpu_ranks_fill_nodes_of_gpus_per_node():
     res = training_resources(exp, section, "experiments.x.pretrain", "pretrain", per_rank_host_bytes=0)
     assert (res["nodes"], res["tasks"], res["gres"], res["tasks_per_gpu"]) == (8, 64, "gpu:8", 1)
     assert res["runtime"] == 720  # cluster.runtime_minutes.pretrain's default
+    # the executor runs the job's Snakemake in the batch step: the ranks' srun is the only step
+    assert res["mpi"] == "srun"
+    one = training_resources(exp, dict(exp["pretrain"], world_size=1), "k", "pretrain", per_rank_host_bytes=0)
+    assert "mpi" not in one  # the executor refuses `mpi` with one task
 
 
 def test_fewer_ranks_than_a_node_holds_ask_for_part_of_one_node():

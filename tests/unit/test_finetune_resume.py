@@ -6,7 +6,12 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
+import signal
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +20,7 @@ from sft_fixtures import finetune_section, write_toy_data
 
 from stages import finetune
 from stages.checkpoint.store import StateReader, checkpoint_name, complete_checkpoints, problems
+from stages.errors import StopRequested
 
 
 @pytest.fixture(scope="module")
@@ -131,3 +137,51 @@ def test_a_bad_resume_path_is_a_clear_error(debug_model_dir, data_dir, tmp_path)
         run("lora", debug_model_dir, data_dir, tmp_path / "out", tmp_path / "checkpoints", max_steps=2,
             resume_from_checkpoint=str(tmp_path / "nowhere"))
     assert not (tmp_path / "out").exists()
+
+
+def _signal_after(rows: int, train_log: Path, signum: int) -> threading.Thread:
+    """A thread that sends `signum` to this process once `train_log` has `rows` steps logged."""
+    def wait_and_send():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if len(train_log.read_text().splitlines()) - 1 >= rows:
+                    os.kill(os.getpid(), signum)
+                    return
+            except FileNotFoundError:
+                pass
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=wait_and_send, daemon=True)
+    thread.start()
+    return thread
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    return {f"{f.name}:{k}": v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("method", ["sft", "lora", "prefix"])
+def test_a_signal_stops_finetuning_at_a_step_with_a_checkpoint_and_the_rerun_ends_bit_identical(
+        method, debug_model_dir, data_dir, tmp_path):
+    """The graceful stop of every fine-tuning method (pretraining's is tested through Snakemake and
+    SLURM): SIGUSR1 mid-run saves a checkpoint at the step it lands after and raises StopRequested;
+    the same call again resumes there and ends with the uninterrupted run's weights, bit for bit."""
+    settings = dict(max_steps=12, save_steps=0, logging_steps=1)
+    run(method, debug_model_dir, data_dir, tmp_path / "ref", tmp_path / "ref_checkpoints", **settings)
+    out, checkpoints = tmp_path / "out", tmp_path / "checkpoints"
+    sender = _signal_after(3, out.parent / f".{out.name}.log" / "train_log.csv", signal.SIGUSR1)
+    with pytest.raises(StopRequested) as stopped:
+        run(method, debug_model_dir, data_dir, out, checkpoints, **settings)
+    sender.join()
+    step = stopped.value.step
+    assert stopped.value.reason == "SIGUSR1" and 3 <= step < 12, stopped.value
+    assert not out.exists()  # nothing published before the run is done
+    (run_dir,) = checkpoints.iterdir()
+    assert complete_checkpoints(run_dir) == [run_dir / checkpoint_name(step)]  # the stop's checkpoint only
+
+    resumed = run(method, debug_model_dir, data_dir, out, checkpoints, **settings)
+    assert resumed["resumed_from_step"] == step and resumed["stops"] == [{"step": step, "reason": "SIGUSR1"}]
+    ref, got = _weights(tmp_path / "ref"), _weights(out)
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    assert losses(out) == losses(tmp_path / "ref")

@@ -136,3 +136,17 @@ def test_free_ports_are_free_now():
     port = rendezvous.free_port()
     with socket.socket() as sock:
         sock.bind(("", port))  # would raise EADDRINUSE if the probe lied
+
+
+def test_cpus_per_task_come_from_slurmctld_when_the_executor_dropped_the_jobs_variables(tmp_path, monkeypatch):
+    # the executor keeps SLURM_JOB_ID only in the batch step's command: srun asks scontrol for the job
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/sh\necho \"JobId=$4 JobName=x NumNodes=1 NumCPUs=6 NumTasks=2 CPUs/Task=3 "
+                        "ReqB:S:C:T=0:0:*:*\"\n")
+    scontrol.chmod(0o755)
+    monkeypatch.setattr(rendezvous, "allocation_hosts", lambda env=None, step=False: [socket.gethostname()])
+    env = {"SLURM_JOB_ID": "4242", "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    assert launch.job_cpus_per_task(env) == "3"
+    argv, _ = launch_command(2, 1, "stages.pretrain", [], env)
+    assert "--cpus-per-task=3" in argv
+    assert launch.job_cpus_per_task({"SLURM_JOB_ID": "1", "PATH": str(tmp_path / "none")}) == ""

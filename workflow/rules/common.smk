@@ -312,7 +312,8 @@ def cluster_resources(name):
     function of the wildcards per key, read from the experiment's plan."""
     def value_of(key):
         def value(wildcards):
-            return _job_resources(wildcards, name).get(key, "" if key.startswith("slurm") or key == "gres" else 0)
+            empty = "" if key.startswith("slurm") or key in ("gres", "mpi") else 0  # a string or a number key
+            return _job_resources(wildcards, name).get(key, empty)
         return value
 
     return {key: value_of(key) for key in _RESOURCE_KEYS}

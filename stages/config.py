@@ -219,6 +219,26 @@ def _check_quantize(name: str, exp: dict[str, Any]) -> None:
                               f"{exp['model']['flavour']!r}; choose a divisor of {widths} or -1 (per channel)")
 
 
+def _check_deploy(name: str, exp: dict[str, Any]) -> None:
+    """Each deploy.compressed_tensors entry is an A8W8 variant of quantize.variants without the
+    shift, which the compressed-tensors format cannot express."""
+    from stages.quant.variants import resolve_variant
+
+    quant, key = exp["quantize"], f"experiments.{name}.deploy.compressed_tensors"
+    for variant in exp["deploy"]["compressed_tensors"]:
+        if variant not in quant["variants"]:
+            raise ConfigError(f"{key}: {variant!r} is not one of experiments.{name}.quantize.variants "
+                              f"{quant['variants']}; add it there or remove it here")
+        spec = resolve_variant(variant, quant)
+        if spec.method != "a8w8":
+            raise ConfigError(f"{key}: {variant!r} is a {spec.method} variant; the compressed-tensors export takes "
+                              "A8W8 variants (a8w8, a8w8-static, a8w8-smooth, ...)")
+        if spec.settings.get("shift"):
+            raise ConfigError(f"{key}: {variant!r} has shift: true, which the compressed-tensors format cannot "
+                              "express (no per-channel input shift); deploy an A8W8 variant with shift: false, "
+                              "e.g. a8w8-smooth")
+
+
 def _check_parallel(name: str, exp: dict[str, Any], source: dict[str, Any] | None) -> None:
     """The layouts of pretraining and every fine-tuning method, checked before any process starts
     against the flavour or the starting checkpoint's config.json `source` (the training engine
@@ -468,6 +488,7 @@ def check_config(config: dict[str, Any], schema: dict[str, Any] | None = None) -
         if source is None:
             _check_architecture(name, exp)
         _check_quantize(name, exp)
+        _check_deploy(name, exp)
         _check_parallel(name, exp, source)
     return config
 

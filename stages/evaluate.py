@@ -8,9 +8,13 @@ What is loaded depends on what `--model` holds:
                                         adapter_config's `base_model_name_or_path`), then
                                         `peft.PeftModel.from_pretrained(base, dir)`
   * config.json with `quantization_config` -> `stages.quant.load_quantized(dir)` (float weights)
+  * `model.onnx` (stages.export)     -> onnxruntime, CPU provider
+                                        (`stages.deployment.onnx_model.OnnxCausalLM`): logits and
+                                        greedy generation with the graph's KV cache; its `int8/`
+                                        is a variant of its own
   * otherwise                        -> plain HF dir, `AutoModelForCausalLM` in fp32, local files
                                         only, safetensors only, never `trust_remote_code`
-Every directory passes `stages.checkpoint.weights` first: the sha256 its meta.json records, no
+Every torch directory passes `stages.checkpoint.weights` first: the sha256 its meta.json records, no
 pickle weights (`pytorch_model.bin`, `adapter_model.bin` are refused with the conversion), whole
 safetensors files; a failure names the file and stops the stage.
 The tokenizer always comes from `--model` (adapter dirs carry the tokenizer files too).
@@ -18,7 +22,7 @@ The tokenizer always comes from `--model` (adapter dirs carry the tokenizer file
 Metrics JSON (`eval/<variant>.json`, written atomically), one object:
   variant            str    the name given with --variant
   model_dir          str    the directory evaluated
-  kind               str    "hf", "adapter" or "quantized"
+  kind               str    "hf", "adapter", "quantized" or "onnx"
   sft_format         str    "chat_template" or "plain": how dev records were rendered (data/index.json)
   ppl                float  exp(token-weighted mean NLL) on validation windows (stages.metrics.perplexity)
   unigram_ppl        float  add-one unigram model of train.bin on the same target tokens (the floor to beat)
@@ -40,7 +44,8 @@ Metrics JSON (`eval/<variant>.json`, written atomically), one object:
   size_bytes         int    bytes of weight files in the dir (*.safetensors, *.onnx, *.onnx.data);
                             for an adapter, the adapter alone
   num_parameters     int    parameters of the model as evaluated (base + adapter for peft; packed
-                            low-bit tensors are buffers, not parameters)
+                            low-bit tensors are buffers, not parameters; ONNX: the graph's weight
+                            initializers, int8 ones included)
   model_bytes        int    bytes of the loaded model's parameters and buffers (packed weights
                             count as packed): its resident memory (stages.metrics.speed)
   rss_bytes          int    the process's resident set size after loading (VmRSS), null off Linux
@@ -166,12 +171,30 @@ def adapter_base_dir(adapter_dir: Path) -> Path:
                      "set one of them to the base model's directory")
 
 
-def load_variant(model_dir: str | Path) -> tuple[torch.nn.Module, Any, str]:
-    """(model in eval mode, tokenizer, kind) for whatever `model_dir` holds (see module docstring)."""
+BACKENDS = ("torch", "onnxruntime")
+
+
+def load_variant(model_dir: str | Path, backend: str | None = None) -> tuple[Any, Any, str]:
+    """(model in eval mode, tokenizer, kind) for whatever `model_dir` holds (see module docstring).
+    `backend` None decides from the directory (model.onnx: onnxruntime); "torch" or
+    "onnxruntime" insists on one and names the other when the directory needs it."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise InputError(f"--model {model_dir} is not a directory; pass a stage's output directory")
-    if (model_dir / "adapter_config.json").exists():
+    if backend not in (None, *BACKENDS):
+        raise InputError(f"backend={backend!r}; valid: {', '.join(BACKENDS)}")
+    from stages.deployment.onnx_model import OnnxCausalLM, is_onnx_dir
+
+    onnx = is_onnx_dir(model_dir)
+    if backend == "onnxruntime" and not onnx:
+        raise InputError(f"--backend onnxruntime needs an exported directory with model.onnx (stages.export); "
+                         f"{model_dir} has none")
+    if backend == "torch" and onnx:
+        raise InputError(f"{model_dir} holds an ONNX model (model.onnx); run it with --backend onnxruntime")
+    if onnx:
+        model, kind = OnnxCausalLM(model_dir), "onnx"
+        log.info("loaded ONNX model %s on onnxruntime", model_dir)
+    elif (model_dir / "adapter_config.json").exists():
         import peft
 
         from stages.adapters.peft_files import check_adapter_fits

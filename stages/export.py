@@ -1,14 +1,24 @@
-"""export: the float model to ONNX, checked against torch with onnxruntime.
+"""export: the float model to ONNX with a KV cache, checked against torch with onnxruntime.
 
 Which torch model is exported (`load_for_export`):
   * the project's own Llama (`stages.checkpoint.hf.load_pretrained`) when it implements the
-    directory's config.json (Llama, Qwen2, and whatever `stages.model` adds);
+    directory's config.json (Llama, Qwen2, Mistral), as the decoder with a KV cache of
+    `stages.deployment.onnx_decoder` (inputs input_ids, attention_mask, position_ids,
+    past_key_values.{i}.key/value; outputs logits, present.{i}.key/value: optimum's and
+    onnxruntime-genai's names; left padding through the mask). A config the cache graph cannot
+    compute (dynamic RoPE) is exported without a cache, with a warning;
   * otherwise transformers' own model (`AutoModelForCausalLM`, attn_implementation="eager", the one
     implementation every family has and torch.export traces), called as
-    `model(input_ids=..., use_cache=False).logits`: GPT-2, OPT, Bloom, GPT-NeoX, ...
+    `model(input_ids=..., use_cache=False).logits`: GPT-2, OPT, Bloom, GPT-NeoX, ... These keep the
+    cache-free graph `input_ids (batch, seq) int64 -> logits (batch, seq, vocab)` (no mask).
 Either way the weights pass `stages.checkpoint.weights` first (meta.json's sha256, no pickle, whole
-safetensors files). The graph is `input_ids (batch, seq) int64 -> logits (batch, seq, vocab) float32` with
-no KV cache and no attention mask (all tokens attend causally), dynamic batch and sequence axes.
+safetensors files).
+
+Output directory: model.onnx (+ model.onnx.data past 2 GB), the tokenizer files, meta.json and,
+for the cache graph, genai_config.json (`stages.deployment.onnx_files`): onnxruntime-genai opens
+the directory as written; `python -m stages.predict --backend onnxruntime` and stages.evaluate run
+it too. With the `int8` setting (`--int8`), `int8/` holds the same with int8 MatMul weights
+(`stages.deployment.onnx_int8`).
 
 Exporter: `torch.onnx.export(..., dynamo=True)` (torch.export + onnxscript) works with torch 2.13
 and is used first. It builds opset 18 and converts down; when that conversion fails (opset 14 with
@@ -28,15 +38,23 @@ debug model's logits are below 1):
                                                           >= min_top1_agreement
 The first bounds the numerical drift against the logits' own scale; the second checks what the
 logits mean. At 0.99 one flip among the 132 positions (a near-tie that fp32 reordering decides the
-other way) is tolerated, two are not.
+other way) is tolerated, two are not. A cache graph is also checked generating: 3 left-padded
+prompts of 7, 5 and 3 probe tokens, 16 greedy tokens each with the cache, against torch
+recomputing each prompt alone without one (`stages.deployment.onnx_checks`; a divergence passes
+only at a near-tie within rtol of the logit scale).
 
-Metrics (meta.json `metrics`): torch_model ("project" | "transformers"), exporter ("dynamo" |
-"torchscript"), opset_version, max_abs_diff, logit_scale (max |torch logits|), rel_err, rtol,
-top1_agreement, min_top1_agreement, probe_shapes, onnx_size_bytes (model.onnx plus external data),
-external_data (bool), ort_latency_ms (mean wall time of one onnxruntime forward on the longer probe).
+Metrics (meta.json `metrics`): torch_model ("project" | "transformers"), kv_cache (bool),
+genai_config (bool: written), exporter ("dynamo" | "torchscript"), opset_version, max_abs_diff,
+logit_scale (max |torch logits|), rel_err, rtol, top1_agreement, min_top1_agreement,
+probe_shapes, generation_rows, generation_new_tokens, generation_tokens_compared,
+generation_near_ties (null without a cache), onnx_size_bytes (model.onnx plus external data),
+external_data (bool), ort_latency_ms (mean wall time of one onnxruntime forward on the longer
+probe); with int8: int8_top1_agreement, int8_ppl_float, int8_ppl_int8, int8_ppl_ratio,
+int8_greedy_agreement, int8_greedy_tokens (on the float graph's greedy continuations of the
+generation prompts, see onnx_int8), int8_block_size, int8_onnx_size_bytes.
 
     python -m stages.export --model results/llama/lora-merged --out results/llama/export \
-        --config '{"opset_version": 18, "rtol": 1e-3, "min_top1_agreement": 0.99}'
+        --config '{"opset_version": 18, "rtol": 1e-3, "min_top1_agreement": 0.99}' [--no-int8]
 """
 
 from __future__ import annotations
@@ -44,6 +62,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -57,19 +76,27 @@ from stages import settings
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import copy_tokenizer, load_config, load_pretrained
 from stages.checkpoint.meta import write_meta
+from stages.checkpoint.tokenizer_files import TOKENIZER_FILES
 from stages.checkpoint.weights import check_model_dir
+from stages.data.tokenizer import load_model_tokenizer
+from stages.deployment.onnx_checks import GenerationAgreement, generation_agreement, left_pad
+from stages.deployment.onnx_decoder import CachedDecoder, export_decoder
+from stages.deployment.onnx_files import GENAI_CONFIG, INT8_DIR, ONNX_NAME, onnx_files, onnx_opset, write_genai_config
+from stages.deployment.onnx_generate import OnnxDecoder, greedy_generate
+from stages.deployment.onnx_int8 import int8_quality, quantize_int8
 from stages.errors import InputError, run_cli
 from stages.sections import ExportSettings
+from stages.model.config import LlamaConfig
 from stages.stage_logs import Progress, configure_logging, log_io
 
 log = logging.getLogger(__name__)
 
-ONNX_NAME = "model.onnx"
 _PROTOBUF_LIMIT = 2 * 1024**3  # bytes a single .onnx protobuf may hold
 _EXAMPLE_SHAPE = (2, 16)  # (batch, seq) traced; sizes 0/1 would be specialised by torch.export
 _PROBE_BATCH = 3
 _PROBE_SEQ_LENGTHS = (7, 37)
 _LATENCY_REPEATS = 5
+_GENERATION_TOKENS = 16  # greedy tokens per prompt in the generation check and the int8 comparison
 
 
 class _ProjectLogits(torch.nn.Module):
@@ -96,23 +123,38 @@ class _TransformersLogits(torch.nn.Module):
 
 @dataclass
 class ExportModel:
-    """What is exported: `module(input_ids) -> logits`, in eval mode, and what the probes need."""
+    """What is exported (`module`, in eval mode) and what the checks compare it with: `logits`,
+    forward(input_ids) -> logits of the torch model itself."""
 
-    module: torch.nn.Module
+    module: torch.nn.Module  # a CachedDecoder, or forward(input_ids) -> logits (no cache)
+    logits: torch.nn.Module
     torch_model: str  # "project" or "transformers"
     vocab_size: int
     max_positions: int | None  # None: no position limit (e.g. Bloom's ALiBi)
+    config: LlamaConfig | None = None  # the project's config (genai_config.json needs it)
+
+    @property
+    def cached(self) -> bool:
+        return isinstance(self.module, CachedDecoder)
 
 
 def load_for_export(model_dir: Path) -> ExportModel:
-    """The project's Llama when it implements config.json, else transformers' model (see docstring)."""
+    """The project's Llama when it implements config.json (as a CachedDecoder when
+    `check_exportable` allows, else cache-free), else transformers' model (see docstring)."""
     try:
         config = load_config(model_dir)
     except ValueError as e:  # a family (or a setting) our model does not implement
-        log.info("%s: exporting transformers' model (the project's Llama does not load it: %s)", model_dir, e)
+        log.info("%s: exporting transformers' model without a KV cache (the project's Llama does not load it: "
+                 "%s)", model_dir, e)
     else:
-        return ExportModel(_ProjectLogits(load_pretrained(model_dir)).eval(), "project",
-                           config.vocab_size, config.max_position_embeddings)
+        model = load_pretrained(model_dir).eval()
+        logits = _ProjectLogits(model).eval()
+        try:
+            module: torch.nn.Module = CachedDecoder(model).eval()
+        except ValueError as e:
+            log.warning("%s: exporting without a KV cache: %s", model_dir, e)
+            module = logits
+        return ExportModel(module, logits, "project", config.vocab_size, config.max_position_embeddings, config)
     import transformers
 
     check_model_dir(model_dir)  # load_pretrained above runs the same checks itself
@@ -120,7 +162,8 @@ def load_for_export(model_dir: Path) -> ExportModel:
         model_dir, dtype=torch.float32, attn_implementation="eager", local_files_only=True,
         trust_remote_code=False, use_safetensors=True)
     config = model.config.get_text_config()
-    return ExportModel(_TransformersLogits(model).eval(), "transformers", config.vocab_size,
+    logits = _TransformersLogits(model).eval()
+    return ExportModel(logits, logits, "transformers", config.vocab_size,
                        getattr(config, "max_position_embeddings", None))
 
 
@@ -133,8 +176,11 @@ def probe_batches(vocab_size: int, max_len: int | None, seed: int = 0) -> list[t
 
 def export_onnx(model: torch.nn.Module, path: Path, opset_version: int, vocab_size: int,
                 external_data: bool) -> str:
-    """Write `path` from `model` (forward(input_ids) -> logits); returns the exporter that
-    succeeded ("dynamo" or "torchscript")."""
+    """Write `path` from `model`: a CachedDecoder as the cache graph (onnx_decoder.export_decoder),
+    any other module (forward(input_ids) -> logits) as the cache-free graph; returns the exporter
+    that succeeded ("dynamo" or "torchscript")."""
+    if isinstance(model, CachedDecoder):
+        return export_decoder(model, path, opset_version, external_data)
     example = (torch.randint(0, vocab_size, _EXAMPLE_SHAPE, generator=torch.Generator().manual_seed(1)),)
     names = dict(input_names=["input_ids"], output_names=["logits"], opset_version=opset_version)
     try:
@@ -144,8 +190,6 @@ def export_onnx(model: torch.nn.Module, path: Path, opset_version: int, vocab_si
         got = onnx_opset(path)
         if got == opset_version:
             return "dynamo"
-        # The dynamo exporter builds opset 18 and converts down; when the conversion fails it
-        # only logs and keeps opset 18, so check the file rather than trust the argument.
         log.warning("dynamo exporter wrote opset %d instead of %d; trying the TorchScript exporter",
                     got, opset_version)
     except Exception as e:  # noqa: BLE001 - any exporter failure falls back to the other route
@@ -156,14 +200,6 @@ def export_onnx(model: torch.nn.Module, path: Path, opset_version: int, vocab_si
     axes = {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
     torch.onnx.export(model, example, str(path), dynamo=False, dynamic_axes=axes, **names)
     return "torchscript"
-
-
-def onnx_opset(path: Path) -> int:
-    """The default-domain opset a written ONNX file declares."""
-    import onnx
-
-    proto = onnx.load(str(path), load_external_data=False)
-    return next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
 
 
 @dataclass
@@ -207,44 +243,105 @@ def check_agreement(agreement: LogitAgreement, rtol: float, min_top1_agreement: 
                            "are stricter than this model's float arithmetic allows")
 
 
-def check_onnx(model: torch.nn.Module, path: Path, probes: list[torch.Tensor]) -> tuple[LogitAgreement, float]:
-    """(agreement of onnxruntime with `model` over all probes, mean ms per ort forward on the last)."""
-    import onnxruntime as ort  # imported here: only this stage needs it
-
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+def check_onnx(target: ExportModel, path: Path, probes: list[torch.Tensor]) -> tuple[LogitAgreement, float]:
+    """(agreement of onnxruntime with the torch model over all probes, mean ms per ort forward on
+    the last); a cache graph runs with an empty past and an all-ones mask."""
+    decoder = OnnxDecoder(path)
     got, want = [], []
     for ids in probes:
-        got.append(session.run(["logits"], {"input_ids": ids.numpy()})[0])
+        got.append(decoder.logits(ids.numpy()))
         with torch.no_grad():
-            want.append(model(ids).float().numpy())
+            want.append(target.logits(ids).float().numpy())
     agreement = compare_logits(got, want)
-    feed = {"input_ids": probes[-1].numpy()}
-    session.run(["logits"], feed)  # warm-up: first run allocates
+    decoder.logits(probes[-1].numpy())  # warm-up: first run allocates
     start = time.perf_counter()
     for _ in range(_LATENCY_REPEATS):
-        session.run(["logits"], feed)
+        decoder.logits(probes[-1].numpy())
     return agreement, (time.perf_counter() - start) * 1000 / _LATENCY_REPEATS
 
 
+def generation_prompts(probe: torch.Tensor) -> list[list[int]]:
+    """Prompts of different lengths from a (B, T) probe: row r keeps its last T - 2r tokens, so the
+    batch is left-padded (and one row is not)."""
+    T = probe.shape[1]
+    return [probe[r, min(2 * r, T - 1):].tolist() for r in range(len(probe))]
+
+
+def check_generation(target: ExportModel, path: Path, probe: torch.Tensor, rtol: float) -> GenerationAgreement:
+    """onnxruntime's cached, left-padded greedy generation against torch's (onnx_checks); raises
+    ValueError with the rows that diverged other than at a near-tie."""
+    result = generation_agreement(target.logits, OnnxDecoder(path), generation_prompts(probe), _GENERATION_TOKENS,
+                                  rtol)
+    if result.mismatches:
+        raise ValueError(f"onnxruntime's greedy generation with the KV cache differs from torch's without one: "
+                         f"{'; '.join(result.mismatches)} (a gap beyond export.rtol={rtol:g} of the logit scale, "
+                         "so not a near-tie). The cache, mask or position ids of the graph are wrong")
+    return result
+
+
+def _token_ids(model_dir: Path) -> dict[str, int | None]:
+    """eos/pad/bos of the tokenizer `model_dir` ships (the ones stages.predict uses); empty (the
+    config's ids decide) when it ships none that loads."""
+    try:
+        tok = load_model_tokenizer(model_dir)
+    except Exception as e:  # noqa: BLE001 - a missing or partial tokenizer leaves config.json's ids
+        log.info("%s: no tokenizer to read token ids from (%s); genai_config.json takes config.json's", model_dir, e)
+        return {}
+    return {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id}
+
+
+def _write_genai(out_dir: Path, config: LlamaConfig, model_dir: Path) -> bool:
+    """genai_config.json with the tokenizer's token ids; False (and a warning) when no eos is known."""
+    try:
+        write_genai_config(out_dir, config, **_token_ids(model_dir))
+    except ValueError as e:
+        log.warning("%s: no %s written (%s)", model_dir, GENAI_CONFIG, e)
+        return False
+    return True
+
+
+def write_int8(target: ExportModel, out_dir: Path, probe: torch.Tensor, block_size: int,
+               external: bool) -> dict[str, Any]:
+    """`out_dir/int8/` (model.onnx, genai_config.json, tokenizer): the INT8 graph of
+    `out_dir/model.onnx`, and its quality against the float graph as metrics."""
+    int8_dir = out_dir / INT8_DIR
+    int8_dir.mkdir()
+    quantize_int8(out_dir / ONNX_NAME, int8_dir / ONNX_NAME, block_size, external)
+    for name in (GENAI_CONFIG, *TOKENIZER_FILES):
+        if (out_dir / name).is_file():
+            shutil.copy2(out_dir / name, int8_dir / name)
+    float_decoder, int8_decoder = OnnxDecoder(out_dir / ONNX_NAME), OnnxDecoder(int8_dir / ONNX_NAME)
+    ids, mask = left_pad(generation_prompts(probe), 0)
+    # scored on the float graph's own continuations: text the model finds likely, unlike random ids
+    sequences = greedy_generate(float_decoder, ids, mask, _GENERATION_TOKENS, None, 0)
+    full_mask = np.concatenate([mask, np.ones((len(mask), _GENERATION_TOKENS), np.int64)], axis=1)
+    quality = int8_quality(float_decoder, int8_decoder, sequences, full_mask, ids, mask, _GENERATION_TOKENS, 0)
+    return {"int8_" + k: v for k, v in asdict(quality).items()} | {
+        "int8_block_size": block_size,
+        "int8_onnx_size_bytes": sum(f.stat().st_size for f in onnx_files(int8_dir)),
+    }
+
+
 def run(model_dir: str | Path, out_dir: str | Path, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Export `model_dir` to `out_dir/model.onnx`, verify it with onnxruntime, return the metrics.
-    `config` is the `export` section (opset_version, rtol, min_top1_agreement); what it lacks takes
-    the schema's default (rtol 1e-3: fp32 graphs are observed at 1e-7 (debug models) to ~1e-4
-    (135M) of the logit scale).
+    """Export `model_dir` to `out_dir/model.onnx` (+ genai_config.json, tokenizer, meta.json, and
+    `int8/` with the `int8` setting), verify it with onnxruntime, return the metrics.
+    `config` is the `export` section (opset_version, rtol, min_top1_agreement, int8,
+    int8_block_size); what it lacks takes the default (rtol 1e-3: fp32 graphs are
+    observed at 1e-7 (debug models) to ~1e-4 (135M) of the logit scale).
 
     Raises ValueError (and leaves out_dir untouched) if onnxruntime's logits are off by more than
-    `rtol` of the logit scale or agree on the top-1 token at fewer than `min_top1_agreement` of
-    the probe positions.
+    `rtol` of the logit scale, agree on the top-1 token at fewer than `min_top1_agreement` of
+    the probe positions, or (cache graph) generate other tokens than torch beyond a near-tie.
     """
     config = ExportSettings.of(config)
     opset_version, rtol, min_top1_agreement = config.opset_version, config.rtol, config.min_top1_agreement
     model_dir, out_dir = Path(model_dir), Path(out_dir)
-    log_io("export", reads={"float model": model_dir}, writes={f"{ONNX_NAME}, tokenizer, meta.json": out_dir},
-           logger=log)
+    log_io("export", reads={"float model": model_dir},
+           writes={f"{ONNX_NAME}, {GENAI_CONFIG}, tokenizer, meta.json": out_dir}, logger=log)
     if (model_dir / "config.json").exists() and "quantization_config" in json.loads(
             (model_dir / "config.json").read_text()):
         raise InputError(f"{model_dir} is a quantized checkpoint; export takes the float source model")
-    steps = Progress(log, "export steps", 3, lines=3, min_interval_s=0, eta=False)
+    steps = Progress(log, "export steps", 4, lines=4, min_interval_s=0, eta=False)
     target = load_for_export(model_dir)
     n_bytes = sum(p.numel() * p.element_size() for p in target.module.parameters())
     external = n_bytes > _PROTOBUF_LIMIT
@@ -255,26 +352,41 @@ def run(model_dir: str | Path, out_dir: str | Path, config: Mapping[str, Any] | 
         exporter = export_onnx(target.module, onnx_path, opset_version, target.vocab_size, external)
         steps.advance(detail=f"exported {ONNX_NAME} with the {exporter} exporter; next: the onnxruntime check")
         probes = probe_batches(target.vocab_size, target.max_positions)
-        agreement, latency = check_onnx(target.module, onnx_path, probes)
+        agreement, latency = check_onnx(target, onnx_path, probes)
         check_agreement(agreement, rtol, min_top1_agreement)
-        steps.advance(detail="onnxruntime agrees with torch on the probes; next: the tokenizer and meta.json")
+        generation = check_generation(target, onnx_path, probes[0], rtol) if target.cached else None
+        steps.advance(detail="onnxruntime agrees with torch on the probes; next: genai_config, tokenizer, int8")
         copy_tokenizer(model_dir, tmp)
+        genai = target.cached and _write_genai(tmp, target.config, model_dir)
         metrics = {
             "torch_model": target.torch_model,
+            "kv_cache": target.cached,
+            "genai_config": genai,
             "exporter": exporter,
             "opset_version": onnx_opset(onnx_path),
             **{k: v for k, v in asdict(agreement).items() if k != "positions"},
             "rtol": rtol,
             "min_top1_agreement": min_top1_agreement,
             "probe_shapes": [list(p.shape) for p in probes],
-            "onnx_size_bytes": sum(f.stat().st_size for f in tmp.glob(f"{ONNX_NAME}*")),
-            "external_data": any(f.name != ONNX_NAME for f in tmp.glob(f"{ONNX_NAME}*")),
+            "generation_rows": generation.rows if generation else None,
+            "generation_new_tokens": generation.new_tokens if generation else None,
+            "generation_tokens_compared": generation.tokens_compared if generation else None,
+            "generation_near_ties": generation.near_ties if generation else None,
+            "onnx_size_bytes": sum(f.stat().st_size for f in onnx_files(tmp)),
+            "external_data": any(f.name != ONNX_NAME for f in onnx_files(tmp)),
             "ort_latency_ms": latency,
         }
-        write_meta(tmp, stage="export", config=config, parent=model_dir, seed=None, metrics=metrics)
-    log.info("exported %s (%s model) with %s exporter: rel. error %.2e, top-1 agreement %.4f, %.1f ms per "
-             "forward", model_dir, target.torch_model, exporter, agreement.rel_err, agreement.top1_agreement,
-             latency)
+        if config.int8 and target.cached:
+            metrics |= write_int8(target, tmp, probes[0], config.int8_block_size, external)
+        elif config.int8:  # the int8 graph is made of the cache graph
+            log.warning("export.int8: no int8/ for %s: its graph has no KV cache (only the project's Llama "
+                        "family exports one)", model_dir)
+        steps.advance(detail="wrote the directory; next: meta.json")
+        write_meta(tmp, stage="export", config=config, parent=model_dir, seed=None,
+                   metrics=metrics)
+    log.info("exported %s (%s model, KV cache: %s) with %s exporter: rel. error %.2e, top-1 agreement %.4f, "
+             "%.1f ms per forward", model_dir, target.torch_model, target.cached, exporter, agreement.rel_err,
+             agreement.top1_agreement, latency)
     return metrics
 
 

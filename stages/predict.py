@@ -4,11 +4,15 @@ PaddleNLP's llm/predictor.py, on transformers' `generate` with the KV cache.
 
 `python -m stages.predict --model DIR --input FILE.jsonl --out FILE.jsonl [--batch-size 8]
  [--src-length 64] [--max-length 128] [--max-new-tokens N] [--decode-strategy greedy_search|sampling]
- [--top-k 0] [--top-p 1.0] [--temperature 1.0] [--seed 42] [--chat-template auto|true|false]`
+ [--top-k 0] [--top-p 1.0] [--temperature 1.0] [--seed 42] [--chat-template auto|true|false]
+ [--backend torch|onnxruntime]`
 
 `--model` is anything `stages.evaluate.load_variant` loads: a full HF dir (pretrain, sft,
 lora-merged, base), a peft adapter dir (LoRA or prefix tuning; the base found by
-`stages.evaluate.adapter_base_dir`) or a quantized dir (quant/<variant>, on its low-bit kernels).
+`stages.evaluate.adapter_base_dir`) or a quantized dir (quant/<variant>, on its low-bit kernels);
+with `--backend onnxruntime`, an export directory (model.onnx with its KV cache, or its int8/),
+run by `stages.deployment.onnx_model.OnnxCausalLM` with the same batching, padding, budgets and
+eos handling (greedy only).
 Local files only, safetensors only, never `trust_remote_code`.
 
 Input: JSON lines `{"src": str or [str], "tgt": str or [str]}` (`stages.data.sft`); `tgt` is
@@ -41,7 +45,7 @@ Output (written atomically): one JSON line per input record, in input order:
   batch           int    index of the batch the record was generated in
   batch_seconds   float  wall seconds of that batch's generate call
 and beside it `<out without .jsonl>.summary.json`:
-  model_dir, kind ("hf", "adapter", "quantized"), input, output, sft_format ("chat_template" or
+  model_dir, kind ("hf", "adapter", "quantized", "onnx"), input, output, sft_format ("chat_template" or
   "plain"), num_records, num_batches, prompt_tokens, generated_tokens, generate_seconds (sum over
   batches), tokens_per_s (generated_tokens / generate_seconds), load_seconds, total_seconds,
   torch_threads, settings (every option above).
@@ -66,7 +70,7 @@ from stages.data.files import json_lines
 from stages.data.sft import SftRecord, encode_prompt, parse_record, uses_chat_template
 from stages.data.tokenizer import check_same_tokenizer
 from stages.errors import InputError, run_cli
-from stages.evaluate import load_variant  # one loader for every kind of model dir
+from stages.evaluate import BACKENDS, load_variant  # one loader for every kind of model dir
 from stages.settings import complete as complete_section
 from stages.settings import defaults as section_defaults
 from stages.stage_logs import Progress, configure_logging, log_io
@@ -100,6 +104,9 @@ class PredictSettings:
     # auto | true | false; not a config key: the rule's input lies in the data dir, so `auto`
     # follows its index.json (sft_format), as evaluate does
     chat_template: str = "auto"
+    # torch | onnxruntime; not a config key either: which runtime runs --model (onnxruntime: an
+    # export directory with model.onnx, greedy only)
+    backend: str = "torch"
 
     def __post_init__(self):
         for key in ("batch_size", "src_length", "max_length"):
@@ -120,9 +127,13 @@ class PredictSettings:
             raise InputError(f"predict.temperature={self.temperature!r} must be positive")
         if self.chat_template not in CHAT_TEMPLATE_CHOICES:
             raise InputError(f"predict.chat_template={self.chat_template!r}; valid: {', '.join(CHAT_TEMPLATE_CHOICES)}")
+        if self.backend not in BACKENDS:
+            raise InputError(f"--backend {self.backend!r}; valid: {', '.join(BACKENDS)}")
+        if self.backend == "onnxruntime" and self.decode_strategy != "greedy_search":
+            raise InputError(f"--backend onnxruntime generates with greedy_search only, not {self.decode_strategy}")
 
 
-DEFAULTS: dict[str, Any] = asdict(PredictSettings())  # the command line's: the section's and chat_template
+DEFAULTS: dict[str, Any] = asdict(PredictSettings())  # the command line's: the section's, chat_template, backend
 
 
 def settings_flags(section: dict[str, Any]) -> str:
@@ -285,7 +296,7 @@ def run(model_dir: str | Path, input_path: str | Path, out_path: str | Path,
     log_io("predict", reads={"model": model_dir, "records": input_path},
            writes={"predictions": out_path, "summary": summary_path(out_path)}, logger=log)
     rows = read_records(input_path)  # bad input fails before the model loads
-    model, tokenizer, kind = load_variant(model_dir)
+    model, tokenizer, kind = load_variant(model_dir, settings.backend)
     load_seconds = time.perf_counter() - t_start
     chat = chat_format(settings.chat_template, tokenizer, model_dir, input_path)
     eos = tokenizer.eos_token_id
@@ -347,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=DEFAULTS["temperature"],
                         help="sampling: logits temperature (default %(default)s)")
     parser.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="sampling seed (default %(default)s)")
+    parser.add_argument("--backend", choices=BACKENDS, default=DEFAULTS["backend"],
+                        help="runtime: torch (default) or onnxruntime (an export directory with model.onnx "
+                             "and its KV cache; greedy_search only)")
     parser.add_argument("--chat-template", choices=CHAT_TEMPLATE_CHOICES, default=DEFAULTS["chat_template"],
                         help="prompt format: auto = the data dir's index.json sft_format when the input is "
                              "<data>/sft/*.json, else the tokenizer's chat template when it has one")

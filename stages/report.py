@@ -297,11 +297,13 @@ def _markdown_report(experiment: str, quant: dict[str, Any], report_tables: Sequ
 # -- the stage -----------------------------------------------------------------------------------
 def run(experiment_dir: str | Path, source_variant: str, out_csv: str | Path, out_md: str | Path,
         out_quant_eval: str | Path, variants: list[str], start_variant: str | None = None,
-        quantize_config: dict[str, Any] | None = None, figures_dir: str | Path | None = None) -> dict[str, Any]:
+        quantize_config: dict[str, Any] | None = None, figures_dir: str | Path | None = None,
+        deploy_manifest: str | Path | None = None) -> dict[str, Any]:
     """Write report.csv, report.md and quant_eval.json; return the quant_eval object. Every
     variant is compared with `start_variant` (the model fine-tuning started from: `base` or
     `pretrain`), or with the source without one. With `figures_dir`, also the plots
-    (stages.reporting.plots) and each narrow table as CSV there, linked from report.md."""
+    (stages.reporting.plots) and each narrow table as CSV there, linked from report.md. With
+    `deploy_manifest` (stages.deploy.manifest), a table of the deployable artifacts and their checks."""
     experiment_dir = Path(experiment_dir)
     log_io("report", reads={"evaluations": experiment_dir / "eval", "benchmarks": experiment_dir / "benchmarks",
                             "training logs": experiment_dir / "*" / "train_log.csv"},
@@ -319,6 +321,8 @@ def run(experiment_dir: str | Path, source_variant: str, out_csv: str | Path, ou
     quant["summary"] = finetune_summary(evals, start_variant)
     report_tables = [tables.quality_table(evals, order, reference), tables.size_table(evals, order, reference),
                      tables.speed_table(evals, order, reference), tables.stage_table(timings)]
+    if deploy_manifest is not None:
+        report_tables.append(tables.deploy_table(json.loads(Path(deploy_manifest).read_text())))
 
     figures: list[str] = []
     if figures_dir is not None:
@@ -364,6 +368,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--figures-dir", default=None,
                         help="directory for the plots (training.png, quantization.png, stages.png) and the "
                              "report's tables as CSV (quality, size, speed, stages)")
+    parser.add_argument("--deploy-manifest", default=None,
+                        help="deploy/manifest.json (python -m stages.deploy manifest): adds the Deployment table")
     parser.add_argument("--quantize-config", default=None,
                         help="the experiment's quantize section as JSON, recorded in quant_eval.json's provenance")
     args = parser.parse_args(argv)
@@ -373,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise InputError(f"--quantize-config is not valid JSON ({e.msg}); pass the quantize section as one object") from None
     return run(args.experiment, args.source, args.csv, args.md, args.quant_eval, args.variants, args.start,
-               quantize_config, args.figures_dir)
+               quantize_config, args.figures_dir, args.deploy_manifest)
 
 
 if __name__ == "__main__":

@@ -198,6 +198,16 @@ class ExportSettings(Section):
     opset_version: int
     rtol: float
     min_top1_agreement: float
+    int8: bool
+    int8_block_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DeploySettings(Section):
+    SECTION: ClassVar[str] = "deploy"
+    gguf: list[str]
+    compressed_tensors: list[str]
+    min_top1_agreement: dict[str, float]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,5 +240,5 @@ class ClusterSettings(Section):
 # section name (stages.settings.SECTIONS) -> its class; `predict` is stages.predict.PredictSettings
 BY_NAME: dict[str, type[Section]] = {cls.SECTION: cls for cls in (
     ModelSettings, DataSettings, PretrainSettings, SftSettings, LoraSettings, PrefixSettings,
-    QuantizeSettings, ExportSettings, EvaluateSettings, ClusterSettings)}
+    QuantizeSettings, ExportSettings, DeploySettings, EvaluateSettings, ClusterSettings)}
 FINETUNE: dict[str, type[SftSettings]] = {"sft": SftSettings, "lora": LoraSettings, "prefix": PrefixSettings}

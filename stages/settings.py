@@ -26,7 +26,8 @@ from stages.errors import ConfigError
 SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("model",), "data": ("data",), "pretrain": ("pretrain",), "sft": ("finetune", "sft"),
     "lora": ("finetune", "lora"), "prefix": ("finetune", "prefix"), "predict": ("predict",),
-    "quantize": ("quantize",), "export": ("export",), "evaluate": ("evaluate",), "cluster": ("cluster",),
+    "quantize": ("quantize",), "export": ("export",), "deploy": ("deploy",), "evaluate": ("evaluate",),
+    "cluster": ("cluster",),
 }
 
 

@@ -10,6 +10,7 @@ ROUGE): the table says what fine-tuning and quantization changed, without a calc
 from __future__ import annotations
 
 import math
+from pathlib import Path
 import re
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -177,7 +178,7 @@ def speed_table(evals: dict[str, dict[str, Any]], order: Sequence[str], start: s
 
 
 CHAIN = ("prepare", "plan", "import_base", "pretrain", "merge_tp", "finetune", "merge", "quantize", "export",
-         "evaluate", "report")  # the stage table's row order: a rule's place in the chain, then its name
+         "deploy", "evaluate", "report")  # the stage table's row order: a rule's place in the chain, then its name
 
 
 def chain_position(rule: str) -> tuple[int, str]:
@@ -199,6 +200,27 @@ def stage_table(timings: pd.DataFrame) -> Table:
                  "in chain order (rules run side by side, so the wall times do not add up to the run's; "
                  "stages.png shows them by size).",
                  _frame(display, "stage"), _frame(numbers, "stage"))
+
+
+def deploy_table(manifest: dict[str, Any]) -> Table:
+    """The deployable artifacts of deploy/manifest.json (stages.deploy.manifest) with their checks."""
+    numbers, display = {}, {}
+    for name, a in manifest["artifacts"].items():
+        check = a.get("check") or {}
+        top1, rel, ppl = check.get("top1_agreement"), check.get("rel_err"), check.get("ppl_ratio")
+        numbers[name] = {"size_mb": _div(a.get("size_bytes"), MB), "top1_agreement": top1, "rel_err": rel,
+                         "ppl_ratio": ppl}
+        display[name] = {"format": a["format"], "file": Path(a["path"]).name, "MB": fmt_mb(a.get("size_bytes")),
+                         "checked with": check.get("runtime", ""),
+                         "against": check.get("against", "the float source"),
+                         "top-1 agreement": fmt_percent(top1),
+                         "rel. logit error": f"{rel:.1e}" if is_number(rel) else "",
+                         "ppl ratio": f"×{ppl:.3f}" if is_number(ppl) else ""}
+    return Table("deploy", "Deployment",
+                 "Artifacts for runtimes outside the pipeline (results/<name>/export and deploy/), each checked "
+                 "with the runtime named before it was published: top-1 agreement over validation positions "
+                 "and the largest logit difference relative to the logits' scale (deploy/manifest.json).",
+                 _frame(display, "artifact"), _frame(numbers, "artifact"))
 
 
 def _ratio(value: Any, reference: Any) -> float | None:

@@ -30,7 +30,8 @@ def test_checkpoint_experiment_skips_pretraining_and_reports_against_base(tmp_pa
     }}}))
     target = "results/ck/quant_eval.json"
     plan = planned_jobs(snakemake(tmp_path, "--configfile", str(extra), "-n", target).stdout)
-    assert "pretrain" not in plan and plan["import_base"] == 1 and plan["evaluate"] == 6, plan
+    # evaluate: base, sft, lora, prefix, lora-merged, wint8, and onnx-int8 (a Llama exports with a KV cache)
+    assert "pretrain" not in plan and plan["import_base"] == 1 and plan["evaluate"] == 7, plan
 
     snakemake(tmp_path, "--configfile", str(extra), "--cores", "2", target)
     results = tmp_path / "results" / "ck"

@@ -69,6 +69,14 @@ def test_smollm2_goes_through_the_chain_intact(tmp_path, smollm2_dir):
     assert merge["rel_err"] <= merge["rtol"] and export["top1_agreement"] >= 0.99
     report = (results / "report.md").read_text()
     assert "Every variant against the starting model `base`" in report
+    # Deployable: transformers reads our q8_0 GGUF with the source's tokens (pre-tokenizer `smollm`:
+    # numerals split one by one) and top-1 on validation text; the int8 ONNX graph answers like the
+    # merged model it was exported from
+    gguf = json.loads((results / "deploy" / "gguf-q8_0" / "meta.json").read_text())["metrics"]
+    assert gguf["pre_tokenizer"] == "smollm" and gguf["check"]["tokenizer_mismatches"] == 0
+    assert gguf["check"]["top1_agreement"] >= preset["deploy"]["min_top1_agreement"]["q8_0"]
+    assert evals["onnx-int8"]["exact_match"] >= evals["lora-merged"]["exact_match"] - 0.1
+    assert "## Deployment" in report
 
     # Snakemake's HTML report as a person opens it in a browser: each plot is on the page.
     snakemake(tmp_path, "--configfile", str(extra), "--report", "report.html", "results/smollm2/quant_eval.json")

@@ -23,8 +23,10 @@ def test_lint_is_clean(tmp_path):
 def test_dry_run_plans_every_stage(tmp_path):
     proc = snakemake(tmp_path, "-n", "results/llama/quant_eval.json")
     jobs = planned_jobs(proc.stdout)
+    # evaluate: pretrain, sft, lora, prefix, lora-merged, 4 quantized and onnx-int8; deploy: config.yaml's section
     assert jobs == {"prepare": 1, "plan_job": 4, "plan": 1, "pretrain": 1, "finetune": 3, "merge_lora": 1, "quantize": 4,
-                    "export": 1, "evaluate": 9, "report": 1}, proc.stdout
+                    "export": 1, "evaluate": 10, "deploy_gguf": 2, "deploy_compressed_tensors": 1,
+                    "deploy_manifest": 1, "report": 1}, proc.stdout
 
 
 def test_the_plain_command_uses_the_default_profile(tmp_path):
@@ -68,7 +70,8 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
 
     # Every stage's artifact exists and follows its contract.
     for d in ["data", "pretrain", "sft", "lora", "prefix", "lora-merged", "export", "quant/wint8", "quant/wint4",
-              "quant/gptq-w4", "quant/a8w8-smooth"]:
+              "quant/gptq-w4", "quant/a8w8-smooth", "deploy/gguf-f32", "deploy/gguf-q8_0",
+              "deploy/compressed-tensors-a8w8-smooth"]:
         assert (exp / d / "meta.json").exists(), d
     for stage in ["pretrain", "sft", "lora", "prefix"]:
         log = pd.read_csv(exp / stage / "train_log.csv")
@@ -100,7 +103,13 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
         meta = json.loads((exp / method / "meta.json").read_text())
         assert meta["metrics"]["mix_token_share"] == pytest.approx(0.5, abs=0.02), method
     report = pd.read_csv(exp / "report.csv")
-    assert len(report) == 9
+    assert len(report) == 10  # pretrain, sft, lora, prefix, lora-merged, 4 quantized, onnx-int8
+    # deployable artifacts, each checked by the runtime users deploy with (stages/deploy.py)
+    manifest = json.loads((exp / "deploy" / "manifest.json").read_text())["artifacts"]
+    assert set(manifest) == {"onnx", "onnx-int8", "gguf-f32", "gguf-q8_0", "compressed-tensors-a8w8-smooth"}
+    assert manifest["gguf-f32"]["check"]["rel_err"] <= 1e-5 and manifest["gguf-f32"]["check"]["top1_agreement"] == 1
+    assert all(Path(a["path"]).exists() or (tmp_path / a["path"]).exists() for a in manifest.values())
+    assert "## Deployment" in (exp / "report.md").read_text()
     assert "## Fine-tuning: the task learned, the language kept" in (exp / "report.md").read_text()
     # the plots and narrow tables, and Snakemake's HTML report with the plots embedded
     for name in ("training.png", "quantization.png", "stages.png", "quality.csv", "size.csv", "speed.csv",
@@ -138,8 +147,10 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
     changed = tmp_path / "changed.yaml"
     changed.write_text(yaml.safe_dump(cfg))
     proc = snakemake(tmp_path, "--configfile", str(changed), "-n", TARGET)
-    assert planned_jobs(proc.stdout) == {"plan_job": 1, "plan": 1, "finetune": 1, "merge_lora": 1, "quantize": 4, "export": 1,
-                                         "evaluate": 6, "report": 1}, proc.stdout
+    # evaluate: lora, lora-merged, the 4 quantized, onnx-int8; every deployable artifact is made of lora-merged
+    assert planned_jobs(proc.stdout) == {"plan_job": 1, "plan": 1, "finetune": 1, "merge_lora": 1, "quantize": 4,
+                                         "export": 1, "evaluate": 7, "deploy_gguf": 2, "deploy_compressed_tensors": 1,
+                                         "deploy_manifest": 1, "report": 1}, proc.stdout
     snakemake(tmp_path, "--configfile", str(changed), "--cores", "2", TARGET)
     after = _mtimes(tmp_path)
     untouched = [k for k in before if k.split("/")[0] in ("data", "pretrain", "sft", "prefix")]

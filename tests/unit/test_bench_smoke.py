@@ -189,3 +189,31 @@ def test_serve_bench_report_has_its_keys(tmp_path, tiny_tokenizer_dir):
     assert all(v["tokens"] > 0 and v["latency_p95_s"] >= v["latency_p50_s"] > 0 for v in result["levels"])
     single = result["single_request"]
     assert single["tokens"] == single["whole_tokens"] == single["peer_tokens"]
+
+
+def test_gguf_decode_bench_report_has_its_keys(tmp_path):
+    pytest.importorskip("llama_cpp")
+    out = tmp_path / "gguf_decode.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gguf_decode.py"), "--flavour", "debug", "--repeats",
+                           "1", "--decode-tokens", "4", "--types", "f32,q4_0", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    result = json.loads(out.read_text())
+    assert list(result["runs"]) == ["torch eager f32", "llama.cpp f32", "llama.cpp q4_0"]
+    for row in result["runs"].values():
+        assert {"tokens_per_s", "ratio_to_torch", "same_prefix", "seconds", "gguf_bytes"} <= row.keys()
+        assert 0 <= row["same_prefix"] <= 4  # random weights: near ties, so no equality is asserted here
+
+
+def test_deploy_decode_bench_report_has_its_keys(tmp_path):
+    out = tmp_path / "deploy_decode.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "deploy_decode.py"), "--flavour", "debug",
+                           "--repeats", "1", "--new-tokens", "4", "--batch-sizes", "1", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    result = json.loads(out.read_text())
+    rows = result["runs"]["1"]
+    assert {"torch", "wint4 (ours)", "onnx fp32", "onnx int8"} <= set(rows)
+    assert all(row["decode_tokens_per_s"] > 0 for row in rows.values())
+    assert result["ratios"]["onnx int8/torch b1"] == rows["onnx int8"]["decode_tokens_per_s"] / rows["torch"][
+        "decode_tokens_per_s"]

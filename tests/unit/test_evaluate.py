@@ -164,6 +164,29 @@ def test_batched_left_padded_generation_matches_one_by_one(workspace):
     _check_metrics(evaluate.run(adapter, workspace / "data", out, "prefix", CONFIG), out, "prefix", "adapter")
 
 
+def test_onnx_export_dir_and_its_int8(workspace, tmp_path):
+    """An export directory (cache graph on onnxruntime) is evaluated like every other variant: the
+    float graph scores and generates what the torch model does; int8/ close to it."""
+    from stages import export
+
+    export.run(workspace / "sft", tmp_path / "onnx", {"int8": True})
+    want = evaluate.run(workspace / "sft", workspace / "data", tmp_path / "sft.json", "sft", CONFIG)
+    out = tmp_path / "onnx.json"
+    got = evaluate.run(tmp_path / "onnx", workspace / "data", out, "onnx", CONFIG)
+    _check_metrics(got, out, "onnx", "onnx")
+    for key in ("ppl", "dev_ppl"):
+        assert got[key] == pytest.approx(want[key], rel=1e-4), key
+    assert [s["prediction"] for s in got["samples"]] == [s["prediction"] for s in want["samples"]]
+    assert got["exact_match"] == want["exact_match"] and got["gen_tokens"] == want["gen_tokens"]
+    assert got["size_bytes"] == (tmp_path / "onnx" / "model.onnx").stat().st_size
+    # the graph's initializers: + the RoPE frequencies, - equal tensors the exporter stored once
+    # (this random model's RMSNorm weights are all ones)
+    assert got["num_parameters"] == pytest.approx(want["num_parameters"], rel=0.01)
+    int8 = evaluate.run(tmp_path / "onnx" / "int8", workspace / "data", tmp_path / "int8.json", "int8", CONFIG)
+    assert int8["kind"] == "onnx" and int8["ppl"] == pytest.approx(want["ppl"], rel=0.05)
+    assert int8["model_bytes"] < 0.5 * got["model_bytes"] and int8["size_bytes"] < 0.5 * got["size_bytes"]
+
+
 def test_quantized_dir_goes_through_stages_quant(workspace, tmp_path, monkeypatch):
     """Only the dispatch: a stand-in for stages.quant.load_quantized is called for such a dir."""
     import sys

@@ -1,16 +1,17 @@
-"""stages/export.py: ONNX export of a debug model, checked against torch at two sequence lengths
-with the scale-free check (relative error and top-1 agreement), which a wrong graph fails."""
+"""stages/export.py: ONNX export (with a KV cache) of a debug model, checked against torch at two
+sequence lengths with the scale-free check (relative error and top-1 agreement) and by generation,
+which a wrong graph fails. The cache itself: tests/unit/test_onnx_decoder.py."""
 
 import json
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
 
 from stages import export
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import load_pretrained, save_pretrained
+from stages.deployment.onnx_generate import OnnxDecoder
 from stages.model import build_model, config_for_flavour
 
 VOCAB = 256
@@ -22,13 +23,15 @@ def exported(tmp_path_factory):
     with atomic_dir(root / "model") as tmp:
         save_pretrained(build_model(config_for_flavour("debug", vocab_size=VOCAB), seed=0), tmp)
         (tmp / "tokenizer_config.json").write_text("{}\n")
-    metrics = export.run(root / "model", root / "onnx")
+    metrics = export.run(root / "model", root / "onnx", {"int8": False})  # int8: tests/unit/test_onnx_decoder.py
     return root, metrics
 
 
 def test_metrics_and_files(exported):
     root, m = exported
     assert m["torch_model"] == "project" and m["exporter"] == "dynamo" and m["opset_version"] == 18
+    assert m["kv_cache"] and m["generation_tokens_compared"] == 48 and m["generation_near_ties"] == 0
+    assert not m["genai_config"]  # the fixture's config and tokenizer name no eos: nothing to stop at
     assert m["rel_err"] <= 1e-5 and m["top1_agreement"] == 1.0 and m["ort_latency_ms"] > 0
     assert m["rel_err"] == pytest.approx(m["max_abs_diff"] / m["logit_scale"])
     assert (m["rtol"], m["min_top1_agreement"]) == (1e-3, 0.99)  # the schema's defaults
@@ -42,10 +45,10 @@ def test_metrics_and_files(exported):
 @pytest.mark.parametrize("batch,seq", [(1, 4), (2, 11)])
 def test_onnx_logits_match_torch_at_other_shapes(exported, batch, seq):
     root, _ = exported
-    session = ort.InferenceSession(str(root / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
-    assert [i.name for i in session.get_inputs()] == ["input_ids"]
+    decoder = OnnxDecoder(root / "onnx" / "model.onnx")
+    assert [i.name for i in decoder.session.get_inputs()][:3] == ["input_ids", "attention_mask", "position_ids"]
     ids = torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seq))
-    got = session.run(["logits"], {"input_ids": ids.numpy()})[0]
+    got = decoder.logits(ids.numpy())
     with torch.no_grad():
         want = load_pretrained(root / "model")(ids).numpy()
     assert got.shape == (batch, seq, VOCAB)
@@ -65,7 +68,7 @@ def test_a_wrong_graph_fails_the_check_and_writes_nothing(exported, tmp_path, mo
 
     monkeypatch.setattr(export, "export_onnx", export_then_perturb)
     with pytest.raises(ValueError, match=r"of the logit scale .* > export\.rtol=0\.001"):
-        export.run(root / "model", tmp_path / "out", {"opset_version": 18})
+        export.run(root / "model", tmp_path / "out", {"opset_version": 18, "int8": False})
     assert not (tmp_path / "out").exists()
 
 
@@ -109,6 +112,40 @@ def test_nan_fails_the_check():
         export.check_agreement(export.compare_logits([want, got], [want, want]), rtol=1e-3, min_top1_agreement=0.0)
 
 
+def test_a_wrong_cache_fails_the_generation_check(exported, tmp_path, monkeypatch):
+    """A graph whose logits are right without a past but whose cache is wrong (the present keys
+    scaled) passes the logit probes and fails the generation check."""
+    root, _ = exported
+    from stages.deployment import onnx_decoder
+
+    real_attention = onnx_decoder._cached_attention
+
+    def wrong_present(*args):
+        y, k, v = real_attention(*args)
+        return y, k * 1.5, v
+
+    monkeypatch.setattr(onnx_decoder, "_cached_attention", wrong_present)
+    with pytest.raises(ValueError, match="greedy generation with the KV cache differs from torch"):
+        export.run(root / "model", tmp_path / "out", {"opset_version": 18, "int8": False})
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_family_without_our_model_keeps_the_cache_free_graph(tmp_path, tiny_tokenizer_dir):
+    """GPT-2 (transformers' model): input_ids -> logits as before, no genai_config, no int8."""
+    from checkpoint_fixtures import save_checkpoint
+    from transformers import PreTrainedTokenizerFast
+
+    save_checkpoint(tmp_path / "gpt2", PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir), "gpt2")
+    m = export.run(tmp_path / "gpt2", tmp_path / "onnx")
+    assert m["torch_model"] == "transformers" and not m["kv_cache"] and not m["genai_config"]
+    assert m["generation_rows"] is None and m["rel_err"] <= 1e-5
+    assert not (tmp_path / "onnx" / "genai_config.json").exists()
+    decoder = OnnxDecoder(tmp_path / "onnx" / "model.onnx")
+    assert not decoder.has_cache and decoder.logits(np.ones((1, 3), np.int64)).shape[:2] == (1, 3)
+    # export.int8 (on by default) quantizes the cache graph only: nothing here, a warning in the log
+    assert not (tmp_path / "onnx" / "int8").exists() and "int8_top1_agreement" not in m
+
+
 def test_cli_names_an_unknown_setting(exported, tmp_path):
     root, _ = exported
     with pytest.raises(ValueError, match=r"'export.atol' is unknown; did you mean 'rtol'"):
@@ -120,5 +157,5 @@ def test_cli_names_an_unknown_setting(exported, tmp_path):
 def test_a_real_135m_model_passes_with_the_default_tolerances(smollm2_dir, tmp_path):
     """SmolLM2-135M (fp32, logits up to ~36): observed max |diff| 1.1e-4, beyond the old absolute
     bound of 1e-4, yet 3e-6 of the logit scale and every top-1 token agreeing (about 2.5 min)."""
-    m = export.run(smollm2_dir, tmp_path / "onnx", {"opset_version": 18})
+    m = export.run(smollm2_dir, tmp_path / "onnx", {"opset_version": 18, "int8": False})
     assert m["logit_scale"] > 10 and m["rel_err"] < 1e-4 and m["top1_agreement"] == 1.0

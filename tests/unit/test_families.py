@@ -14,7 +14,6 @@ import json
 import math
 
 import numpy as np
-import onnxruntime as ort
 import peft
 import pytest
 import torch
@@ -27,6 +26,7 @@ from stages import evaluate, export, finetune, merge, quantize
 from stages.checkpoint.atomic import write_json
 from stages.checkpoint.hf import copy_tokenizer
 from stages.data.tokenizer import TokenizerError, load_model_tokenizer, save_tokenizer, train_tokenizer
+from stages.deployment.onnx_generate import OnnxDecoder
 from stages.quant import decoder_linear_layers, load_quantized
 
 GROUP = 32  # divides every input width below (64, 128, 256)
@@ -112,7 +112,7 @@ def chain(request, tmp_path_factory, tokenizer_dir):
     m["merge"] = merge.run(root / "lora", root / "merged")
     for variant in ("wint8", "wint4"):
         m[variant] = quantize.run(root / "merged", root / variant, variant, GROUP)
-    m["export"] = export.run(root / "merged", root / "onnx", {"opset_version": 18})
+    m["export"] = export.run(root / "merged", root / "onnx", {"opset_version": 18, "int8": False})
     for name in ("merged", "wint4"):
         m[f"eval_{name}"] = evaluate.run(root / name, data, root / "eval" / f"{name}.json", name, EVAL_CONFIG)
     return family, root, m
@@ -237,8 +237,8 @@ def test_onnx_agrees_with_transformers(chain):
     assert e["rel_err"] < 1e-5 and e["top1_agreement"] == 1.0
     model = AutoModelForCausalLM.from_pretrained(root / "merged")
     ids = _probe(model.config.vocab_size)
-    session = ort.InferenceSession(str(root / "onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
-    got = session.run(["logits"], {"input_ids": ids.numpy()})[0]
+    # the cache graph (our model's families) or the cache-free one (transformers'), past of length 0
+    got = OnnxDecoder(root / "onnx" / "model.onnx").logits(ids.numpy())
     want = _logits(model, ids).numpy()
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 

@@ -239,7 +239,9 @@ def test_config_section_becomes_the_command_line_flags():
         predict.settings_flags({"batchsize": 4})
     with pytest.raises(InputError, match="src_length=128 must be below predict.max_length=128"):
         predict.settings_flags({"src_length": 128})
-    # the dataclass's defaults are the schema's section, field for field (chat_template is no config key)
+    # the dataclass's defaults are the schema's section, field for field (chat_template and backend
+    # are no config keys)
     section = load_schema()["$defs"]["experiment"]["properties"]["predict"]["properties"]
     schema = {k: v["default"] for k, v in section.items()}
-    assert {k: v for k, v in predict.DEFAULTS.items() if k != "chat_template"} == schema == predict.SECTION_DEFAULTS
+    assert {k: v for k, v in predict.DEFAULTS.items() if k not in ("chat_template", "backend")} == schema \
+        == predict.SECTION_DEFAULTS

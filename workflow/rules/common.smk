@@ -5,6 +5,7 @@ import json
 import re
 from pathlib import Path
 
+from stages.checkpoint.source import family_of, read_source_config
 from stages.cluster.resources import single_process_resources
 from stages.config import ConfigError, check_config, finetune_source, load_schema, pretrain_enabled, sharded_output
 from stages.config import experiment as named_experiment
@@ -248,19 +249,41 @@ def quantize_data_flag(wildcards):
     return ""
 
 
+def onnx_variants(wildcards):
+    """`onnx-int8` (export/int8/, evaluated on onnxruntime) when export.int8 is on and the model is
+    one the KV-cache graph exports (our Llama family; stages/export.py)."""
+    exp = experiment(wildcards)
+    if not exp["export"]["int8"]:
+        return []
+    source = exp["model"]["model_name_or_path"]
+    return ["onnx-int8"] if not source or family_of(read_source_config(source)).ours else []
+
+
+def deploy_artifacts(wildcards):
+    """The artifact directories the experiment's `deploy` section asks for."""
+    deploy = experiment(wildcards)["deploy"]
+    return [f"results/{wildcards.experiment}/deploy/gguf-{t}" for t in deploy["gguf"]] + [
+        f"results/{wildcards.experiment}/deploy/compressed-tensors-{v}" for v in deploy["compressed_tensors"]]
+
+
 def variant_dir(wildcards):
-    """The artifact a variant name stands for: a model/adapter dir or a quantized dir."""
+    """The artifact a variant name stands for: a model/adapter dir, a quantized dir, or the int8
+    ONNX graph of export/."""
     if wildcards.variant in model_variants(wildcards):
         return f"results/{wildcards.experiment}/{wildcards.variant}"
     if wildcards.variant in quant_variants(wildcards):
         return f"results/{wildcards.experiment}/quant/{wildcards.variant}"
+    if wildcards.variant in onnx_variants(wildcards):
+        return f"results/{wildcards.experiment}/export/int8"
     raise ConfigError(f"results/{wildcards.experiment}/eval/{wildcards.variant}.json: unknown variant "
                       f"{wildcards.variant!r} for experiment {wildcards.experiment!r}; expected one of "
-                      f"{', '.join(model_variants(wildcards) + quant_variants(wildcards))}")
+                      f"{', '.join(model_variants(wildcards) + quant_variants(wildcards) + onnx_variants(wildcards))}")
 
 
 def variant_inputs(wildcards):
     """What evaluating a variant needs: its dir, plus the base model for adapter dirs."""
+    if wildcards.variant in onnx_variants(wildcards):
+        return [f"results/{wildcards.experiment}/export"]  # int8/ is inside it
     inputs = [variant_dir(wildcards)]
     if wildcards.variant in ("lora", "prefix"):
         inputs.append(finetune_base(wildcards))
@@ -283,7 +306,7 @@ def comparison_inputs(wildcards):
 
 
 def all_eval_files(wildcards):
-    variants = model_variants(wildcards) + quant_variants(wildcards)
+    variants = model_variants(wildcards) + quant_variants(wildcards) + onnx_variants(wildcards)
     return [f"results/{wildcards.experiment}/eval/{v}.json" for v in variants]
 
 

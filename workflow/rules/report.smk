@@ -4,6 +4,7 @@ rule report:
     input:
         evals=all_eval_files,
         export="results/{experiment}/export",
+        deploy="results/{experiment}/deploy/manifest.json",
         plan="results/{experiment}/plan.json",  # recorded with the results
     output:
         quant_eval=report("results/{experiment}/quant_eval.json", caption="../report/quant_eval.rst",
@@ -25,6 +26,8 @@ rule report:
                      category="{experiment}", subcategory="Tables", labels={"file": "speed"}),
         timings=report("results/{experiment}/report/stages.csv", caption="../report/stage_timings.rst",
                        category="{experiment}", subcategory="Tables", labels={"file": "stage timings"}),
+        deploy=report("results/{experiment}/report/deploy.csv", caption="../report/deploy.rst",
+                      category="{experiment}", subcategory="Tables", labels={"file": "deployment"}),
     log:
         "results/{experiment}/logs/report.log",
     benchmark:
@@ -43,4 +46,5 @@ rule report:
         "python -m stages.report --experiment-dir results/{wildcards.experiment} "
         "--source {params.source} --start {params.start} --variants {params.variants} --csv {output.csv} --md {output.md} "
         "--quant-eval {output.quant_eval} --figures-dir {params.figures_dir} --quantize-config {params.quantize:q} "
+        "--deploy-manifest {input.deploy} "
         "> {log} 2>&1"

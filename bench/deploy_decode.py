@@ -1,0 +1,163 @@
+"""Decode speed of every runtime a model of this pipeline runs on, in one run, on the same weights:
+torch eager (transformers `generate`, fp32, KV cache: what `stages.predict` runs), our low-bit
+kernels (wint4, `stages.quant.load_quantized`), the exported ONNX decoder with its KV cache on
+onnxruntime (float and int8, `stages.deployment.onnx_model.OnnxCausalLM`: what `stages.predict
+--backend onnxruntime` runs) and, where llama-cpp-python is installed, llama.cpp on our GGUF files
+(f32, q8_0, q4_0; batch 1 only: llama-cpp-python decodes one sequence).
+
+Decode tokens/s at batch B for the `generate` runtimes: B x (N - 1) tokens over the wall time of
+generating N tokens less that of generating 1 (the prefill and the first token), greedy from the
+same B random prompts of `--prompt-tokens` tokens with eos suppressed (min_new_tokens = N), the
+median of `--repeats` runs after a warm-up, runtimes interleaved run by run so that load from other
+processes hits them alike. llama.cpp: N tokens over the wall time of its decode loop after the
+prompt (bench/gguf_decode.py's decoder), same prompts, same medians. Ratios against torch eager
+in the same run.
+
+    .venv/bin/python bench/deploy_decode.py                       # debug flavour, ~2 min (export included)
+    .venv/bin/python bench/deploy_decode.py --model results/llama/lora-merged
+    .venv/bin/python bench/deploy_decode.py --model ~/.cache/llm-lifecycle/smollm2-135m-instruct   # 135M
+Prints a table and writes JSON (default bench/out/deploy_decode.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # gguf_decode's llama.cpp decoder
+
+from bench.common import csv_list, finish, machine_info  # noqa: E402
+
+DEFAULT_OUT = ROOT / "bench" / "out" / "deploy_decode.json"
+GGUF_TYPES = ("f32", "q8_0", "q4_0")
+
+
+def generate_seconds(model, ids, new_tokens: int) -> float:
+    import torch
+
+    mask = torch.ones_like(ids)
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, num_beams=1, eos_token_id=2, pad_token_id=0)
+    return time.perf_counter() - start
+
+
+def measure(models: dict, vocab_size: int, batch: int, prompt_tokens: int, new_tokens: int,
+            repeats: int) -> dict[str, dict]:
+    """{runtime: {decode_tokens_per_s, decode_s, prefill_s}} at `batch`, runs interleaved."""
+    import torch
+
+    ids = torch.randint(3, vocab_size, (batch, prompt_tokens), generator=torch.Generator().manual_seed(batch))
+    times: dict[str, dict[str, list[float]]] = {name: {"full": [], "first": []} for name in models}
+    for repeat in range(repeats + 1):  # the first round is the warm-up
+        for name, model in models.items():
+            full, first = generate_seconds(model, ids, new_tokens), generate_seconds(model, ids, 1)
+            if repeat:
+                times[name]["full"].append(full)
+                times[name]["first"].append(first)
+    result = {}
+    for name, t in times.items():
+        decode = max(statistics.median(t["full"]) - statistics.median(t["first"]), 1e-9)
+        result[name] = {"decode_tokens_per_s": batch * (new_tokens - 1) / decode, "decode_s": decode,
+                        "prefill_s": statistics.median(t["first"])}
+    return result
+
+
+def measure_llama_cpp(files: dict[str, Path], vocab_size: int, prompt_tokens: int, new_tokens: int,
+                      repeats: int) -> dict[str, dict]:
+    """{`llama.cpp <type>`: {decode_tokens_per_s, decode_s}} at batch 1, files interleaved."""
+    import torch
+    from gguf_decode import llama_cpp_decoder
+
+    prompt = torch.randint(3, vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(1))[0].tolist()
+    decoders = {f"llama.cpp {t}": llama_cpp_decoder(path, torch.get_num_threads(), prompt_tokens + new_tokens + 8)
+                for t, path in files.items()}
+    times: dict[str, list[float]] = {name: [] for name in decoders}
+    for repeat in range(repeats + 1):
+        for name, decode in decoders.items():
+            _, took = decode(prompt, new_tokens)
+            if repeat:
+                times[name].append(took)
+    return {name: {"decode_tokens_per_s": new_tokens / statistics.median(t), "decode_s": statistics.median(t),
+                   "prefill_s": None} for name, t in times.items()}
+
+
+def report(result: dict) -> str:
+    lines = [f"{'runtime':<16}{'batch':>6}{'decode tok/s':>14}{'x torch':>9}{'prefill ms':>12}"]
+    for batch, rows in result["runs"].items():
+        base = rows["torch"]["decode_tokens_per_s"]
+        for name, row in rows.items():
+            prefill = f"{row['prefill_s'] * 1000:>12.1f}" if row["prefill_s"] is not None else f"{'':>12}"
+            lines.append(f"{name:<16}{batch:>6}{row['decode_tokens_per_s']:>14.0f}"
+                         f"{row['decode_tokens_per_s'] / base:>9.2f}{prefill}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, help="a float HF model dir to export (default: a random --flavour model)")
+    parser.add_argument("--flavour", default="debug", help="stages.model flavour without --model (default: debug)")
+    parser.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes (default: 1,8)")
+    parser.add_argument("--prompt-tokens", type=int, default=16, help="prompt length (default: 16)")
+    parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated (default: 32)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per runtime after a warm-up")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON to write")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gguf_decode import make_model_dir
+
+    from stages import export, quantize
+    from stages.deployment.gguf_writer import write_gguf
+    from stages.deployment.onnx_model import OnnxCausalLM
+    from stages.quant import load_quantized
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        model_dir = args.model or make_model_dir(args.flavour, tmp)  # with a trained byte-level BPE
+        t0 = time.perf_counter()
+        metrics = export.run(model_dir, tmp / "onnx", {"int8": True})
+        export_s = time.perf_counter() - t0
+        quantize.run(model_dir, tmp / "wint4", "wint4")
+        torch_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True,
+                                                           use_safetensors=True).eval()
+        models = {"torch": torch_model, "wint4 (ours)": load_quantized(tmp / "wint4"),
+                  "onnx fp32": OnnxCausalLM(tmp / "onnx"), "onnx int8": OnnxCausalLM(tmp / "onnx" / "int8")}
+        vocab = torch_model.config.vocab_size
+        runs = {int(b): measure(models, vocab, int(b), args.prompt_tokens, args.new_tokens, args.repeats)
+                for b in csv_list(args.batch_sizes)}
+        if importlib.util.find_spec("llama_cpp") is None:  # built from source: bench/README.md
+            print("llama-cpp-python is not installed: no llama.cpp rows", file=sys.stderr)
+        else:
+            files = {t: tmp / f"model-{t}.gguf" for t in GGUF_TYPES}
+            for t, path in files.items():
+                write_gguf(model_dir, path, t)
+            if 1 in runs:
+                runs[1].update(measure_llama_cpp(files, vocab, args.prompt_tokens, args.new_tokens, args.repeats))
+    result = {
+        "machine": machine_info("transformers", "onnxruntime", "llama_cpp_python"),
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "export_seconds": export_s,
+        "export_metrics": {k: metrics[k] for k in ("rel_err", "top1_agreement", "int8_top1_agreement",
+                                                   "int8_ppl_ratio", "int8_greedy_agreement", "onnx_size_bytes",
+                                                   "int8_onnx_size_bytes")},
+        "runs": runs,
+        "ratios": {f"{name}/torch b{b}": rows[name]["decode_tokens_per_s"] / rows["torch"]["decode_tokens_per_s"]
+                   for b, rows in runs.items() for name in rows if name != "torch"},
+    }
+    return finish(args.out, result, report, started)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

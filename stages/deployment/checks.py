@@ -1,0 +1,91 @@
+"""Checks of a deployable artifact against its source, run before the artifact is published.
+
+Each check compares what a runtime users deploy with computes from the artifact (transformers'
+GGUF loader, transformers with compressed-tensors) with what the pipeline computes from the source,
+on the experiment's own validation text, so the top-1 agreement measures quantization error at
+positions where the model has a real preference, not near-ties of random tokens:
+
+    top1_agreement = share of probe positions whose argmax token is the same
+    rel_err        = max |got - want| / max |want|          over every logit of the probe
+
+Tokenizers are compared on strings that break careless conversions (numerals, runs of spaces,
+newlines and tabs, accents, CJK, emoji): the same ids or the check fails naming the string.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from stages.data.corpus import load_split
+from stages.metrics.perplexity import validation_windows
+
+# Strings on which byte-level BPE conversions go wrong: digits split one by one or in groups of
+# three, runs of spaces kept or merged, newlines and tabs, non-ASCII letters, CJK and emoji bytes.
+TOKENIZER_PROBES = (
+    "The year 2024 had 365 days; pi is 3.14159 and 1000000 is a million.",
+    "a  b   c    d     e      (runs of spaces)",
+    "line one\nline two\n\n\ttabbed line\r\nend",
+    "naïve café, Größe, señor, déjà vu",
+    "東京 and 北京 are cities 🙂👍",
+    "x=3;y = -42;print(x+y)",
+)
+PROBE_LENGTH = 64  # tokens per probe window
+PROBE_WINDOWS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreement:
+    top1_agreement: float
+    rel_err: float
+    max_abs_diff: float
+    positions: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return dataclasses.asdict(self)
+
+
+def probe_windows(data_dir: str | Path, length: int = PROBE_LENGTH, count: int = PROBE_WINDOWS) -> torch.Tensor:
+    """(count, length) int64 windows of the validation split of a prepared data directory."""
+    tokens, _ = load_split(data_dir, "validation")
+    return torch.as_tensor(validation_windows(np.asarray(tokens), length, count))
+
+
+@torch.no_grad()
+def logits_of(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 4) -> torch.Tensor:
+    """(windows, length, vocab) float32 logits of a causal LM called as model(input_ids=...)."""
+    model.eval()
+    return torch.cat([model(input_ids=windows[i:i + batch_size]).logits.float()
+                      for i in range(0, len(windows), batch_size)])
+
+
+def agreement(want: torch.Tensor, got: torch.Tensor) -> Agreement:
+    """How far `got` logits are from `want` (same shape, (..., vocab))."""
+    if want.shape != got.shape:
+        raise ValueError(f"logits of shape {tuple(got.shape)} against {tuple(want.shape)}: the artifact's "
+                         "vocabulary or sequence handling differs from the source's")
+    diff = (got - want).abs().max().item()
+    scale = want.abs().max().item() or 1.0
+    top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    return Agreement(top1_agreement=top1, rel_err=diff / scale, max_abs_diff=diff,
+                     positions=int(want.shape[:-1].numel()))
+
+
+def tokenizer_mismatches(want, got, texts: tuple[str, ...] = TOKENIZER_PROBES) -> list[str]:
+    """The probe strings two tokenizers encode differently (ids without special tokens)."""
+    return [text for text in texts
+            if want.encode(text, add_special_tokens=False) != got.encode(text, add_special_tokens=False)]
+
+
+def require(agreement_: Agreement, min_top1: float, what: str, setting: str, max_rel_err: float | None = None) -> None:
+    """ValueError naming the artifact, the numbers and the setting when the agreement is too low."""
+    if agreement_.top1_agreement < min_top1:
+        raise ValueError(f"{what}: top-1 agreement {agreement_.top1_agreement:.4f} with the source over "
+                         f"{agreement_.positions} validation positions is below {setting}={min_top1}; the "
+                         "artifact is not published (lower the setting only if this loss is acceptable)")
+    if max_rel_err is not None and agreement_.rel_err > max_rel_err:
+        raise ValueError(f"{what}: logits differ from the source's by {agreement_.rel_err:.2e} of their scale "
+                         f"(limit {max_rel_err:g}): the file does not hold the source's weights")

@@ -1,0 +1,106 @@
+"""stages/deploy.py: an artifact is written, checked with the runtime users deploy with (here
+transformers' GGUF loader and transformers with compressed-tensors) on validation text, and only
+then published; a failed check publishes nothing and leaves the previous artifact; the manifest
+lists what was published with its check. The writers themselves: test_gguf_writer.py,
+test_compressed_tensors.py."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from stages import deploy
+from stages.config import ConfigError
+from stages.data.corpus import write_token_files
+from stages.deployment import checks
+from stages.metrics.measured import without_measured
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, debug_model_dir):
+    """A prepared data dir whose validation split is random tokens of the debug model's vocabulary."""
+    vocab = json.loads((debug_model_dir / "config.json").read_text())["vocab_size"]
+    rng = np.random.default_rng(0)
+    splits = {split: [rng.integers(3, vocab, 300).tolist() for _ in range(2)] for split in ("train", "validation")}
+    root = tmp_path_factory.mktemp("deploy_data")
+    write_token_files(root, splits, vocab_size=vocab, bos_id=1, eos_id=2, pad_id=0)
+    return root
+
+
+def test_a_gguf_file_is_checked_by_transformers_and_listed_in_the_manifest(debug_model_dir, data_dir, tmp_path):
+    out = tmp_path / "exp" / "deploy" / "gguf-f32"
+    metrics = deploy.gguf(debug_model_dir, "f32", data_dir, out)
+    check = metrics["check"]
+    assert check["top1_agreement"] == 1.0 and check["rel_err"] <= deploy.GGUF_MAX_REL_ERR
+    assert check["positions"] == checks.PROBE_WINDOWS * checks.PROBE_LENGTH and check["tokenizer_mismatches"] == 0
+    assert "GGUF loader" in check["runtime"]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["stage"] == "deploy" and meta["metrics"]["check"] == check
+    assert [f["name"] for f in meta["files"]] == ["model-f32.gguf"] or (out / "model-f32.gguf").is_file()
+
+    again = deploy.gguf(debug_model_dir, "f32", data_dir, tmp_path / "again")  # a rerun writes the same bytes
+    assert (tmp_path / "again" / "model-f32.gguf").read_bytes() == (out / "model-f32.gguf").read_bytes()
+    assert without_measured(again) == without_measured(metrics)
+
+    listed = deploy.manifest(tmp_path / "exp", tmp_path / "exp" / "deploy" / "manifest.json")["artifacts"]
+    assert list(listed) == ["gguf-f32"]  # no export/ in this experiment
+    assert listed["gguf-f32"]["path"] == str(out / "model-f32.gguf") and listed["gguf-f32"]["check"] == check
+
+
+def test_a_failed_check_publishes_nothing_and_keeps_the_previous_artifact(debug_model_dir, data_dir, tmp_path):
+    out = tmp_path / "gguf"
+    deploy.gguf(debug_model_dir, "f32", data_dir, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    # q4_0 of a random-init model flips near-ties: a top-1 of 1.0 cannot be kept
+    with pytest.raises(ValueError, match=r"top-1 agreement 0\.\d+ .* below deploy\.min_top1_agreement\.q4_0=1\.0"):
+        deploy.gguf(debug_model_dir, "q4_0", data_dir, out, {"min_top1_agreement": {"q4_0": 1.0}})
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["gguf"]  # no temporary directory left beside it
+
+
+def test_settings_are_checked_against_the_schema(debug_model_dir, data_dir, tmp_path):
+    with pytest.raises(ConfigError, match="min_top1_agreement"):
+        deploy.gguf(debug_model_dir, "f32", data_dir, tmp_path / "x", {"min_top1_agreement": {"q9": 0.5}})
+    with pytest.raises(ConfigError, match="--config is not valid JSON"):
+        deploy.main(["gguf", "--model", str(debug_model_dir), "--type", "f32", "--data", str(data_dir),
+                     "--out", str(tmp_path / "x"), "--config", "{"])
+    assert not (tmp_path / "x").exists()
+
+
+def test_agreement_and_require_name_the_numbers_and_the_setting():
+    want = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
+    found = checks.agreement(want, torch.tensor([[[1.0, 0.5], [0.9, 0.8]]]))
+    assert (found.top1_agreement, found.positions) == (0.5, 2) and found.rel_err == pytest.approx(0.9)
+    with pytest.raises(ValueError, match=r"a\.gguf: top-1 agreement 0\.5000 .* 2 validation positions .* x=0\.9"):
+        checks.require(found, 0.9, "a.gguf", "x")
+    with pytest.raises(ValueError, match="differ from the source's by 9.00e-01"):
+        checks.require(found, 0.5, "a.gguf", "x", max_rel_err=1e-5)
+    with pytest.raises(ValueError, match="vocabulary"):
+        checks.agreement(want, want[..., :1])
+
+
+def test_the_cli_takes_the_sections_settings_as_options(debug_model_dir, data_dir, tmp_path, capsys):
+    metrics = deploy.main(["gguf", "--model", str(debug_model_dir), "--type", "f32", "--data", str(data_dir),
+                           "--out", str(tmp_path / "g"), "--min-top1-agreement", '{"f32": 1.0}'])
+    assert metrics["check"]["min_top1_agreement"] == 1.0
+    with pytest.raises(SystemExit):
+        deploy.main(["compressed-tensors", "--help"])
+    assert "--min-top1-agreement" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("variants, deployed, message", [
+    (["wint8", "a8w8"], ["a8w8-smooth"], r"'a8w8-smooth' is not one of experiments\.x\.quantize\.variants"),
+    (["wint8"], ["wint8"], r"'wint8' is a rtn variant; the compressed-tensors export takes A8W8 variants"),
+    (["a8w8-smooth-shift"], ["a8w8-smooth-shift"],
+     r"'a8w8-smooth-shift' has shift: true, which the compressed-tensors format cannot express"),
+])
+def test_a_deploy_section_the_formats_cannot_serve_is_refused_when_the_config_is_read(variants, deployed, message):
+    from stages.config import check_config
+
+    exp = {"model": {"flavour": "debug"}, "quantize": {"variants": variants},
+           "deploy": {"compressed_tensors": deployed}}
+    with pytest.raises(ConfigError, match=f"experiments\\.x\\.deploy\\.compressed_tensors: {message}"):
+        check_config({"experiments": {"x": exp}})

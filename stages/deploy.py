@@ -125,7 +125,7 @@ def compressed_tensors(a8w8_dir: str | Path, data_dir: str | Path, out_dir: str 
     with atomic_dir(out_dir) as tmp:
         write_compressed_tensors(a8w8_dir, tmp)
         metrics = json.loads((tmp / "meta.json").read_text())["metrics"]
-        found = checks.agreement(want, checks.logits_of(_transformers_model(tmp), windows))
+        found = checks.agreement(want, checks.logits_of(_transformers_model(tmp, use_safetensors=True), windows))
         checks.require(found, min_top1, f"{out_dir} read by transformers with compressed-tensors",
                        "deploy.min_top1_agreement.compressed_tensors")
         check = {"runtime": f"transformers {transformers.__version__}, compressed-tensors {ct_package.__version__}",

@@ -10,9 +10,9 @@ ROUGE): the table says what fine-tuning and quantization changed, without a calc
 from __future__ import annotations
 
 import math
-from pathlib import Path
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import pandas as pd

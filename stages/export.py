@@ -81,7 +81,8 @@ from stages.checkpoint.weights import check_model_dir
 from stages.data.tokenizer import load_model_tokenizer
 from stages.deployment.onnx_checks import GenerationAgreement, generation_agreement, left_pad
 from stages.deployment.onnx_decoder import CachedDecoder, export_decoder
-from stages.deployment.onnx_files import GENAI_CONFIG, INT8_DIR, ONNX_NAME, onnx_files, onnx_opset, write_genai_config
+from stages.deployment.onnx_files import (GENAI_CONFIG, INT8_DIR, ONNX_NAME, export_with_fallback, onnx_files,
+                                          onnx_opset, write_genai_config)
 from stages.deployment.onnx_generate import OnnxDecoder, greedy_generate
 from stages.deployment.onnx_int8 import int8_quality, quantize_int8
 from stages.errors import InputError, run_cli
@@ -183,23 +184,10 @@ def export_onnx(model: torch.nn.Module, path: Path, opset_version: int, vocab_si
         return export_decoder(model, path, opset_version, external_data)
     example = (torch.randint(0, vocab_size, _EXAMPLE_SHAPE, generator=torch.Generator().manual_seed(1)),)
     names = dict(input_names=["input_ids"], output_names=["logits"], opset_version=opset_version)
-    try:
-        dims = {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")}
-        torch.onnx.export(model, example, str(path), dynamo=True, external_data=external_data,
-                          dynamic_shapes={"input_ids": dims}, **names)
-        got = onnx_opset(path)
-        if got == opset_version:
-            return "dynamo"
-        log.warning("dynamo exporter wrote opset %d instead of %d; trying the TorchScript exporter",
-                    got, opset_version)
-    except Exception as e:  # noqa: BLE001 - any exporter failure falls back to the other route
-        log.warning("dynamo ONNX export failed (%s: %s); trying the TorchScript exporter",
-                    type(e).__name__, e)
-    for f in path.parent.glob(f"{path.name}*"):
-        f.unlink()
+    dims = {0: torch.export.Dim("batch"), 1: torch.export.Dim("seq")}
     axes = {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
-    torch.onnx.export(model, example, str(path), dynamo=False, dynamic_axes=axes, **names)
-    return "torchscript"
+    return export_with_fallback(model, example, path, names, dynamic_shapes={"input_ids": dims}, dynamic_axes=axes,
+                                external_data=external_data)
 
 
 @dataclass

@@ -171,37 +171,22 @@ def example_inputs(config: LlamaConfig, shape: tuple[int, int, int] = _EXAMPLE, 
 
 def export_decoder(decoder: CachedDecoder, path: Path, opset_version: int, external_data: bool) -> str:
     """Write `path` from `decoder`; returns the exporter that succeeded ("dynamo" or "torchscript")."""
-    from stages.deployment.onnx_files import onnx_opset
+    from stages.deployment.onnx_files import export_with_fallback
 
     example = example_inputs(decoder.model.config)
     n = decoder.num_layers
     names = dict(input_names=[*INPUT_NAMES, *past_names(n)], output_names=["logits", *present_names(n)],
                  opset_version=opset_version)
-    try:
-        # Dim.DYNAMIC, not named Dims: attention_mask's length is past + seq, which named Dims can
-        # only express as a Dim plus a constant; export derives the relation itself.
-        dyn = torch.export.Dim.DYNAMIC
-        shapes = {"input_ids": {0: dyn, 1: dyn}, "attention_mask": {0: dyn, 1: dyn},
-                  "position_ids": {0: dyn, 1: dyn}, "past_key_values": [{0: dyn, 2: dyn}] * (2 * n)}
-        torch.onnx.export(decoder, example, str(path), dynamo=True, external_data=external_data,
-                          dynamic_shapes=shapes, **names)
-        name_axes(path, n)
-        got = onnx_opset(path)
-        if got == opset_version:
-            return "dynamo"
-        # The dynamo exporter builds opset 18 and converts down; when the conversion fails it
-        # only logs and keeps opset 18, so check the file rather than trust the argument.
-        log.warning("dynamo exporter wrote opset %d instead of %d; trying the TorchScript exporter",
-                    got, opset_version)
-    except Exception as e:  # noqa: BLE001 - any exporter failure falls back to the other route
-        log.warning("dynamo ONNX export failed (%s: %s); trying the TorchScript exporter", type(e).__name__, e)
-    for f in path.parent.glob(f"{path.name}*"):
-        f.unlink()
+    # Dim.DYNAMIC, not named Dims: attention_mask's length is past + seq, which named Dims can
+    # only express as a Dim plus a constant; export derives the relation itself.
+    dyn = torch.export.Dim.DYNAMIC
+    shapes = {"input_ids": {0: dyn, 1: dyn}, "attention_mask": {0: dyn, 1: dyn},
+              "position_ids": {0: dyn, 1: dyn}, "past_key_values": [{0: dyn, 2: dyn}] * (2 * n)}
     axes = {name: dict(enumerate(dims)) for name, dims in _axis_names(n).items()}
     for name in (*past_names(n), *present_names(n)):
         axes[name] = {0: axes[name][0], 2: axes[name][2]}
-    torch.onnx.export(decoder, example, str(path), dynamo=False, dynamic_axes=axes, **names)
-    return "torchscript"
+    return export_with_fallback(decoder, example, path, names, dynamic_shapes=shapes, dynamic_axes=axes,
+                                external_data=external_data, after_dynamo=lambda p: name_axes(p, n))
 
 
 def _axis_names(num_layers: int) -> dict[str, tuple[str, ...]]:

@@ -18,11 +18,15 @@ decoder's input and output names of `stages.deployment.onnx_decoder`:
 from __future__ import annotations
 
 import json
+import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from stages.checkpoint.atomic import write_json
 from stages.model.config import LlamaConfig
+
+log = logging.getLogger(__name__)
 
 ONNX_NAME = "model.onnx"
 INT8_DIR = "int8"  # the INT8 variant's own directory inside an export directory
@@ -95,3 +99,32 @@ def read_genai_config(directory: Path) -> dict[str, Any] | None:
     """genai_config.json of `directory`, None when it has none."""
     path = Path(directory) / GENAI_CONFIG
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def export_with_fallback(module: Any, example: tuple, path: Path, names: dict[str, Any], *, dynamic_shapes: Any,
+                         dynamic_axes: dict[str, dict[int, str]], external_data: bool,
+                         after_dynamo: Callable[[Path], None] | None = None) -> str:
+    """`torch.onnx.export` of `module` to `path`: the dynamo exporter first (`dynamic_shapes`, then
+    `after_dynamo(path)`), else the TorchScript exporter (`dynamic_axes`); returns the route that
+    succeeded ("dynamo" or "torchscript"). `names`: input_names, output_names, opset_version."""
+    import torch
+
+    opset_version = names["opset_version"]
+    try:
+        torch.onnx.export(module, example, str(path), dynamo=True, external_data=external_data,
+                          dynamic_shapes=dynamic_shapes, **names)
+        if after_dynamo is not None:
+            after_dynamo(path)
+        got = onnx_opset(path)
+        if got == opset_version:
+            return "dynamo"
+        # The dynamo exporter builds opset 18 and converts down; when the conversion fails it
+        # only logs and keeps opset 18, so check the file rather than trust the argument.
+        log.warning("dynamo exporter wrote opset %d instead of %d; trying the TorchScript exporter",
+                    got, opset_version)
+    except Exception as e:  # noqa: BLE001 - any exporter failure falls back to the other route
+        log.warning("dynamo ONNX export failed (%s: %s); trying the TorchScript exporter", type(e).__name__, e)
+    for f in path.parent.glob(f"{path.name}*"):
+        f.unlink()
+    torch.onnx.export(module, example, str(path), dynamo=False, dynamic_axes=dynamic_axes, **names)
+    return "torchscript"

@@ -216,14 +216,18 @@ def _bpe(pre_tokenizer, normalizer=None) -> PreTrainedTokenizerFast:
 _BYTES = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
 
 
-@pytest.mark.parametrize("pre, tokenizer", [
+# pre-tokenizer name -> a tokenizer with that split (gpt-2's, our trained one, is added where asked)
+PRE_TOKENIZER_CASES = [
     ("qwen2", lambda: _bpe(pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(gt.QWEN2_SPLIT), "isolated"), _BYTES]),
                            normalizers.NFC())),
     ("llama-bpe", lambda: _bpe(pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(gt.LLAMA3_SPLIT), "isolated"),
                                                         _BYTES]))),
     ("smollm", lambda: _bpe(pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                      pre_tokenizers.ByteLevel(add_prefix_space=False)]))),
-])
+]
+
+
+@pytest.mark.parametrize("pre, tokenizer", PRE_TOKENIZER_CASES)
 def test_pre_tokenizer_names_give_the_same_token_ids(pre, tokenizer, tmp_path):
     from stages.checkpoint.gguf import repair_pre_tokenizer
 
@@ -412,14 +416,7 @@ def test_llama_cpp_logits_equal_transformers_on_f32(sources, tiny_tokenizer_dir,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pre, tokenizer", [
-    ("gpt-2", lambda: train_tokenizer(_CORPUS * 4, vocab_size=300)),
-    ("qwen2", lambda: _bpe(pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(gt.QWEN2_SPLIT), "isolated"), _BYTES]),
-                           normalizers.NFC())),
-    ("llama-bpe", lambda: _bpe(pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(gt.LLAMA3_SPLIT), "isolated"),
-                                                        _BYTES]))),
-    ("smollm", lambda: _bpe(pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                     pre_tokenizers.ByteLevel(add_prefix_space=False)]))),
-])
+    ("gpt-2", lambda: train_tokenizer(_CORPUS * 4, vocab_size=300)), *PRE_TOKENIZER_CASES])
 def test_llama_cpp_tokenizes_like_the_source(pre, tokenizer, tmp_path):
     source = tokenizer()
     src = save_checkpoint(tmp_path / "src", source)

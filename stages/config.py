@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import os
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,13 @@ def check_yaml_syntax(*paths: str | Path) -> None:
 
 
 def load_schema(path: str | Path = SCHEMA_PATH) -> dict[str, Any]:
-    return yaml.safe_load(Path(path).read_text())
+    """The config schema (a fresh copy; parsed once per process, with libyaml where PyYAML has it)."""
+    return copy.deepcopy(_parsed_schema(str(Path(path).resolve()), Path(path).stat().st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed_schema(path: str, mtime_ns: int) -> dict[str, Any]:
+    return yaml.load(Path(path).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 def resolve_ref(node: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:

@@ -99,6 +99,7 @@ from stages.metrics.perplexity import model_perplexity, target_perplexity, unigr
 from stages.metrics.speed import model_bytes, rss_bytes, speed_metrics
 from stages.metrics.text import corpus_bleu, exact_match, metric_implementations, rouge_l
 from stages.sections import EvaluateSettings, SftSettings
+from stages.serving.generation_settings import BACKENDS
 from stages.settings import add_arguments, from_arguments
 from stages.stage_logs import Progress, configure_logging, log_io
 
@@ -169,9 +170,6 @@ def adapter_base_dir(adapter_dir: Path) -> Path:
     raise InputError(f"cannot find the base model of adapter {adapter_dir}: tried {tried or 'nothing'} "
                      "(from meta.json 'parent' and adapter_config.json 'base_model_name_or_path'); "
                      "set one of them to the base model's directory")
-
-
-BACKENDS = ("torch", "onnxruntime")
 
 
 def load_variant(model_dir: str | Path, backend: str | None = None) -> tuple[Any, Any, str]:

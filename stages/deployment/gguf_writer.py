@@ -46,7 +46,7 @@ from stages.checkpoint.atomic import atomic_file
 from stages.checkpoint.hf import load_config, load_state_dict
 from stages.deployment.gguf_tokenizer import gguf_tokenizer
 from stages.model.config import LlamaConfig
-from stages.model.rope import rope_type
+from stages.model.rope_types import rope_type
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from torch import nn
 
 from stages.model.config import LlamaConfig
 from stages.model.llama import Attention, LlamaForCausalLM, apply_rope
-from stages.model.rope import rope_type
+from stages.model.rope_types import rope_type
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ _HOMES = {
     "FLAVOURS": "config", "SUPPORTED_MODEL_TYPES": "config", "LlamaConfig": "config", "config_for_flavour": "config",
     "LlamaForCausalLM": "llama", "build_model": "llama",
     "IGNORE_INDEX": "labels", "causal_lm_loss": "loss", "counted_tokens": "loss",
-    "SUPPORTED_ROPE_TYPES": "rope", "RotaryEmbedding": "rope",
+    "SUPPORTED_ROPE_TYPES": "rope_types", "RotaryEmbedding": "rope",
 }
 __all__ = ["FLAVOURS", "IGNORE_INDEX", "LlamaConfig", "LlamaForCausalLM", "RotaryEmbedding", "SUPPORTED_MODEL_TYPES",
            "SUPPORTED_ROPE_TYPES", "build_model", "causal_lm_loss", "config_for_flavour", "counted_tokens"]
@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from stages.model.labels import IGNORE_INDEX
     from stages.model.llama import LlamaForCausalLM, build_model
     from stages.model.loss import causal_lm_loss, counted_tokens
-    from stages.model.rope import SUPPORTED_ROPE_TYPES, RotaryEmbedding
+    from stages.model.rope import RotaryEmbedding
+    from stages.model.rope_types import SUPPORTED_ROPE_TYPES
 
 
 def __getattr__(name: str) -> Any:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stages.model.rope import check_rope_scaling, rope_type
+from stages.model.rope_types import check_rope_scaling, rope_type
 
 log = logging.getLogger(__name__)
 

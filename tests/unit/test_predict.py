@@ -19,6 +19,7 @@ from stages.checkpoint.hf import copy_tokenizer
 from stages.checkpoint.meta import write_meta
 from stages.data.sft import encode_prompt, read_sft_file
 from stages.errors import InputError
+from stages.serving import generation_settings
 
 ROOT = Path(__file__).resolve().parents[2]
 # Prompts of different lengths (the debug tokenizer's words are single tokens), so that batches
@@ -230,18 +231,18 @@ def test_chat_format_follows_the_data_dir_then_the_tokenizer(tiny_tokenizer_dir,
 def test_config_section_becomes_the_command_line_flags():
     from stages.config import load_schema
 
-    flags = predict.settings_flags({"batch_size": 4, "max_new_tokens": 7, "decode_strategy": "sampling"})
+    flags = generation_settings.settings_flags({"batch_size": 4, "max_new_tokens": 7, "decode_strategy": "sampling"})
     args = predict.build_parser().parse_args(["--model", "m", "--input", "i", "--out", "o", *flags.split()])
-    assert {k: getattr(args, k) for k in predict.SECTION_DEFAULTS} == {
-        **predict.SECTION_DEFAULTS, "batch_size": 4, "max_new_tokens": 7, "decode_strategy": "sampling"}
-    assert "--max-new-tokens" not in predict.settings_flags({})  # null: max_length decides
+    assert {k: getattr(args, k) for k in generation_settings.SECTION_DEFAULTS} == {
+        **generation_settings.SECTION_DEFAULTS, "batch_size": 4, "max_new_tokens": 7, "decode_strategy": "sampling"}
+    assert "--max-new-tokens" not in generation_settings.settings_flags({})  # null: max_length decides
     with pytest.raises(InputError, match="'predict.batchsize' is unknown; did you mean 'batch_size'"):
-        predict.settings_flags({"batchsize": 4})
+        generation_settings.settings_flags({"batchsize": 4})
     with pytest.raises(InputError, match="src_length=128 must be below predict.max_length=128"):
-        predict.settings_flags({"src_length": 128})
+        generation_settings.settings_flags({"src_length": 128})
     # the dataclass's defaults are the schema's section, field for field (chat_template and backend
     # are no config keys)
     section = load_schema()["$defs"]["experiment"]["properties"]["predict"]["properties"]
     schema = {k: v["default"] for k, v in section.items()}
     assert {k: v for k, v in predict.DEFAULTS.items() if k not in ("chat_template", "backend")} == schema \
-        == predict.SECTION_DEFAULTS
+        == generation_settings.SECTION_DEFAULTS

@@ -4,7 +4,7 @@
 # The input lies in the prepare data dir, so the predictor's --chat-template auto follows its
 # index.json (sft_format), as evaluate does. The flags come from the experiment's `predict`
 # section, complete since the workflow's config check filled the schema's defaults.
-from stages.predict import settings_flags
+from stages.serving.generation_settings import settings_flags
 
 
 rule predict:

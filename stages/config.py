@@ -385,12 +385,12 @@ def _check_model_source(name: str, exp: dict[str, Any]) -> dict[str, Any] | None
 def _check_device(key: str, sec: dict[str, Any]) -> None:
     """Mixed precision this machine cannot run is refused here, not inside the job. Skipped with
     LLM_LIFECYCLE_DEVICE_CHECK=0 (a SLURM login node without the compute nodes' GPU)."""
-    if os.environ.get("LLM_LIFECYCLE_DEVICE_CHECK", "1") == "0" or not (sec["fp16"] or sec["bf16"]):
+    if os.environ.get("LLM_LIFECYCLE_DEVICE_CHECK", "1") == "0" or not (sec["fp16"] or sec["bf16"] is True):
         return
     from stages.training.capabilities import bf16_unsupported_reason, fp16_unsupported_reason  # imports torch
 
     for flag, reason in (("fp16", sec["fp16"] and fp16_unsupported_reason()),
-                         ("bf16", sec["bf16"] and bf16_unsupported_reason())):
+                         ("bf16", sec["bf16"] is True and bf16_unsupported_reason())):
         if reason:
             raise ConfigError(f"{key}.{flag}=true: {reason}")
 
@@ -407,7 +407,7 @@ def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any], source: di
                           "partition gradients during backward, which the pipeline schedule runs outside "
                           "DeepSpeed; use sharding: stage1 (or none) with pipeline parallelism")
     if sec["bf16"] and sec["fp16"]:
-        raise ConfigError(f"{key}: bf16 and fp16 are both true; choose one mixed-precision mode")
+        raise ConfigError(f"{key}: bf16={str(sec['bf16']).lower()} and fp16=true; choose one mixed-precision mode")
     if pp > 1 and sec["fp16"]:
         raise ConfigError(f"{key}: fp16 with pipeline_parallel_degree={pp}: fp16's loss scaling lives in "
                           "DeepSpeed's backward, which the pipeline schedule bypasses; use bf16 or fp32")

@@ -129,7 +129,7 @@ class TrainingSettings(Section):
     max_grad_norm: float
     seed: int
     logging_steps: int
-    bf16: bool
+    bf16: bool | str  # true, false or auto (stages.training.capabilities.resolved_bf16)
     save_steps: int
     save_total_limit: int
     async_save: bool

@@ -205,7 +205,7 @@ def _layout(section: dict[str, Any]) -> _Layout:
                    zero=ZERO_STAGES[section["sharding"]], offload=bool(section["sharding_offload"]),
                    micro=section["per_device_train_batch_size"], accum=section["gradient_accumulation_steps"],
                    seq=section["max_length"], recompute=bool(section.get("recompute")),
-                   param_bytes=2 if section.get("bf16") or section.get("fp16") else 4,
+                   param_bytes=2 if section.get("bf16") is True or section.get("fp16") else 4,  # auto: fp32, the larger
                    tp_output=bool(section.get("tensor_parallel_output")), packing=bool(section.get("packing")))
 
 

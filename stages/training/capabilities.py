@@ -1,4 +1,5 @@
-"""What this machine's device can run, asked where the config is checked (before any job starts).
+"""What this machine's device can run, asked where the config is checked (before any job starts),
+and what `bf16: auto` becomes on it (in the training job).
 
 DeepSpeed's CPU accelerator accepts `fp16` only where oneDNN has fp16 kernels (Intel CPUs with
 AVX512-FP16/AMX-FP16); elsewhere, e.g. on AMD EPYC, `deepspeed.initialize` raises
@@ -37,3 +38,29 @@ def bf16_unsupported_reason() -> str | None:
     if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
         return "this GPU has no bf16 support; use fp16: true (or fp32)"
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def native_bf16() -> str | None:
+    """What multiplies bf16 natively here (a GPU with bf16, or a CPU with AVX512-BF16 or AMX-BF16),
+    named; None where bf16 would be emulated, slower than fp32 (e.g. AVX2-only or AVX-512 without
+    BF16 CPUs)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} has bf16" if torch.cuda.is_bf16_supported() else None
+    if torch.cpu._is_amx_tile_supported():
+        return "this CPU has AMX"
+    if torch.cpu._is_avx512_bf16_supported():
+        return "this CPU has AVX512-BF16"
+    return None
+
+
+def resolved_bf16(section):
+    """`section` with `bf16: auto` decided for this machine: true where `native_bf16()`, else
+    false (a bool is returned unchanged). The run's fingerprint and engine see the decision, and
+    meta.json's metrics record it as `bf16`. `section` is a typed section or a mapping."""
+    if section["bf16"] != "auto":
+        return section
+    decided = native_bf16() is not None
+    return section.replace(bf16=decided) if hasattr(section, "replace") else {**section, "bf16": decided}

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from stages.parallel import Topology
+from stages.training.capabilities import resolved_bf16
 from stages.training.checkpointing import OptimizerAccess
 from stages.training.schedule import build_scheduler
 
@@ -33,7 +34,7 @@ def deepspeed_config(section: Mapping[str, Any], data_parallel: int, pipeline: b
                               **({"offload_optimizer": {"device": "cpu"}} if section["sharding_offload"] else {})},
         "zero_force_ds_cpu_optimizer": False,  # offload runs our torch AdamW on the CPU copy
         "zero_allow_untested_optimizer": True,  # torch AdamW runs on CPU; DeepSpeed's fused Adam is CUDA-only
-        "bf16": {"enabled": bool(section["bf16"])},
+        "bf16": {"enabled": bool(resolved_bf16(section)["bf16"])},  # auto: decided for this machine
         # dynamic loss scaling from 2^16, halved on overflow (the step is skipped), doubled after
         # 1000 clean steps; DeepSpeed keeps fp32 master weights in the optimizer
         "fp16": {"enabled": bool(section["fp16"]), "loss_scale": 0, "initial_scale_power": 16},

@@ -54,7 +54,7 @@ from stages.training.checkpointing import (
     trained_parameters,
     write_final,
 )
-from stages.training.capabilities import fp16_unsupported_reason
+from stages.training.capabilities import fp16_unsupported_reason, native_bf16, resolved_bf16
 from stages.training.deepspeed_engine import build_engine
 from stages.training.families import (
     config_identity,
@@ -436,14 +436,20 @@ def train(model: torch.nn.Module, source, section: Mapping[str, Any], out_dir: s
     (what the caller knows of its inputs). With `evaluator`, dev metrics are logged beside the loss
     every `eval_steps` (`load_best_model_at_end` writes the best evaluated weights) and measured
     once more on the weights written (metrics `dev_loss`, `dev_exact_match`, ...). Returns the
-    metrics, `extra_metrics` included (on every rank). Call after `init_distributed()`."""
+    metrics, `extra_metrics` included (on every rank). Call after `init_distributed()`.
+    `bf16: auto` is decided here for this machine (metric `bf16`, the precision the run used)."""
+    if section["bf16"] == "auto":
+        section = resolved_bf16(section)
+        if torch.distributed.get_rank() == 0:
+            log.info("%s: bf16=auto -> %s (%s)", stage, str(section["bf16"]).lower(),
+                     native_bf16() or "bf16 would be emulated here, slower than fp32")
     run = setup(model, source, section, stage=stage, num_parameters=num_parameters, checkpoint_dir=checkpoint_dir,
                 identity=identity, out_dir=out_dir)
     del model
     run_steps(run, source, evaluator)
     if section.get("load_best_model_at_end"):
         restore_best(run)
-    metrics = {**run_metrics(run), **(extra_metrics or {}), "dev_loss": None}
+    metrics = {**run_metrics(run), **(extra_metrics or {}), "bf16": bool(section["bf16"]), "dev_loss": None}
     if evaluator is not None:
         metrics.update({k.replace("eval_", "dev_", 1): v for k, v in final_evaluation(run, evaluator).items()})
     finish(run, out_dir, metrics, tokenizer_dir=tokenizer_dir, parent=parent, meta_config=meta_config,

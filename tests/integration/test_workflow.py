@@ -82,6 +82,10 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(exp / "pretrain")  # HF layout, no project code
+    from stages.training.capabilities import native_bf16
+
+    # bf16: auto, decided in the job: bf16 where this machine multiplies it natively
+    assert json.loads((exp / "pretrain" / "meta.json").read_text())["metrics"]["bf16"] is (native_bf16() is not None)
     # save_steps 10: checkpoints kept outside the outputs, complete, and themselves HF-loadable
     saved = sorted(p.parent.name for p in (exp / "checkpoints").glob("*/*/checkpoint-*/checkpoint_complete.json"))
     assert saved == ["checkpoint-0000010", "checkpoint-0000010", "checkpoint-0000020"], saved

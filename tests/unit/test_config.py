@@ -132,6 +132,16 @@ def test_fp16_is_checked_against_this_machine(monkeypatch):
     check_config(config)
 
 
+def test_bf16_auto_is_valid_and_exclusive_with_fp16():
+    """bf16: auto passes the parse-time check without asking the device (the job decides);
+    with fp16: true it is refused like bf16: true."""
+    check_config({"experiments": {"x": {"pretrain": {"bf16": "auto"}, "finetune": {"lora": {"bf16": "auto"}}}}})
+    with pytest.raises(ConfigError, match=r"experiments\.x\.pretrain: bf16=auto and fp16=true; choose one"):
+        check_config({"experiments": {"x": {"pretrain": {"bf16": "auto", "fp16": True}}}})
+    with pytest.raises(ConfigError, match="bf16"):
+        check_config({"experiments": {"x": {"pretrain": {"bf16": "yes"}}}})
+
+
 def test_fp16_verdict_matches_deepspeed():
     """Our up-front verdict is DeepSpeed's own: the accelerator refuses fp16 exactly when we do."""
     from deepspeed.accelerator import get_accelerator

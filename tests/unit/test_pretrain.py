@@ -54,6 +54,21 @@ def test_deepspeed_config_follows_the_section():
     assert ds["gradient_clipping"] == section["max_grad_norm"]
 
 
+
+def test_bf16_auto_is_decided_for_this_machine(monkeypatch):
+    """bf16: auto is bf16 where the device multiplies bf16 natively, fp32 elsewhere; true and false
+    stay as written."""
+    from stages.training import capabilities
+
+    section = pretrain_section(bf16="auto")
+    for native, expected in ((None, False), ("this CPU has AVX512-BF16", True)):
+        monkeypatch.setattr(capabilities, "native_bf16", lambda native=native: native)
+        assert capabilities.resolved_bf16(section)["bf16"] is expected
+        assert capabilities.resolved_bf16(dict(section))["bf16"] is expected
+        assert deepspeed_config(section, data_parallel=1)["bf16"]["enabled"] is expected
+        assert capabilities.resolved_bf16(pretrain_section(bf16=True))["bf16"] is True
+        assert capabilities.resolved_bf16(pretrain_section(bf16=False))["bf16"] is False
+
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     return make_data_dir(tmp_path_factory.mktemp("data"))

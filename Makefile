@@ -12,11 +12,18 @@ STAMP := $(VENV)/.installed
 setup: $(STAMP)
 
 # torch first (the CPU wheel), then DeepSpeed built against it without build isolation (it needs
-# torch at build time), then the project and the rest of its pinned dependencies.
+# torch at build time), then the project and the rest of its pinned dependencies. DeepSpeed's
+# shared-memory collectives for CPU ranks are compiled at install (DS_BUILD_SHM_COMM=1): otherwise
+# the first training job of a machine compiles them (25-30 s on 2 cores, measured in the default
+# DAG's pretraining) and a build from another venv's paths makes the next job compile them again.
+# A venv whose DeepSpeed lacks them (installed before) gets it rebuilt once.
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(VENV)/bin/python -c "from deepspeed.git_version_info import installed_ops as o; assert o['deepspeed_shm_comm']" \
+	    2>/dev/null || DS_BUILD_SHM_COMM=1 $(VENV)/bin/python -m pip install --quiet --no-build-isolation \
+	    --force-reinstall --no-deps --no-cache-dir deepspeed==0.19.8
 	$(VENV)/bin/python -m pip install --quiet --no-build-isolation deepspeed==0.19.8
 	$(VENV)/bin/python -m pip install --quiet -e .
 # A real pretrained checkpoint for the tests (SmolLM2-135M-Instruct as a 98 MB GGUF, converted by

@@ -4,6 +4,7 @@ the data, pretraining is skipped, fine-tuning starts from it, and it is evaluate
 variant the report compares every other variant with."""
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -32,6 +33,15 @@ def test_checkpoint_experiment_skips_pretraining_and_reports_against_base(tmp_pa
     plan = planned_jobs(snakemake(tmp_path, "--configfile", str(extra), "-n", target).stdout)
     # evaluate: base, sft, lora, prefix, lora-merged, wint8, and onnx-int8 (a Llama exports with a KV cache)
     assert "pretrain" not in plan and plan["import_base"] == 1 and plan["evaluate"] == 7, plan
+    # dynamic RoPE: exported without a cache, so without int8/ and its evaluation
+    dynamic = tmp_path / "published-dynamic"
+    shutil.copytree(checkpoint, dynamic)
+    config = json.loads((dynamic / "config.json").read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "dynamic", "factor": 2.0}
+    (dynamic / "config.json").write_text(json.dumps(config))
+    dyn = tmp_path / "dyn.yaml"
+    dyn.write_text(extra.read_text().replace(str(checkpoint), str(dynamic)))
+    assert planned_jobs(snakemake(tmp_path, "--configfile", str(dyn), "-n", target).stdout)["evaluate"] == 6
 
     snakemake(tmp_path, "--configfile", str(extra), "--cores", "2", target)
     results = tmp_path / "results" / "ck"

@@ -18,6 +18,7 @@ rule finetune:
         config=finetune_section,
         checkpoints=lambda wildcards: f"results/{wildcards.experiment}/checkpoints/{wildcards.method}",
     threads: 1
+    priority: finetune_priority
     resources:
         **cluster_resources("finetune"),
     conda:

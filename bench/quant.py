@@ -19,12 +19,29 @@ loaded by transformers in float32), bf16 (the same `.to(torch.bfloat16)`) and ea
   quantize    the stage's `quantize_seconds` (the quantization itself), the wall time of the whole
               `stages.quantize.run` call, and GPTQ's / A8W8's seconds per decoder layer (meta.json)
 
+GPTQ against GPTQModel (`--gptqmodel`, with gptq-w4 among the variants; `--gptqmodel-source DIR
+--gptqmodel-data DIR` does it alone on an existing float model, e.g. a trained one): GPTQModel
+quantizes the same float source with the same calibration windows (the token ids that
+`stages.quant.calibration.calibration_ids` gives the stage, in batches of its `CALIBRATION_BATCH`)
+and gptq-w4's settings (bits, group_size, sym, desc_act, static_groups, damp_percent,
+true_sequential; its act_group_aware off, which ours lacks), in a subprocess per `--gptqmodel-dtypes`
+entry (GPTQModel's CPU default is bfloat16, weights and calibration forward). Ours and each GPTQModel
+run go `--gptqmodel-repeats` times in turn; the medians are printed. Reported: ours
+`quantize_seconds` and the stage call's wall time; GPTQModel's `quantize()` call and load +
+quantize + save; and, on held-out windows of the data's validation split, for the float32 source
+with each result's dequantized decoder Linears swapped in (the quantizer's effect alone; both
+results read by `stages.quant.load_quantized(kernels=False)`): perplexity, relative logit error
+||l - l_fp32|| / ||l_fp32||, top-1 agreement and mean KL(fp32 || quantized). With random weights
+the perplexity is near the vocabulary size for every model; the logit error, top-1 and KL are the
+measures that separate them there.
+
 Timings are medians of `--repeats` rounds after `--warmup` rounds; within a round every model runs
 once, in a rotated order, so load from other processes hits all of them alike. Ratios to fp32
 are measured in the same run; compare those, not absolute numbers across runs.
 
     .venv/bin/python bench/quant.py                                 # tiny and 135m, all variants
     .venv/bin/python bench/quant.py --sizes tiny --repeats 3
+    .venv/bin/python bench/quant.py --sizes 135m --variants gptq-w4 --gptqmodel --skip-memory --repeats 1 --warmup 0
     .venv/bin/python bench/quant.py --help
 
 Prints one table per size and writes JSON (default bench/out/quant.json).
@@ -44,6 +61,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import transformers
 
@@ -131,7 +149,8 @@ def write_data(path: Path, vocab_size: int, num_tokens: int, seed: int = 0) -> N
     def docs(n: int) -> list[list[int]]:
         return [(torch.multinomial(weights, 256, replacement=True, generator=gen) + 3).tolist() for _ in range(n)]
 
-    write_token_files(path, {"train": docs(num_tokens // 256 + 2), "validation": docs(2)}, vocab_size=vocab_size,
+    # validation: held-out windows for GPTQ vs GPTQModel (drawn after train, so train does not change)
+    write_token_files(path, {"train": docs(num_tokens // 256 + 2), "validation": docs(8)}, vocab_size=vocab_size,
                       bos_id=1, eos_id=2, pad_id=0)
 
 
@@ -282,6 +301,210 @@ def measure_memory(name: str, model_dir: Path, args: argparse.Namespace, tmp: Pa
     return json.loads(result.read_text())
 
 
+# -- GPTQ against GPTQModel ----------------------------------------------------------------------
+
+GPTQMODEL_DTYPES = ("bfloat16", "float32")
+
+
+def gptqmodel_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("gptqmodel") is not None
+
+
+def _with_tokenizer(source: Path, scratch: Path, vocab_size: int) -> Path:
+    """A copy of `source` (weights symlinked) with a tokenizer: GPTQModel.load insists on one; the
+    bench's sources have none (a word-level one of `vocab_size` ids is written; calibration is passed
+    as token ids anyway)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    import shutil
+
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    for f in source.iterdir():  # weights linked, the small files copied: nothing written reaches `source`
+        if f.suffix == ".safetensors":
+            (scratch / f.name).symlink_to(f.resolve())
+        elif f.is_file():
+            shutil.copy2(f, scratch / f.name)
+    if (scratch / "tokenizer.json").exists() or (scratch / "tokenizer_config.json").exists():
+        return scratch
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                         pad_token="<pad>").save_pretrained(scratch)
+    return scratch
+
+
+def gptqmodel_worker(args: argparse.Namespace) -> None:
+    """Subprocess: GPTQModel quantizes --model-dir on the saved calibration ids, saves to --quant-out
+    and writes its timings to --result (GPTQModel's import changes os.environ and logging, so it
+    runs apart from the bench)."""
+    torch.set_num_threads(args.threads)
+    settings = json.loads(args.gptqmodel_settings)
+    ids = torch.load(args.calib)  # (n, seq_len) int64
+    source = _with_tokenizer(Path(args.model_dir), Path(args.result).with_suffix(".src"),
+                             json.loads((Path(args.model_dir) / "config.json").read_text())["vocab_size"])
+    import gptqmodel
+    from gptqmodel import GPTQModel, QuantizeConfig
+
+    qcfg = QuantizeConfig(bits=settings["bits"], group_size=settings["group_size"], sym=settings["sym"],
+                          desc_act=settings["desc_act"], static_groups=settings["static_groups"],
+                          damp_percent=settings["damp_percent"], true_sequential=settings["true_sequential"],
+                          act_group_aware=False, device="cpu")
+    start = time.perf_counter()
+    model = GPTQModel.load(str(source), qcfg, dtype=getattr(torch, args.gptqmodel_dtype))
+    load_s = time.perf_counter() - start
+    calibration = [{"input_ids": row.tolist(), "attention_mask": [1] * len(row)} for row in ids]
+    start = time.perf_counter()
+    model.quantize(calibration, batch_size=settings["batch"])
+    quantize_s = time.perf_counter() - start
+    start = time.perf_counter()
+    model.save(args.quant_out)
+    save_s = time.perf_counter() - start
+    Path(args.result).write_text(json.dumps({
+        "gptqmodel": gptqmodel.__version__, "dtype": args.gptqmodel_dtype, "load_s": load_s,
+        "quantize_s": quantize_s, "save_s": save_s, "total_s": load_s + quantize_s + save_s,
+        "cpu_workers": os.environ.get("GPTQMODEL_CPU_WORKERS"), "settings": settings,
+        "quantize_config": {k: str(v) for k, v in qcfg.to_dict().items() if k != "meta"}}))
+
+
+def run_gptqmodel(source: Path, out: Path, ids: torch.Tensor, settings: dict[str, Any], dtype: str,
+                  args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    calib, result = tmp / f"gptqmodel-calib-{dtype}.pt", tmp / f"gptqmodel-{dtype}.json"
+    torch.save(ids, calib)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--gptqmodel-worker", "--model-dir", str(source),
+           "--quant-out", str(out), "--calib", str(calib), "--result", str(result), "--threads", str(args.threads),
+           "--gptqmodel-dtype", dtype, "--gptqmodel-settings", json.dumps(settings)]
+    # GPTQModel's model-loader pool wants 2 workers and refuses more than the CPU pool holds
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), GPTQMODEL_CPU_WORKERS=str(max(2, args.threads)))
+    start = time.perf_counter()
+    # cwd: GPTQModel writes logs/gptq_log_*.log under the working directory; keep them in the bench's tmp
+    proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=3600, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"GPTQModel worker ({dtype}) failed:\n{proc.stderr[-4000:]}")
+    return {**json.loads(result.read_text()), "process_wall_s": time.perf_counter() - start}
+
+
+def heldout_windows(data: Path, seq_len: int) -> torch.Tensor:
+    """(n, seq_len) consecutive non-overlapping windows of the data's validation split."""
+    from stages.data.corpus import TokenFile
+
+    tokens = torch.from_numpy(np.array(TokenFile.open(data, "validation").tokens, dtype=np.int64))
+    n = len(tokens) // seq_len
+    return tokens[:n * seq_len].view(n, seq_len)
+
+
+@torch.inference_mode()
+def heldout_quality(source: Path, dirs: dict[str, Path], windows: torch.Tensor, batch: int = 4
+                    ) -> dict[str, dict[str, float]]:
+    """{name: perplexity, rel_logit_err, top1, kl} on `windows`, for the float32 source ("fp32") and
+    for the source with each directory's dequantized decoder Linears swapped in (all else float32)."""
+    import copy
+
+    from stages.quant import load_quantized
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, local_files_only=True,
+                                                            use_safetensors=True).eval()
+    models = {"fp32": ref}
+    for name, d in dirs.items():
+        q = load_quantized(d, kernels=False)
+        m = copy.deepcopy(ref)
+        for layer in q.quant_kernels:
+            m.get_submodule(layer).weight.copy_(q.get_submodule(layer).weight)
+        models[name] = m
+        del q
+    sums = {n: {"nll": 0.0, "err2": 0.0, "top1": 0.0, "kl": 0.0} for n in models}
+    ref2, positions = 0.0, 0
+    for ids in windows.split(batch):
+        ref_logits = ref(ids).logits[:, :-1].float()
+        ref_logp = torch.log_softmax(ref_logits, dim=-1)
+        ref2 += float(ref_logits.pow(2).sum())
+        positions += ref_logits.shape[0] * ref_logits.shape[1]
+        for name, m in models.items():
+            logits = ref_logits if m is ref else m(ids).logits[:, :-1].float()
+            logp = torch.log_softmax(logits, dim=-1)
+            acc = sums[name]
+            acc["nll"] -= float(logp.gather(-1, ids[:, 1:, None]).sum())
+            acc["err2"] += float((logits - ref_logits).pow(2).sum())
+            acc["top1"] += float((logits.argmax(-1) == ref_logits.argmax(-1)).sum())
+            acc["kl"] += float((ref_logp.exp() * (ref_logp - logp)).sum())
+    return {n: {"perplexity": float(torch.exp(torch.tensor(a["nll"] / positions))),
+                "rel_logit_err": (a["err2"] / ref2) ** 0.5, "top1": a["top1"] / positions, "kl": a["kl"] / positions}
+            for n, a in sums.items()}
+
+
+def compare_gptqmodel(source: Path, data: Path, ours_dir: Path, ours: dict[str, Any], section: dict[str, Any],
+                      args: argparse.Namespace, tmp: Path, log) -> dict[str, Any]:
+    """GPTQModel on the same source, windows and settings as the stage's gptq-w4 run `ours`
+    ({stage_wall_s, metrics}, written to `ours_dir`), then the held-out quality of both. With
+    `--gptqmodel-repeats` N, ours (the stage again) and each GPTQModel run go N times in turn
+    (`ours` is the first of ours) and the medians are reported, every sample in the JSON."""
+    from statistics import median
+
+    from stages.quant.calibration import CalibrationSettings, calibration_ids
+    from stages.quantize import CALIBRATION_BATCH
+
+    metrics = ours["metrics"]
+    ids, _ = calibration_ids(CalibrationSettings.from_section(section["calibration"]), data)
+    if ids.shape[0] != metrics["calibration"]["num_windows"]:
+        raise RuntimeError("the calibration windows differ from the stage's")
+    spec = metrics["spec"]
+    settings = {k: spec[k] for k in ("bits", "group_size", "sym", "desc_act", "static_groups", "damp_percent",
+                                     "true_sequential")}
+    settings["batch"] = CALIBRATION_BATCH
+    samples: dict[str, list[dict[str, Any]]] = {"ours": [{"quantize_s": metrics["quantize_seconds"],
+                                                          "total_s": ours["stage_wall_s"]}]}
+    dirs = {"ours": ours_dir}
+    for r in range(args.gptqmodel_repeats):
+        if r:
+            again = make_variant(source, ours_dir, "gptq-w4", section, data)
+            samples["ours"].append({"quantize_s": again["metrics"]["quantize_seconds"],
+                                    "total_s": again["stage_wall_s"]})
+            log(f"ours again: quantize {samples['ours'][-1]['quantize_s']:.1f} s")
+        for dtype in args.gptqmodel_dtypes:
+            name = f"gptqmodel-{dtype}"
+            dirs[name] = tmp / name
+            samples.setdefault(name, []).append(run_gptqmodel(source, dirs[name], ids, settings, dtype, args, tmp))
+            g = samples[name][-1]
+            log(f"GPTQModel ({dtype}): quantize() {g['quantize_s']:.1f} s, load + quantize + save {g['total_s']:.1f} s")
+    rows: dict[str, dict[str, Any]] = {}
+    for name, runs in samples.items():
+        first = runs[0]
+        rows[name] = {
+            "quantizer": "stages.quantize (ours)" if name == "ours" else f"GPTQModel {first['gptqmodel']}",
+            "dtype": "float32" if name == "ours" else first["dtype"],
+            "quantize_s": median(x["quantize_s"] for x in runs), "total_s": median(x["total_s"] for x in runs),
+            "quantize_s_samples": [x["quantize_s"] for x in runs], "total_s_samples": [x["total_s"] for x in runs]}
+        if name != "ours":
+            rows[name]["runs"] = runs
+    windows = heldout_windows(data, args.calib_seq_len)
+    quality = heldout_quality(source, dirs, windows)
+    for name, row in rows.items():
+        row.update(quality[name])
+    rows["fp32"] = {"quantizer": "float32 source", "dtype": "float32", **quality["fp32"]}
+    log(f"held-out quality on {windows.shape[0]} windows: "
+        + ", ".join(f"{n} err {q['rel_logit_err']:.4f}" for n, q in quality.items()))
+    return {"settings": settings, "calibration_windows": list(ids.shape), "heldout_windows": list(windows.shape),
+            "repeats": args.gptqmodel_repeats, "rows": rows}
+
+
+def bench_source(source: Path, data: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """GPTQ against GPTQModel alone on an existing float model and its prepared data (e.g. a trained
+    results/<name>/pretrain with results/<name>/data, where perplexity means something)."""
+    t0 = time.perf_counter()
+    log = lambda msg: print(f"[source {time.perf_counter() - t0:5.0f} s] {msg}", file=sys.stderr,  # noqa: E731
+                            flush=True)
+    section = quantize_section(argparse.Namespace(**{**vars(args), "variants": ["gptq-w4"]}))
+    out = work / "source" / "gptq-w4"
+    ours = make_variant(source, out, "gptq-w4", section, data)
+    log(f"quantized gptq-w4: {ours['metrics']['quantize_seconds']:.1f} s")
+    versus = compare_gptqmodel(source, data, out, ours, section, args, work / "source", log)
+    return {"source": str(source), "data": str(data), "gptq_vs_gptqmodel": versus,
+            "seconds": time.perf_counter() - t0}
+
+
 # -- one size ------------------------------------------------------------------------------------
 
 def _median(xs: list[float]) -> float:
@@ -310,6 +533,11 @@ def bench_size(size: str, args: argparse.Namespace, work: Path) -> dict[str, Any
         m = quantization[variant]["metrics"]
         log(f"quantized {variant}: {m['quantize_seconds']:.1f} s"
             + (f", {m['seconds_per_decoder_layer']:.2f} s/layer" if "seconds_per_decoder_layer" in m else ""))
+
+    versus: dict[str, Any] | None = None
+    if "gptq-w4" in quantization and args.gptqmodel:
+        versus = compare_gptqmodel(source, data, dirs["gptq-w4"], quantization["gptq-w4"], section, args,
+                                   work / size, log)
 
     memory: dict[str, Any] = {}
     if not args.skip_memory:
@@ -370,8 +598,11 @@ def bench_size(size: str, args: argparse.Namespace, work: Path) -> dict[str, Any
                              "model_bytes_ratio": rows[name]["ratio_to_fp32"]["model_bytes"],
                              "pass": dec < 1.0 and lin <= W4_LINEAR_BYTES_MAX}
     log(f"done in {time.perf_counter() - t_size:.0f} s")
-    return {"model": shape, "num_decoder_linears": len(linear_names), "rows": rows, "targets": targets,
-            "seconds": time.perf_counter() - t_size}
+    result = {"model": shape, "num_decoder_linears": len(linear_names), "rows": rows, "targets": targets,
+              "seconds": time.perf_counter() - t_size}
+    if versus is not None:
+        result["gptq_vs_gptqmodel"] = versus
+    return result
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -432,7 +663,40 @@ def format_size(size: str, result: dict[str, Any], s: dict[str, Any]) -> str:
     vs_bf16 = ", ".join(f"{name} {r['ratio_to_bf16'][pb]:.2f}/{r['ratio_to_bf16']['decode']:.2f}"
                         for name, r in result["rows"].items() if name not in BASELINES)
     lines += ["", f"x bf16 (pf b{s['batch']} / decode): {vs_bf16}"] + extra
+    versus = result.get("gptq_vs_gptqmodel")
+    if versus is not None:
+        lines += ["", format_versus(versus)]
     lines.append(f"size done in {result['seconds']:.0f} s")
+    return "\n".join(lines)
+
+
+def format_versus(versus: dict[str, Any]) -> str:
+    st = versus["settings"]
+    lines = [f"GPTQ vs GPTQModel: bits {st['bits']}, group_size {st['group_size']}, sym {st['sym']}, desc_act "
+             f"{st['desc_act']}, damp {st['damp_percent']}, true_sequential {st['true_sequential']}; calibration "
+             f"{versus['calibration_windows'][0]} x {versus['calibration_windows'][1]} tokens (the same ids, batches "
+             f"of {st['batch']}); held-out {versus['heldout_windows'][0]} x {versus['heldout_windows'][1]} tokens, "
+             "float32 model with each result's dequantized decoder Linears; times: median of "
+             f"{versus.get('repeats', 1)} runs each, in turn", ""]
+    header = ["quantizer", "dtype", "quantize s", "total s", "perplexity", "rel. logit err", "top-1 vs fp32",
+              "KL vs fp32"]
+    table = [header]
+
+    def seconds(r: dict[str, Any], key: str) -> str:
+        if key not in r:
+            return "-"
+        runs = r.get(f"{key}_samples", [])
+        return f"{r[key]:.1f}" + (f" ({min(runs):.1f}-{max(runs):.1f})" if len(runs) > 1 else "")
+
+    for r in versus["rows"].values():
+        table.append([r["quantizer"], r["dtype"], seconds(r, "quantize_s"), seconds(r, "total_s"),
+                      f"{r['perplexity']:.1f}", f"{r['rel_logit_err']:.4f}", f"{r['top1']:.4f}", f"{r['kl']:.2e}"])
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    fmt = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
+    lines += [fmt(table[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [fmt(row) for row in table[1:]]
+    lines.append("quantize s: ours = meta.json's quantize_seconds (calibration + GPTQ, no packing), GPTQModel = its "
+                 "quantize() call (calibration, GPTQ and packing); total s: ours = the stage call (load, GPTQ, pack, "
+                 "write), GPTQModel = load + quantize() + save")
     return "\n".join(lines)
 
 
@@ -445,6 +709,9 @@ def format_report(result: dict[str, Any]) -> str:
              "(embeddings, norms and the tied lm_head stay float)", ""]
     for size, r in result["sizes"].items():
         lines += [format_size(size, r, s), ""]
+    if "source" in result:
+        r = result["source"]
+        lines += [f"## {r['source']} (data {r['data']})", "", format_versus(r["gptq_vs_gptqmodel"]), ""]
     return "\n".join(lines).rstrip()
 
 
@@ -460,11 +727,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode_prompt": args.decode_prompt, "decode_tokens": args.decode_tokens, "group_size": args.group_size,
         "calib_samples": args.calib_samples, "calib_seq_len": args.calib_seq_len, "vocab_size": args.vocab_size,
         "prefill_logits": "last position only (logits_to_keep=1)",
-        "skip_memory": args.skip_memory}, "sizes": {}}
+        "skip_memory": args.skip_memory, "gptqmodel": args.gptqmodel,
+        "gptqmodel_dtypes": args.gptqmodel_dtypes, "gptqmodel_repeats": args.gptqmodel_repeats,
+        "gptqmodel_source": None if args.gptqmodel_source is None else str(args.gptqmodel_source)}, "sizes": {}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="quant-bench-", dir=args.out.parent) as tmp:
         for size in args.sizes:
             result["sizes"][size] = bench_size(size, args, Path(tmp))
+        if args.gptqmodel_source is not None:
+            result["source"] = bench_source(args.gptqmodel_source, args.gptqmodel_data, args, Path(tmp))
     result["machine"]["loadavg_at_end"] = load_average()
     return result
 
@@ -489,18 +760,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of flavour sizes (default 4096; 135m: 49152)")
     p.add_argument("--skip-memory", action="store_true", help="skip the peak-RSS subprocesses")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT.relative_to(ROOT)})")
+    p.add_argument("--gptqmodel", action="store_true",
+                   help="GPTQ against GPTQModel: with gptq-w4 among the variants, GPTQModel quantizes the same "
+                        "source with the same windows and settings; times and held-out quality of both")
+    p.add_argument("--gptqmodel-dtypes", type=csv_list, default=list(GPTQMODEL_DTYPES),
+                   help=f"GPTQModel's model dtype(s), one run each (default {','.join(GPTQMODEL_DTYPES)}; "
+                        "bfloat16 is its CPU default)")
+    p.add_argument("--gptqmodel-repeats", type=int, default=3,
+                   help="rounds of ours and each GPTQModel run, in turn; medians reported (default 3)")
+    p.add_argument("--gptqmodel-source", type=Path,
+                   help="also compare GPTQ and GPTQModel on this float model dir (e.g. a trained "
+                        "results/<name>/pretrain), calibrated on --gptqmodel-data; --sizes '' for this alone")
+    p.add_argument("--gptqmodel-data", type=Path, help="the prepared data dir of --gptqmodel-source")
     p.add_argument("--memory-worker", choices=[*BASELINES, *ALL_VARIANTS], help=argparse.SUPPRESS)
+    p.add_argument("--gptqmodel-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--gptqmodel-dtype", choices=GPTQMODEL_DTYPES, help=argparse.SUPPRESS)
+    p.add_argument("--gptqmodel-settings", help=argparse.SUPPRESS)
+    p.add_argument("--calib", help=argparse.SUPPRESS)
+    p.add_argument("--quant-out", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.memory_worker:
+    if args.memory_worker or args.gptqmodel_worker:
         return args
+    if (args.gptqmodel_source is None) != (args.gptqmodel_data is None):
+        p.error("--gptqmodel-source and --gptqmodel-data go together")
+    if (args.gptqmodel or args.gptqmodel_source) and not gptqmodel_available():
+        p.error("--gptqmodel / --gptqmodel-source need gptqmodel installed (docs/gptq_interop.md)")
+    if args.gptqmodel and "gptq-w4" not in args.variants:
+        p.error("--gptqmodel compares the gptq-w4 variant: add it to --variants")
     bad = [s for s in args.sizes if s != "135m" and s not in FLAVOURS]
-    if bad or not args.sizes:
+    if bad or not (args.sizes or args.gptqmodel_source):
         p.error(f"--sizes {bad or args.sizes}: choose from 135m, {', '.join(sorted(FLAVOURS))}")
     unknown = [v for v in args.variants if v not in ALL_VARIANTS]
     if unknown:
         p.error(f"--variants {unknown}: choose from {', '.join(ALL_VARIANTS)}")
+    bad = [d for d in args.gptqmodel_dtypes if d not in GPTQMODEL_DTYPES]
+    if bad:
+        p.error(f"--gptqmodel-dtypes {bad}: choose from {', '.join(GPTQMODEL_DTYPES)}")
+    if args.gptqmodel_repeats < 1:
+        p.error("--gptqmodel-repeats must be >= 1")
     if args.repeats < 1 or args.warmup < 0 or args.decode_tokens < 1 or args.threads < 1:
         p.error("--repeats, --decode-tokens and --threads must be >= 1, --warmup >= 0")
     return args
@@ -510,6 +809,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.memory_worker:
         memory_worker(args)
+        return 0
+    if args.gptqmodel_worker:
+        gptqmodel_worker(args)
         return 0
     start = time.perf_counter()
     result = run(args)

@@ -50,7 +50,15 @@ The layer-by-layer driver (`quantize_layer_sequential`, `gptq_quantize_model`) r
 batches through one decoder block at a time: inside a block the Linears are quantized in the order
 the forward pass calls them ("true sequential": q/k/v, then o, then gate/up, then down), each group
 calibrated on inputs produced by the already-quantized earlier ones, and the block's quantized
-output is the input of the next block.
+output is the input of the next block. Layers fed the same tensor (q/k/v, gate/up) share one Hessian
+and one GPTQ over their stacked rows (`gptq_quantize_shared`): GPTQ treats rows independently, so
+each gets exactly the result it would get alone, for one Hessian, one factorisation and one column
+loop instead of three.
+
+Speed: the column loop runs on W^T, where a column is a contiguous row, with about a dozen small
+torch calls per column, on one intra-op thread (`COLUMN_LOOP_THREADS`); the block updates, the
+Hessians and the factorisations use every thread. The float results are the same as the plain
+(out, in) loop's bit for bit (tests/unit/test_quant_gptq.py holds it against the reference loop).
 """
 
 from __future__ import annotations
@@ -73,6 +81,12 @@ from stages.stage_logs import Progress
 log = logging.getLogger(__name__)
 
 SUPPORTED_BITS = (2, 3, 4, 8)
+# Intra-op threads of the per-column loop (0: leave torch's setting). Its operations touch at most
+# block_size x out elements: an OpenMP fork/join costs about as much as the work, and on a busy machine
+# every one of them waits for a descheduled thread (135m shapes, 2 threads while another process held
+# a core: torch.outer and sub_ 0.8 ms each per column; on 1 thread 0.01-0.04 ms for both). The block
+# updates, Hessians and factorisations keep every thread.
+COLUMN_LOOP_THREADS = 1
 
 
 @dataclass(frozen=True)
@@ -197,79 +211,135 @@ def gptq_quantize(
 ) -> GPTQResult:
     """GPTQ of `weight` (out, in) given the Hessian (in, in) of its calibration inputs (see the
     module docstring for the maths and the options). Neither argument is modified."""
+    return gptq_quantize_shared([weight], hessian, bits, group_size, sym, desc_act, static_groups, damp_percent,
+                                block_size, names=[name])[0]
+
+
+@torch.no_grad()
+def gptq_quantize_shared(
+    weights: Sequence[torch.Tensor], hessian: torch.Tensor, bits: int = 4, group_size: int = 128, sym: bool = True,
+    desc_act: bool = False, static_groups: bool = False, damp_percent: float = 0.01, block_size: int = 128,
+    names: Sequence[str] | None = None,
+) -> list[GPTQResult]:
+    """`gptq_quantize` of several weights (out_i, in) fed the same inputs (q/k/v, gate/up), so sharing
+    one Hessian: each result is the one `gptq_quantize` gives that weight alone. GPTQ treats the
+    output rows independently (per-row group parameters, per-row error feedback, the same H^-1 for
+    all), so the weights are stacked into one (sum out_i, in) matrix and the column loop, the
+    damping and the factorisation of H^-1 run once for all of them.
+
+    The loop works on W^T (in, out), where the column being quantized is a contiguous row: per
+    column one division, round, shift and clamp (the codes), one subtraction and product (s * (q - z)),
+    the scaled error, and one rank-1 update (outer product, subtraction) of the block's remaining
+    columns."""
+    names = [f"weight{k}" for k in range(len(weights))] if names is None else list(names)
+    if not weights or len(names) != len(weights):
+        raise ValueError("gptq_quantize_shared needs one name per weight and at least one weight")
     GPTQConfig(bits, group_size, sym, desc_act, static_groups, damp_percent, block_size)  # validates
-    if weight.dim() != 2:
-        raise ValueError(f"{name}: expected a 2-D weight (out, in), got shape {tuple(weight.shape)}")
-    out_f, in_f = weight.shape
+    for w, name in zip(weights, names):
+        if w.dim() != 2:
+            raise ValueError(f"{name}: expected a 2-D weight (out, in), got shape {tuple(w.shape)}")
+    in_f = weights[0].shape[1]
+    for w, name in zip(weights, names):
+        if w.shape[1] != in_f:
+            raise ValueError(f"{name}: in_features={w.shape[1]} differs from {names[0]}'s {in_f}; only weights "
+                             "with the same inputs share a Hessian")
+    label = names[0] if len(names) == 1 else "/".join(names)
     if hessian.shape != (in_f, in_f):
-        raise ValueError(f"{name}: hessian of shape {tuple(hessian.shape)} does not match in_features={in_f}")
-    W = weight.detach().to(torch.float32).clone()  # (out, in)
-    if not torch.isfinite(W).all():
-        raise ValueError(f"{name} holds inf or nan values; it cannot be quantized")
-    H = hessian.detach().to(W.device, torch.float32).clone()
+        raise ValueError(f"{label}: hessian of shape {tuple(hessian.shape)} does not match in_features={in_f}")
+    device = weights[0].device
+    # W^T (in, out): the columns of W are rows here; a fresh float32 copy, the inputs stay untouched
+    Wt = torch.cat([w.detach().to(device, torch.float32) for w in weights]).t().contiguous()
+    for w, name in zip(weights, names):
+        if not torch.isfinite(w).all():
+            raise ValueError(f"{name} holds inf or nan values; it cannot be quantized")
+    H = hessian.detach().to(device, torch.float32).clone()
+    in_f, out_f = Wt.shape
     maxq = 2**bits - 1
     gs = in_f if group_size == -1 else group_size
     n_groups = math.ceil(in_f / gs)
 
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
-    W[:, dead] = 0.0
+    Wt[dead] = 0.0
 
-    scales = torch.zeros(out_f, n_groups, device=W.device)
-    zeros = torch.zeros(out_f, n_groups, device=W.device)
+    scales = torch.zeros(n_groups, out_f, device=device)  # transposed: (G, out)
+    zeros = torch.zeros(n_groups, out_f, device=device)
     # Groups whose parameters come from the weights before any update: per channel (one group,
     # as GPTQ does) and static_groups (original column order).
     upfront = group_size == -1 or static_groups
     if upfront:
         for g in range(n_groups):
-            scales[:, g], zeros[:, g] = group_params(W[:, g * gs:(g + 1) * gs], bits, sym)
+            scales[g], zeros[g] = group_params(Wt[g * gs:(g + 1) * gs].t(), bits, sym)
 
     perm = None
     if desc_act:
         perm = torch.argsort(torch.diag(H), descending=True, stable=True)
-        W, H = W[:, perm], H[perm][:, perm]
+        Wt, H = Wt[perm], H[perm][:, perm]
     # group of the j-th processed column: its original column's group when the groups are fixed in
     # the original order, else its position's
-    position = torch.arange(in_f, device=W.device)
+    position = torch.arange(in_f, device=device)
     column_group = (perm if (perm is not None and upfront) else position) // gs  # (in,)
 
-    U = _inverse_hessian_factor(H, damp_percent, name)  # (in, in) upper
-    Q = torch.zeros_like(W)  # dequantized weights, processing order
-    codes = torch.zeros_like(W)  # integer-valued, processing order
-    Err = torch.zeros_like(W)  # (w_j - q_j) / U[j, j]
-    groups = column_group.tolist()  # plain ints: tensor indexing per column costs more than the maths
-    for i1 in range(0, in_f, block_size):
-        i2 = min(i1 + block_size, in_f)
-        W1 = W[:, i1:i2].clone()  # (out, b): updated eagerly inside the block
-        Err1 = Err[:, i1:i2]
-        U1 = U[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            j = i1 + i
-            if not upfront and j % gs == 0:
-                g_end = min(j + gs, in_f)
-                cols = W1[:, i:min(g_end, i2) - i1]
-                if g_end > i2:  # the group runs past this block: add the block's pending updates
-                    rest = W[:, i2:g_end] - Err1[:, :i] @ U[i1:j, i2:g_end]
-                    cols = torch.cat([cols, rest], dim=1)
-                scales[:, j // gs], zeros[:, j // gs] = group_params(cols, bits, sym)
-            s, z = scales[:, groups[j]], zeros[:, groups[j]]
-            w = W1[:, i]
-            q = torch.clamp(torch.round(w / s) + z, 0, maxq)
-            dq = s * (q - z)
-            codes[:, j], Q[:, j] = q, dq
-            err = (w - dq) / U1[i, i]
-            W1[:, i:].sub_(torch.outer(err, U1[i, i:]))
-            Err1[:, i] = err
-        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
-    loss = float((Err * Err).sum() / 2)
-    codes = codes.to(torch.int32)
+    U = _inverse_hessian_factor(H, damp_percent, label)  # (in, in) upper
+    del H
+    Qt = torch.empty_like(Wt)  # dequantized weights, processing order, transposed
+    codes = torch.empty_like(Wt)  # integer-valued
+    Err = torch.empty_like(Wt)  # (w_j - q_j) / U[j, j]
+    # plain Python numbers: tensor indexing per column costs more than the maths
+    groups = column_group.tolist()
+    pivots = torch.diagonal(U).tolist()
+    current, s, z = -1, None, None
+    threads = torch.get_num_threads()
+    try:
+        for i1 in range(0, in_f, block_size):
+            i2 = min(i1 + block_size, in_f)
+            W1 = Wt[i1:i2]  # (b, out): updated eagerly inside the block; nothing reads it afterwards
+            Err1 = Err[i1:i2]
+            U1 = U[i1:i2, i1:i2]
+            if COLUMN_LOOP_THREADS and threads > COLUMN_LOOP_THREADS:
+                torch.set_num_threads(COLUMN_LOOP_THREADS)
+            for i in range(i2 - i1):
+                j = i1 + i
+                if not upfront and j % gs == 0:
+                    g_end = min(j + gs, in_f)
+                    cols = W1[i:min(g_end, i2) - i1]
+                    if g_end > i2:  # the group runs past this block: add the block's pending updates
+                        rest = Wt[i2:g_end] - U[i1:j, i2:g_end].t() @ Err1[:i]
+                        cols = torch.cat([cols, rest])
+                    scales[j // gs], zeros[j // gs] = group_params(cols.t(), bits, sym)
+                    current = -1  # the group's parameters were just (re)computed
+                if groups[j] != current:
+                    current = groups[j]
+                    s, z = scales[current], zeros[current]
+                w, q, dq, err = W1[i], codes[j], Qt[j], Err1[i]
+                torch.div(w, s, out=q).round_().add_(z).clamp_(0, maxq)
+                torch.sub(q, z, out=dq).mul_(s)
+                torch.sub(w, dq, out=err).div_(pivots[j])
+                if i + 1 < i2 - i1:  # not addr_: its fused multiply-add rounds differently from the reference
+                    W1[i + 1:].sub_(torch.outer(U1[i, i + 1:], err))
+            torch.set_num_threads(threads)
+            if i2 < in_f:
+                Wt[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1)
+    finally:
+        torch.set_num_threads(threads)
+    row_loss = (Err * Err).sum(dim=0) / 2  # (out,)
 
     g_idx = column_group.to(torch.int32)  # processing order
     if perm is not None:
         inverse = torch.argsort(perm)
-        Q, codes, g_idx = Q[:, inverse], codes[:, inverse], g_idx[inverse]
-    return GPTQResult(codes=codes, scales=scales, zeros=zeros.to(torch.int32), g_idx=g_idx, perm=perm,
-                      weight=Q, bits=bits, group_size=group_size, sym=sym, loss=loss)
+        Qt, codes, g_idx = Qt[inverse], codes[inverse], g_idx[inverse]
+    results = []
+    row = 0
+    for k, w in enumerate(weights):
+        rows = slice(row, row + w.shape[0])
+        row += w.shape[0]
+        own = (lambda t: t) if k == 0 else (lambda t: None if t is None else t.clone())  # no shared storage
+        results.append(GPTQResult(
+            codes=codes[:, rows].t().to(torch.int32).contiguous(), scales=scales[:, rows].t().contiguous(),
+            zeros=zeros[:, rows].t().to(torch.int32).contiguous(), g_idx=own(g_idx), perm=own(perm),
+            weight=Qt[:, rows].t().contiguous(), bits=bits, group_size=group_size, sym=sym,
+            loss=float(row_loss[rows].sum())))
+    return results
 
 
 def dequantize_gptq(result: GPTQResult, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -359,12 +429,23 @@ def quantize_layer_sequential(
     dot = f"{prefix}." if prefix else ""
     results: dict[str, GPTQResult] = {}
     for group in groups:
-        hessians = {name: GPTQHessian(linear_weight(modules[name]).shape[1], modules[name].weight.device)
-                    for name in group}
+        hessians: dict[str, GPTQHessian] = {}
+        leader: dict[str, str] = {}  # layer -> the layer whose Hessian it shares (itself if none)
+        batch_inputs: dict[str, torch.Tensor] = {}  # this batch: leader -> its input
         seen: set[str] = set()
 
         def record(mod, args, out, name):
-            hessians[name].add_batch(args[0])
+            x = args[0]
+            if name not in leader:  # decided on the first batch: the same tensor as an earlier layer's
+                leader[name] = next((n for n, t in batch_inputs.items() if t is x), name)
+            if leader[name] == name:
+                if name not in hessians:
+                    hessians[name] = GPTQHessian(linear_weight(modules[name]).shape[1], modules[name].weight.device)
+                hessians[name].add_batch(x)
+                batch_inputs[name] = x
+            elif batch_inputs.get(leader[name]) is not x:
+                raise RuntimeError(f"{dot}{name} was fed {dot}{leader[name]}'s input on the first calibration batch "
+                                   "but not on a later one; the block's forward is not the same for every batch")
             seen.add(name)
             if len(seen) == len(group):  # the rest of the block cannot change these inputs
                 raise StopForward
@@ -374,6 +455,7 @@ def quantize_layer_sequential(
         try:
             for inp in inputs:
                 seen.clear()
+                batch_inputs.clear()
                 try:
                     run_block(block, inp)
                 except StopForward:
@@ -381,14 +463,24 @@ def quantize_layer_sequential(
         finally:
             for h in hooks:
                 h.remove()
+        batch_inputs.clear()
+        missing = [name for name in group if name not in leader]
+        if missing:
+            raise ValueError(f"{dot}{missing[0]} received no calibration input: the block's forward does not "
+                             "call it; pass `sequential` without it")
+        # layers sharing an input share H: one GPTQ over their stacked rows (bit-identical to one each)
+        shared: dict[str, list[str]] = {}
         for name in group:
-            if hessians[name].num_rows == 0:
-                raise ValueError(f"{dot}{name} received no calibration input: the block's forward does not "
-                                 "call it; pass `sequential` without it")
-            module = modules[name]
-            r = gptq_quantize(linear_weight(module), hessians[name].hessian, config.bits, config.group_size,
-                              config.sym, config.desc_act, config.static_groups, config.damp_percent,
-                              config.block_size, name=f"{dot}{name}")
+            shared.setdefault(leader[name], []).append(name)
+        group_results: dict[str, GPTQResult] = {}
+        for first, members in shared.items():
+            rs = gptq_quantize_shared([linear_weight(modules[name]) for name in members], hessians[first].hessian,
+                                      config.bits, config.group_size, config.sym, config.desc_act,
+                                      config.static_groups, config.damp_percent, config.block_size,
+                                      names=[f"{dot}{name}" for name in members])
+            group_results.update(zip(members, rs))
+        for name in group:  # in the group's order
+            module, r = modules[name], group_results[name]
             w = r.weight.t() if isinstance(module, Conv1D) else r.weight
             module.weight.copy_(w.to(module.weight.dtype))
             results[f"{dot}{name}"] = r

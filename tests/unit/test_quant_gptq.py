@@ -8,9 +8,10 @@ import torch
 import transformers
 
 from stages.model import build_model, config_for_flavour
+from stages.quant import gptq as gptq_module
 from stages.quant.gptq import (
     BlockInput, GPTQConfig, GPTQHessian, dequantize_gptq, gptq_quantize, gptq_quantize_model,
-    quantize_layer_sequential, sequential_groups, to_quantized_weight,
+    gptq_quantize_shared, quantize_layer_sequential, sequential_groups, to_quantized_weight,
 )
 from stages.quant.gptq_format import dequantize_packed, pack
 from stages.quant import gptq_pack
@@ -172,6 +173,66 @@ def test_bad_arguments_name_the_option():
         gptq_quantize(w, torch.full((32, 32), float("nan")))
 
 
+def _reference_gptq(w: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int, damp_percent: float = 0.01):
+    """The reference loop (IST-DASLab/gptq's fasterquant, as AutoGPTQ / GPTQModel run it) in W's own
+    (out, in) layout, symmetric groups, no act-order: the dequantized weights."""
+    W, H = w.clone(), hessian.clone()
+    maxq, in_f = 2**bits - 1, w.shape[1]
+    H += damp_percent * torch.diag(H).mean() * torch.eye(in_f)
+    U = torch.linalg.cholesky(torch.cholesky_solve(torch.eye(in_f), torch.linalg.cholesky(H)), upper=True)
+    Q = torch.zeros_like(W)
+    for i1 in range(0, in_f, group_size):  # block_size == group_size
+        i2 = i1 + group_size
+        W1, Err1, U1 = W[:, i1:i2].clone(), torch.zeros(W.shape[0], group_size), U[i1:i2, i1:i2]
+        s, z = gptq_module.group_params(W1, bits, sym=True)
+        for i in range(group_size):
+            w_col = W1[:, i]
+            q = s * (torch.clamp(torch.round(w_col / s) + z, 0, maxq) - z)
+            Q[:, i1 + i] = q
+            err = (w_col - q) / U1[i, i]
+            W1[:, i:] -= err.unsqueeze(1) * U1[i, i:]
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+    return Q
+
+
+def test_column_loop_equals_the_reference_loop_bit_for_bit():
+    # block_size == group_size, no dead column: the transposed loop computes the same floats
+    w, hessian = _weight(48, 128, seed=20), _hessian(_inputs(1024, 128, seed=21))
+    r = gptq_quantize(w, hessian, bits=4, group_size=32, sym=True, block_size=32)
+    assert torch.equal(r.weight, _reference_gptq(w, hessian, bits=4, group_size=32))
+
+
+@pytest.mark.parametrize("options", [dict(bits=4, group_size=32, sym=True),
+                                     dict(bits=3, group_size=48, sym=False, desc_act=True, block_size=20),
+                                     dict(bits=4, group_size=-1, sym=False, desc_act=True, static_groups=True)])
+def test_shared_hessian_gives_each_weight_its_own_result(options):
+    # q/k/v (and gate/up) see the same inputs: one GPTQ over the stacked rows is each one's GPTQ
+    hessian = _hessian(_inputs(1024, 112, seed=22))
+    weights = [_weight(out_f, 112, seed=23 + k) for k, out_f in enumerate((32, 16, 16))]
+    shared = gptq_quantize_shared(weights, hessian, names=["q", "k", "v"], **options)
+    for w, r in zip(weights, shared):
+        alone = gptq_quantize(w, hessian, **options)
+        for key in ("codes", "scales", "zeros", "g_idx", "weight"):
+            assert torch.equal(getattr(r, key), getattr(alone, key)), key
+        assert r.loss == pytest.approx(alone.loss, rel=1e-5)
+        assert r.codes.shape == w.shape and r.codes.is_contiguous() and r.weight.is_contiguous()
+    # each result owns its tensors (safetensors refuses shared storage)
+    assert len({r.g_idx.data_ptr() for r in shared}) == 3
+    with pytest.raises(ValueError, match="k: in_features=96"):
+        gptq_quantize_shared([weights[0], _weight(16, 96)], hessian, names=["q", "k"])
+
+
+def test_column_loop_leaves_the_thread_count_as_it_was():
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        gptq_quantize(_weight(8, 64), torch.eye(64), bits=4, group_size=32)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_packs_into_the_classic_layout():
     w, x = _weight(32, 128, seed=9), _inputs(512, 128, seed=10)
     hessian = _hessian(x)
@@ -255,6 +316,40 @@ def test_sequential_driver_on_one_block_follows_true_sequential_order():
     assert torch.equal(layer.mlp.down_proj.weight, results["mlp.down_proj"].weight)
     with torch.no_grad():
         torch.testing.assert_close(outputs[0], layer(x, cos, sin))
+
+
+def test_driver_shares_the_hessian_of_layers_fed_the_same_input(monkeypatch):
+    model = _structured_llama()
+    layer = model.model.layers["0"]
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    x = model.model.embed_tokens(ids).detach()
+    cos, sin = model.rotary_emb(32, x.device, x.dtype)
+    inputs = [BlockInput(hidden=x[:2], args=(cos, sin)), BlockInput(hidden=x[2:], args=(cos, sin))]
+    calls, hessians = [], []
+    real_shared, real_hessian = gptq_module.gptq_quantize_shared, gptq_module.GPTQHessian
+
+    def shared(weights, hessian, *args, names=None, **kwargs):
+        calls.append([n.split(".")[-1] for n in names])
+        return real_shared(weights, hessian, *args, names=names, **kwargs)
+
+    def counted(*args, **kwargs):
+        hessians.append(real_hessian(*args, **kwargs))
+        return hessians[-1]
+
+    monkeypatch.setattr(gptq_module, "gptq_quantize_shared", shared)
+    monkeypatch.setattr(gptq_module, "GPTQHessian", counted)
+    reference = copy.deepcopy(layer)
+    config = GPTQConfig(bits=4, group_size=32, sym=False)
+    _, results = quantize_layer_sequential(layer, inputs, config)
+    assert calls == [["q_proj", "k_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]]
+    assert len(hessians) == 4 and all(h.num_rows == 4 * 32 for h in hessians)
+    # the same as calibrating and quantizing each Linear alone: q/k/v on the float block's input
+    h = real_hessian(x.shape[-1])
+    for inp in inputs:
+        h.add_batch(reference.input_layernorm(inp.hidden))
+    for name in ("q_proj", "k_proj", "v_proj"):
+        alone = gptq_quantize(getattr(reference.self_attn, name).weight, h.hessian, bits=4, group_size=32, sym=False)
+        assert torch.equal(results[f"self_attn.{name}"].weight, alone.weight)
 
 
 def test_gptq_model_beats_rtn_on_final_logits():

@@ -234,6 +234,37 @@ def test_gptq_beats_rtn_on_held_out_data(source, data_dir, tmp_path):
     assert err_gptq < 0.8 * err_rtn, (err_gptq, err_rtn)
 
 
+def test_bench_heldout_quality_scores_the_quantizer_alone(source, data_dir, tmp_path):
+    """bench/quant.py's GPTQ-vs-GPTQModel measure: the float32 source scores itself exactly, and a
+    result is scored as the source with its dequantized decoder Linears (load_quantized(kernels=False))."""
+    from bench.quant import format_versus, heldout_quality, heldout_windows
+
+    group = 32
+    quantize.run(source, tmp_path / "gptq-w4", "gptq-w4", group, config=_section(group), data_dir=data_dir)
+    windows = heldout_windows(data_dir, 64)
+    tokens = TokenFile.open(data_dir, "validation").tokens
+    assert windows.shape == (len(tokens) // 64, 64) and torch.equal(windows[1], torch.tensor(tokens[64:128]).long())
+    ids = windows[:4]
+    q = heldout_quality(source, {"ours": tmp_path / "gptq-w4"}, ids, batch=3)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = reference(ids).logits[:, :-1]
+        ours = load_quantized(tmp_path / "gptq-w4", kernels=False)(ids).logits[:, :-1]
+    nll = torch.nn.functional.cross_entropy(ref.reshape(-1, ref.shape[-1]), ids[:, 1:].reshape(-1))
+    assert q["fp32"]["perplexity"] == pytest.approx(float(torch.exp(nll)), rel=1e-4)
+    assert q["fp32"]["rel_logit_err"] == 0 and q["fp32"]["top1"] == 1 and abs(q["fp32"]["kl"]) < 1e-6
+    err = float(torch.linalg.vector_norm(ours - ref) / torch.linalg.vector_norm(ref))
+    assert q["ours"]["rel_logit_err"] == pytest.approx(err, rel=1e-4) and err > 0
+    assert q["ours"]["kl"] > 0 and 0 < q["ours"]["top1"] <= 1
+    rows = {"ours": {"quantizer": "ours", "dtype": "float32", "quantize_s": 1.0, "quantize_s_samples": [1.0, 2.0],
+                     "total_s": 2.0, **q["ours"]},
+            "fp32": {"quantizer": "float32 source", "dtype": "float32", **q["fp32"]}}
+    text = format_versus({"settings": {"bits": 4, "group_size": group, "sym": True, "desc_act": False,
+                                       "damp_percent": 0.01, "true_sequential": True, "batch": 8},
+                          "calibration_windows": [8, 32], "heldout_windows": [4, 64], "repeats": 2, "rows": rows})
+    assert "| ours " in text and "1.0 (1.0-2.0)" in text and f"{err:.4f}" in text
+
+
 def test_gptq_needs_its_data_and_fails_before_writing(source, data_dir, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(CalibrationError, match=r"quantize\.calibration\.source=corpus reads the experiment's "

@@ -78,6 +78,11 @@ def test_int_mm_kernel_equals_simulation_with_leading_dims(static):
     torch.testing.assert_close(y, simulated(x), rtol=1e-5, atol=1e-5 * float(y.abs().max()))
     torch.testing.assert_close(kernel(x[0, :1]), y[0, :1])  # one token, 2-D input
     assert kernel(x.bfloat16()).dtype == torch.bfloat16
+    # without shift or smoothing the kernel quantizes a copy: the caller's input is left as it was
+    plain, plain_simulated = A8W8Linear(w, sw), A8W8Linear(w, sw, simulate=True)
+    before = x.clone()
+    torch.testing.assert_close(plain(x), plain_simulated(x), rtol=1e-5, atol=1e-5 * float(y.abs().max()))
+    assert torch.equal(x, before)
 
 
 def test_smoothing_lowers_the_error_on_activation_outliers():

@@ -316,9 +316,9 @@ def _with_tokenizer(source: Path, scratch: Path, vocab_size: int) -> Path:
     """A copy of `source` (weights symlinked) with a tokenizer: GPTQModel.load insists on one; the
     bench's sources have none (a word-level one of `vocab_size` ids is written; calibration is passed
     as token ids anyway)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
@@ -343,7 +343,7 @@ def gptqmodel_worker(args: argparse.Namespace) -> None:
     runs apart from the bench)."""
     torch.set_num_threads(args.threads)
     settings = json.loads(args.gptqmodel_settings)
-    ids = torch.load(args.calib)  # (n, seq_len) int64
+    ids = torch.load(args.calib, weights_only=True)  # (n, seq_len) int64
     source = _with_tokenizer(Path(args.model_dir), Path(args.result).with_suffix(".src"),
                              json.loads((Path(args.model_dir) / "config.json").read_text())["vocab_size"])
     import gptqmodel

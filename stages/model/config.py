@@ -17,7 +17,7 @@ checkpoint being loaded).
 - refused: a value we cannot honour raises ValueError naming the file, the key, the value and
   what is supported (`REFUSED_KEYS` lists the keys refused whenever they change the maths;
   honoured keys are refused for unsupported values: hidden_act other than silu, rope types other
-  than `rope.SUPPORTED_ROPE_TYPES`, partial rotary factors, sliding layers without a window, ...).
+  than `rope_types.SUPPORTED_ROPE_TYPES`, partial rotary factors, sliding layers without a window, ...).
 
 `to_hf_dict` writes the config back in the layout it came in (a transformers-5 config keeps
 `rope_parameters`, a transformers-4 one `rope_theta` + `rope_scaling`), with the source's

@@ -54,7 +54,6 @@ def test_deepspeed_config_follows_the_section():
     assert ds["gradient_clipping"] == section["max_grad_norm"]
 
 
-
 def test_bf16_auto_is_decided_for_this_machine(monkeypatch):
     """bf16: auto is bf16 where the device multiplies bf16 natively, fp32 elsewhere; true and false
     stay as written."""
@@ -68,6 +67,7 @@ def test_bf16_auto_is_decided_for_this_machine(monkeypatch):
         assert deepspeed_config(section, data_parallel=1)["bf16"]["enabled"] is expected
         assert capabilities.resolved_bf16(pretrain_section(bf16=True))["bf16"] is True
         assert capabilities.resolved_bf16(pretrain_section(bf16=False))["bf16"] is False
+
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):

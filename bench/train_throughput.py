@@ -49,6 +49,18 @@ from stages.training.step import train_step as engine_train_step  # noqa: E402
 from stages.training.schedule import build_scheduler  # noqa: E402
 
 DEFAULT_OUT = ROOT / "bench" / "out" / "train_throughput.json"
+# Shapes beside the flavours: `135m` is SmolLM2-135M's (vocab 49152, tied embeddings), a 135M-class
+# model for MFU at a size where matmuls dominate more than in tiny.
+SHAPES = {"135m": dict(base="tiny", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                       num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)}
+
+
+def model_config(name: str, vocab_size: int) -> LlamaConfig:
+    """A flavour's config with `vocab_size`, or one of SHAPES (its own vocabulary)."""
+    if name in SHAPES:
+        shape = dict(SHAPES[name])
+        return config_for_flavour(shape.pop("base"), **shape)
+    return config_for_flavour(name, vocab_size=vocab_size)
 SHARDINGS = ("none", "stage1", "stage2", "stage3")
 
 
@@ -388,11 +400,11 @@ def format_report(result: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
-    config = config_for_flavour(args.flavour, vocab_size=args.vocab_size)
+    config = model_config(args.flavour, args.vocab_size)
     section = pretrain_section(per_device_train_batch_size=args.batch_size, max_length=args.seq_len, bf16=True,
                                max_steps=args.warmup_steps + args.steps, warmup_steps=args.warmup_steps, world_size=1)
     state = {k: v.clone() for k, v in build_model(config, seed=section["seed"]).state_dict().items()}
-    data = random_tokens((args.warmup_steps + args.steps) * args.batch_size, args.seq_len, args.vocab_size, seed=1)
+    data = random_tokens((args.warmup_steps + args.steps) * args.batch_size, args.seq_len, config.vocab_size, seed=1)
     fpt = flops_per_token(config, args.seq_len)
     tokens_per_step = args.batch_size * args.seq_len
 
@@ -440,7 +452,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     result: dict[str, Any] = {
         "machine": machine_info(),
-        "settings": {"flavour": args.flavour, "vocab_size": args.vocab_size, "batch_size": args.batch_size,
+        "settings": {"flavour": args.flavour, "vocab_size": config.vocab_size, "batch_size": args.batch_size,
                      "seq_len": args.seq_len, "steps": args.steps, "warmup_steps": args.warmup_steps,
                      "compile": args.compile, "hf_compile": args.hf_compile, "bf16": True,
                      "max_grad_norm": section["max_grad_norm"], "num_parameters": config.num_parameters(),
@@ -464,7 +476,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench/train_throughput.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--flavour", default="tiny", help="model flavour of the throughput runs (default tiny)")
+    p.add_argument("--flavour", default="tiny", help="model flavour of the throughput runs (default tiny), or 135m "
+                   "(SmolLM2-135M's shape and vocabulary)")
     p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary (default 4096, the default experiment's)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step (per_device_train_batch_size)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (pretrain.max_length)")

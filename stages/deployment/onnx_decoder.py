@@ -36,7 +36,7 @@ from torch import nn
 
 from stages.model.config import LlamaConfig
 from stages.model.llama import Attention, LlamaForCausalLM, apply_rope
-from stages.model.rope_types import rope_type
+from stages.model.rope_types import depends_on_length
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def present_names(num_layers: int) -> list[str]:
 def check_exportable(model: LlamaForCausalLM) -> None:
     """Raise ValueError naming what a cache graph of `model` cannot compute."""
     config: LlamaConfig = model.config
-    if rope_type(config.rope_scaling) == "dynamic":
+    if depends_on_length(config.rope_scaling):
         raise ValueError("rope_scaling.rope_type='dynamic' recomputes the RoPE frequencies from the total "
                          "sequence length; the ONNX decoder with a KV cache supports the other rope types")
     layers = list(model.model.layers.values())

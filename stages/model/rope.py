@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-from stages.model.rope_types import SUPPORTED_ROPE_TYPES, rope_type
+from stages.model.rope_types import SUPPORTED_ROPE_TYPES, depends_on_length, rope_type
 
 
 class RopeConfig(Protocol):
@@ -141,7 +141,7 @@ class RotaryEmbedding:
 
     def __init__(self, config: RopeConfig):
         self.config = config
-        self.dynamic = rope_type(config.rope_scaling) == "dynamic"
+        self.dynamic = depends_on_length(config.rope_scaling)
         self.inv_freq, self.attention_factor = rope_tables(config)  # (hd/2,), at the original length
 
     def __call__(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

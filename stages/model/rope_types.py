@@ -19,6 +19,13 @@ def rope_type(scaling: dict[str, Any] | None) -> str:
     return scaling.get("rope_type", scaling.get("type", "default"))
 
 
+def depends_on_length(scaling: dict[str, Any] | None) -> bool:
+    """Whether the rope type's frequencies are recomputed from the sequence's total length
+    (`dynamic`): a position's angle then changes as the sequence grows, which the model follows per
+    forward and a KV-cache graph (cached keys rotated once) cannot."""
+    return rope_type(scaling) == "dynamic"
+
+
 def check_rope_scaling(scaling: dict[str, Any] | None, key: str) -> None:
     """Raise ValueError, naming `key` (e.g. 'rope_parameters'), when the scaling dict asks for a
     rope type or parameter this module does not compute."""

@@ -13,7 +13,7 @@ from stages import export, predict
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import save_pretrained
 from stages.deployment.onnx_checks import left_pad
-from stages.deployment.onnx_decoder import past_names, present_names
+from stages.deployment.onnx_decoder import check_exportable, past_names, present_names
 from stages.deployment.onnx_generate import OnnxDecoder, greedy_generate
 from stages.deployment.onnx_int8 import perplexity
 from stages.evaluate import load_variant
@@ -181,3 +181,13 @@ def test_onnxruntime_genai_generates_the_same_tokens(exported, tiny_tokenizer_di
         want = greedy_generate(decoder, ids, np.ones_like(ids), NEW_TOKENS, 2, 0)[0, len(prompt):].tolist()
         want = want[:want.index(2) + 1] if 2 in want else want
         assert got == want
+
+
+def test_dynamic_rope_is_the_one_rope_type_the_cache_graph_refuses():
+    """`dynamic` rotates a position by an angle that changes as the sequence grows; the cache graph
+    (keys rotated once) refuses it, and the workflow reads the same rule (no onnx-int8 for it)."""
+    dynamic = config_for_flavour("debug", vocab_size=64, rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match="rope_type='dynamic'"):
+        check_exportable(build_model(dynamic))
+    check_exportable(build_model(config_for_flavour("debug", vocab_size=64,
+                                                    rope_scaling={"rope_type": "linear", "factor": 2.0})))

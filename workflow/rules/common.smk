@@ -10,7 +10,7 @@ from stages.cluster.resources import single_process_resources
 from stages.config import ConfigError, check_config, finetune_source, load_schema, pretrain_enabled, sharded_output
 from stages.config import experiment as named_experiment
 from stages.data.validate import check_data_section, check_mix_datasets, mix_files
-from stages.model.rope_types import rope_type
+from stages.model.rope_types import depends_on_length
 from stages.plan import check_plan
 from stages.quant.variants import BUILTIN_VARIANTS, CALIBRATED_METHODS, spec_method, variant_settings
 from stages.sweeps import expand as expand_sweeps
@@ -267,7 +267,7 @@ def onnx_variants(wildcards):
     if not source:
         return ["onnx-int8"]
     config = read_source_config(source)
-    dynamic = rope_type(config.get("rope_scaling") or config.get("rope_parameters")) == "dynamic"
+    dynamic = depends_on_length(config.get("rope_scaling") or config.get("rope_parameters"))
     return ["onnx-int8"] if family_of(config).ours and not dynamic else []
 
 

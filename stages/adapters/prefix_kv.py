@@ -115,16 +115,12 @@ def projected_table(tensors: dict[str, torch.Tensor], prefix: str = "prefix_enco
 def kv_cache_of(model: nn.Module, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (key, value), each (K, P, hd): what our model's attention computes for the token
     ids `ids` at positions 0..P-1 (keys rotated), i.e. the KV cache of that text."""
-    from stages.model.llama import apply_rope
-
     x = model.model.embed_tokens(torch.tensor([ids], device=model.model.embed_tokens.weight.device))  # (1, P, d)
     cos, sin = model.rotary_emb(len(ids), x.device, x.dtype)
     pairs = []
     for _, layer in sorted(model.model.layers.items(), key=lambda kv: int(kv[0])):
-        attn, h = layer.self_attn, layer.input_layernorm(x)
-        key = attn.k_proj(h).view(1, len(ids), -1, attn.head_dim).transpose(1, 2)  # (1, K, P, hd)
-        value = attn.v_proj(h).view(1, len(ids), -1, attn.head_dim).transpose(1, 2)
-        pairs.append((apply_rope(key, cos, sin)[0], value[0]))
+        _, key, value = layer.self_attn.project(layer.input_layernorm(x), cos, sin)  # (1, K, P, hd) each
+        pairs.append((key[0], value[0]))
         x = layer(x, cos, sin)
     return pairs
 

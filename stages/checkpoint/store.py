@@ -33,6 +33,7 @@ import torch
 from stages.checkpoint.atomic import write_json
 from stages.checkpoint.integrity import sha256_file, verify
 from stages.checkpoint.weights import open_safetensors, read_tensor
+from stages.parallel.tensor import join_shards
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +173,8 @@ class StateReader:
                              f"{[p['tp_rank'] for p in parts]} of {parts[0]['tp_size']}; the checkpoint is incomplete")
         if len(parts) == 1:
             return self._read(parts[0]["file"], key)
-        return torch.cat([self._read(p["file"], key) for p in parts], dim=parts[0]["partition_dim"])
+        return join_shards([self._read(p["file"], key) for p in parts], parts[0]["partition_dim"],
+                           parts[0].get("partition_chunks", 1))
 
     def close(self) -> None:
         self._handles.clear()

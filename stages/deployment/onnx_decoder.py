@@ -35,7 +35,8 @@ import torch
 from torch import nn
 
 from stages.model.config import LlamaConfig
-from stages.model.llama import Attention, LlamaForCausalLM, apply_rope
+from stages.model.llama import Attention, LlamaForCausalLM
+from stages.model.rope import angles
 from stages.model.rope_types import depends_on_length
 
 log = logging.getLogger(__name__)
@@ -77,10 +78,7 @@ def _cached_attention(attn: Attention, x: torch.Tensor, cos: torch.Tensor, sin: 
     `bias` (B, 1, T, P+T) is 0 where a query may attend a key, the dtype's minimum elsewhere."""
     B, T, _ = x.shape
     hd = attn.head_dim
-    q = attn.q_proj(x).view(B, T, -1, hd).transpose(1, 2)  # (B, H, T, hd)
-    k = attn.k_proj(x).view(B, T, -1, hd).transpose(1, 2)  # (B, K, T, hd)
-    v = attn.v_proj(x).view(B, T, -1, hd).transpose(1, 2)  # (B, K, T, hd)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k, v = attn.project(x, cos, sin)  # (B, H, T, hd), (B, K, T, hd) x 2
     k = torch.cat([past_k, k], dim=2)  # (B, K, P+T, hd): the present cache
     v = torch.cat([past_v, v], dim=2)
     H, K = q.shape[1], k.shape[1]
@@ -121,7 +119,7 @@ class CachedDecoder(nn.Module):
         self.model = model
         rotary = model.rotary_emb
         # fp32 frequencies as a buffer so they become one initializer (not a traced constant per use)
-        self.register_buffer("inv_freq", rotary.inv_freq.clone(), persistent=False)  # (hd/2,)
+        self.register_buffer("inv_freq", rotary.inv_freq.clone(), persistent=False)  # (rd/2,)
         self.attention_factor = float(rotary.attention_factor)
 
     @property
@@ -129,9 +127,9 @@ class CachedDecoder(nn.Module):
         return len(self.model.model.layers)
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (B, 1, T, hd) of `position_ids` (B, T), as RotaryEmbedding computes its tables."""
-        freqs = position_ids.float()[..., None] * self.inv_freq  # (B, T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hd)
+        """cos, sin (B, 1, T, rd) of `position_ids` (B, T), as RotaryEmbedding computes its tables."""
+        freqs = position_ids.float()[..., None] * self.inv_freq  # (B, T, rd/2)
+        emb = angles(freqs, self.model.config.rope_interleaved)  # (B, T, rd)
         cos, sin = emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
         return cos.to(dtype)[:, None], sin.to(dtype)[:, None]  # (B, 1, T, hd)
 
@@ -148,8 +146,7 @@ class CachedDecoder(nn.Module):
                 biases[window] = attention_bias(attention_mask, input_ids.shape[1], window, x.dtype)
             h, k, v = _cached_attention(layer.self_attn, layer.input_layernorm(x), cos, sin, biases[window],
                                         past_key_values[2 * i], past_key_values[2 * i + 1])
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer.add_mlp(layer.add_attention(x, h))
             present += [k, v]
         logits = self.model.lm_head(inner.norm(x))  # (B, T, V)
         return (logits, *present)

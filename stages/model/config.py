@@ -1,8 +1,11 @@
 """The Llama-family model configuration, its Hugging Face config.json, and the named flavours.
 
-One dataclass describes every size of three transformers families that share one architecture:
-`llama`, `qwen2` (q/k/v bias, per-layer sliding windows) and `mistral` (a sliding window on every
-layer). Field names and meanings are transformers' own, per family. A flavour is a named set of
+One dataclass describes every size of six transformers families that share one architecture, each
+a few switches away from Llama: `llama`, `qwen2` (q/k/v bias, per-layer sliding windows),
+`mistral` (a sliding window on every layer), `qwen3` (Qwen2's windows plus an RMSNorm over each
+query and key head, `q_norm` / `k_norm`), `glm` (GLM-4-0414's predecessor in transformers: q/k/v
+bias, one fused `gate_up_proj`, RoPE on the first half of each head in interleaved pairs) and
+`glm4` (GLM plus a norm after attention and after the MLP, before each residual add). Field names and meanings are transformers' own, per family. A flavour is a named set of
 architecture fields; the vocabulary size is not part of it (it comes from the tokenizer or from the
 checkpoint being loaded).
 
@@ -35,7 +38,8 @@ from stages.model.rope_types import check_rope_scaling, rope_type
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM"}
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 ROPE_LAYOUTS = ("rope_scaling", "rope_parameters")  # transformers 4, transformers 5
 ACTIVATIONS = ("silu", "swish")  # both are SiLU in transformers' ACT2FN
@@ -57,13 +61,33 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
                     num_attention_heads=32, num_key_value_heads=8, head_dim=None, max_position_embeddings=131072,
                     rms_norm_eps=1e-6, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",
                     attention_dropout=0.0, sliding_window=4096),
+    "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=32, head_dim=128, max_position_embeddings=32768,
+                  rms_norm_eps=1e-6, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",
+                  attention_dropout=0.0, attention_bias=False, use_sliding_window=False, sliding_window=4096,
+                  max_window_layers=28, layer_types=None),
+    "glm": dict(vocab_size=151552, hidden_size=4096, intermediate_size=13696, num_hidden_layers=40,
+                num_attention_heads=32, num_key_value_heads=2, head_dim=128, max_position_embeddings=131072,
+                rms_norm_eps=1.5625e-07, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",
+                attention_dropout=0.0, attention_bias=True),
+    "glm4": dict(vocab_size=151552, hidden_size=4096, intermediate_size=13696, num_hidden_layers=40,
+                 num_attention_heads=32, num_key_value_heads=2, head_dim=128, max_position_embeddings=131072,
+                 rms_norm_eps=1.5625e-07, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",
+                 attention_dropout=0.0, attention_bias=True),
 }
+# The share of each head's dimensions RoPE rotates, when config.json does not say: GLM's config
+# classes default to half (transformers 5 writes it into rope_parameters, 4 at the top level).
+PARTIAL_ROTARY_DEFAULTS = {"glm": 0.5, "glm4": 0.5}
+WINDOWED_PER_LAYER = ("qwen2", "qwen3")  # use_sliding_window + max_window_layers / layer_types
+GLM_FAMILIES = ("glm", "glm4")
 # Honoured keys of each family: its defaults above, the RoPE keys and the special token ids.
 # (Qwen2's config class has no head_dim, but its modeling reads one when config.json has it.)
 _ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
 _TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 HONOURED_KEYS: dict[str, tuple[str, ...]] = {
-    family: ("model_type", *defaults, *_ROPE_KEYS, *_TOKEN_KEYS) for family, defaults in FAMILY_DEFAULTS.items()
+    family: ("model_type", *defaults, *_ROPE_KEYS, *_TOKEN_KEYS,
+             *(("partial_rotary_factor",) if family in PARTIAL_ROTARY_DEFAULTS else ()))
+    for family, defaults in FAMILY_DEFAULTS.items()
 }
 # Bookkeeping that changes nothing in the forward pass: carried without comment.
 CARRIED_KEYS = frozenset({
@@ -82,7 +106,8 @@ REFUSED_KEYS: dict[str, tuple[Any, str]] = {
                                   "(stages.quant.loader.load_quantized reads GPTQ checkpoints)"),
     "is_causal": (True, "only causal (decoder) attention is implemented"),
     "per_layer_config": (None, "per-layer configs (heterogeneous models) are not implemented"),
-    "partial_rotary_factor": (1.0, "only 1.0 (every head dimension rotated) is implemented"),
+    "partial_rotary_factor": (1.0, "only GLM's classes rotate part of each head; transformers' Llama, "
+                                   "Qwen2/3 and Mistral rotate every head dimension"),
 }
 
 
@@ -104,20 +129,23 @@ class LlamaConfig:
     rope_scaling: dict[str, Any] | None = None  # HF scaling dict with "rope_type" (see rope.py); None: plain
     rope_layout: str = "rope_scaling"  # how config.json spells RoPE: "rope_scaling" (transformers 4:
     #   top-level rope_theta + rope_scaling, read by 4 and 5) or "rope_parameters" (transformers 5)
+    partial_rotary_factor: float = 1.0  # glm/glm4 only (their default 0.5): RoPE turns the first
+    #   int(head_dim * factor) dimensions of each head, in interleaved pairs; the rest pass unrotated
     hidden_act: str = "silu"  # MLP activation: "silu" (or its alias "swish")
-    attention_bias: bool = False  # llama: bias on q, k, v and o_proj; qwen2: q/k/v bias (always); mistral: none
+    attention_bias: bool = False  # llama, qwen3: bias on q, k, v and o_proj; qwen2: q/k/v bias (always);
+    #   glm/glm4: q/k/v bias (default true); mistral: none
     mlp_bias: bool = False  # llama only: bias on gate/up/down_proj
     attention_dropout: float = 0.0  # dropout on the attention probabilities, in training only
-    sliding_window: int | None = None  # mistral: window of every layer; qwen2: of its sliding layers
-    use_sliding_window: bool = False  # qwen2 only: sliding layers exist at all
-    max_window_layers: int | None = None  # qwen2 only: layers >= this index slide (when layer_types is None)
-    layer_types: list[str] | None = None  # qwen2 only: "full_attention"/"sliding_attention" per layer
+    sliding_window: int | None = None  # mistral: window of every layer; qwen2/qwen3: of their sliding layers
+    use_sliding_window: bool = False  # qwen2/qwen3 only: sliding layers exist at all
+    max_window_layers: int | None = None  # qwen2/qwen3 only: layers >= this index slide (when layer_types is None)
+    layer_types: list[str] | None = None  # qwen2/qwen3 only: "full_attention"/"sliding_attention" per layer
     tie_word_embeddings: bool = False  # lm_head shares the embedding matrix
     initializer_range: float = 0.02  # std of the normal init of linear and embedding weights
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
-    model_type: str = "llama"  # "llama", "qwen2" or "mistral": transformers' family and class
+    model_type: str = "llama"  # transformers' family and class (ARCHITECTURES)
     extra: dict[str, Any] = field(default_factory=dict)  # config.json keys carried unchanged
 
     def __post_init__(self) -> None:
@@ -148,7 +176,14 @@ class LlamaConfig:
             raise ValueError(f"attention_dropout={self.attention_dropout!r} must be in [0, 1)")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window!r} must be a positive number of tokens or null")
-        {"llama": self._check_llama, "qwen2": self._check_qwen2, "mistral": self._check_mistral}[self.model_type]()
+        if self.partial_rotary_factor != 1.0 and self.model_type not in PARTIAL_ROTARY_DEFAULTS:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor!r} with model_type="
+                             f"{self.model_type!r}: {REFUSED_KEYS['partial_rotary_factor'][1]}")
+        if not 0.0 < self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor!r} must be in (0, 1] and rotate an "
+                             f"even number of dimensions (head_dim={self.head_dim} -> {self.rotary_dim})")
+        {"llama": self._check_llama, "qwen2": self._check_windowed, "qwen3": self._check_windowed,
+         "mistral": self._check_mistral, "glm": self._check_glm, "glm4": self._check_glm}[self.model_type]()
 
     def _refuse_set(self, names: tuple[str, ...], owners: str) -> None:
         """Raise if any of `names` (options of the families `owners`) is set for this family."""
@@ -159,41 +194,74 @@ class LlamaConfig:
 
     def _check_llama(self) -> None:
         self._refuse_set(("sliding_window", "use_sliding_window", "max_window_layers", "layer_types"),
-                         "'qwen2' / 'mistral'")
+                         "'qwen2' / 'qwen3' / 'mistral'")
 
     def _check_mistral(self) -> None:
-        self._refuse_set(("attention_bias", "mlp_bias"), "'llama'")
-        self._refuse_set(("use_sliding_window", "max_window_layers", "layer_types"), "'qwen2'")
+        self._refuse_set(("attention_bias", "mlp_bias"), "'llama' (attention_bias also 'qwen3', 'glm', 'glm4')")
+        self._refuse_set(("use_sliding_window", "max_window_layers", "layer_types"), "'qwen2' / 'qwen3'")
 
-    def _check_qwen2(self) -> None:
+    def _check_glm(self) -> None:
         self._refuse_set(("mlp_bias",), "'llama'")
-        self.attention_bias = True  # Qwen2 always has q/k/v bias (and never an o_proj bias)
+        self._refuse_set(("sliding_window", "use_sliding_window", "max_window_layers", "layer_types"),
+                         "'qwen2' / 'qwen3' / 'mistral'")
+
+    def _check_windowed(self) -> None:
+        """Qwen2 and Qwen3: sliding windows on the layers `layer_types` (or `max_window_layers`) marks."""
+        self._refuse_set(("mlp_bias",), "'llama'")
+        if self.model_type == "qwen2":
+            self.attention_bias = True  # Qwen2 always has q/k/v bias (and never an o_proj bias)
         if self.max_window_layers is None:
-            self.max_window_layers = FAMILY_DEFAULTS["qwen2"]["max_window_layers"]
+            self.max_window_layers = FAMILY_DEFAULTS[self.model_type]["max_window_layers"]
         if self.layer_types is not None:
             bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
             if bad or len(self.layer_types) != self.num_hidden_layers:
                 raise ValueError(f"layer_types={self.layer_types!r} must list one of {sorted(LAYER_TYPES)} for "
                                  f"each of the num_hidden_layers={self.num_hidden_layers} layers")
-            if any(LAYER_TYPES[t] for t in self.layer_types) and self._qwen2_window() is None:
+            if any(LAYER_TYPES[t] for t in self.layer_types) and self._layer_window() is None:
                 raise ValueError(f"layer_types has sliding_attention layers but use_sliding_window="
                                  f"{self.use_sliding_window} and sliding_window={self.sliding_window}: "
                                  "transformers fails on this config too; set use_sliding_window: true and a "
                                  "sliding_window, or make every layer full_attention")
 
-    def _qwen2_window(self) -> int | None:
+    def _layer_window(self) -> int | None:
         return self.sliding_window if self.use_sliding_window else None
 
     # -- what the model builds --------------------------------------------------------------------
     @property
     def qkv_bias(self) -> bool:
         """Bias on q_proj, k_proj and v_proj."""
-        return self.attention_bias and self.model_type in ("llama", "qwen2")
+        return self.attention_bias and self.model_type != "mistral"
 
     @property
     def o_proj_bias(self) -> bool:
-        """Bias on o_proj: transformers' Llama puts attention_bias on o_proj too, Qwen2 never does."""
-        return self.attention_bias and self.model_type == "llama"
+        """Bias on o_proj: transformers' Llama and Qwen3 put attention_bias on o_proj too, Qwen2 and
+        GLM never do."""
+        return self.attention_bias and self.model_type in ("llama", "qwen3")
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3: an RMSNorm over head_dim on every query and key head, before RoPE."""
+        return self.model_type == "qwen3"
+
+    @property
+    def fused_gate_up(self) -> bool:
+        """GLM: one `gate_up_proj` whose output is [gate; up] (2 x intermediate_size rows)."""
+        return self.model_type in GLM_FAMILIES
+
+    @property
+    def sandwich_norms(self) -> bool:
+        """GLM-4: `post_self_attn_layernorm` and `post_mlp_layernorm` on each sub-block's output."""
+        return self.model_type == "glm4"
+
+    @property
+    def rope_interleaved(self) -> bool:
+        """GLM rotates pairs of adjacent dimensions (0,1), (2,3), ...; Llama pairs i with i + d/2."""
+        return self.model_type in GLM_FAMILIES
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head RoPE turns (the first ones; all unless partial_rotary_factor < 1)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_windows(self) -> list[int | None]:
         """Per layer, the sliding-window length in tokens (the query and the window-1 tokens before
@@ -201,8 +269,8 @@ class LlamaConfig:
         n = self.num_hidden_layers
         if self.model_type == "mistral":
             return [self.sliding_window] * n
-        if self.model_type == "qwen2":
-            window = self._qwen2_window()
+        if self.model_type in WINDOWED_PER_LAYER:
+            window = self._layer_window()
             if self.layer_types is not None:
                 return [window if LAYER_TYPES[t] else None for t in self.layer_types]
             return [window if window is not None and i >= self.max_window_layers else None for i in range(n)]
@@ -220,12 +288,17 @@ class LlamaConfig:
         d.update({k: getattr(self, k) for k in ("model_type", *family, *_TOKEN_KEYS)})
         if self.model_type != "qwen2" or self.head_dim != self.hidden_size // self.num_attention_heads:
             d["head_dim"] = self.head_dim  # Qwen2's config class has none; written only when it differs
-        if self.model_type == "qwen2" and self.layer_types is None:
+        if self.model_type in WINDOWED_PER_LAYER and self.layer_types is None:
             d.pop("layer_types")  # absent (transformers 4): max_window_layers decides, as it was read
+        partial = {}
+        if self.model_type in PARTIAL_ROTARY_DEFAULTS or self.partial_rotary_factor != 1.0:
+            partial = {"partial_rotary_factor": self.partial_rotary_factor}
         if self.rope_layout == "rope_parameters":
-            d["rope_parameters"] = {**(self.rope_scaling or {"rope_type": "default"}), "rope_theta": self.rope_theta}
+            d["rope_parameters"] = {**(self.rope_scaling or {"rope_type": "default"}), **partial,
+                                    "rope_theta": self.rope_theta}
         else:
             d["rope_theta"], d["rope_scaling"] = self.rope_theta, self.rope_scaling
+            d.update(partial)  # transformers 4 read it at the top level
         return d
 
     @classmethod
@@ -247,9 +320,9 @@ class LlamaConfig:
         d, h, kv, hd, f = (self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim,
                            self.intermediate_size)
         attn = d * h * hd + 2 * d * kv * hd + h * hd * d
-        attn += (h * hd + 2 * kv * hd) * self.qkv_bias + d * self.o_proj_bias
+        attn += (h * hd + 2 * kv * hd) * self.qkv_bias + d * self.o_proj_bias + 2 * hd * self.qk_norm
         mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
-        per_layer = attn + mlp + 2 * d
+        per_layer = attn + mlp + (4 if self.sandwich_norms else 2) * d
         emb = self.vocab_size * d
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return emb + self.num_hidden_layers * per_layer + d + head
@@ -262,11 +335,18 @@ def _fields_from_hf(d: dict[str, Any], where: str) -> dict[str, Any]:
         raise ValueError(f"{where}: model_type={model_type!r} is not supported; supported model types: "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)} (architectures {', '.join(ARCHITECTURES.values())})")
     for key, (neutral, why) in REFUSED_KEYS.items():
-        if d.get(key, neutral) != neutral:
+        if d.get(key, neutral) != neutral and not (key in HONOURED_KEYS[model_type]):
             raise ValueError(f"{where}: {key}={d[key]!r} is not supported: {why}")
     fields = {k: d.get(k, default) for k, default in FAMILY_DEFAULTS[model_type].items()}
     fields.update({k: d.get(k) for k in _TOKEN_KEYS})
     fields.update(_rope_from_hf(d, where))
+    if model_type in PARTIAL_ROTARY_DEFAULTS:  # elsewhere a factor is refused (REFUSED_KEYS, check_rope_scaling)
+        # transformers 5 keeps the rotated share in rope_parameters, 4 at the top level; 5 prefers the former
+        scaling = fields["rope_scaling"]
+        partial = scaling.pop("partial_rotary_factor", None) if scaling else None
+        if partial is None:
+            partial = d.get("partial_rotary_factor", PARTIAL_ROTARY_DEFAULTS[model_type])
+        fields["partial_rotary_factor"] = partial
     extra = {k: v for k, v in d.items() if k not in HONOURED_KEYS[model_type]}
     unknown = set(extra) - CARRIED_KEYS
     if model_type == "mistral" and "layer_types" in extra:
@@ -293,7 +373,8 @@ def _rope_from_hf(d: dict[str, Any], where: str) -> dict[str, Any]:
         theta = params.pop("rope_theta", d.get("rope_theta", 10000.0))
         out = dict(rope_theta=theta, rope_scaling=params, rope_layout="rope_parameters")
     else:
-        out = dict(rope_theta=d.get("rope_theta", 10000.0), rope_scaling=scaling, rope_layout="rope_scaling")
+        out = dict(rope_theta=d.get("rope_theta", 10000.0), rope_scaling=None if scaling is None else dict(scaling),
+                   rope_layout="rope_scaling")
     top_original = d.get("original_max_position_embeddings")
     scaled = out["rope_scaling"] or {}
     if top_original is not None and rope_type(scaled) in ("llama3", "yarn") and \

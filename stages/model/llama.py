@@ -1,4 +1,6 @@
-"""The Llama family (Llama 1/2/3, Qwen2, Mistral: biases, GQA, RoPE scaling, sliding windows) written once.
+"""The Llama family (Llama 1/2/3, Qwen2, Qwen3, Mistral, GLM, GLM-4: biases, GQA, RoPE scaling and
+partial interleaved RoPE, sliding windows, q/k norms, a fused gate/up projection, sandwich norms)
+written once.
 
 Single-device and parallelism-free: tensor and pipeline parallelism are applied to a built model
 by `stages.parallel`, not written in here. Parameter names equal Hugging Face's
@@ -32,20 +34,39 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the last dimension, in fp32, cast back, times `weight`."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """Llama's pairing: dimension i turns with i + d/2."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, heads, T, hd) by position; cos/sin are (T, hd)."""
-    return x * cos + rotate_half(x) * sin
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """GLM's interleaved pairing: dimension 2i turns with 2i + 1."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """Rotate (B, heads, T, hd) by position; cos/sin are (T, rd) (or (B, 1, T, rd)) from
+    `RotaryEmbedding`, rd <= hd: the first rd dimensions turn, the rest pass unchanged (GLM's
+    partial rotation)."""
+    rotate = rotate_pairs if interleaved else rotate_half
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return x * cos + rotate(x) * sin
+    x_rot, x_pass = x[..., :rd], x[..., rd:]
+    return torch.cat((x_rot * cos + rotate(x_rot) * sin, x_pass), dim=-1)
 
 
 def segment_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -92,20 +113,34 @@ class Attention(nn.Module):
         self.head_dim = hd
         self.sliding_window = config.layer_windows()[layer_idx]  # None: full causal attention
         self.attention_dropout = config.attention_dropout
+        self.rope_interleaved = config.rope_interleaved
         self.q_proj = nn.Linear(d, self.num_heads * hd, bias=config.qkv_bias)
         self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.qkv_bias)
         self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=config.o_proj_bias)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:  # Qwen3: one RMSNorm over head_dim, shared by every query (key) head
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (B, H, T, hd), k and v (B, K, T, hd) of x (B, T, d): projected, each query and key head
+        normalised (Qwen3), then rotated. Head counts are read from the projection widths, so a
+        tensor-parallel shard whose projections hold heads/tp heads runs this on its local heads."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)  # (B, T, H, hd)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)  # (B, T, K, hd)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, K, T, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        return apply_rope(q, cos, sin, self.rope_interleaved), apply_rope(k, cos, sin, self.rope_interleaved), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 segments: torch.Tensor | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        # Head counts are read from the projection widths, so a tensor-parallel shard whose
-        # projections hold heads/tp heads runs this same code on its local heads.
-        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, K, T, hd)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, K, T, hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self.project(x, cos, sin)
         prefix_key = getattr(self, "prefix_key", None)
         prefix_len = 0 if prefix_key is None else prefix_key.shape[1]
         if prefix_len:  # (K, P, hd) -> (B, K, P, hd) before the real keys and values
@@ -128,33 +163,61 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); GLM computes gate and up in one `gate_up_proj`
+    whose output is [gate | up] (under tensor parallelism each rank holds [gate_r | up_r])."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
         d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(d, f, bias=bias)
-        self.up_proj = nn.Linear(d, f, bias=bias)
+        self.fused = config.fused_gate_up
+        if self.fused:
+            self.gate_up_proj = nn.Linear(d, 2 * f, bias=bias)
+        else:
+            self.gate_proj = nn.Linear(d, f, bias=bias)
+            self.up_proj = nn.Linear(d, f, bias=bias)
         self.down_proj = nn.Linear(f, d, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.fused:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); GLM-4 also normalises each
+    sub-block's output before its residual add (`post_self_attn_layernorm`, `post_mlp_layernorm`)."""
 
     def __init__(self, config: LlamaConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(d, eps)
         self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
         self.mlp = MLP(config)
+        self.post_self_attn_layernorm = self.post_mlp_layernorm = None
+        if config.sandwich_norms:
+            self.post_self_attn_layernorm = RMSNorm(d, eps)
+            self.post_mlp_layernorm = RMSNorm(d, eps)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 segments: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.add_attention(x, self.self_attn(self.input_layernorm(x), cos, sin, segments))
+        return self.add_mlp(x)
+
+    def add_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the attention sub-block whose output is `attended`."""
+        if self.post_self_attn_layernorm is not None:
+            attended = self.post_self_attn_layernorm(attended)
+        return x + attended
+
+    def add_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """The residual stream after the MLP sub-block."""
+        h = self.mlp(self.post_attention_layernorm(x))
+        if self.post_mlp_layernorm is not None:
+            h = self.post_mlp_layernorm(h)
+        return x + h
 
 
 class LlamaModel(nn.Module):

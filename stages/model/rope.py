@@ -37,7 +37,8 @@ class RopeConfig(Protocol):
 
     rope_scaling: dict[str, Any] | None
     rope_theta: float
-    head_dim: int
+    rotary_dim: int  # the dimensions of a head RoPE turns (head_dim unless partial_rotary_factor < 1)
+    rope_interleaved: bool  # pairs (0,1), (2,3), ... (GLM) rather than (i, i + rotary_dim/2) (Llama)
     max_position_embeddings: int
 
 
@@ -114,10 +115,11 @@ def _inv_freq_yarn(theta: float, dim: int, s: dict[str, Any], original_max: int,
 
 
 def rope_tables(config: RopeConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
-    """(inv_freq (head_dim/2,) fp32 on the CPU, attention_factor) of `config`'s rope type, for a
-    sequence of `seq_len` tokens (only `dynamic` depends on it; None: max_position_embeddings)."""
+    """(inv_freq (rotary_dim/2,) fp32 on the CPU, attention_factor) of `config`'s rope type, for a
+    sequence of `seq_len` tokens (only `dynamic` depends on it; None: max_position_embeddings).
+    As transformers does, a partial rotation computes every rope type over the rotated dimensions."""
     s = config.rope_scaling or {}
-    kind, theta, dim = rope_type(s), config.rope_theta, config.head_dim
+    kind, theta, dim = rope_type(s), config.rope_theta, config.rotary_dim
     original_max = s.get("original_max_position_embeddings", config.max_position_embeddings)
     if kind == "default":
         return _inv_freq_default(theta, dim), 1.0
@@ -142,15 +144,24 @@ class RotaryEmbedding:
     def __init__(self, config: RopeConfig):
         self.config = config
         self.dynamic = depends_on_length(config.rope_scaling)
-        self.inv_freq, self.attention_factor = rope_tables(config)  # (hd/2,), at the original length
+        self.inv_freq, self.attention_factor = rope_tables(config)  # (rd/2,), at the original length
 
     def __call__(self, seq_len: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of positions 0..seq_len-1, each (T, hd) in `dtype`, scaled by the attention factor."""
+        """cos, sin of positions 0..seq_len-1, each (T, rotary_dim) in `dtype`, scaled by the attention factor."""
         inv_freq = self.inv_freq
         if self.dynamic and seq_len > self.config.max_position_embeddings:
             inv_freq, _ = rope_tables(self.config, seq_len)  # NTK: a larger base for a longer sequence
         pos = torch.arange(seq_len, device=device, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq.to(device))  # (T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+        freqs = torch.outer(pos, inv_freq.to(device))  # (T, rd/2)
+        emb = angles(freqs, self.config.rope_interleaved)  # (T, rd)
         cos, sin = emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
         return cos.to(dtype), sin.to(dtype)
+
+
+def angles(freqs: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The angle of each rotated dimension from the (..., rd/2) angle of each pair: the pairs' angles
+    repeated as [a0 a1 .. a0 a1 ..] (Llama: dimension i pairs with i + rd/2) or [a0 a0 a1 a1 ..]
+    (interleaved, GLM: 2i pairs with 2i + 1)."""
+    if interleaved:
+        return torch.stack((freqs, freqs), dim=-1).flatten(-2)
+    return torch.cat((freqs, freqs), dim=-1)

@@ -27,28 +27,38 @@ from torch import nn
 
 from stages.parallel.tensor import (
     ColumnParallelLinear,
+    HeadSharedRMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
     _TensorParallelModule,
     mark_tensor_parallel,
+    join_shards,
+    partition_chunks,
     partition_dim,
     shard_tensor,
     vocab_parallel_causal_lm_loss,
 )
 from stages.parallel.topology import ParallelDegrees, Topology
 
-COLUMN, ROW, VOCAB, OUTPUT = "column", "row", "vocab", "output"
+COLUMN, COLUMN_FUSED2, ROW, VOCAB, OUTPUT, HEAD_NORM = "column", "column_fused2", "row", "vocab", "output", "head_norm"
 
 # Module-name pattern (fnmatch, against `named_modules()` names) -> parallel style.
 # OUTPUT is column-parallel with the logits gathered, or left vocab-split with tensor_parallel_output.
+# COLUMN_FUSED2 splits each half of a fused [gate; up] layer (GLM), so rank r's output is
+# [gate_r | up_r] and the SwiGLU product stays local, as for separate gate/up layers (transformers'
+# own plan gathers GLM's whole gate_up output on every rank instead). HEAD_NORM: a norm shared by the
+# split heads (Qwen3's q_norm / k_norm), replicated with its gradient summed over the group.
 LLAMA_TP_PLAN: dict[str, str] = {
     "model.embed_tokens": VOCAB,
     "model.layers.*.self_attn.q_proj": COLUMN,
     "model.layers.*.self_attn.k_proj": COLUMN,
     "model.layers.*.self_attn.v_proj": COLUMN,
+    "model.layers.*.self_attn.q_norm": HEAD_NORM,
+    "model.layers.*.self_attn.k_norm": HEAD_NORM,
     "model.layers.*.self_attn.o_proj": ROW,
     "model.layers.*.mlp.gate_proj": COLUMN,
     "model.layers.*.mlp.up_proj": COLUMN,
+    "model.layers.*.mlp.gate_up_proj": COLUMN_FUSED2,
     "model.layers.*.mlp.down_proj": ROW,
     "lm_head": OUTPUT,
 }
@@ -66,11 +76,16 @@ def _parallel_module(module: nn.Module, style: str, group, tensor_parallel_outpu
         return VocabParallelEmbedding.from_dense(module, group)
     if style == COLUMN:
         return ColumnParallelLinear.from_dense(module, group, gather_output=False)
+    if style == COLUMN_FUSED2:
+        return ColumnParallelLinear.from_dense(module, group, gather_output=False, chunks=2)
+    if style == HEAD_NORM:
+        return HeadSharedRMSNorm.from_dense(module, group)
     if style == OUTPUT:
         return ColumnParallelLinear.from_dense(module, group, gather_output=not tensor_parallel_output)
     if style == ROW:
         return RowParallelLinear.from_dense(module, group, input_is_parallel=True)
-    raise ValueError(f"tensor-parallel style {style!r} is unknown; choose one of {COLUMN, ROW, VOCAB, OUTPUT}")
+    raise ValueError(f"tensor-parallel style {style!r} is unknown; choose one of "
+                     f"{COLUMN, COLUMN_FUSED2, ROW, VOCAB, OUTPUT, HEAD_NORM}")
 
 
 def apply_tensor_parallel(model: nn.Module, topology_or_group, tensor_parallel_output: bool = False,
@@ -136,10 +151,14 @@ def _partition_dims(model: nn.Module) -> dict[str, int | None]:
     return dims
 
 
+def _partition_chunks(model: nn.Module) -> dict[str, int]:
+    return {name: partition_chunks(p) for name, p in model.named_parameters(remove_duplicate=False)}
+
+
 def gather_full_state_dict(model: nn.Module, group) -> dict[str, torch.Tensor]:
     """The single-device state dict of a tensor-parallel model, on every rank of `group`
     (split tensors are all-gathered along their partition_dim; a collective call)."""
-    dims = _partition_dims(model)
+    dims, chunks = _partition_dims(model), _partition_chunks(model)
     world = dist.get_world_size(group=group)
     full = {}
     for key, tensor in model.state_dict().items():
@@ -150,7 +169,7 @@ def gather_full_state_dict(model: nn.Module, group) -> dict[str, torch.Tensor]:
             continue
         parts = [torch.empty_like(tensor) for _ in range(world)]
         dist.all_gather(parts, tensor.contiguous(), group=group)
-        full[key] = torch.cat(parts, dim=dim)
+        full[key] = join_shards(parts, dim, chunks[key])
     return full
 
 
@@ -162,7 +181,7 @@ def shard_state_dict(full_state: dict[str, torch.Tensor], model: nn.Module) -> d
         if isinstance(module, _TensorParallelModule):
             for p_name, _ in module.named_parameters(recurse=False):
                 owners[f"{mod_name}.{p_name}" if mod_name else p_name] = module
-    dims = _partition_dims(model)
+    dims, chunks = _partition_dims(model), _partition_chunks(model)
     local = {}
     for key in model.state_dict():
         if key not in full_state:
@@ -174,5 +193,5 @@ def shard_state_dict(full_state: dict[str, torch.Tensor], model: nn.Module) -> d
             raise ValueError(f"{key!r} is split (partition_dim={dim}) but not held by a tensor-parallel module")
         else:
             owner = owners[key]
-            local[key] = shard_tensor(full_state[key], dim, owner.tp_rank, owner.tp_size)
+            local[key] = shard_tensor(full_state[key], dim, owner.tp_rank, owner.tp_size, chunks[key])
     return local

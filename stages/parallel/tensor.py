@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stages.model.labels import IGNORE_INDEX
+from stages.model.llama import rms_norm
 from stages.model.loss import causal_lm_loss
 from stages.parallel.mappings import (
     copy_to_tensor_parallel_region,
@@ -36,12 +37,25 @@ from stages.parallel.mappings import (
 )
 
 
-def shard_tensor(full: torch.Tensor, partition_dim: int, rank: int, world: int) -> torch.Tensor:
-    """Contiguous slice `rank` of `world` equal parts of `full` along `partition_dim` (a copy)."""
-    if full.shape[partition_dim] % world:
-        raise ValueError(f"dimension {partition_dim} of size {full.shape[partition_dim]} is not divisible "
-                         f"by tensor_parallel_degree={world}")
-    return full.chunk(world, dim=partition_dim)[rank].clone()
+def shard_tensor(full: torch.Tensor, partition_dim: int, rank: int, world: int, chunks: int = 1) -> torch.Tensor:
+    """Contiguous slice `rank` of `world` equal parts of `full` along `partition_dim` (a copy). A
+    fused tensor of `chunks` blocks stacked along that dimension (GLM's gate_up_proj: [gate; up])
+    gives rank r slice r of every block, stacked the same way ([gate_r; up_r])."""
+    if full.shape[partition_dim] % (world * chunks):
+        raise ValueError(f"dimension {partition_dim} of size {full.shape[partition_dim]} ({chunks} fused block(s)) "
+                         f"is not divisible by tensor_parallel_degree={world}")
+    if chunks == 1:
+        return full.chunk(world, dim=partition_dim)[rank].clone()
+    return torch.cat([block.chunk(world, dim=partition_dim)[rank] for block in full.chunk(chunks, dim=partition_dim)],
+                     dim=partition_dim)
+
+
+def join_shards(parts: list[torch.Tensor], partition_dim: int, chunks: int = 1) -> torch.Tensor:
+    """The whole tensor from every rank's `shard_tensor` slice, in rank order."""
+    if chunks == 1:
+        return torch.cat(parts, dim=partition_dim)
+    blocks = [part.chunk(chunks, dim=partition_dim) for part in parts]  # rank -> its slice of each block
+    return torch.cat([blocks[r][c] for c in range(chunks) for r in range(len(parts))], dim=partition_dim)
 
 
 def partition_dim(param: torch.Tensor) -> int | None:
@@ -49,10 +63,17 @@ def partition_dim(param: torch.Tensor) -> int | None:
     return getattr(param, "partition_dim", None) if getattr(param, "tensor_model_parallel", False) else None
 
 
-def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> nn.Parameter:
-    """Tag a parameter as split along `partition_dim` across the tensor-parallel group."""
+def partition_chunks(param: torch.Tensor) -> int:
+    """How many fused blocks a split parameter stacks along its partition_dim (1: a plain split)."""
+    return getattr(param, "partition_chunks", 1)
+
+
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int, chunks: int = 1) -> nn.Parameter:
+    """Tag a parameter as split along `partition_dim` across the tensor-parallel group (each of
+    `chunks` fused blocks split on its own, see `shard_tensor`)."""
     param.tensor_model_parallel = True
     param.partition_dim = partition_dim
+    param.partition_chunks = chunks
     return param
 
 
@@ -74,8 +95,10 @@ class _TensorParallelModule(nn.Module):
             a = mark_tensor_parallel(nn.Parameter(shard_tensor(a.detach(), 1, self.tp_rank, self.tp_size)), 1)
             b = nn.Parameter(b.detach().clone())
         else:
+            chunks = partition_chunks(self.weight)  # B's rows are the weight's output rows
             a = nn.Parameter(a.detach().clone())
-            b = mark_tensor_parallel(nn.Parameter(shard_tensor(b.detach(), 0, self.tp_rank, self.tp_size)), 0)
+            b = mark_tensor_parallel(nn.Parameter(shard_tensor(b.detach(), 0, self.tp_rank, self.tp_size, chunks)),
+                                     0, chunks)
         self.lora_A = nn.Linear(a.shape[1], a.shape[0], bias=False, device="meta")
         self.lora_B = nn.Linear(b.shape[1], b.shape[0], bias=False, device="meta")
         self.lora_A.weight, self.lora_B.weight = a, b
@@ -94,7 +117,8 @@ class _TensorParallelModule(nn.Module):
                 if tensor is None or param is None:
                     continue
                 dim = getattr(param, "partition_dim", None)
-                param.copy_(tensor if dim is None else shard_tensor(tensor, dim, self.tp_rank, self.tp_size))
+                param.copy_(tensor if dim is None else
+                            shard_tensor(tensor, dim, self.tp_rank, self.tp_size, partition_chunks(param)))
 
 
 class ColumnParallelLinear(_TensorParallelModule):
@@ -102,25 +126,31 @@ class ColumnParallelLinear(_TensorParallelModule):
 
     The input X is replicated. With gather_output the full Y is all-gathered on every rank;
     without it Y stays split along its last dimension (to feed a RowParallelLinear).
-    Weight (out/tp, in), partition_dim 0; bias (out/tp,), partition_dim 0.
+    Weight (out/tp, in), partition_dim 0; bias (out/tp,), partition_dim 0. A fused layer of
+    `chunks` stacked outputs (GLM's gate_up_proj, chunks=2) splits each block: rank r computes
+    [gate_r | up_r], and its `.chunk(2, -1)` gives the gate and up channels that pair up on it.
     """
 
     def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
-                 gather_output: bool = False, dtype: torch.dtype | None = None):
+                 gather_output: bool = False, dtype: torch.dtype | None = None, chunks: int = 1):
         super().__init__(group)
-        if out_features % self.tp_size:
-            raise ValueError(f"out_features={out_features} is not divisible by tensor_parallel_degree={self.tp_size}")
+        if out_features % (self.tp_size * chunks):
+            raise ValueError(f"out_features={out_features} ({chunks} fused block(s)) is not divisible by "
+                             f"tensor_parallel_degree={self.tp_size}")
+        if gather_output and chunks > 1:
+            raise ValueError("a fused column-parallel layer cannot gather its output (the slices interleave)")
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
         local = out_features // self.tp_size
-        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(local, in_features, dtype=dtype)), 0)
-        self.bias = mark_tensor_parallel(nn.Parameter(torch.zeros(local, dtype=dtype)), 0) if bias else None
+        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(local, in_features, dtype=dtype)), 0, chunks)
+        self.bias = mark_tensor_parallel(nn.Parameter(torch.zeros(local, dtype=dtype)), 0, chunks) if bias else None
 
     @classmethod
-    def from_dense(cls, dense: nn.Linear, group, gather_output: bool = False) -> "ColumnParallelLinear":
+    def from_dense(cls, dense: nn.Linear, group, gather_output: bool = False,
+                   chunks: int = 1) -> "ColumnParallelLinear":
         with torch.device(dense.weight.device):  # built in place: a move would drop the partition tags
             layer = cls(dense.in_features, dense.out_features, group, bias=dense.bias is not None,
-                        gather_output=gather_output, dtype=dense.weight.dtype)
+                        gather_output=gather_output, dtype=dense.weight.dtype, chunks=chunks)
         layer._load_shards({"weight": dense.weight, "bias": dense.bias})
         layer._freeze_like(dense)
         if getattr(dense, "lora_A", None) is not None:
@@ -183,6 +213,34 @@ class RowParallelLinear(_TensorParallelModule):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features="
                 f"{self.out_features}, bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}")
+
+
+class HeadSharedRMSNorm(_TensorParallelModule):
+    """Qwen3's q_norm / k_norm (one RMSNorm over head_dim, shared by every head) when the heads are
+    split over the group. The weight is replicated, but each rank's gradient of it covers only its
+    own heads: it enters the forward through copy_to_tensor_parallel_region, whose backward sums the
+    gradient over the group, so every rank holds the full gradient as the single device computes it.
+    Weight (head_dim,), replicated, under the dense module's name.
+    """
+
+    def __init__(self, dim: int, eps: float, group, dtype: torch.dtype | None = None):
+        super().__init__(group)
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.eps = eps
+
+    @classmethod
+    def from_dense(cls, dense: nn.Module, group) -> "HeadSharedRMSNorm":
+        with torch.device(dense.weight.device):
+            layer = cls(dense.weight.shape[0], dense.eps, group, dtype=dense.weight.dtype)
+        layer._load_shards({"weight": dense.weight})
+        layer._freeze_like(dense)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, copy_to_tensor_parallel_region(self.weight, self.group), self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}, gradient summed over the tensor-parallel group"
 
 
 class VocabParallelEmbedding(_TensorParallelModule):

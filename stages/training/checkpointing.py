@@ -66,7 +66,7 @@ from stages.checkpoint.store import (
 )
 from stages.checkpoint.weights import open_safetensors
 from stages.parallel.mappings import collective_device
-from stages.parallel.tensor import partition_dim, shard_tensor
+from stages.parallel.tensor import join_shards, partition_chunks, partition_dim, shard_tensor
 from stages.parallel.topology import Topology
 from stages.training.families import write_config
 
@@ -197,9 +197,11 @@ class RankPart:
     entries: dict[str, dict[str, Any]] = field(default_factory=dict)  # tensor key -> where it lives
 
     def add(self, file: str, key: str, tensor: torch.Tensor, tp_rank: int = 0, tp_size: int = 1,
-            partition_dim: int | None = None) -> None:
+            partition_dim: int | None = None, partition_chunks: int = 1) -> None:
         self.files.setdefault(file, {})[key] = tensor
         self.entries[key] = {"file": file, "tp_rank": tp_rank, "tp_size": tp_size, "partition_dim": partition_dim}
+        if partition_chunks > 1:  # a fused layer's slices (stages.parallel.tensor.shard_tensor)
+            self.entries[key]["partition_chunks"] = partition_chunks
 
 
 def write_part(directory: Path, part: RankPart) -> dict[str, Any]:
@@ -263,7 +265,7 @@ def snapshot(engine, access: OptimizerAccess, names: dict[str, str], topology: T
     keys = [None, *OPTIMIZER_KEYS] if optimizer else [None]
     turn = 0
     for local_name, param in trained_parameters(engine.module):
-        name, dim = names.get(local_name, local_name), partition_dim(param)
+        name, dim, chunks = names.get(local_name, local_name), partition_dim(param), partition_chunks(param)
         for key in keys:
             tensor = access.get(param, key)  # this tensor-parallel slice, whole over data parallel
             file, tkey = (model_file, name) if key is None else (optim_file, optimizer_key(name, key))
@@ -271,12 +273,12 @@ def snapshot(engine, access: OptimizerAccess, names: dict[str, str], topology: T
                 if dim is not None and tp > 1:
                     slices = [torch.empty_like(tensor) for _ in range(tp)]
                     dist.all_gather(slices, tensor.contiguous(), group=topology.tp_group)
-                    tensor = torch.cat(slices, dim=dim)
+                    tensor = join_shards(slices, dim, chunks)
                 if (rank == writer) if writer is not None else turn % (tp * dp) == dp_rank * tp + tp_rank:
                     part.add(file, tkey, tensor.detach().float().cpu().clone())
             elif (dim is not None or tp_rank == 0) and turn % dp == dp_rank:
                 part.add(file, tkey, tensor.detach().float().cpu().clone(), tp_rank=tp_rank,
-                         tp_size=tp if dim is not None else 1, partition_dim=dim)
+                         tp_size=tp if dim is not None else 1, partition_dim=dim, partition_chunks=chunks)
             turn += 1
     if optimizer:
         add_rng_state(part, rank)
@@ -306,7 +308,8 @@ def restore_training_state(engine, access: OptimizerAccess, names: dict[str, str
         name, dim = names.get(local_name, local_name), partition_dim(param)
         for key in (None, *OPTIMIZER_KEYS):
             full = reader.get(name if key is None else optimizer_key(name, key))
-            access.set(param, key, shard_tensor(full, dim, tp_rank, tp) if dim is not None and tp > 1 else full)
+            access.set(param, key, shard_tensor(full, dim, tp_rank, tp, partition_chunks(param))
+                       if dim is not None and tp > 1 else full)
     restore_scheduler(scheduler, state)
     for holder in (engine.optimizer, getattr(engine.optimizer, "loss_scaler", None)):
         for attr, value in state["loss_scaler"].items():

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from stages.model import LlamaConfig, LlamaForCausalLM, build_model
-from stages.parallel.tensor import partition_dim, shard_tensor
+from stages.parallel.tensor import partition_chunks, partition_dim, shard_tensor
 
 
 def lazy_model(config: LlamaConfig, source: "WeightSource | None" = None, *,
@@ -175,7 +175,7 @@ def materialize(module: nn.Module, source: WeightSource, names: dict[str, str] |
         for name, full in source.tensors(set(targets)):
             param = targets[name]
             dim = partition_dim(param)
-            local = shard_tensor(full, dim, tp_rank, tp) if dim is not None and tp > 1 else full
+            local = shard_tensor(full, dim, tp_rank, tp, partition_chunks(param)) if dim is not None and tp > 1 else full
             if local.shape != param.shape:
                 raise ValueError(f"{name}: the source's tensor {tuple(full.shape)} gives {tuple(local.shape)} on "
                                  f"tensor-parallel rank {tp_rank} of {tp}, the model holds {tuple(param.shape)}")

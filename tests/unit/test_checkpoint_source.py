@@ -91,7 +91,7 @@ def test_model_parallelism_needs_our_model(tmp_path, tiny_tokenizer_dir):
     with pytest.raises(ConfigError, match=r"pretrain.enabled=true with a GPT-2 checkpoint: continued pretraining"):
         check_config(experiment(gpt2, pretrain={"enabled": True}))
     with pytest.raises(ConfigError, match=r"pipeline_parallel_degree=2 with a GPT-2 checkpoint: model parallelism "
-                                          r"runs on the project's own model \(Llama, Qwen2, Mistral\)"):
+                                          r"runs on the project's own model \(Llama, Qwen2, Mistral, Qwen3, GLM, GLM-4\)"):
         check_config(experiment(gpt2, finetune={"sft": {"world_size": 2, "pipeline_parallel_degree": 2,
                                                         "gradient_accumulation_steps": 2}}))
 

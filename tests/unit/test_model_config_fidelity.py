@@ -1,4 +1,5 @@
-"""Our Llama runs what a transformers config.json says, for the llama, qwen2 and mistral families.
+"""Our Llama runs what a transformers config.json says, for the llama, qwen2, qwen3, mistral, glm and
+glm4 families.
 
 Each parity case builds a tiny random-init model with the installed transformers (5.23), saves it
 (the transformers-5 layout: `rope_parameters`), optionally rewrites config.json to the
@@ -29,7 +30,8 @@ from stages.parallel.pipeline import build_stage_module
 VOCAB = 300
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2)
-CLASSES = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig}
+CLASSES = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig,
+           "qwen3": transformers.Qwen3Config, "glm": transformers.GlmConfig, "glm4": transformers.Glm4Config}
 LENGTHS = (6, 40)  # below every window / max position of the cases, and above them
 TOL = 1e-5
 
@@ -62,6 +64,16 @@ CASES = {  # id -> (family, transformers config fields)
     "mistral-window": ("mistral", dict(sliding_window=8)),
     "qwen2-window": ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
     "mistral-window-yarn": ("mistral", dict(sliding_window=8, max_position_embeddings=32, rope_parameters=YARN)),
+    "qwen3": ("qwen3", dict()),
+    "qwen3-bias-tied": ("qwen3", dict(attention_bias=True, tie_word_embeddings=True, head_dim=32)),
+    "qwen3-window": ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "glm": ("glm", dict(pad_token_id=0, eos_token_id=[1, 2])),
+    "glm-no-bias-yarn": ("glm", dict(attention_bias=False, max_position_embeddings=32, pad_token_id=0,
+                                     eos_token_id=2, rope_parameters={**YARN, "partial_rotary_factor": 0.5})),
+    "glm4": ("glm4", dict(pad_token_id=0, eos_token_id=[1, 2])),
+    "glm4-quarter-rotary": ("glm4", dict(head_dim=32, pad_token_id=0, eos_token_id=2,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                          "partial_rotary_factor": 0.25})),
 }
 # transformers 5 saves layer_types; these cases also set them against what max_window_layers says
 LAYER_TYPE_CASES = {
@@ -86,10 +98,12 @@ def _as_transformers4(config_path: Path) -> None:
     d = json.loads(config_path.read_text())
     rope = dict(d.pop("rope_parameters"))
     d["rope_theta"] = rope.pop("rope_theta")
+    if "partial_rotary_factor" in rope:  # GLM: transformers 4 read it at the top level
+        d["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
     d["rope_scaling"] = None if rope == {"rope_type": "default"} else rope
     d["torch_dtype"] = d.pop("dtype")
     d["transformers_version"] = "4.46.3"
-    if d["model_type"] == "qwen2":
+    if d["model_type"] in ("qwen2", "qwen3"):
         d.pop("layer_types")  # transformers 4 derived them from use_sliding_window / max_window_layers
     config_path.write_text(json.dumps(d, indent=2))
 
@@ -281,7 +295,8 @@ def test_our_own_configs_name_their_class_and_layout():
         d = LlamaConfig(**SMALL, model_type=model_type).to_hf_dict()
         assert d["architectures"] == [arch] and d["rope_theta"] == 10000.0 and "rope_parameters" not in d
         assert LlamaConfig.from_hf_dict(d).to_hf_dict() == d
-    with pytest.raises(ValueError, match="sliding_window.*exist only for model_type 'qwen2' / 'mistral', not 'llama'"):
+    with pytest.raises(ValueError, match="sliding_window.*exist only for model_type 'qwen2' / 'qwen3' / 'mistral', "
+                                         "not 'llama'"):
         LlamaConfig(**SMALL, sliding_window=8)
     with pytest.raises(ValueError, match="mlp_bias.*not 'qwen2'"):
         LlamaConfig(**SMALL, model_type="qwen2", mlp_bias=True)

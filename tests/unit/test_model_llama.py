@@ -1,5 +1,5 @@
-"""Our Llama saved by us and run by transformers (LlamaForCausalLM / Qwen2ForCausalLM /
-MistralForCausalLM) from the same weights. The other direction, checkpoints that transformers wrote
+"""Our Llama saved by us and run by transformers (LlamaForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM, MistralForCausalLM, GlmForCausalLM, Glm4ForCausalLM) from the same weights. The other direction, checkpoints that transformers wrote
 read by us, is tests/unit/test_model_config_fidelity.py."""
 
 import pytest
@@ -9,6 +9,7 @@ import transformers
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import load_pretrained, save_pretrained
 from stages.model import FLAVOURS, build_model, config_for_flavour
+from stages.model.config import ARCHITECTURES
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 32}
@@ -26,20 +27,29 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
     {"rope_layout": "rope_parameters", "max_position_embeddings": 16,  # transformers-5 layout
      "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}},
     {"max_position_embeddings": 16, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+    {"model_type": "qwen3", "attention_bias": True},  # Qwen3: q/k norms, q/k/v/o bias
+    {"model_type": "qwen3", "use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1,
+     "rope_layout": "rope_parameters", "head_dim": 32},
+    {"model_type": "glm", "attention_bias": True, "partial_rotary_factor": 0.5},  # GLM: half of each head, pairs
+    {"model_type": "glm4", "attention_bias": True, "partial_rotary_factor": 0.5, "rope_layout": "rope_parameters"},
+    {"model_type": "glm4", "partial_rotary_factor": 0.75, "head_dim": 32, "tie_word_embeddings": True,
+     "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
 ], ids=["gqa", "tied-mha", "llama3-rope", "linear-rope", "qwen2-bias", "llama-biases-head-dim", "mistral-window",
-        "qwen2-window", "yarn-rope-parameters", "dynamic-rope"])
+        "qwen2-window", "yarn-rope-parameters", "dynamic-rope", "qwen3-bias", "qwen3-window", "glm", "glm4",
+        "glm4-partial-linear-rope"])
 def test_logits_match_transformers(tmp_path, overrides):
     config = config_for_flavour("debug", vocab_size=301, **overrides)
     ours = build_model(config, seed=0).eval()
-    with torch.no_grad():  # zero-init biases would hide a bias bug
+    with torch.no_grad():  # zero-init biases and unit norms would hide a bias or norm bug
         for name, p in ours.named_parameters():
             if name.endswith(".bias"):
                 p.normal_(0, 0.1)
+            elif name.endswith("norm.weight"):
+                p.normal_(1, 0.2)
     with atomic_dir(tmp_path / "m") as out:
         save_pretrained(ours, out)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
-    expected_cls = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-    assert type(theirs).__name__ == expected_cls[config.model_type]
+    assert type(theirs).__name__ == ARCHITECTURES[config.model_type]
     ids = torch.randint(0, 301, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), theirs(ids).logits, rtol=0, atol=1e-5)

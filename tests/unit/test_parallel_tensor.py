@@ -20,6 +20,7 @@ from stages.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    partition_chunks,
     shard_tensor,
     vocab_parallel_causal_lm_loss,
     vocab_parallel_cross_entropy,
@@ -29,6 +30,9 @@ VOCAB = 256
 CONFIGS = {  # llama: GQA 4 query / 2 KV heads; qwen2: q/k/v biases and tied embeddings
     "llama": dict(),
     "qwen2": dict(model_type="qwen2", attention_bias=True, tie_word_embeddings=True),
+    # qwen3: q/k norms shared by the split heads; glm4: fused gate_up split per half, partial RoPE
+    "qwen3": dict(model_type="qwen3", attention_bias=True),
+    "glm4": dict(model_type="glm4", attention_bias=True, partial_rotary_factor=0.5),
 }
 
 
@@ -112,14 +116,25 @@ def _tagged_ok(model: nn.Module) -> bool:
     return True
 
 
+def _built(cfg) -> nn.Module:
+    """The model of seed 3 with seeded non-unit norm weights (unit ones would hide a norm that
+    misses its heads' scale)."""
+    model = build_model(cfg, seed=3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * _seeded(len(name), *p.shape))
+    return model
+
+
 def _model_checks(rank: int, world: int, group, flavour: str) -> dict:
     torch.manual_seed(0)
     cfg = config_for_flavour("debug", vocab_size=VOCAB, **CONFIGS[flavour])
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     labels = ids.clone()
     labels[:, :3] = -100  # prompt-style ignored positions
-    dense = build_model(cfg, seed=3)
-    par = apply_tensor_parallel(build_model(cfg, seed=3), group)
+    dense = _built(cfg)
+    par = apply_tensor_parallel(_built(cfg), group)
     out = {"tagged": _tagged_ok(par)}
     logits_d, loss_d = dense(ids, labels=labels)
     logits_p, loss_p = par(ids, labels=labels)
@@ -132,12 +147,12 @@ def _model_checks(rank: int, world: int, group, flavour: str) -> dict:
     for name, p in par.named_parameters():
         full = dense_grads[name].grad
         if getattr(p, "tensor_model_parallel", False):
-            full, sharded = shard_tensor(full, p.partition_dim, rank, world), sharded + 1
+            full, sharded = shard_tensor(full, p.partition_dim, rank, world, partition_chunks(p)), sharded + 1
         grad_diff = max(grad_diff, _diff(p.grad, full))
     out["grads"], out["num_sharded"] = grad_diff, sharded
 
     # vocab-split logits and the vocab-parallel loss
-    tpo = apply_tensor_parallel(build_model(cfg, seed=3), group, tensor_parallel_output=True)
+    tpo = apply_tensor_parallel(_built(cfg), group, tensor_parallel_output=True)
     local_logits = tpo(ids)
     out["tpo_logits"] = _diff(local_logits, shard_tensor(logits_d, 2, rank, world))
     loss_v = vocab_parallel_causal_lm_loss(local_logits, labels, group)
@@ -169,7 +184,7 @@ def _model_checks(rank: int, world: int, group, flavour: str) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
         losses = []
         for step in range(10):
-            batch = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(100 + step))
+            batch = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(100 + step % 2))  # learnable
             _, loss = model(batch, labels=batch)
             opt.zero_grad()
             loss.backward()
@@ -221,8 +236,8 @@ def test_tp2_llama_logits_loss_and_grads_match_single_process(results, flavour):
     assert _max(results, flavour, "logits") <= 1e-5
     assert _max(results, flavour, "loss") <= 1e-5
     assert _max(results, flavour, "grads") <= 1e-6
-    # 2 layers x 7 projections, embedding, lm_head (tied: one parameter), q/k/v biases
-    expected = 2 * 7 + (1 if CONFIGS[flavour].get("tie_word_embeddings") else 2)
+    # 2 layers x 7 projections (6 with GLM's fused gate_up), embedding, lm_head (tied: one parameter), q/k/v biases
+    expected = 2 * (6 if flavour == "glm4" else 7) + (1 if CONFIGS[flavour].get("tie_word_embeddings") else 2)
     expected += 2 * 3 if CONFIGS[flavour].get("attention_bias") else 0
     assert results[0][flavour]["num_sharded"] == expected
 

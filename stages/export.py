@@ -2,8 +2,8 @@
 
 Which torch model is exported (`load_for_export`):
   * the project's own Llama (`stages.checkpoint.hf.load_pretrained`) when it implements the
-    directory's config.json (Llama, Qwen2, Mistral), as the decoder with a KV cache of
-    `stages.deployment.onnx_decoder` (inputs input_ids, attention_mask, position_ids,
+    directory's config.json (Llama, Qwen2, Mistral, Qwen3, GLM, GLM-4), as the decoder with a KV
+    cache of `stages.deployment.onnx_decoder` (inputs input_ids, attention_mask, position_ids,
     past_key_values.{i}.key/value; outputs logits, present.{i}.key/value: optimum's and
     onnxruntime-genai's names; left padding through the mask). A config the cache graph cannot
     compute (dynamic RoPE) is exported without a cache, with a warning;

@@ -54,7 +54,7 @@ from stages.training.checkpointing import model_identity
 from stages.training.dev_eval import DevEvaluator
 from stages.training.distributed import finish_distributed, init_distributed
 from stages.training.engine import train as engine_train
-from stages.training.families import load_causal_lm
+from stages.training.families import load_causal_lm, own_families
 from stages.training.mixed_batches import MixedSftBatches, reserve_for
 from stages.training.parallelize import parallel_degrees
 from stages.training.peak_memory import log_memory_against_plan
@@ -289,7 +289,7 @@ def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str |
     if config.packing and not isinstance(model, LlamaForCausalLM):
         raise InputError(f"finetune.{method}.packing: {model_dir} trains through transformers' "
                          f"{type(model).__name__}, whose attention does not keep packed examples apart; "
-                         "packing needs a family our model implements (Llama, Qwen2, Mistral)")
+                         f"packing needs a family our model implements ({', '.join(own_families())})")
     if method != "sft":  # seeded above: the adapter's initial weights repeat, the same on every rank
         model = attach_adapter(model, method, config, prefix_init_ids(config, examples))
     trainable, total = count_parameters(model)

@@ -12,10 +12,10 @@ What it does, in order, before anything is written:
 2. checks every safetensors file (`stages.checkpoint.weights`: a truncated or foreign file, a shard
    the index lists but the directory lacks, a pickle renamed `.safetensors` is named) and loads the
    tokenizer;
-3. for the families our own Llama implements (Llama, Qwen2, Mistral), loads the checkpoint into
-   our model and into transformers' and compares their logits on a fixed probe batch: the model
-   our training engine trains must be the one transformers evaluates (max |diff| / max |logit|
-   <= 1e-4 in fp32, else the stage fails naming the config field to look at).
+3. for the families our own Llama implements (Llama, Qwen2, Mistral, Qwen3, GLM, GLM-4), loads the
+   checkpoint into our model and into transformers' and compares their logits on a fixed probe
+   batch: the model our training engine trains must be the one transformers evaluates (max |diff| /
+   max |logit| <= 1e-4 in fp32, else the stage fails naming the config field to look at).
 Then it copies config.json, generation_config.json, the weights (byte for byte, index included)
 and the tokenizer files into `out` atomically, with meta.json: the source path, family,
 architecture, parameter count, the weight files' sha256, the parity figures, and (`files`) the

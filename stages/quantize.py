@@ -10,9 +10,10 @@ wint4, gptq-w4, gptq-w4g128, gptq-w3g64, a8w8, a8w8-smooth, or `quantize.custom_
          calibration), with SmoothQuant (`smooth`) and Outlier Suppression+ (`shift`) from
          `quantize.a8w8` (`stages.quant.smoothquant`, `stages.quant.a8w8`), calibrated as gptq
 
-Any causal LM that transformers builds from config.json (Llama, Qwen2, Mistral, GPT-2, OPT, Bloom,
-GPT-NeoX, ...): the quantized layers are the Linear / Conv1D layers of its decoder blocks, found on
-the model built on the meta device (`stages.quant.layers`). Calibrated methods run the float model
+Any causal LM that transformers builds from config.json (Llama, Qwen2, Mistral, Qwen3, GLM, GLM-4,
+GPT-2, OPT, Bloom, GPT-NeoX, ...): the quantized layers are the Linear / Conv1D layers of its decoder
+blocks (GLM's fused gate_up_proj is one layer), found on the model built on the meta device
+(`stages.quant.layers`). Calibrated methods run the float model
 itself (`stages.training.families.load_causal_lm`: our Llama for our families, transformers' model
 for the others), on CPU in float32, after an estimate of the memory they need is checked against
 the memory available.

@@ -8,9 +8,9 @@ merges with `stages.merge`. Initialisation is peft's: A Kaiming-uniform (a = sqr
 training starts exactly from the base model.
 
 Under tensor parallelism (`stages.parallel.plan.apply_tensor_parallel`) the factors are split the
-way their base weight is: a column-parallel base (q/k/v, gate/up) keeps A whole and splits B along
-the output; a row-parallel base (o, down) splits A along the input and keeps B whole, its r-wide
-product all-reduced before B (`stages.parallel.tensor`).
+way their base weight is: a column-parallel base (q/k/v, gate/up, GLM's gate_up) keeps A whole and
+splits B along the output (gate_up: each half); a row-parallel base (o, down) splits A along the
+input and keeps B whole, its r-wide product all-reduced before B (`stages.parallel.tensor`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from stages.adapters.lora import ALL_LINEAR, _matches
 from stages.sections import LoraSettings
 
 # What "all-linear" selects in our model: every projection of the decoder blocks, as peft's
-# "all-linear" does for transformers' Llama (never lm_head).
-LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# "all-linear" does for transformers' Llama (never lm_head); GLM has one gate_up_proj for gate and up.
+LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."
 
 
@@ -88,4 +88,3 @@ def add_lora(model: nn.Module, section: LoraSettings) -> list[str]:
 def peft_name(name: str) -> str:
     """Our parameter name -> the key peft writes into adapter_model.safetensors."""
     return PEFT_PREFIX + name
-

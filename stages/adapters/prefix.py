@@ -10,8 +10,8 @@ padding, repeated calls) gives the same tokens as step-by-step full forwards wit
 per-step logits within 3e-7; save/load round-trips exactly; GQA models get prefixes of
 `num_key_value_heads * head_dim` per layer; the real tokens take RoPE positions P, P+1, ... after the
 prefix's P cache slots. tests/unit/test_adapters.py keeps these checks, so an
-upgrade that breaks one of them fails there first. Qwen2, Mistral, GPT-2, OPT, Bloom and GPT-NeoX
-train and evaluate (batched left-padded generation included) with a prefix too:
+upgrade that breaks one of them fails there first. Qwen2, Mistral, Qwen3, GLM, GLM-4, GPT-2, OPT,
+Bloom and GPT-NeoX train and evaluate (batched left-padded generation included) with a prefix too:
 tests/unit/test_families.py (slow).
 """
 

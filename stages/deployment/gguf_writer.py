@@ -20,10 +20,12 @@ What is written, following llama.cpp's convert_hf_to_gguf.py:
 - hyperparameters under `{arch}.*`, rope scaling "linear" as metadata and "llama3" as the
   `rope_freqs` tensor (how llama.cpp's converter expresses it).
 
-Refused by name (ValueError): other model types than llama / mistral / qwen2 (config.json's own
-check), llama attention/MLP biases, sliding windows shorter than the context (llama.cpp's llama and
-qwen2 attend to the whole context), rope types other than default / linear / llama3 (llama3 on
-arch llama only), and tokenizers GGUF cannot describe (see gguf_tokenizer).
+Refused by name (ValueError): other model types than llama / mistral / qwen2 (those our config
+reader does not take by config.json's own check; Qwen3, GLM and GLM-4, which it takes, by
+`gguf_arch`: llama.cpp has architectures of their own for them, not written here), llama
+attention/MLP biases, sliding windows shorter than the context (llama.cpp's llama and qwen2 attend
+to the whole context), rope types other than default / linear / llama3 (llama3 on arch llama only),
+and tokenizers GGUF cannot describe (see gguf_tokenizer).
 
     python -m stages.deployment.gguf_writer --model results/sft --out model.q8_0.gguf --type q8_0
 """
@@ -51,6 +53,7 @@ from stages.model.rope_types import rope_type
 log = logging.getLogger(__name__)
 
 FILE_TYPES = ("f32", "f16", "q8_0", "q4_0")
+GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2")  # of our config reader's model types (stages.model.config)
 # Hugging Face parameter name (with {i} for the layer) -> llama.cpp tensor name.
 TENSOR_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -72,6 +75,11 @@ SKIPPED = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomp
 def gguf_arch(config: LlamaConfig) -> str:
     """llama.cpp's architecture for a config: "qwen2" for Qwen2, "llama" for Llama and Mistral (as
     llama.cpp's converter writes Mistral), after refusing what llama.cpp would run differently."""
+    if config.model_type not in GGUF_MODEL_TYPES:
+        raise ValueError(f"model_type={config.model_type!r} is not written to GGUF by this writer; supported: "
+                         f"{', '.join(GGUF_MODEL_TYPES)}. llama.cpp has architectures of their own for Qwen3 and GLM "
+                         "(q/k head norms, a fused gate_up_proj, partial interleaved RoPE), which this writer does "
+                         "not implement; deploy this model as ONNX or compressed-tensors instead")
     if config.model_type == "llama" and (config.attention_bias or config.mlp_bias):
         raise ValueError(f"attention_bias={config.attention_bias}, mlp_bias={config.mlp_bias}: Llama biases "
                          "are not written by this GGUF writer (not implemented: the q/k biases would need the "

@@ -4,7 +4,10 @@ the weights pass protobuf's 2 GB), `genai_config.json` and the tokenizer files.
 genai_config.json follows what onnxruntime-genai's own model builder writes (0.18), with the
 decoder's input and output names of `stages.deployment.onnx_decoder`:
 
-    model.type             "llama" | "qwen2" | "mistral" (config.json's model_type)
+    model.type             config.json's model_type where onnxruntime-genai has it ("llama",
+                           "mistral", "qwen2", "qwen3"), else its generic decoder-only type
+                           "decoder" (GLM, GLM-4: it has no "glm" / "glm4" and refuses them);
+                           either way it runs the graph by the names below
     model.context_length   max_position_embeddings
     model.bos/eos/pad_token_id, model.vocab_size
     model.decoder          filename, head_size, hidden_size, num_attention_heads,
@@ -31,6 +34,10 @@ log = logging.getLogger(__name__)
 ONNX_NAME = "model.onnx"
 INT8_DIR = "int8"  # the INT8 variant's own directory inside an export directory
 GENAI_CONFIG = "genai_config.json"
+# model_types that onnxruntime-genai 0.18 runs under their own name (ModelType::IsLLM) and a test
+# opens; the other families of our model get its generic decoder-only type
+GENAI_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+GENAI_GENERIC_TYPE = "decoder"
 
 
 def onnx_opset(path: Path) -> int:
@@ -80,12 +87,17 @@ def genai_config(config: LlamaConfig, eos_token_id: int | list[int] | None = Non
     return {
         "model": {**({"bos_token_id": bos} if bos is not None else {}),
                   "context_length": config.max_position_embeddings, "decoder": decoder, "eos_token_id": eos,
-                  "pad_token_id": pad, "type": config.model_type, "vocab_size": config.vocab_size},
+                  "pad_token_id": pad, "type": genai_model_type(config.model_type), "vocab_size": config.vocab_size},
         "search": {"diversity_penalty": 0.0, "do_sample": False, "early_stopping": True, "length_penalty": 1.0,
                    "max_length": config.max_position_embeddings, "min_length": 0, "no_repeat_ngram_size": 0,
                    "num_beams": 1, "num_return_sequences": 1, "past_present_share_buffer": False,
                    "repetition_penalty": 1.0, "temperature": 1.0, "top_k": 1, "top_p": 1.0},
     }
+
+
+def genai_model_type(model_type: str) -> str:
+    """genai_config.json's model.type for config.json's `model_type` (see the module docstring)."""
+    return model_type if model_type in GENAI_MODEL_TYPES else GENAI_GENERIC_TYPE
 
 
 def write_genai_config(directory: Path, config: LlamaConfig, **kwargs: Any) -> dict[str, Any]:

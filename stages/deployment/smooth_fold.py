@@ -7,8 +7,13 @@ produces x, exactly where that producer is per channel (Llama-style decoder bloc
     producer of x                       consumers (one shared s)    fold
     input_layernorm  g * x / rms(x)     q_proj, k_proj, v_proj      g' = g / s
     post_attention_layernorm            gate_proj, up_proj          g' = g / s
+                                        (GLM, GLM-4: gate_up_proj)
     v_proj rows, through attention      o_proj                      sw_v' = sw_v / s (and b_v)
     up_proj rows, act(gate) * up        down_proj                   sw_u' = sw_u / s (and b_u)
+    (GLM, GLM-4: the second half of gate_up_proj's rows, [gate; up])
+
+Qwen3's q/k head norms act on q_proj's / k_proj's outputs and GLM-4's extra norms on o_proj's /
+down_proj's outputs: neither sits between a consumer and its producer, so the folds are the same.
 
 Each norm feeds several layers, so their s must be one tensor: `stages.quant.smoothquant` computes
 one s per group of layers reading the same input, and this module checks the group's tensors are
@@ -34,10 +39,15 @@ from stages.errors import InputError
 
 # model_type of families whose decoder blocks use these names and whose norms compute g * x_hat
 # (Gemma's (1 + g) would need another fold; GPT-2 / OPT / NeoX name their layers otherwise).
-FOLD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FOLD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "glm", "glm4")
+FUSED_GATE_UP_FAMILIES = ("glm", "glm4")  # mlp.gate_up_proj, its rows [gate; up], for gate_proj and up_proj
 NORM_CONSUMERS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                   "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
-ROW_PRODUCER = {"self_attn.o_proj": "self_attn.v_proj", "mlp.down_proj": "mlp.up_proj"}
+FUSED_NORM_CONSUMERS = {**NORM_CONSUMERS, "post_attention_layernorm": ("mlp.gate_up_proj",)}
+# consumer -> (producer, i, n): the consumer's input channels are the i-th of n equal blocks of the
+# producer's output rows
+ROW_PRODUCER = {"self_attn.o_proj": ("self_attn.v_proj", 0, 1), "mlp.down_proj": ("mlp.up_proj", 0, 1)}
+FUSED_ROW_PRODUCER = {**ROW_PRODUCER, "mlp.down_proj": ("mlp.gate_up_proj", 1, 2)}
 _LEAF = re.compile(r"^(?P<block>.+)\.(?P<leaf>(?:self_attn|mlp)\.[A-Za-z0-9_]+)$")
 
 
@@ -52,11 +62,19 @@ def refuse_shift(state: dict[str, torch.Tensor]) -> None:
             "(e.g. variant a8w8-smooth) to export it")
 
 
+def fold_tables(model_type: str) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, int, int]]]:
+    """(norm -> its consumers, consumer -> its row producer) of a family's decoder block."""
+    if model_type in FUSED_GATE_UP_FAMILIES:
+        return FUSED_NORM_CONSUMERS, FUSED_ROW_PRODUCER
+    return NORM_CONSUMERS, ROW_PRODUCER
+
+
 def _split(name: str, model_type: str) -> tuple[str, str]:
+    norms, rows = fold_tables(model_type)
     m = _LEAF.match(name)
-    if m is None or (m["leaf"] not in ROW_PRODUCER and not any(m["leaf"] in c for c in NORM_CONSUMERS.values())):
+    if m is None or (m["leaf"] not in rows and not any(m["leaf"] in c for c in norms.values())):
         raise InputError(f"{name}.smooth_scale: no fold is known for this layer of model_type={model_type!r} "
-                         f"(folds: {sorted(ROW_PRODUCER)} and the consumers of {sorted(NORM_CONSUMERS)}); "
+                         f"(folds: {sorted(rows)} and the consumers of {sorted(norms)}); "
                          "re-quantize with quantize.a8w8.smooth_all_linears: false or smooth: false")
     return m["block"], m["leaf"]
 
@@ -105,13 +123,14 @@ def fold_smoothing(state: dict[str, torch.Tensor], config: dict[str, Any]
         block, leaf = _split(name, model_type)
         blocks.setdefault(block, set()).add(leaf)
     folds = {"norms": 0, "row_producers": 0}
+    norms, rows = fold_tables(model_type)
     for block, leaves in blocks.items():
-        for norm, consumers in NORM_CONSUMERS.items():
+        for norm, consumers in norms.items():
             if leaves & set(consumers):
                 _fold_norm(state, out, block, norm, consumers)
                 folds["norms"] += 1
-        for leaf in sorted(leaves & set(ROW_PRODUCER)):
-            _fold_rows(state, out, block, leaf, config)
+        for leaf in sorted(leaves & set(rows)):
+            _fold_rows(state, out, block, leaf, rows[leaf], config)
             folds["row_producers"] += 1
     return out, folds
 
@@ -139,15 +158,22 @@ def _fold_norm(state: dict[str, torch.Tensor], out: dict[str, torch.Tensor], blo
 
 
 def _fold_rows(state: dict[str, torch.Tensor], out: dict[str, torch.Tensor], block: str, leaf: str,
-               config: dict[str, Any]) -> None:
-    name, producer = f"{block}.{leaf}", f"{block}.{ROW_PRODUCER[leaf]}"
+               producer_rows: tuple[str, int, int], config: dict[str, Any]) -> None:
+    """Divide the rows of `leaf`'s producer that make its input (`producer_rows`: the producer and
+    which of its equal row blocks, see ROW_PRODUCER) by `leaf`'s smoothing scale."""
+    producer_leaf, index, blocks = producer_rows
+    name, producer = f"{block}.{leaf}", f"{block}.{producer_leaf}"
     c = _row_scale(name, leaf, state[f"{name}.smooth_scale"].float(), config)
     key = f"{producer}.weight_scale"
     if key not in out:
         raise InputError(f"{name}.smooth_scale: its input's producer {producer} is not an A8W8 layer of the "
                          "checkpoint; re-quantize with quantize.a8w8.smooth_all_linears: false")
-    if out[key].numel() != c.numel():
-        raise InputError(f"{name}.smooth_scale: {c.numel()} channels to fold, {producer} has {out[key].numel()} rows")
-    out[key] = out[key] / c  # rows of W_p scaled by 1 / s: the codes stay, their scales change
-    if f"{producer}.bias" in out:
-        out[f"{producer}.bias"] = out[f"{producer}.bias"] / c.to(out[f"{producer}.bias"].dtype)
+    if out[key].numel() != blocks * c.numel():
+        what = f"{out[key].numel()} rows" if blocks == 1 else f"{out[key].numel()} rows, not {blocks} x {c.numel()}"
+        raise InputError(f"{name}.smooth_scale: {c.numel()} channels to fold, {producer} has {what}")
+    rows = slice(index * c.numel(), (index + 1) * c.numel())  # GLM's gate_up_proj: the up half
+    for tensor_key in (key, f"{producer}.bias"):
+        if tensor_key in out:  # rows of W_p scaled by 1 / s: the codes stay, their scales change
+            t = out[tensor_key].clone()
+            t[rows] = t[rows] / c.to(t.dtype)
+            out[tensor_key] = t

@@ -1,8 +1,8 @@
 """Which model trains a family on the training engine, and what the engine does differently for it.
 
 The families our Llama implements (`stages.checkpoint.source.FAMILIES` marks them `ours`: Llama,
-Qwen2, Mistral) train through our model in every layout: data parallel, ZeRO 1/2/3, tensor and
-pipeline parallelism. Every other causal LM that transformers supports (GPT-2, OPT, Bloom,
+Qwen2, Mistral, Qwen3, GLM, GLM-4) train through our model in every layout: data parallel, ZeRO
+1/2/3, tensor and pipeline parallelism. Every other causal LM that transformers supports (GPT-2, OPT, Bloom,
 GPT-NeoX, ...) trains through transformers' own model with data parallel and ZeRO 1/2/3 only: our
 tensor-parallel plan and pipeline split are written against our model's module names.
 

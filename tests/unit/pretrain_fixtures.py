@@ -43,16 +43,26 @@ def make_data_dir(out: Path) -> Path:
     return out
 
 
-def torchrun(nproc: int, data_dir: Path, out: Path, model: dict | None = None, checkpoints: Path | None = None,
-             **section) -> pd.DataFrame:
-    """Run the pretrain stage on `nproc` gloo ranks; returns its train_log.csv."""
+def torchrun_command(nproc: int, data_dir: Path, out: Path, model: dict | None = None,
+                     checkpoints: Path | None = None, init: Path | None = None,
+                     **section) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of `torchrun` (below), for a caller that starts it itself."""
     model = check_config({"experiments": {"t": {"model": model or {"flavour": "debug"}}}})["experiments"]["t"]["model"]
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
            "-m", "stages.pretrain", "--data", str(data_dir), "--out", str(out),
            "--model-config", json.dumps(model), "--config", json.dumps(pretrain_section(**section))]
     if checkpoints is not None:
         cmd += ["--checkpoints", str(checkpoints)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    if init is not None:  # continued pretraining from this imported checkpoint
+        cmd += ["--init", str(init)]
+    return cmd, dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+
+
+def torchrun(nproc: int, data_dir: Path, out: Path, model: dict | None = None, checkpoints: Path | None = None,
+             init: Path | None = None, **section) -> pd.DataFrame:
+    """Run the pretrain stage on `nproc` gloo ranks (from the imported checkpoint `init`, or the
+    `model` section's random-init flavour); returns its train_log.csv."""
+    cmd, env = torchrun_command(nproc, data_dir, out, model, checkpoints, init, **section)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return pd.read_csv(out / "train_log.csv")

@@ -1,7 +1,8 @@
 """LoRA and prefix tuning on our own model (stages/adapters/lora_linear.py, prefix_kv.py,
 peft_files.py): the adapter it trains is peft's, read by peft on transformers' model with the same
 logits; tensor parallelism splits the factors and the prefix by heads with the single-device
-forward and gradients; packed rows give the loss and gradients of the examples one by one."""
+forward and gradients; packed rows give the loss and gradients of the examples one by one. Llama,
+and Qwen3 (q/k head norms) and GLM-4 (LoRA on the fused gate_up_proj, partial interleaved RoPE)."""
 
 from __future__ import annotations
 
@@ -15,13 +16,30 @@ from transformers import AutoModelForCausalLM
 from stages.adapters import attach_adapter
 from stages.adapters.peft_files import peft_config_for, peft_tensors, write_adapter
 from stages.adapters.prefix_kv import from_peft, to_peft
-from stages.checkpoint.hf import load_pretrained
+from stages.checkpoint.atomic import atomic_dir
+from stages.checkpoint.hf import load_pretrained, save_pretrained
 from stages.model.config import config_for_flavour
 from stages.model.llama import build_model
 from stages.training.batches import PackedSftBatches, SftBatches
 from stages.training.checkpointing import trained_parameters
 
 TOL = 1e-5
+NEWER = {"qwen3": {}, "glm4": {"partial_rotary_factor": 0.5}}  # beside attention_bias: true
+
+
+@pytest.fixture(scope="module")
+def newer_model_dirs(tmp_path_factory, debug_model_dir):
+    """{family: HF-layout directory} of our debug-flavour Qwen3 and GLM-4, the debug model's tokenizer."""
+    from stages.checkpoint.hf import load_config
+
+    out = {}
+    for family, extra in NEWER.items():
+        config = config_for_flavour("debug", vocab_size=load_config(debug_model_dir).vocab_size, model_type=family,
+                                    attention_bias=True, bos_token_id=1, eos_token_id=2, pad_token_id=0, **extra)
+        out[family] = tmp_path_factory.mktemp(family) / "model"
+        with atomic_dir(out[family]) as tmp:
+            save_pretrained(build_model(config, seed=0), tmp, tokenizer_dir=debug_model_dir)
+    return out
 
 
 def _adapted(model_dir, method: str, **overrides):
@@ -43,6 +61,17 @@ def _adapted(model_dir, method: str, **overrides):
                                                            "prefix_projection_hidden_size": 24})])
 def test_our_adapter_is_peft_s_on_transformers(tmp_path, debug_model_dir, method, overrides):
     """Written by peft_files, read by PeftModel.from_pretrained on transformers' Llama: same logits."""
+    _check_adapter_is_peft_s(tmp_path, debug_model_dir, method, overrides)
+
+
+@pytest.mark.parametrize("family", list(NEWER))
+@pytest.mark.parametrize("method, overrides", [("lora", {"target_modules": "all-linear"}),
+                                               ("prefix", {"num_prefix_tokens": 5})])
+def test_our_adapter_is_peft_s_on_qwen3_and_glm4(tmp_path, newer_model_dirs, family, method, overrides):
+    _check_adapter_is_peft_s(tmp_path, newer_model_dirs[family], method, overrides)
+
+
+def _check_adapter_is_peft_s(tmp_path, debug_model_dir, method, overrides):
     model, section = _adapted(debug_model_dir, method, **overrides)
     tensors = {name: p.detach() for name, p in trained_parameters(model)}
     write_adapter(tmp_path, peft_config_for(method, section, debug_model_dir),
@@ -58,6 +87,10 @@ def test_our_adapter_is_peft_s_on_transformers(tmp_path, debug_model_dir, method
     assert torch.allclose(ours, expected, atol=TOL, rtol=TOL)
     config = theirs.peft_config["default"]
     assert config.base_model_name_or_path == str(debug_model_dir) and config.inference_mode
+    if method == "lora":  # every layer peft wraps got trained factors (peft fills missing ones with B = 0)
+        wrapped = {n.removeprefix("base_model.model.") for n, m in theirs.named_modules()
+                   if isinstance(m, peft.tuners.lora.LoraLayer)}
+        assert wrapped == {n.split(".lora_")[0] for n in tensors}
 
 
 def test_prefix_table_round_trips():
@@ -138,6 +171,16 @@ def _tp_forward_backward(rank, world, model_dir, method, overrides):
 def test_tensor_parallel_adapter_matches_the_single_device_one(debug_model_dir, method, overrides):
     """tp2: LoRA's A whole / B split (column) and A split / B whole (row), the prefix split by KV
     heads: the same logits and the same whole gradients as one device, the base frozen."""
+    _check_tensor_parallel_adapter(debug_model_dir, method, overrides)
+
+
+@pytest.mark.multiproc
+def test_tensor_parallel_lora_splits_each_half_of_glm_s_gate_up_proj(newer_model_dirs):
+    """GLM-4's gate_up_proj ([gate; up]): rank r holds [gate_r; up_r] of the base and of LoRA's B."""
+    _check_tensor_parallel_adapter(newer_model_dirs["glm4"], "lora", {"target_modules": "all-linear"})
+
+
+def _check_tensor_parallel_adapter(debug_model_dir, method, overrides):
     model, _ = _adapted(debug_model_dir, method, **overrides)
     model.train()
     ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))

@@ -287,6 +287,39 @@ def test_unfoldable_smoothing_is_refused_by_name():
         fold_smoothing(odd, LLAMA)
 
 
+def test_glm_folds_down_proj_into_the_up_half_of_gate_up_proj():
+    """GLM's gate_up_proj is [gate; up] (2 x 3 rows here): post_attention_layernorm carries its s,
+    and down_proj's s divides the up rows' scales (and bias) only; a Llama name in a GLM checkpoint
+    has no fold."""
+    g = torch.Generator().manual_seed(0)
+    p = "model.layers.0"
+    s_in, s_down = torch.rand(8, generator=g) + 0.5, torch.rand(3, generator=g) + 0.5
+    state = {f"{p}.post_attention_layernorm.weight": torch.rand(8, generator=g) + 0.5,
+             f"{p}.mlp.gate_up_proj.weight_scale": torch.rand(6, generator=g) + 0.1,
+             f"{p}.mlp.gate_up_proj.bias": torch.randn(6, generator=g),
+             f"{p}.mlp.gate_up_proj.smooth_scale": s_in,
+             f"{p}.mlp.down_proj.weight_scale": torch.rand(8, generator=g) + 0.1,
+             f"{p}.mlp.down_proj.smooth_scale": s_down}
+    glm = {**LLAMA, "model_type": "glm"}
+    folded, folds = fold_smoothing(state, glm)
+    assert folds == {"norms": 1, "row_producers": 1}
+    torch.testing.assert_close(folded[f"{p}.post_attention_layernorm.weight"],
+                               state[f"{p}.post_attention_layernorm.weight"] / s_in)
+    for key in ("weight_scale", "bias"):
+        before, after = state[f"{p}.mlp.gate_up_proj.{key}"], folded[f"{p}.mlp.gate_up_proj.{key}"]
+        assert torch.equal(after[:3], before[:3])  # gate rows
+        torch.testing.assert_close(after[3:], before[3:] / s_down)  # up rows
+    assert not any(k.endswith(".smooth_scale") for k in folded)
+
+    with pytest.raises(InputError, match=r"down_proj\.smooth_scale: 3 channels to fold, "
+                                         r"model\.layers\.0\.mlp\.gate_up_proj has 4 rows, not 2 x 3"):
+        fold_smoothing({**state, f"{p}.mlp.gate_up_proj.weight_scale": torch.ones(4)}, glm)
+    llama_names = {f"{p}.mlp.up_proj.weight_scale": torch.ones(3), f"{p}.mlp.up_proj.smooth_scale": torch.ones(8)}
+    with pytest.raises(InputError, match=r"mlp\.up_proj\.smooth_scale: no fold is known for this layer of "
+                                         r"model_type='glm4'"):
+        fold_smoothing(llama_names, {**LLAMA, "model_type": "glm4"})
+
+
 def test_quantization_config_rejects_an_unknown_activation():
     with pytest.raises(ValueError, match="activation='per_channel'"):
         quantization_config("per_channel", [])

@@ -223,12 +223,13 @@ def test_gpt2_zero1_checkpoint_resumes_in_one_process(gpt2_runs, model_dir, data
 
 # -- what such a model cannot do ----------------------------------------------------------------------------
 def test_model_parallel_is_only_for_our_families():
-    assert families.own_families() == ("llama", "mistral", "qwen2")
+    assert families.own_families() == ("glm", "glm4", "llama", "mistral", "qwen2", "qwen3")
     assert families.supports_model_parallel("llama") and not families.supports_model_parallel("gpt2")
     families.check_model_parallel("qwen2", 2, 2)
     families.check_model_parallel("opt", 1, 1)
     with pytest.raises(ValueError, match=r"pipeline_parallel_degree=2: model_type='opt' trains through "
-                                         r"transformers.*\(llama, mistral, qwen2\).*sharding: stage1"):
+                                         r"transformers.*\(glm, glm4, llama, mistral, qwen2, qwen3\)"
+                                         r".*sharding: stage1"):
         families.check_model_parallel("opt", 1, 2)
 
 

@@ -26,7 +26,7 @@ from stages import evaluate, export, finetune, merge, quantize
 from stages.checkpoint.atomic import write_json
 from stages.checkpoint.hf import copy_tokenizer
 from stages.data.tokenizer import TokenizerError, load_model_tokenizer, save_tokenizer, train_tokenizer
-from stages.deployment.onnx_generate import OnnxDecoder
+from stages.deployment.onnx_generate import OnnxDecoder, greedy_generate
 from stages.quant import decoder_linear_layers, load_quantized
 
 GROUP = 32  # divides every input width below (64, 128, 256)
@@ -39,6 +39,11 @@ def _family_config(family: str, special: dict) -> transformers.PretrainedConfig:
         cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                "mistral": transformers.MistralConfig}[family]
         return cls(**SIZES, intermediate_size=128, num_key_value_heads=2, max_position_embeddings=128, **special)
+    if family in ("qwen3", "glm", "glm4"):  # their classes default head_dim to 128, not hidden / heads
+        cls = {"qwen3": transformers.Qwen3Config, "glm": transformers.GlmConfig,
+               "glm4": transformers.Glm4Config}[family]
+        return cls(**SIZES, intermediate_size=128, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                   **special)  # GlmConfig's default pad / eos ids lie outside the test vocabulary
     if family == "gpt2":
         return transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, **special)
     if family == "opt":
@@ -51,10 +56,10 @@ def _family_config(family: str, special: dict) -> transformers.PretrainedConfig:
     raise KeyError(family)
 
 
-FAMILIES = ("llama", "qwen2", "mistral", "gpt2", "opt", "bloom", "gpt_neox")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "glm", "glm4", "gpt2", "opt", "bloom", "gpt_neox")
 # Which torch model export uses: ours where it implements the family (Mistral: when stages.model does).
-EXPORT_MODEL = {"llama": "project", "qwen2": "project", "gpt2": "transformers", "opt": "transformers",
-                "bloom": "transformers", "gpt_neox": "transformers"}
+EXPORT_MODEL = {"llama": "project", "qwen2": "project", "qwen3": "project", "glm": "project", "glm4": "project",
+                "gpt2": "transformers", "opt": "transformers", "bloom": "transformers", "gpt_neox": "transformers"}
 ADAPTERS = ("lora", "prefix")
 EVAL_CONFIG = {"max_new_tokens": 4, "num_dev_examples": 4, "ppl_max_length": 16, "ppl_max_windows": 2,
                "per_device_eval_batch_size": 4}
@@ -163,6 +168,9 @@ def test_all_linear_lora_wraps_exactly_the_quantized_layers(chain):
                if isinstance(mod, peft.tuners.lora.LoraLayer)}
     blocks = decoder_linear_layers(AutoModelForCausalLM.from_pretrained(root / "base"))
     assert wrapped == set(blocks) and m["merge"]["merged_modules"] == len(blocks)
+    # and the adapter trained each of them (peft fills a wrapped layer the file lacks with B = 0)
+    with safe_open(str(root / "lora" / "adapter_model.safetensors"), "pt") as f:
+        assert {k.removeprefix("base_model.model.").split(".lora_")[0] for k in f.keys()} == set(blocks)
     assert any(blocks.values()) == (family == "gpt2")  # only GPT-2 has Conv1D layers
 
 
@@ -241,6 +249,29 @@ def test_onnx_agrees_with_transformers(chain):
     got = OnnxDecoder(root / "onnx" / "model.onnx").logits(ids.numpy())
     want = _logits(model, ids).numpy()
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_onnxruntime_genai_runs_the_export(chain):
+    """onnxruntime-genai opens the cache graph's directory as written (genai_config.json: GLM's and
+    GLM-4's model.type is its generic "decoder", it knows no "glm") and generates its greedy tokens
+    (eos held off: the fine-tuned models end their answers at once)."""
+    family, root, m = chain
+    if not m["export"]["genai_config"]:
+        pytest.skip(f"{family} exports transformers' cache-free graph: no genai_config.json")
+    og = pytest.importorskip("onnxruntime_genai")
+    model = og.Model(str(root / "onnx"))
+    prompt, new = _probe(json.loads((root / "merged" / "config.json").read_text())["vocab_size"])[0, :5].tolist(), 8
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + new, min_length=len(prompt) + new, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(prompt)
+    while not generator.is_done():
+        generator.generate_next_token()
+    got = [int(t) for t in generator.get_sequence(0)][len(prompt):]
+    ids = np.asarray([prompt])
+    want = greedy_generate(OnnxDecoder(root / "onnx" / "model.onnx"), ids, np.ones_like(ids), new, 2, 0,
+                           min_new_tokens=new)[0, len(prompt):].tolist()
+    assert got == want
 
 
 def _check_eval(e: dict, kind: str) -> None:

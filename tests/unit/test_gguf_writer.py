@@ -291,6 +291,19 @@ def test_refuses_an_architecture_llama_cpp_would_run_differently(tmp_path, tiny_
         write_gguf(src, tmp_path / "m.gguf", "q5_k")
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "glm", "glm4"])
+def test_refuses_our_families_llama_cpp_runs_as_their_own_architectures(tmp_path, tiny_tokenizer_dir, model_type):
+    """Our model takes them; this writer's llama / qwen2 layouts would drop q_norm / k_norm, split no
+    gate_up_proj and rotate GLM's heads the Llama way."""
+    src = save_checkpoint(tmp_path / "src", PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir),
+                          model_type=model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    with pytest.raises(ValueError, match=rf"model_type='{model_type}' is not written to GGUF by this writer; "
+                                         r"supported: llama, mistral, qwen2\."):
+        write_gguf(src, tmp_path / "m.gguf", "f16")
+    assert not (tmp_path / "m.gguf").exists()
+
+
 def test_cli_writes_the_file(trained_dir, tmp_path):
     from stages.deployment.gguf_writer import main
 

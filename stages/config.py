@@ -252,7 +252,7 @@ def _check_parallel(name: str, exp: dict[str, Any], source: dict[str, Any] | Non
     checks the real shapes again)."""
     sections = [("pretrain", exp["pretrain"]), *((f"finetune.{m}", sec) for m, sec in exp["finetune"].items())]
     for where, sec in sections:
-        _check_layout(f"experiments.{name}.{where}", sec, exp, source)
+        _check_layout(f"experiments.{name}.{where}", sec, exp, source, pretraining=where == "pretrain")
     for method, sec in exp["finetune"].items():
         _check_finetune(f"experiments.{name}.finetune.{method}", method, sec, source)
 
@@ -315,13 +315,14 @@ def _check_finetune(key: str, method: str, sec: dict[str, Any], source: dict[str
         raise ConfigError(f"{key}: metric_for_best_model={sec['metric_for_best_model']} is measured on "
                           "generations: set eval_with_do_generation: true, or use eval_loss")
     if sec["packing"] and source is not None:
-        from stages.checkpoint.source import family_of
+        from stages.checkpoint.source import FAMILIES, family_of
 
         family = family_of(source)
         if not family.ours:
+            ours = ", ".join(f.name for f in FAMILIES.values() if f.ours)
             raise ConfigError(f"{key}: packing=true with a {family.name} checkpoint: packed rows need the "
-                              "project's own model (Llama, Qwen2, Mistral), whose attention keeps the "
-                              "examples apart; set packing: false")
+                              f"project's own model ({ours}), whose attention keeps the examples apart; set "
+                              "packing: false")
 
 
 def pretrain_enabled(exp: dict[str, Any]) -> bool:
@@ -348,7 +349,7 @@ def _check_model_source(name: str, exp: dict[str, Any]) -> dict[str, Any] | None
     supported architecture, safetensors weights and a tokenizer; and the experiment's other keys
     agree with it (no pretraining without weights to start from, a quantize source that exists).
     Returns its config.json (None without a starting checkpoint)."""
-    from stages.checkpoint.source import ModelSourceError, family_of, read_source_config
+    from stages.checkpoint.source import FAMILIES, ModelSourceError, family_of, read_source_config
 
     path = exp["model"]["model_name_or_path"]
     key = f"experiments.{name}.model.model_name_or_path"
@@ -364,11 +365,12 @@ def _check_model_source(name: str, exp: dict[str, Any]) -> dict[str, Any] | None
     except ModelSourceError as e:  # every message names the key (family_of names only the file)
         raise ConfigError(str(e) if str(e).startswith(key) else f"{key}={path!r}: {e}") from None
     family = family_of(source)
-    if exp["pretrain"]["enabled"] and not family.ours:
+    if exp["pretrain"]["enabled"] and not family.pretraining_on_ours:
+        pretrainable = ", ".join(f.name for f in FAMILIES.values() if f.pretraining_on_ours)
         raise ConfigError(f"experiments.{name}.pretrain.enabled=true with a {family.name} checkpoint: "
-                          "continued pretraining runs on the project's own model (Llama, Qwen2, Mistral); "
+                          f"continued pretraining runs on the project's own model ({pretrainable}); "
                           "fine-tune it directly (pretrain.enabled: null)")
-    if family.ours:  # our Llama must honour every field, or refuse it now (imports torch)
+    if family.pretraining_on_ours:  # our model must honour every field, or refuse it now (imports torch)
         from stages.model.config import LlamaConfig
 
         try:
@@ -395,7 +397,8 @@ def _check_device(key: str, sec: dict[str, Any]) -> None:
             raise ConfigError(f"{key}.{flag}=true: {reason}")
 
 
-def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any], source: dict[str, Any] | None) -> None:
+def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any], source: dict[str, Any] | None,
+                  pretraining: bool = False) -> None:
     world, tp, pp, vpp = (sec["world_size"], sec["tensor_parallel_degree"], sec["pipeline_parallel_degree"],
                           sec["virtual_pp_degree"])
     if world % (tp * pp):
@@ -424,7 +427,7 @@ def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any], source: di
         raise ConfigError(f"{key}: interleaved 1F1B needs gradient_accumulation_steps={accum} to be a "
                           f"multiple of gradient_accumulation_steps // pipeline_parallel_degree = {accum // pp}")
     if source is not None:
-        _check_layout_for_source(key, sec, source)
+        _check_layout_for_source(key, sec, source, pretraining)
         return
     arch = architecture(exp["model"])
     layers = arch["num_hidden_layers"]
@@ -446,21 +449,26 @@ def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any], source: di
                           "pipeline parallelism does not support yet (they would live on two stages)")
 
 
-def _check_layout_for_source(key: str, sec: dict[str, Any], source: dict[str, Any]) -> None:
-    """Tensor/pipeline parallelism needs our own model (Llama, Qwen2, Mistral) and degrees that
-    divide the checkpoint's real head counts and layers."""
+def _check_layout_for_source(key: str, sec: dict[str, Any], source: dict[str, Any], pretraining: bool) -> None:
+    """Tensor/pipeline parallelism needs our own model (every stage of the families it implements,
+    pretraining also for GPT-2) and degrees that divide the checkpoint's real head counts and layers."""
     from stages.checkpoint.source import FAMILIES, family_of
+    from stages.model import gpt2_layout
 
     tp, pp = sec["tensor_parallel_degree"], sec["pipeline_parallel_degree"]
     if tp == 1 and pp == 1:
         return
     family = family_of(source)
-    if not family.ours:
+    if not (family.pretraining_on_ours if pretraining else family.ours):
         ours = ", ".join(f.name for f in FAMILIES.values() if f.ours)
+        also = [f.name for f in FAMILIES.values() if f.pretrains_ours and not f.ours]
         raise ConfigError(f"{key}: tensor_parallel_degree={tp} / pipeline_parallel_degree={pp} with a "
                           f"{family.name} checkpoint: model parallelism runs on the project's own model "
-                          f"({ours}); {family.name} trains through transformers with data parallel and "
-                          "ZeRO (world_size + sharding) only")
+                          f"({ours}; for pretraining also {', '.join(also)}); {family.name} "
+                          f"{'fine-tunes' if family.pretrains_ours else 'trains'} through transformers with data "
+                          "parallel and ZeRO (world_size + sharding) only")
+    if family.model_type == "gpt2":  # GPT2Config's own key names, and its defaults
+        source = {field: source.get(key, gpt2_layout.DEFAULTS[key]) for key, field in gpt2_layout.CONFIG_KEYS.items()}
     heads = source.get("num_attention_heads")
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
         value = source.get(field, heads if field == "num_key_value_heads" else None)

@@ -40,8 +40,8 @@ from stages.training.seed import set_seed
 
 
 def _build_config(model_section: ModelSettings, index: dict[str, Any]) -> LlamaConfig:
-    if model_section.model_name_or_path:
-        return load_config(model_section.model_name_or_path)
+    if model_section.model_name_or_path:  # GPT-2 too: it pretrains on our model (stages.checkpoint.source)
+        return load_config(model_section.model_name_or_path, families="all")
     overrides = {k: model_section[k] for k in ARCH_OVERRIDES}
     return config_for_flavour(model_section.flavour, vocab_size=index["vocab_size"],
                               bos_token_id=index["bos_token_id"], eos_token_id=index["eos_token_id"],
@@ -54,7 +54,7 @@ def _build(model_section: ModelSettings, vocab_size: int, index: dict[str, Any],
     sliced it (`stages.training.materialize`): continued pretraining from `init_dir` (the imported
     checkpoint), or initialised from `seed` (the same weights whatever the layout)."""
     if init_dir is not None:
-        model = lazy_pretrained(init_dir)
+        model = lazy_pretrained(init_dir, families="all")
         if model.config.vocab_size != vocab_size:
             raise InputError(f"--init {init_dir} has vocab_size={model.config.vocab_size} but the data was "
                              f"tokenized for {vocab_size}; prepare the data with this checkpoint's tokenizer "

@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 from stages.checkpoint import weights
 from stages.checkpoint.atomic import write_json
 from stages.checkpoint.tokenizer_files import copy_tokenizer
-from stages.model import LlamaConfig, LlamaForCausalLM, build_model
+from stages.checkpoint.source import FAMILIES
+from stages.model import LlamaConfig, LlamaForCausalLM, build_model, gpt2_layout
 
 WEIGHTS_NAME, INDEX_NAME = weights.WEIGHTS_NAME, weights.INDEX_NAME
 
@@ -67,7 +68,7 @@ def save_pretrained(
     state = {k: v.to(dtype) for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    save_state_dict(state, out_dir)
+    save_state_dict(to_hf_layout(state, config), out_dir)
     save_config(config, out_dir, dtype)
     if tokenizer_dir is not None:
         copy_tokenizer(tokenizer_dir, out_dir)
@@ -87,20 +88,41 @@ def save_config(config: LlamaConfig, out_dir: str | Path, dtype: torch.dtype = t
     })
 
 
-def load_config(model_dir: str | Path) -> LlamaConfig:
+def to_hf_layout(state: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """Our state dict in the names and layouts transformers' class of `config` reads (the same
+    dict for the Llama families; GPT-2's names and Conv1D weights, stages.model.gpt2_layout)."""
+    return gpt2_layout.to_hf(state) if config.gpt2_blocks else state
+
+
+def from_hf_layout(state: dict[str, torch.Tensor], config: LlamaConfig) -> dict[str, torch.Tensor]:
+    """The inverse of `to_hf_layout`."""
+    return gpt2_layout.from_hf(state) if config.gpt2_blocks else state
+
+
+def load_config(model_dir: str | Path, families: str = "ours") -> LlamaConfig:
     """The LlamaConfig of an HF checkpoint directory; ValueError naming config.json's path and the
-    key for any field our model cannot honour (see stages.model.config)."""
+    key for any field our model cannot honour (see stages.model.config), and for a family the chain
+    runs on transformers' model (`stages.checkpoint.source.FAMILIES`, e.g. GPT-2) unless `families`
+    is "all" (our model reads GPT-2 too; the chain's stages do not use it for GPT-2 yet)."""
     path = Path(model_dir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing; expected a Hugging Face checkpoint directory")
-    return LlamaConfig.from_hf_dict(json.loads(path.read_text()), source=path)
+    d = json.loads(path.read_text())
+    if families != "all":
+        family = FAMILIES.get((d.get("architectures") or [None])[0])
+        if family is not None and not family.ours:
+            raise ValueError(f"{path}: {family.name} ({d['architectures'][0]}) runs on transformers' model in this "
+                             "chain (stages.checkpoint.source.FAMILIES)")
+    return LlamaConfig.from_hf_dict(d, source=path)
 
 
-def load_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    """Build our model from an HF-layout directory (ours or a real Llama/Qwen2/Mistral checkpoint)."""
-    config = load_config(model_dir)
+def load_pretrained(model_dir: str | Path, dtype: torch.dtype = torch.float32,
+                    families: str = "ours") -> LlamaForCausalLM:
+    """Build our model from an HF-layout directory (ours or a real checkpoint of a family we
+    implement; `families` as for `load_config`)."""
+    config = load_config(model_dir, families)
     model = build_model(config, device="meta")
-    state = load_state_dict(model_dir)
+    state = from_hf_layout(load_state_dict(model_dir), config)
     if config.tie_word_embeddings:
         state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
     model.to_empty(device="cpu")

@@ -20,7 +20,12 @@ from stages.errors import InputError
 class Family:
     name: str  # what the README's support table calls it
     model_type: str  # config.json's model_type
-    ours: bool  # our Llama implements it: every parallel layout; else transformers' model, data parallel + ZeRO
+    ours: bool  # every stage runs our model: every parallel layout; else transformers' model, data parallel + ZeRO
+    pretrains_ours: bool = False  # (continued) pretraining runs our model, in every layout, even where not `ours`
+
+    @property
+    def pretraining_on_ours(self) -> bool:
+        return self.ours or self.pretrains_ours
 
 
 # config.json `architectures[0]` -> family. Every family: full SFT, LoRA, prefix tuning, merge,
@@ -32,10 +37,17 @@ FAMILIES: dict[str, Family] = {
     "Qwen3ForCausalLM": Family("Qwen3", "qwen3", True),
     "GlmForCausalLM": Family("GLM", "glm", True),
     "Glm4ForCausalLM": Family("GLM-4", "glm4", True),
-    "GPT2LMHeadModel": Family("GPT-2", "gpt2", False),
+    # GPT-2 pretrains on our model (stages.model.gpt2_layout); fine-tuning and later stages use transformers'
+    "GPT2LMHeadModel": Family("GPT-2", "gpt2", False, pretrains_ours=True),
     "OPTForCausalLM": Family("OPT", "opt", False),
     "BloomForCausalLM": Family("Bloom", "bloom", False),
     "GPTNeoXForCausalLM": Family("GPT-NeoX", "gpt_neox", False),
+}
+# Seed families that exist only as remote code (a modeling file inside the checkpoint, config.json's
+# `auto_map`), which this pipeline never runs, and the native transformers class that succeeds them.
+REMOTE_CODE_ONLY = {
+    "ChatGLMModel": ("ChatGLM-6B / ChatGLM2-6B / ChatGLM3-6B", "GLM-4 (GlmForCausalLM, Glm4ForCausalLM)"),
+    "ChatGLMForConditionalGeneration": ("ChatGLM-6B", "GLM-4 (GlmForCausalLM, Glm4ForCausalLM)"),
 }
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer.model", "vocab.json")  # any one makes a tokenizer
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
@@ -102,6 +114,12 @@ def family_of(config: dict[str, Any], config_path: str | Path = "config.json") -
     by_type = {f.model_type: f for f in FAMILIES.values()}
     if arch is None and config.get("model_type") in by_type:
         return by_type[config["model_type"]]
+    if arch in REMOTE_CODE_ONLY or config.get("auto_map"):
+        name, successor = REMOTE_CODE_ONLY.get(arch, (arch, "a supported architecture"))
+        raise ModelSourceError(
+            f"{config_path}: {name} ({arch}) exists only as remote code (config.json's auto_map names a modeling "
+            f"file inside the checkpoint), which this pipeline never runs (trust_remote_code stays off); use "
+            f"{successor}: transformers' own classes. Supported: {supported_architectures()}")
     raise ModelSourceError(
         f"{config_path}: architecture {arch or config.get('model_type')!r} is not supported; supported: "
         f"{supported_architectures()}")

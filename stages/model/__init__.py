@@ -1,5 +1,5 @@
-"""The Llama family (transformers' llama, qwen2 and mistral): configuration, flavours, RoPE, the
-single-device model and its loss.
+"""Our decoder model (transformers' llama, qwen2, qwen3, mistral, glm, glm4, and gpt2 through
+config switches): configuration, flavours, RoPE, the single-device model and its loss.
 
 The names below are imported on first use, so that the torch-free modules of this package
 (`stages.model.config`, `stages.model.labels`) load without torch: Snakemake's parse and data

@@ -34,15 +34,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stages.model import gpt2_layout
 from stages.model.rope_types import check_rope_scaling, rope_type
 
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM",
+                 "gpt2": "GPT2LMHeadModel"}
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 ROPE_LAYOUTS = ("rope_scaling", "rope_parameters")  # transformers 4, transformers 5
 ACTIVATIONS = ("silu", "swish")  # both are SiLU in transformers' ACT2FN
+# GPT-2's MLP: transformers' ACT2FN names we compute exactly (gelu_new and gelu_pytorch_tanh are the
+# tanh approximation, gelu the erf form)
+GELU_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
 LAYER_TYPES = {"full_attention": False, "attention": False, "sliding_attention": True}  # -> slides?
 
 # transformers 5.23's defaults for the keys a config.json may omit, per family (the config classes'
@@ -136,6 +141,8 @@ class LlamaConfig:
     #   glm/glm4: q/k/v bias (default true); mistral: none
     mlp_bias: bool = False  # llama only: bias on gate/up/down_proj
     attention_dropout: float = 0.0  # dropout on the attention probabilities, in training only
+    resid_pdrop: float = 0.0  # gpt2 only: dropout on each sub-block's output, in training only
+    embd_pdrop: float = 0.0  # gpt2 only: dropout on the summed token and position embeddings
     sliding_window: int | None = None  # mistral: window of every layer; qwen2/qwen3: of their sliding layers
     use_sliding_window: bool = False  # qwen2/qwen3 only: sliding layers exist at all
     max_window_layers: int | None = None  # qwen2/qwen3 only: layers >= this index slide (when layer_types is None)
@@ -166,14 +173,16 @@ class LlamaConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
-        if self.hidden_act not in ACTIVATIONS:
-            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; supported: "
-                             f"{', '.join(ACTIVATIONS)} (SwiGLU)")
+        activations = GELU_ACTIVATIONS if self.model_type == "gpt2" else ACTIVATIONS
+        if self.hidden_act not in activations:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not supported for model_type={self.model_type!r}; "
+                             f"supported: {', '.join(activations)}")
         if self.rope_layout not in ROPE_LAYOUTS:
             raise ValueError(f"rope_layout={self.rope_layout!r}: expected one of {ROPE_LAYOUTS}")
         check_rope_scaling(self.rope_scaling, self.rope_layout)
-        if not 0.0 <= self.attention_dropout < 1.0:
-            raise ValueError(f"attention_dropout={self.attention_dropout!r} must be in [0, 1)")
+        for name in ("attention_dropout", "resid_pdrop", "embd_pdrop"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be in [0, 1)")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window={self.sliding_window!r} must be a positive number of tokens or null")
         if self.partial_rotary_factor != 1.0 and self.model_type not in PARTIAL_ROTARY_DEFAULTS:
@@ -183,7 +192,11 @@ class LlamaConfig:
             raise ValueError(f"partial_rotary_factor={self.partial_rotary_factor!r} must be in (0, 1] and rotate an "
                              f"even number of dimensions (head_dim={self.head_dim} -> {self.rotary_dim})")
         {"llama": self._check_llama, "qwen2": self._check_windowed, "qwen3": self._check_windowed,
-         "mistral": self._check_mistral, "glm": self._check_glm, "glm4": self._check_glm}[self.model_type]()
+         "mistral": self._check_mistral, "glm": self._check_glm, "glm4": self._check_glm,
+         "gpt2": self._check_gpt2}[self.model_type]()
+        if self.model_type != "gpt2" and (self.resid_pdrop or self.embd_pdrop):
+            raise ValueError(f"resid_pdrop={self.resid_pdrop}, embd_pdrop={self.embd_pdrop} exist only for "
+                             f"model_type 'gpt2'; {ARCHITECTURES[self.model_type]} has attention_dropout only")
 
     def _refuse_set(self, names: tuple[str, ...], owners: str) -> None:
         """Raise if any of `names` (options of the families `owners`) is set for this family."""
@@ -199,6 +212,17 @@ class LlamaConfig:
     def _check_mistral(self) -> None:
         self._refuse_set(("attention_bias", "mlp_bias"), "'llama' (attention_bias also 'qwen3', 'glm', 'glm4')")
         self._refuse_set(("use_sliding_window", "max_window_layers", "layer_types"), "'qwen2' / 'qwen3'")
+
+    def _check_gpt2(self) -> None:
+        self._refuse_set(("sliding_window", "use_sliding_window", "max_window_layers", "layer_types"),
+                         "'qwen2' / 'qwen3' / 'mistral'")
+        if self.num_key_value_heads != self.num_attention_heads or \
+                self.head_dim * self.num_attention_heads != self.hidden_size:
+            raise ValueError(f"GPT-2 has one key/value head per query head and head_dim = hidden_size / heads; got "
+                             f"num_key_value_heads={self.num_key_value_heads}, head_dim={self.head_dim}")
+        if self.rope_scaling is not None:
+            raise ValueError(f"rope_scaling={self.rope_scaling!r}: GPT-2 has learned absolute positions, no RoPE")
+        self.attention_bias = self.mlp_bias = True  # every GPT-2 projection has a bias
 
     def _check_glm(self) -> None:
         self._refuse_set(("mlp_bias",), "'llama'")
@@ -229,14 +253,20 @@ class LlamaConfig:
     # -- what the model builds --------------------------------------------------------------------
     @property
     def qkv_bias(self) -> bool:
-        """Bias on q_proj, k_proj and v_proj."""
+        """Bias on q_proj, k_proj and v_proj (GPT-2: on the fused qkv_proj)."""
         return self.attention_bias and self.model_type != "mistral"
 
     @property
     def o_proj_bias(self) -> bool:
-        """Bias on o_proj: transformers' Llama and Qwen3 put attention_bias on o_proj too, Qwen2 and
-        GLM never do."""
-        return self.attention_bias and self.model_type in ("llama", "qwen3")
+        """Bias on o_proj: transformers' Llama, Qwen3 and GPT-2 put attention_bias on o_proj too,
+        Qwen2 and GLM never do."""
+        return self.attention_bias and self.model_type in ("llama", "qwen3", "gpt2")
+
+    @property
+    def gpt2_blocks(self) -> bool:
+        """GPT-2: learned absolute positions (no RoPE), LayerNorm with bias, a GELU MLP without gate
+        (up_proj, down_proj), q/k/v fused in `qkv_proj` ([q; k; v] rows); see stages.model.gpt2_layout."""
+        return self.model_type == "gpt2"
 
     @property
     def qk_norm(self) -> bool:
@@ -284,6 +314,8 @@ class LlamaConfig:
         d.setdefault("architectures", [ARCHITECTURES[self.model_type]])
         if "dtype" not in d:
             d.setdefault("torch_dtype", "float32")
+        if self.model_type == "gpt2":
+            return gpt2_layout.config_dict(self, d)
         family = [k for k in FAMILY_DEFAULTS[self.model_type] if k != "head_dim"]
         d.update({k: getattr(self, k) for k in ("model_type", *family, *_TOKEN_KEYS)})
         if self.model_type != "qwen2" or self.head_dim != self.hidden_size // self.num_attention_heads:
@@ -303,7 +335,7 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str | Path | None = None) -> "LlamaConfig":
-        """Read a Llama, Qwen2 or Mistral config.json (either RoPE layout). Keys the config omits
+        """Read a config.json of a family in ARCHITECTURES (either RoPE layout). Keys the config omits
         take transformers' defaults for that model_type. Raises ValueError naming `source` (the
         config.json path, when known), the key, its value and what is supported, for anything
         that cannot be honoured."""
@@ -321,16 +353,19 @@ class LlamaConfig:
                            self.intermediate_size)
         attn = d * h * hd + 2 * d * kv * hd + h * hd * d
         attn += (h * hd + 2 * kv * hd) * self.qkv_bias + d * self.o_proj_bias + 2 * hd * self.qk_norm
-        mlp = 3 * d * f + (2 * f + d) * self.mlp_bias
-        per_layer = attn + mlp + (4 if self.sandwich_norms else 2) * d
-        emb = self.vocab_size * d
+        mlp = (2 if self.gpt2_blocks else 3) * d * f + ((f + d) if self.gpt2_blocks else (2 * f + d)) * self.mlp_bias
+        norms = (4 if self.sandwich_norms else 2) * d * (2 if self.gpt2_blocks else 1)  # LayerNorm: weight + bias
+        per_layer = attn + mlp + norms
+        emb = self.vocab_size * d + self.max_position_embeddings * d * self.gpt2_blocks
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
-        return emb + self.num_hidden_layers * per_layer + d + head
+        return emb + self.num_hidden_layers * per_layer + d * (2 if self.gpt2_blocks else 1) + head
 
 
 def _fields_from_hf(d: dict[str, Any], where: str) -> dict[str, Any]:
     """LlamaConfig keyword arguments from a config.json dict (see the module docstring)."""
     model_type = d.get("model_type", "llama")
+    if model_type == "gpt2":
+        return _gpt2_fields(d, where)
     if model_type not in FAMILY_DEFAULTS:
         raise ValueError(f"{where}: model_type={model_type!r} is not supported; supported model types: "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)} (architectures {', '.join(ARCHITECTURES.values())})")
@@ -356,6 +391,17 @@ def _fields_from_hf(d: dict[str, Any], where: str) -> dict[str, Any]:
         log.warning("%s: carrying keys that transformers' %s does not read either: %s", where,
                     ARCHITECTURES[model_type], sorted(unknown))
     return {**fields, "model_type": model_type, "extra": extra}
+
+
+def _gpt2_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
+    fields = gpt2_layout.fields_from_config(d, where)
+    extra = {k: v for k, v in d.items() if k not in gpt2_layout.HONOURED}
+    extra["n_inner"] = d.get("n_inner")  # written back as it came (null: 4 x n_embd)
+    unknown = set(extra) - CARRIED_KEYS - set(gpt2_layout.CARRIED) - set(gpt2_layout.REFUSED) - {"n_inner"}
+    if unknown:
+        log.warning("%s: carrying keys that transformers' GPT2LMHeadModel does not read either: %s", where,
+                    sorted(unknown))
+    return {**fields, "extra": extra}
 
 
 def _rope_from_hf(d: dict[str, Any], where: str) -> dict[str, Any]:
@@ -397,7 +443,10 @@ def _check_mistral_layer_types(layer_types: Any, fields: dict[str, Any], where: 
                          "'qwen2' only (or remove layer_types)")
 
 
-# Architecture fields of each named flavour. Real sizes follow the published Llama 2 / 3.2 shapes.
+# Architecture fields of each named flavour. Real sizes follow the published Llama 2 / 3.2 shapes; the
+# gpt-* flavours are GPT-2 blocks (learned positions, LayerNorm, GELU; untied so that pipeline
+# parallelism can split them), gpt2-124m the published GPT-2 small shape (tied, as released).
+_GPT = dict(model_type="gpt2", hidden_act="gelu_new", rms_norm_eps=1e-5)
 FLAVOURS: dict[str, dict[str, Any]] = {
     "debug": dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=512),
@@ -414,6 +463,12 @@ FLAVOURS: dict[str, dict[str, Any]] = {
                 max_position_embeddings=4096, rms_norm_eps=1e-5),
     "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                 num_key_value_heads=8, max_position_embeddings=4096, rms_norm_eps=1e-5),
+    "gpt-debug": dict(**_GPT, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      max_position_embeddings=512),
+    "gpt-tiny": dict(**_GPT, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+                     max_position_embeddings=1024),
+    "gpt2-124m": dict(**_GPT, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+                      max_position_embeddings=1024, tie_word_embeddings=True),
 }
 
 

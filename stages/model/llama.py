@@ -95,6 +95,13 @@ def attention_mask(seq_len: int, window: int | None, segments: torch.Tensor | No
     return mask
 
 
+def norm_layer(config: LlamaConfig, dim: int) -> nn.Module:
+    """The family's norm: RMSNorm, or LayerNorm with bias for GPT-2."""
+    if config.gpt2_blocks:
+        return nn.LayerNorm(dim, eps=config.rms_norm_eps)
+    return RMSNorm(dim, config.rms_norm_eps)
+
+
 class Attention(nn.Module):
     """Causal multi-head attention with grouped KV heads, rotary positions and, on the layers the
     config marks sliding, a window of `sliding_window` tokens.
@@ -114,9 +121,13 @@ class Attention(nn.Module):
         self.sliding_window = config.layer_windows()[layer_idx]  # None: full causal attention
         self.attention_dropout = config.attention_dropout
         self.rope_interleaved = config.rope_interleaved
-        self.q_proj = nn.Linear(d, self.num_heads * hd, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.qkv_bias)
+        self.fused_qkv = config.gpt2_blocks
+        if self.fused_qkv:  # GPT-2's c_attn: [q; k; v] rows (tensor parallelism splits each third)
+            self.qkv_proj = nn.Linear(d, 3 * self.num_heads * hd, bias=config.qkv_bias)
+        else:
+            self.q_proj = nn.Linear(d, self.num_heads * hd, bias=config.qkv_bias)
+            self.k_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.qkv_bias)
+            self.v_proj = nn.Linear(d, self.num_kv_heads * hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * hd, d, bias=config.o_proj_bias)
         self.q_norm = self.k_norm = None
         if config.qk_norm:  # Qwen3: one RMSNorm over head_dim, shared by every query (key) head
@@ -126,15 +137,22 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (B, H, T, hd), k and v (B, K, T, hd) of x (B, T, d): projected, each query and key head
-        normalised (Qwen3), then rotated. Head counts are read from the projection widths, so a
-        tensor-parallel shard whose projections hold heads/tp heads runs this on its local heads."""
+        normalised (Qwen3), then rotated (not with learned positions: cos is None). Head counts are
+        read from the projection widths, so a tensor-parallel shard whose projections hold heads/tp
+        heads runs this on its local heads."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, -1, self.head_dim)  # (B, T, H, hd)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim)  # (B, T, K, hd)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, K, T, hd)
+        if self.fused_qkv:
+            q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, -1, self.head_dim)  # (B, T, H, hd)
+        k = k.view(B, T, -1, self.head_dim)  # (B, T, K, hd)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, K, T, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if cos is None:
+            return q, k, v
         return apply_rope(q, cos, sin, self.rope_interleaved), apply_rope(k, cos, sin, self.rope_interleaved), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -164,25 +182,43 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); GLM computes gate and up in one `gate_up_proj`
-    whose output is [gate | up] (under tensor parallelism each rank holds [gate_r | up_r])."""
+    whose output is [gate | up] (under tensor parallelism each rank holds [gate_r | up_r]).
+    GPT-2: down(act(up(x))), no gate (act: GELU, tanh approximation unless hidden_act says)."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
         d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
         self.fused = config.fused_gate_up
+        self.gated = not config.gpt2_blocks
+        self.hidden_act = config.hidden_act
         if self.fused:
             self.gate_up_proj = nn.Linear(d, 2 * f, bias=bias)
-        else:
+        elif self.gated:
             self.gate_proj = nn.Linear(d, f, bias=bias)
+            self.up_proj = nn.Linear(d, f, bias=bias)
+        else:
             self.up_proj = nn.Linear(d, f, bias=bias)
         self.down_proj = nn.Linear(f, d, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            return self.down_proj(activation(self.up_proj(x), self.hidden_act))
         if self.fused:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
+
+
+def activation(x: torch.Tensor, name: str) -> torch.Tensor:
+    """transformers' ACT2FN[name] for GPT-2's activations (stages.model.config.GELU_ACTIVATIONS)."""
+    if name in ("gelu_new", "gelu_pytorch_tanh"):
+        return F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "relu":
+        return F.relu(x)
+    raise ValueError(f"hidden_act={name!r} has no GPT-2 MLP here")
 
 
 class DecoderLayer(nn.Module):
@@ -191,15 +227,16 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, config: LlamaConfig, layer_idx: int):
         super().__init__()
-        d, eps = config.hidden_size, config.rms_norm_eps
-        self.input_layernorm = RMSNorm(d, eps)
+        d = config.hidden_size
+        self.input_layernorm = norm_layer(config, d)
         self.self_attn = Attention(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = norm_layer(config, d)
         self.mlp = MLP(config)
         self.post_self_attn_layernorm = self.post_mlp_layernorm = None
         if config.sandwich_norms:
-            self.post_self_attn_layernorm = RMSNorm(d, eps)
-            self.post_mlp_layernorm = RMSNorm(d, eps)
+            self.post_self_attn_layernorm = norm_layer(config, d)
+            self.post_mlp_layernorm = norm_layer(config, d)
+        self.resid_pdrop = config.resid_pdrop  # GPT-2: dropout on each sub-block's output, in training
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 segments: torch.Tensor | None = None) -> torch.Tensor:
@@ -210,6 +247,8 @@ class DecoderLayer(nn.Module):
         """The residual stream after the attention sub-block whose output is `attended`."""
         if self.post_self_attn_layernorm is not None:
             attended = self.post_self_attn_layernorm(attended)
+        if self.resid_pdrop and self.training:
+            attended = F.dropout(attended, self.resid_pdrop)
         return x + attended
 
     def add_mlp(self, x: torch.Tensor) -> torch.Tensor:
@@ -217,17 +256,36 @@ class DecoderLayer(nn.Module):
         h = self.mlp(self.post_attention_layernorm(x))
         if self.post_mlp_layernorm is not None:
             h = self.post_mlp_layernorm(h)
+        if self.resid_pdrop and self.training:
+            h = F.dropout(h, self.resid_pdrop)
         return x + h
 
 
 class LlamaModel(nn.Module):
-    """Embedding, the decoder layers (name-stable `ModuleDict`), final norm."""
+    """Embedding (GPT-2: plus learned positions), the decoder layers (name-stable `ModuleDict`), final norm."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if config.gpt2_blocks:
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.embd_pdrop = config.embd_pdrop
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i) for i in range(config.num_hidden_layers)})
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = norm_layer(config, config.hidden_size)
+
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, offset: int = 0) -> torch.Tensor:
+        """(B, T, d) input of the first layer: the token embeddings, plus, with learned positions
+        (GPT-2), the embedding of each token's position (`position_ids` (B, T) of packed rows, else
+        0..T-1; after `offset` prefix slots), with GPT-2's embedding dropout in training. A
+        pipeline stage's model part calls the same method."""
+        x = self.embed_tokens(input_ids)  # (B, T, d)
+        table = getattr(self, "embed_positions", None)
+        if table is None:
+            return x
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = x + table(position_ids + offset)
+        return F.dropout(x, self.embd_pdrop) if self.embd_pdrop and self.training else x
 
 
 class LlamaForCausalLM(nn.Module):
@@ -243,7 +301,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary_emb = RotaryEmbedding(config)  # also called by every pipeline stage
+        # also called by every pipeline stage; None with learned positions (GPT-2)
+        self.rotary_emb = None if config.gpt2_blocks else RotaryEmbedding(config)
         self.gradient_checkpointing = False  # activation recompute, one block at a time
         # Replaced by tensor parallelism with the vocab-parallel loss when logits stay split.
         self.loss_function = causal_lm_loss
@@ -260,6 +319,9 @@ class LlamaForCausalLM(nn.Module):
                     yield module.bias, "zeros"
             elif isinstance(module, RMSNorm):
                 yield module.weight, "ones"
+            elif isinstance(module, nn.LayerNorm):
+                yield module.weight, "ones"
+                yield module.bias, "zeros"
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
@@ -275,8 +337,9 @@ class LlamaForCausalLM(nn.Module):
         encoder = getattr(self, "prefix_encoder", None)
         if encoder is not None:  # prefix tuning through a projection: this step's prefix from its MLP
             encoder.place([layer.self_attn for layer in self.model.layers.values()], encoder())
-        x = self.model.embed_tokens(input_ids)  # (B, T, d)
-        x = run_layers(self.model.layers.values(), x, self.rotary_emb,
+        layers = self.model.layers.values()
+        x = self.model.embed(input_ids, position_ids, prefix_length(list(layers)))  # (B, T, d)
+        x = run_layers(layers, x, self.rotary_emb,
                        recompute=self.gradient_checkpointing and self.training, position_ids=position_ids)
         logits = self.lm_head(self.model.norm(x))  # (B, T, V)
         if labels is None:
@@ -284,7 +347,7 @@ class LlamaForCausalLM(nn.Module):
         return logits, self.loss_function(logits, labels)
 
 
-def run_layers(layers: Iterable[DecoderLayer], x: torch.Tensor, rotary_emb: RotaryEmbedding,
+def run_layers(layers: Iterable[DecoderLayer], x: torch.Tensor, rotary_emb: RotaryEmbedding | None,
                recompute: bool = False, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Hidden states (B, T, d) through `layers` in order, with the RoPE tables of T positions (of
     `position_ids` (B, T) when given: packed rows, each example from position 0 and attending only
@@ -294,13 +357,14 @@ def run_layers(layers: Iterable[DecoderLayer], x: torch.Tensor, rotary_emb: Rota
     (activations are recomputed in backward)."""
     layers = list(layers)
     offset = prefix_length(layers)
-    cos, sin = rotary_emb(x.shape[1] + offset, x.device, x.dtype)  # (P+T, hd) each
-    segments = None
-    if position_ids is not None:
-        segments = segment_ids(position_ids)  # (B, T)
-        cos, sin = cos[position_ids + offset].unsqueeze(1), sin[position_ids + offset].unsqueeze(1)  # (B, 1, T, hd)
-    else:
-        cos, sin = cos[offset:], sin[offset:]  # (T, hd)
+    segments = None if position_ids is None else segment_ids(position_ids)  # (B, T)
+    cos = sin = None  # learned positions (GPT-2): added to the embeddings, nothing to rotate
+    if rotary_emb is not None:
+        cos, sin = rotary_emb(x.shape[1] + offset, x.device, x.dtype)  # (P+T, rd) each
+        if position_ids is not None:  # (B, 1, T, rd)
+            cos, sin = cos[position_ids + offset].unsqueeze(1), sin[position_ids + offset].unsqueeze(1)
+        else:
+            cos, sin = cos[offset:], sin[offset:]  # (T, rd)
     for layer in layers:
         x = (checkpoint(layer, x, cos, sin, segments, use_reentrant=False) if recompute
              else layer(x, cos, sin, segments))

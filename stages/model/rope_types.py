@@ -39,5 +39,5 @@ def check_rope_scaling(scaling: dict[str, Any] | None, key: str) -> None:
     partial = (scaling or {}).get("partial_rotary_factor", 1.0)
     if partial != 1.0:
         raise ValueError(f"{key}.partial_rotary_factor={partial!r} is not supported; only 1.0 (every "
-                         "head dimension rotated): transformers' Llama/Qwen2/Mistral ignore it for the "
-                         "default rope type and fail for the others")
+                         "head dimension rotated) outside GLM's classes: transformers' Llama/Qwen2/Qwen3/Mistral "
+                         "ignore it for the default rope type and fail for the others")

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stages.model.llama import LlamaForCausalLM, run_layers
+from stages.model.llama import LlamaForCausalLM, LlamaModel, prefix_length, run_layers
 from stages.model.loss import causal_lm_loss, counted_tokens
 
 
@@ -77,15 +77,21 @@ def split_layers(num_layers: int, pipeline_parallel_degree: int, virtual_pp_degr
 
 
 class _ModelPart(nn.Module):
-    """Stands in for `LlamaModel` inside a stage: the same attribute names, only this chunk's parts."""
+    """Stands in for `LlamaModel` inside a stage: the same attribute names, only this chunk's parts
+    (the first chunk: the embeddings, learned positions included, and `LlamaModel.embed`)."""
 
-    def __init__(self, embed_tokens: nn.Module | None, layers: nn.ModuleDict, norm: nn.Module | None):
+    embed = LlamaModel.embed
+
+    def __init__(self, model: LlamaModel, layers: nn.ModuleDict, is_first: bool, is_last: bool):
         super().__init__()
-        if embed_tokens is not None:
-            self.embed_tokens = embed_tokens
+        if is_first:
+            self.embed_tokens = model.embed_tokens
+            if hasattr(model, "embed_positions"):
+                self.embed_positions = model.embed_positions
+            self.embd_pdrop = model.embd_pdrop
         self.layers = layers
-        if norm is not None:
-            self.norm = norm
+        if is_last:
+            self.norm = model.norm
 
 
 class PipelineStageModule(nn.Module):
@@ -103,11 +109,8 @@ class PipelineStageModule(nn.Module):
         self.config = model.config
         self.is_first, self.is_last = is_first, is_last
         self.layer_ids = [int(i) for i in layer_ids]
-        self.model = _ModelPart(
-            model.model.embed_tokens if is_first else None,
-            nn.ModuleDict({str(i): model.model.layers[str(i)] for i in self.layer_ids}),
-            model.model.norm if is_last else None,
-        )
+        layers = nn.ModuleDict({str(i): model.model.layers[str(i)] for i in self.layer_ids})
+        self.model = _ModelPart(model.model, layers, is_first, is_last)
         if is_last:
             self.lm_head = model.lm_head
         self.rotary_emb = model.rotary_emb  # the same object: one RoPE for the model and its stages
@@ -115,7 +118,7 @@ class PipelineStageModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
-            x = self.model.embed_tokens(x)  # (B, T) ids -> (B, T, d)
+            x = self.model.embed(x, None, prefix_length(list(self.model.layers.values())))  # (B, T) ids -> (B, T, d)
         x = run_layers(self.model.layers.values(), x, self.rotary_emb,
                        recompute=self.gradient_checkpointing and self.training)
         if self.is_last:

@@ -40,19 +40,22 @@ from stages.parallel.tensor import (
 )
 from stages.parallel.topology import ParallelDegrees, Topology
 
-COLUMN, COLUMN_FUSED2, ROW, VOCAB, OUTPUT, HEAD_NORM = "column", "column_fused2", "row", "vocab", "output", "head_norm"
+COLUMN, ROW, VOCAB, OUTPUT, HEAD_NORM = "column", "row", "vocab", "output", "head_norm"
+COLUMN_FUSED2, COLUMN_FUSED3 = "column_fused2", "column_fused3"
 
 # Module-name pattern (fnmatch, against `named_modules()` names) -> parallel style.
 # OUTPUT is column-parallel with the logits gathered, or left vocab-split with tensor_parallel_output.
 # COLUMN_FUSED2 splits each half of a fused [gate; up] layer (GLM), so rank r's output is
 # [gate_r | up_r] and the SwiGLU product stays local, as for separate gate/up layers (transformers'
-# own plan gathers GLM's whole gate_up output on every rank instead). HEAD_NORM: a norm shared by the
+# own plan gathers GLM's whole gate_up output on every rank instead); COLUMN_FUSED3 likewise splits each
+# third of GPT-2's fused [q; k; v] projection, so a rank holds its heads' q, k and v. HEAD_NORM: a norm shared by the
 # split heads (Qwen3's q_norm / k_norm), replicated with its gradient summed over the group.
 LLAMA_TP_PLAN: dict[str, str] = {
     "model.embed_tokens": VOCAB,
     "model.layers.*.self_attn.q_proj": COLUMN,
     "model.layers.*.self_attn.k_proj": COLUMN,
     "model.layers.*.self_attn.v_proj": COLUMN,
+    "model.layers.*.self_attn.qkv_proj": COLUMN_FUSED3,
     "model.layers.*.self_attn.q_norm": HEAD_NORM,
     "model.layers.*.self_attn.k_norm": HEAD_NORM,
     "model.layers.*.self_attn.o_proj": ROW,
@@ -76,8 +79,8 @@ def _parallel_module(module: nn.Module, style: str, group, tensor_parallel_outpu
         return VocabParallelEmbedding.from_dense(module, group)
     if style == COLUMN:
         return ColumnParallelLinear.from_dense(module, group, gather_output=False)
-    if style == COLUMN_FUSED2:
-        return ColumnParallelLinear.from_dense(module, group, gather_output=False, chunks=2)
+    if style in (COLUMN_FUSED2, COLUMN_FUSED3):
+        return ColumnParallelLinear.from_dense(module, group, gather_output=False, chunks=int(style[-1]))
     if style == HEAD_NORM:
         return HeadSharedRMSNorm.from_dense(module, group)
     if style == OUTPUT:
@@ -85,7 +88,7 @@ def _parallel_module(module: nn.Module, style: str, group, tensor_parallel_outpu
     if style == ROW:
         return RowParallelLinear.from_dense(module, group, input_is_parallel=True)
     raise ValueError(f"tensor-parallel style {style!r} is unknown; choose one of "
-                     f"{COLUMN, COLUMN_FUSED2, ROW, VOCAB, OUTPUT, HEAD_NORM}")
+                     f"{COLUMN, COLUMN_FUSED2, COLUMN_FUSED3, ROW, VOCAB, OUTPUT, HEAD_NORM}")
 
 
 def apply_tensor_parallel(model: nn.Module, topology_or_group, tensor_parallel_output: bool = False,

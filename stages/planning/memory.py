@@ -20,7 +20,8 @@ against a real run in tests/unit/test_memory_plan.py and bench/memory_plan.py):
   reduced partition (stage2, stage3). A frozen base (LoRA, prefix) has parameters only.
 - Activations, per micro-batch and decoder layer, are the tensors autograd saves in
   `stages.model.llama`: each RMSNorm its fp32 input, the normalised x and its output (what the next
-  Linear saves), SDPA's q, k and v (k, v repeated to every query head under GQA), output and
+  Linear saves; Qwen3's q/k head norms and GLM-4's norms after each sub-block feed no Linear),
+  SDPA's q, k and v (k, v repeated to every query head under GQA), output and
   log-sum-exp, SwiGLU's gate, silu(gate), up and their product; with a frozen base only what the
   input gradients and the adapter need (under ZeRO-3 every projection's input: DeepSpeed swaps in
   a linear that saves it). With recompute a layer keeps only its input, and one layer
@@ -68,9 +69,35 @@ MASTER_BYTES = 4  # fp32 master copy per trained parameter
 ADAM_BYTES = 8  # exp_avg and exp_avg_sq, fp32
 ZERO_STAGES = {"none": 0, "stage1": 1, "stage2": 2, "stage3": 3}
 # Our Llama's projections by their names inside a decoder layer: (in, out, column-parallel?) as
-# functions of the shape, for the parameter count, tensor parallelism and LoRA's targets.
+# functions of the shape, for the parameter count, tensor parallelism and LoRA's targets. GLM and
+# GLM-4 compute gate and up in one `mlp.gate_up_proj` (2 x intermediate rows).
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                "mlp.up_proj", "mlp.down_proj")
+FUSED_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                     "mlp.gate_up_proj", "mlp.down_proj")
+# Per family (config.json's model_type), what the blocks add to Llama's (stages.model.config:
+# LlamaConfig.qkv_bias, o_proj_bias, qk_norm, fused_gate_up, sandwich_norms); a config.json that
+# omits attention_bias or head_dim takes its family's default (FAMILY_DEFAULTS there).
+QKV_BIAS_ALWAYS = ("qwen2",)  # q/k/v bias whatever attention_bias says
+NO_ATTENTION_BIAS = ("mistral",)
+O_BIAS_FAMILIES = ("llama", "qwen3")  # attention_bias also on o_proj
+QK_NORM_FAMILIES = ("qwen3",)  # an RMSNorm over head_dim on every query and key head
+FUSED_GATE_UP_FAMILIES = ("glm", "glm4")
+SANDWICH_NORM_FAMILIES = ("glm4",)  # a norm after attention and after the MLP, before each residual add
+# GPT-2 on our model (stages.model.gpt2_layout): one fused [q; k; v] projection, a GELU MLP without
+# gate, biases everywhere, LayerNorm (weight and bias), learned positions
+GPT2_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj")
+# The families that train through transformers' model, sized as GPT-2-like blocks (every projection
+# with a bias, a two-matrix GELU MLP, LayerNorm): config.json key -> our field, and their defaults.
+GPT_LIKE_KEYS: dict[str, dict[str, tuple[str, Any]]] = {
+    "gpt2": {"hidden_size": ("n_embd", 768), "num_hidden_layers": ("n_layer", 12),
+             "num_attention_heads": ("n_head", 12), "intermediate_size": ("n_inner", None),
+             "max_position_embeddings": ("n_positions", 1024), "tie_word_embeddings": ("tie_word_embeddings", True)},
+    "opt": {"intermediate_size": ("ffn_dim", 3072), "tie_word_embeddings": ("tie_word_embeddings", True)},
+    "bloom": {"hidden_size": ("n_embed", 64), "num_hidden_layers": ("n_layer", 2), "num_attention_heads": ("n_head", 8),
+              "intermediate_size": ("intermediate_size", None), "tie_word_embeddings": ("tie_word_embeddings", True)},
+    "gpt_neox": {"tie_word_embeddings": ("tie_word_embeddings", False)},
+}
 # nearest_fitting_layout's order of preference: the knobs it turns, cheapest first.
 PREFERENCE = ("sharding", "recompute", "tensor_parallel_degree", "pipeline_parallel_degree",
               "sharding_offload", "per_device_train_batch_size")
@@ -118,6 +145,17 @@ class _Shape:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    qk_norm: bool = False  # Qwen3: q_norm, k_norm (head_dim each)
+    fused_gate_up: bool = False  # GLM: mlp.gate_up_proj for gate_proj and up_proj
+    sandwich_norms: bool = False  # GLM-4: post_self_attn_layernorm, post_mlp_layernorm
+    gpt_blocks: bool = False  # GPT-2-like blocks (GPT2_PROJECTIONS, LayerNorm with bias)
+    positions: int = 0  # rows of a learned position table (GPT-2), beside the token embedding
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        if self.gpt_blocks:
+            return GPT2_PROJECTIONS
+        return FUSED_PROJECTIONS if self.fused_gate_up else PROJECTIONS
 
 
 @dataclass(frozen=True)
@@ -171,8 +209,9 @@ def _adapter(trained: str, lora_rank: int | None, num_prefix_tokens: int | None,
         if not lora_rank:
             raise ValueError("trained='lora' needs lora_rank")
         wanted = section.get("target_modules", "all-linear")
-        targets = frozenset(PROJECTIONS if wanted == "all-linear" else
-                            (p for p in PROJECTIONS if any(f"layers.0.{p}".endswith(f".{t}") for t in wanted)))
+        names = dict.fromkeys(PROJECTIONS + FUSED_PROJECTIONS + GPT2_PROJECTIONS)  # _Shape.projections picks
+        targets = frozenset(names if wanted == "all-linear" else
+                            (p for p in names if any(f"layers.0.{p}".endswith(f".{t}") for t in wanted)))
         return _Adapter("lora", rank=lora_rank, targets=targets)
     if trained == "prefix":
         if not num_prefix_tokens:
@@ -183,19 +222,48 @@ def _adapter(trained: str, lora_rank: int | None, num_prefix_tokens: int | None,
 
 
 def _shape(arch: dict[str, Any], vocab_size: int) -> _Shape:
-    """Read a flavour's fields (`stages.config.architecture`) or a checkpoint's config.json."""
+    """Read a flavour's fields (`stages.config.architecture`) or a checkpoint's config.json; the keys
+    it omits take the family's defaults, as our config reader does."""
+    from stages.model.config import FAMILY_DEFAULTS  # torch-free
+
+    model_type = arch.get("model_type", "llama")
+    if model_type in GPT_LIKE_KEYS:
+        return _gpt_like_shape(arch, vocab_size, model_type)
     missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
                if arch.get(k) is None]
     if missing:
         raise ValueError(f"the memory model needs {missing} in the architecture (Llama-family config fields)")
     heads = arch["num_attention_heads"]
-    model_type = arch.get("model_type", "llama")
-    bias = bool(arch.get("attention_bias"))
+    defaults = FAMILY_DEFAULTS.get(model_type, {})
+    bias = bool(arch.get("attention_bias", defaults.get("attention_bias"))) and model_type not in NO_ATTENTION_BIAS
     return _Shape(hidden=arch["hidden_size"], intermediate=arch["intermediate_size"],
                   layers=arch["num_hidden_layers"], heads=heads, kv_heads=arch.get("num_key_value_heads") or heads,
-                  head_dim=arch.get("head_dim") or arch["hidden_size"] // heads, vocab=vocab_size,
-                  tied=bool(arch.get("tie_word_embeddings")), qkv_bias=model_type == "qwen2" or bias,
-                  o_bias=bias and model_type == "llama", mlp_bias=bool(arch.get("mlp_bias")))
+                  head_dim=arch.get("head_dim", defaults.get("head_dim")) or arch["hidden_size"] // heads,
+                  vocab=vocab_size, tied=bool(arch.get("tie_word_embeddings")),
+                  qkv_bias=model_type in QKV_BIAS_ALWAYS or bias, o_bias=bias and model_type in O_BIAS_FAMILIES,
+                  mlp_bias=bool(arch.get("mlp_bias")), qk_norm=model_type in QK_NORM_FAMILIES,
+                  fused_gate_up=model_type in FUSED_GATE_UP_FAMILIES,
+                  sandwich_norms=model_type in SANDWICH_NORM_FAMILIES)
+
+
+def _gpt_like_shape(arch: dict[str, Any], vocab_size: int, model_type: str) -> _Shape:
+    """GPT-2 (a flavour's fields, or its config.json's own names), and OPT / Bloom / GPT-NeoX sized
+    as GPT-2-like blocks (their transformers models differ in details a memory plan can ignore)."""
+    fields = {field: arch.get(field, arch.get(key, default))
+              for field, (key, default) in GPT_LIKE_KEYS[model_type].items()}
+    if model_type == "gpt2" and "n_embd" not in arch:  # a gpt-* flavour: our fields, untied unless it says
+        fields["tie_word_embeddings"] = bool(arch.get("tie_word_embeddings"))
+    d = fields.get("hidden_size") or arch.get("hidden_size")
+    heads = fields.get("num_attention_heads") or arch.get("num_attention_heads")
+    layers = fields.get("num_hidden_layers") or arch.get("num_hidden_layers")
+    if not (d and heads and layers):
+        raise ValueError(f"the memory model needs the width, heads and layers of this {model_type} config.json")
+    f = fields.get("intermediate_size") or arch.get("intermediate_size") or 4 * d
+    positions = {"gpt2": fields.get("max_position_embeddings") or 0,  # OPT's table has 2 offset rows
+                 "opt": arch.get("max_position_embeddings", 2048) + 2}.get(model_type, 0)
+    return _Shape(hidden=d, intermediate=f, layers=layers, heads=heads, kv_heads=heads, head_dim=d // heads,
+                  vocab=vocab_size, tied=bool(fields["tie_word_embeddings"]), qkv_bias=True, o_bias=True,
+                  mlp_bias=True, gpt_blocks=True, positions=positions)
 
 
 def _layout(section: dict[str, Any]) -> _Layout:
@@ -214,14 +282,17 @@ def _layout(section: dict[str, Any]) -> _Layout:
 def _projection_shapes(s: _Shape) -> dict[str, tuple[int, int, bool]]:
     """(in, out, column-parallel?) of each projection of a decoder layer."""
     d, f, q, kv = s.hidden, s.intermediate, s.heads * s.head_dim, s.kv_heads * s.head_dim
-    shapes = [(d, q, True), (d, kv, True), (d, kv, True), (q, d, False), (d, f, True), (d, f, True), (f, d, False)]
-    return dict(zip(PROJECTIONS, shapes))
+    if s.gpt_blocks:  # qkv_proj, o_proj, up_proj, down_proj
+        return dict(zip(s.projections, [(d, q + 2 * kv, True), (q, d, False), (d, f, True), (f, d, False)]))
+    mlp = [(d, 2 * f, True)] if s.fused_gate_up else [(d, f, True), (d, f, True)]  # [gate; up] or each
+    shapes = [(d, q, True), (d, kv, True), (d, kv, True), (q, d, False), *mlp, (f, d, False)]
+    return dict(zip(s.projections, shapes))
 
 
 def _has_bias(s: _Shape, name: str) -> bool:
     leaf = name.rsplit(".", 1)[-1]
-    return ((s.qkv_bias and leaf in ("q_proj", "k_proj", "v_proj")) or (s.o_bias and leaf == "o_proj")
-            or (s.mlp_bias and leaf in ("gate_proj", "up_proj", "down_proj")))
+    return ((s.qkv_bias and leaf in ("q_proj", "k_proj", "v_proj", "qkv_proj")) or (s.o_bias and leaf == "o_proj")
+            or (s.mlp_bias and leaf in ("gate_proj", "up_proj", "gate_up_proj", "down_proj")))
 
 
 def _layer_tensors(s: _Shape, tp: int, ad: _Adapter) -> list[tuple[int, bool]]:
@@ -230,7 +301,9 @@ def _layer_tensors(s: _Shape, tp: int, ad: _Adapter) -> list[tuple[int, bool]]:
     row-parallel weights by input columns (their bias and the norms replicated); LoRA's A whole and
     B split beside a column-parallel base, A split and B whole beside a row-parallel one; prefix
     keys and values by KV head."""
-    out = [(s.hidden, ad.full), (s.hidden, ad.full)]  # the two RMSNorm weights
+    out = [(s.hidden, ad.full)] * (4 if s.sandwich_norms or s.gpt_blocks else 2)  # RMSNorm weights (LayerNorm: + bias)
+    if s.qk_norm:
+        out += [(s.head_dim, ad.full)] * 2  # q_norm, k_norm: one head_dim weight each, on every rank
     for name, (fan_in, fan_out, column) in _projection_shapes(s).items():
         out.append((fan_in * fan_out // tp, ad.full))
         if _has_bias(s, name):
@@ -268,10 +341,12 @@ def _rank_tensors(s: _Shape, lay: _Layout, rank: int, ad: _Adapter) -> list[tupl
     out = _layer_tensors(s, lay.tp, ad) * sum(_chunk_layers(s.layers, chunks)[c] for c in mine)
     if 0 in mine:
         out.append((s.vocab * s.hidden // lay.tp, ad.full))  # embed_tokens, split by vocabulary rows
+        if s.positions:
+            out.append((s.positions * s.hidden, ad.full))  # GPT-2's position table, replicated
         if ad.projection:
             out += _projection_tensors(s, ad)
     if chunks - 1 in mine:
-        out.append((s.hidden, ad.full))  # final norm
+        out += [(s.hidden, ad.full)] * (2 if s.gpt_blocks else 1)  # final norm (LayerNorm: + bias)
         if not (s.tied and chunks == 1):  # a tied lm_head is the embedding's tensor
             out.append((s.vocab * s.hidden // lay.tp, ad.full))
     return out
@@ -328,15 +403,23 @@ def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter) -> int:
     d, f, q = s.hidden, s.intermediate, s.heads * s.head_dim
     kv_len = (lay.seq + ad.prefix) / lay.seq  # prefix keys/values come before the real ones
     attention = (q * a * (2 + 2 * kv_len) + s.heads * 4) / tp  # q, k, v, output; log-sum-exp
+    # Norms whose output no Linear saves: Qwen3's q/k head norms (RoPE follows) and GLM-4's norms of
+    # each sub-block's output (the residual add follows); widths summed
+    unread_norms = (q + s.kv_heads * s.head_dim) / tp * s.qk_norm + 2 * d * s.sandwich_norms
     if ad.full:
         norms = 2 * d * (4 + 2 * a)  # fp32 input, normalised x, output (the next Linear's input)
-        return int(tokens * (norms + attention + 4 * f * a / tp)) + _mask_bytes(lay, ad)
-    reads = ad.targets if lay.zero < 3 else frozenset(PROJECTIONS)  # projections that save their input
+        norms += unread_norms * (4 + a)  # fp32 input, normalised x
+        mlp_saved = (2 if s.gpt_blocks else 4) * f * a / tp  # GELU: up, gelu(up); SwiGLU: gate, silu, up, product
+        return int(tokens * (norms + attention + mlp_saved)) + _mask_bytes(lay, ad)
+    layer_projections = frozenset(s.projections)
+    targets = ad.targets & layer_projections
+    reads = targets if lay.zero < 3 else layer_projections  # projections that save their input
     norm_outputs = sum(any(f"{part}.{leaf}" in reads for leaf in leaves)
-                       for part, leaves in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj",))))
-    norms = d * (2 * 4 + a * norm_outputs)  # fp32 inputs; an output a projection saves
+                       for part, leaves in (("self_attn", ("q_proj", "k_proj", "v_proj")),
+                                            ("mlp", ("gate_proj", "up_proj", "gate_up_proj"))))
+    norms = d * (2 * 4 + a * norm_outputs) + unread_norms * 4  # fp32 inputs; an output a projection saves
     mlp = (3 + ("mlp.down_proj" in reads)) * f * a / tp  # gate, silu(gate), up; down's input
-    return int(tokens * (norms + attention + mlp + len(ad.targets) * ad.rank * a)) + _mask_bytes(lay, ad)
+    return int(tokens * (norms + attention + mlp + len(targets) * ad.rank * a)) + _mask_bytes(lay, ad)
 
 
 def _mask_bytes(lay: _Layout, ad: _Adapter) -> int:
@@ -534,7 +617,7 @@ def estimate_memory(arch: dict[str, Any], section: dict[str, Any], *, vocab_size
     `stages.config.architecture`, or a checkpoint's config.json) in the layout of the validated
     training `section`, for the pipeline rank that needs the most. `trained`: "full" (pretrain,
     sft), "lora" (`lora_rank` on the projections the section's `target_modules` names, default
-    all seven; the base frozen) or "prefix" (`num_prefix_tokens` keys and values per layer).
+    all of them; the base frozen) or "prefix" (`num_prefix_tokens` keys and values per layer).
     `device`: "cuda" or "cpu" (see the module docstring). The returned estimate is the phase that
     peaks (`.phase`)."""
     phases = estimate_phases(arch, section, vocab_size=vocab_size, trained=trained, lora_rank=lora_rank,

@@ -204,6 +204,14 @@ class RankPart:
             self.entries[key]["partition_chunks"] = partition_chunks
 
 
+def _to_hf_layout(part: RankPart) -> None:
+    """GPT-2's names and Conv1D weights for a unified part's tensors, in place."""
+    from stages.model.gpt2_layout import hf_name, to_hf
+
+    part.files = {file: to_hf(tensors) for file, tensors in part.files.items()}
+    part.entries = {hf_name(key): {**entry} for key, entry in part.entries.items()}
+
+
 def write_part(directory: Path, part: RankPart) -> dict[str, Any]:
     """Write a rank's files into `directory`; the records and entries rank 0 needs for the index."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -524,11 +532,15 @@ def build_index(header: dict[str, Any], parts: list[dict[str, Any]]) -> dict[str
 
 
 def write_final(out_dir: Path, engine, access: OptimizerAccess, names: dict[str, str], topology: Topology, *,
-                unified: bool, extra: Callable[[Path], None]) -> None:
+                unified: bool, extra: Callable[[Path], None], gpt2_layout: bool = False) -> None:
     """The trained model (weights only) as an artifact directory, each rank writing its share:
     unified = the Hugging Face layout (an index when several files), sharded = the slices for
-    `merge_tp`. Rank 0 adds the rest with `extra(tmp_dir)` and swaps the directory in whole."""
+    `merge_tp`. Rank 0 adds the rest with `extra(tmp_dir)` and swaps the directory in whole.
+    With `gpt2_layout` the unified tensors get GPT-2's names and Conv1D layout
+    (`stages.model.gpt2_layout`); the sharded slices keep our names (merge_tp translates)."""
     part = snapshot(engine, access, names, topology, unified=unified, optimizer=False)
+    if unified and gpt2_layout:
+        _to_hf_layout(part)
     rank = dist.get_rank()
     partial = out_dir.parent / f".{out_dir.name}.partial"
     if rank == 0 and partial.exists():

@@ -402,7 +402,8 @@ def finish(run: Run, out_dir: str | Path, metrics: dict[str, Any], *, tokenizer_
         write_meta(tmp, stage=run.stage, config=meta_config, parent=parent, seed=run.section["seed"], metrics=metrics)
 
     if adapter_writer is None:
-        write_final(out_dir, run.engine, run.access, run.names, run.topology, unified=not sharded_output, extra=extra)
+        write_final(out_dir, run.engine, run.access, run.names, run.topology, unified=not sharded_output, extra=extra,
+                    gpt2_layout=getattr(run.config, "gpt2_blocks", False))
     else:
         part = snapshot(run.engine, run.access, run.names, run.topology, unified=True, optimizer=False, writer=0)
         if run.rank == 0:

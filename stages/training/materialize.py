@@ -45,13 +45,14 @@ def lazy_model(config: LlamaConfig, source: "WeightSource | None" = None, *,
     return model
 
 
-def lazy_pretrained(model_dir: str | Path) -> LlamaForCausalLM:
+def lazy_pretrained(model_dir: str | Path, families: str = "ours") -> LlamaForCausalLM:
     """`stages.checkpoint.hf.load_pretrained`, deferred: the model on the meta device, its tensors
     read from `model_dir` when this rank's slice is known. The directory is checked now (config,
-    safetensors files, tensor names against the model), so a bad input fails before any slicing."""
+    safetensors files, tensor names against the model), so a bad input fails before any slicing.
+    `families` as for `stages.checkpoint.hf.load_config` ("all": GPT-2 too, for pretraining)."""
     from stages.checkpoint.hf import load_config
 
-    config = load_config(model_dir)
+    config = load_config(model_dir, families)
     model = build_model(config, device="meta")
     model.weight_source = CheckpointWeights(model_dir, model)
     return model
@@ -93,36 +94,53 @@ class SeededInit(WeightSource):
 
 
 class CheckpointWeights(WeightSource):
-    """The tensors of an HF-layout directory, by name, read one at a time (converted to fp32)."""
+    """The tensors of an HF-layout directory, by our name, read one at a time (converted to fp32;
+    GPT-2's names and Conv1D weights translated by `stages.model.gpt2_layout`)."""
 
     def __init__(self, model_dir: str | Path, model: LlamaForCausalLM):
         from stages.checkpoint.weights import check_model_dir, read_header
 
         self.model_dir = Path(model_dir)
-        self.where: dict[str, Path] = {}
+        self.gpt2 = model.config.gpt2_blocks
+        self.where: dict[str, tuple[Path, str]] = {}  # our name -> (file, its key there)
         for path in check_model_dir(self.model_dir):
             for key in read_header(path):
-                if key != "__metadata__":
-                    self.where[key] = path
+                ours = self._our_name(key) if key != "__metadata__" else None
+                if ours is not None:
+                    self.where[ours] = (path, key)
         expected = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-        if model.config.tie_word_embeddings:
-            self.where.setdefault("lm_head.weight", self.where.get("model.embed_tokens.weight"))
+        if model.config.tie_word_embeddings and "model.embed_tokens.weight" in self.where:
+            self.where.setdefault("lm_head.weight", self.where["model.embed_tokens.weight"])
         missing, unexpected = sorted(expected - set(self.where)), sorted(set(self.where) - expected)
         if missing or unexpected:
             raise ValueError(f"{self.model_dir}: checkpoint does not match the config: missing={missing[:5]} "
                              f"unexpected={unexpected[:5]}")
 
+    def _our_name(self, key: str) -> str | None:
+        if not self.gpt2:
+            return key
+        from stages.model.gpt2_layout import our_name
+
+        try:
+            return our_name(key)
+        except KeyError:
+            return key  # reported as unexpected
+
     def tensors(self, names: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
         from stages.checkpoint.weights import open_safetensors, read_tensor
+        from stages.model.gpt2_layout import from_hf
 
         by_file: dict[Path, list[str]] = {}
         for name in sorted(names):
-            by_file.setdefault(self.where[name], []).append(name)
-        for path, keys in by_file.items():
+            by_file.setdefault(self.where[name][0], []).append(name)
+        for path, names_here in by_file.items():
             with open_safetensors(path) as handle:
-                for name in keys:
-                    key = name if name in handle.keys() else "model.embed_tokens.weight"  # a tied lm_head
-                    yield name, read_tensor(handle, path, key).float()
+                for name in names_here:
+                    key = self.where[name][1]
+                    tensor = read_tensor(handle, path, key).float()
+                    if self.gpt2:  # GPT-2's name and Conv1D layout -> ours (a tied lm_head: the embedding)
+                        tensor = from_hf({key: tensor})[self._our_name(key)]
+                    yield name, tensor
 
 
 class ResumeWeights(WeightSource):
@@ -175,7 +193,8 @@ def materialize(module: nn.Module, source: WeightSource, names: dict[str, str] |
         for name, full in source.tensors(set(targets)):
             param = targets[name]
             dim = partition_dim(param)
-            local = shard_tensor(full, dim, tp_rank, tp, partition_chunks(param)) if dim is not None and tp > 1 else full
+            split = dim is not None and tp > 1
+            local = shard_tensor(full, dim, tp_rank, tp, partition_chunks(param)) if split else full
             if local.shape != param.shape:
                 raise ValueError(f"{name}: the source's tensor {tuple(full.shape)} gives {tuple(local.shape)} on "
                                  f"tensor-parallel rank {tp_rank} of {tp}, the model holds {tuple(param.shape)}")

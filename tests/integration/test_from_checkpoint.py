@@ -42,6 +42,13 @@ def test_checkpoint_experiment_skips_pretraining_and_reports_against_base(tmp_pa
     dyn = tmp_path / "dyn.yaml"
     dyn.write_text(extra.read_text().replace(str(checkpoint), str(dynamic)))
     assert planned_jobs(snakemake(tmp_path, "--configfile", str(dyn), "-n", target).stdout)["evaluate"] == 6
+    # GPT-2 and OPT checkpoints (their own config.json key names) are planned too, exported cache-free
+    for family, fields in (("gpt2", {}), ("opt", dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                                                      num_attention_heads=4, word_embed_proj_dim=64))):
+        other = tmp_path / f"{family}.yaml"
+        other.write_text(extra.read_text().replace(str(checkpoint), str(save_checkpoint(
+            tmp_path / family, tokenizer, family, **fields))))
+        assert planned_jobs(snakemake(tmp_path, "--configfile", str(other), "-n", target).stdout)["evaluate"] == 6
 
     snakemake(tmp_path, "--configfile", str(extra), "--cores", "2", target)
     results = tmp_path / "results" / "ck"

@@ -41,6 +41,8 @@ def copy_without(src, dst, *names):
     ("bad_json", r"config.json is not valid JSON"),
     ("unsupported", r"architecture 'T5ForConditionalGeneration' is not supported; supported: LlamaForCausalLM "
                     r"\(llama\), Qwen2ForCausalLM"),
+    ("chatglm", r"ChatGLM-6B / ChatGLM2-6B / ChatGLM3-6B \(ChatGLMModel\) exists only as remote code .* never runs "
+                r"\(trust_remote_code stays off\); use GLM-4 \(GlmForCausalLM, Glm4ForCausalLM\)"),
     ("pickle", r"the weights are pickle files \(pytorch_model.bin\), which this pipeline never loads.*"
                r"save_pretrained\(dir, safe_serialization=True\)"),
     ("no_tokenizer", r"no tokenizer in .* tokenizer.save_pretrained\(dir\)"),
@@ -57,6 +59,12 @@ def test_unusable_checkpoints_are_refused_at_parse_time(checkpoint, tmp_path, ca
         config = json.loads((path / "config.json").read_text())
         (path / "config.json").write_text(json.dumps({**config, "architectures": ["T5ForConditionalGeneration"],
                                                       "model_type": "t5"}))
+    elif case == "chatglm":  # THUDM/chatglm2-6b's config.json, in short
+        copy_without(checkpoint, path)
+        (path / "config.json").write_text(json.dumps({
+            "architectures": ["ChatGLMModel"], "model_type": "chatglm",
+            "auto_map": {"AutoConfig": "configuration_chatglm.ChatGLMConfig",
+                         "AutoModelForCausalLM": "modeling_chatglm.ChatGLMForConditionalGeneration"}}))
     elif case == "pickle":
         copy_without(checkpoint, path, "*.safetensors")
         (path / "pytorch_model.bin").write_bytes(b"not really a pickle")
@@ -86,14 +94,26 @@ def test_keys_that_contradict_the_checkpoint(checkpoint, sections, match):
 def test_model_parallelism_needs_our_model(tmp_path, tiny_tokenizer_dir):
     from transformers import PreTrainedTokenizerFast
 
-    gpt2 = save_checkpoint(tmp_path / "gpt2", PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir), "gpt2")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir)
+    gpt2 = save_checkpoint(tmp_path / "gpt2", tokenizer, "gpt2")
     check_config(experiment(gpt2, finetune={"sft": {"world_size": 2, "sharding": "stage1"}}))
-    with pytest.raises(ConfigError, match=r"pretrain.enabled=true with a GPT-2 checkpoint: continued pretraining"):
-        check_config(experiment(gpt2, pretrain={"enabled": True}))
+    # GPT-2 pretrains on our model, in every layout; it fine-tunes on transformers' model
+    check_config(experiment(gpt2, pretrain={"enabled": True, "world_size": 2, "sharding": "stage1"}))
+    with pytest.raises(ConfigError, match=r"pretrain: tensor_parallel_degree=2 does not divide vocab_size=323"):
+        check_config(experiment(gpt2, pretrain={"enabled": True, "world_size": 2, "tensor_parallel_degree": 2}))
     with pytest.raises(ConfigError, match=r"pipeline_parallel_degree=2 with a GPT-2 checkpoint: model parallelism "
-                                          r"runs on the project's own model \(Llama, Qwen2, Mistral, Qwen3, GLM, GLM-4\)"):
+                                          r"runs on the project's own model \(Llama, Qwen2, Mistral, Qwen3, GLM, "
+                                          r"GLM-4; for pretraining also GPT-2\); "
+                                          r"GPT-2 fine-tunes through transformers"):
         check_config(experiment(gpt2, finetune={"sft": {"world_size": 2, "pipeline_parallel_degree": 2,
                                                         "gradient_accumulation_steps": 2}}))
+    with pytest.raises(ConfigError, match=r"pretrain: the starting checkpoint ties lm_head to the embedding"):
+        check_config(experiment(gpt2, pretrain={"enabled": True, "world_size": 2, "pipeline_parallel_degree": 2,
+                                                "gradient_accumulation_steps": 2}))
+    opt = save_checkpoint(tmp_path / "opt", tokenizer, "opt", hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+                          num_attention_heads=4, word_embed_proj_dim=64, max_position_embeddings=256)
+    with pytest.raises(ConfigError, match=r"pretrain.enabled=true with a OPT checkpoint: continued pretraining"):
+        check_config(experiment(opt, pretrain={"enabled": True}))
 
 
 def test_no_checkpoint_no_skipping():

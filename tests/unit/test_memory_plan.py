@@ -76,6 +76,7 @@ def test_the_estimate_holds_the_papers_model_states(stage):
     ("debug", {}), ("tiny", {}), ("1b", {}),  # 1b ties lm_head to the embedding
     ("debug", {"attention_bias": True, "mlp_bias": True}),
     ("debug", {"model_type": "qwen2"}),  # q/k/v bias, no o_proj bias
+    ("gpt-tiny", {}), ("gpt2-124m", {}),  # GPT-2 blocks: fused qkv, GELU MLP, LayerNorm, learned positions
 ])
 def test_parameter_count_equals_the_built_model(flavour, overrides):
     config = config_for_flavour(flavour, vocab_size=1024, **overrides)
@@ -96,6 +97,55 @@ def test_a_checkpoint_config_json_is_read_like_a_flavour():
     assert parameter_count(hf, 4096) == parameter_count(FLAVOURS["tiny"], 4096)
     mha = {**FLAVOURS["tiny"], "num_key_value_heads": None, "head_dim": None}  # nulls take the defaults
     assert parameter_count(mha, 4096) == LlamaConfig(vocab_size=4096, **mha).num_parameters()
+
+
+# Families whose blocks differ from Llama's: Qwen3 (q/k head norms, attention_bias on q/k/v/o), GLM
+# (q/k/v bias by default, one gate_up_proj), GLM-4 (GLM plus a norm after each sub-block).
+NEWER_FAMILIES = {"qwen3": "Qwen3Config", "glm": "GlmConfig", "glm4": "Glm4Config"}
+
+
+@pytest.mark.parametrize("family", list(NEWER_FAMILIES))
+@pytest.mark.parametrize("attention_bias", [True, False, None])  # None: config.json leaves it to the family
+def test_parameter_count_of_qwen3_and_glm_equals_transformers(family, attention_bias):
+    import torch
+    import transformers
+
+    kwargs = {} if attention_bias is None else {"attention_bias": attention_bias}
+    config = getattr(transformers, NEWER_FAMILIES[family])(
+        vocab_size=1024, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, pad_token_id=0, eos_token_id=2, **kwargs)
+    arch = config.to_dict()
+    if attention_bias is None:
+        del arch["attention_bias"]
+    with torch.device("meta"):
+        theirs = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    assert parameter_count(arch, 1024) == theirs == LlamaConfig.from_hf_dict(arch).num_parameters()
+
+
+# GPT-2 through its own config.json names, and the families that train through transformers' model,
+# sized as GPT-2-like blocks: exact for GPT-2 and GPT-NeoX, within 0.2% for Bloom (its embedding
+# LayerNorm) and OPT (its projection sizes)
+TRANSFORMERS_FAMILIES = {
+    "gpt2": (dict(n_embd=64, n_layer=2, n_head=4, n_positions=128), 0.0),
+    "opt": (dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64,
+                 max_position_embeddings=128), 0.002),
+    "bloom": (dict(hidden_size=64, n_layer=2, n_head=4), 0.002),
+    "gpt_neox": (dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4), 0.0),
+}
+
+
+@pytest.mark.parametrize("family", list(TRANSFORMERS_FAMILIES))
+def test_parameter_count_of_gpt2_and_the_transformers_families(family):
+    """These checkpoints' config.json use their own key names: the plan reads them (a GPT-2, OPT,
+    Bloom or NeoX checkpoint experiment is planned when Snakemake parses the workflow)."""
+    import torch
+    import transformers
+
+    fields, tolerance = TRANSFORMERS_FAMILIES[family]
+    config = transformers.AutoConfig.for_model(family, vocab_size=1024, **fields)
+    with torch.device("meta"):
+        theirs = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    assert parameter_count(config.to_dict(), 1024) == pytest.approx(theirs, rel=tolerance)
 
 
 def finetune_section(method: str, **overrides):
@@ -119,6 +169,26 @@ def test_adapters_train_what_they_add_to_the_model(method, overrides):
     step = estimate_phases(FLAVOURS["debug"], section, vocab_size=320, trained=method,
                            lora_rank=section.get("lora_rank"), num_prefix_tokens=section.get("num_prefix_tokens"),
                            device="cpu")["step"]
+    assert step.optimizer == 8 * trained
+    assert step.parameters == 4 * sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("model_type", list(NEWER_FAMILIES))
+@pytest.mark.parametrize("method, overrides", [
+    ("lora", {}), ("lora", {"target_modules": ["q_proj", "down_proj"]}), ("prefix", {"num_prefix_tokens": 8}),
+])
+def test_adapters_of_qwen3_and_glm_train_what_they_add(model_type, method, overrides):
+    """As above for our model of Qwen3 (two head norms a layer), GLM (LoRA on the fused gate_up_proj)
+    and GLM-4 (four norms a layer)."""
+    from stages.adapters import attach_adapter
+
+    section = finetune_section(method, **overrides)
+    config = config_for_flavour("debug", vocab_size=320, model_type=model_type, attention_bias=True)
+    model = attach_adapter(build_model(config, seed=0), method, section)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    step = estimate_phases(config.to_hf_dict(), section, vocab_size=320, trained=method,
+                           lora_rank=section.get("lora_rank"),
+                           num_prefix_tokens=section.get("num_prefix_tokens"), device="cpu")["step"]
     assert step.optimizer == 8 * trained
     assert step.parameters == 4 * sum(p.numel() for p in model.parameters())
 

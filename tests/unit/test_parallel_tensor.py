@@ -33,6 +33,8 @@ CONFIGS = {  # llama: GQA 4 query / 2 KV heads; qwen2: q/k/v biases and tied emb
     # qwen3: q/k norms shared by the split heads; glm4: fused gate_up split per half, partial RoPE
     "qwen3": dict(model_type="qwen3", attention_bias=True),
     "glm4": dict(model_type="glm4", attention_bias=True, partial_rotary_factor=0.5),
+    # gpt2: learned positions (replicated), LayerNorm biases, the fused [q; k; v] split per third
+    "gpt2": dict(model_type="gpt2", num_key_value_heads=4, hidden_act="gelu_new", tie_word_embeddings=True),
 }
 
 
@@ -111,7 +113,8 @@ def _tagged_ok(model: nn.Module) -> bool:
         if getattr(p, "tensor_model_parallel", False):
             if p.partition_dim not in (0, 1):
                 return False
-        elif "norm" not in name and not (name.endswith("bias") and "o_proj" in name):
+        elif "norm" not in name and "embed_positions" not in name and \
+                not (name.endswith("bias") and ("o_proj" in name or "down_proj" in name)):  # row-parallel biases
             return False
     return True
 
@@ -184,7 +187,8 @@ def _model_checks(rank: int, world: int, group, flavour: str) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
         losses = []
         for step in range(10):
-            batch = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(100 + step % 2))  # learnable
+            seed = 100 + step % 2  # two batches in turn: learnable
+            batch = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(seed))
             _, loss = model(batch, labels=batch)
             opt.zero_grad()
             loss.backward()
@@ -237,7 +241,8 @@ def test_tp2_llama_logits_loss_and_grads_match_single_process(results, flavour):
     assert _max(results, flavour, "loss") <= 1e-5
     assert _max(results, flavour, "grads") <= 1e-6
     # 2 layers x 7 projections (6 with GLM's fused gate_up), embedding, lm_head (tied: one parameter), q/k/v biases
-    expected = 2 * (6 if flavour == "glm4" else 7) + (1 if CONFIGS[flavour].get("tie_word_embeddings") else 2)
+    # (GPT-2: 4 projections with the fused qkv's and up_proj's biases split, o/down biases replicated)
+    expected = 2 * {"glm4": 6, "gpt2": 6}.get(flavour, 7) + (1 if CONFIGS[flavour].get("tie_word_embeddings") else 2)
     expected += 2 * 3 if CONFIGS[flavour].get("attention_bias") else 0
     assert results[0][flavour]["num_sharded"] == expected
 

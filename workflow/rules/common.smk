@@ -10,6 +10,7 @@ from stages.cluster.resources import single_process_resources
 from stages.config import ConfigError, check_config, finetune_source, load_schema, pretrain_enabled, sharded_output
 from stages.config import experiment as named_experiment
 from stages.data.validate import check_data_section, check_mix_datasets, mix_files
+from stages.model.config import FLAVOURS
 from stages.model.rope_types import depends_on_length
 from stages.plan import check_plan
 from stages.quant.variants import BUILTIN_VARIANTS, CALIBRATED_METHODS, spec_method, variant_settings
@@ -259,13 +260,14 @@ def quantize_data_flag(wildcards):
 
 def onnx_variants(wildcards):
     """`onnx-int8` (export/int8/, evaluated on onnxruntime) when export.int8 is on and the model is
-    one the KV-cache graph exports (our Llama family without dynamic RoPE; stages/export.py)."""
+    one the KV-cache graph exports (a family whose every stage runs our model, without dynamic RoPE;
+    not GPT-2, which exports through transformers' model: stages/export.py)."""
     exp = experiment(wildcards)
     if not exp["export"]["int8"]:
         return []
     source = exp["model"]["model_name_or_path"]
     if not source:
-        return ["onnx-int8"]
+        return [] if FLAVOURS[exp["model"]["flavour"]].get("model_type") == "gpt2" else ["onnx-int8"]
     config = read_source_config(source)
     dynamic = depends_on_length(config.get("rope_scaling") or config.get("rope_parameters"))
     return ["onnx-int8"] if family_of(config).ours and not dynamic else []

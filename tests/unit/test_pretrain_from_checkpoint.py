@@ -24,8 +24,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.multiproc
-def test_continued_pretraining_starts_from_the_checkpoint(tmp_path, tiny_tokenizer_dir):
-    source = save_checkpoint(tmp_path / "published", chat_tokenizer(tiny_tokenizer_dir))
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])  # GPT-2: our model under GPT-2's names and layout
+def test_continued_pretraining_starts_from_the_checkpoint(tmp_path, tiny_tokenizer_dir, model_type):
+    # GPT2Config's dropouts default to 0.1 and are honoured in training: off, so step 1 is comparable
+    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0) if model_type == "gpt2" else {}
+    source = save_checkpoint(tmp_path / "published", chat_tokenizer(tiny_tokenizer_dir), model_type, **no_dropout)
     import_base.run(source, tmp_path / "base")
     prepare.run(tmp_path / "data", dict(corpus=["builtin:sft_targets"], sft="builtin:attributes", vocab_size=512,
                 validation_fraction=0.1, num_sft_train=200, num_sft_dev=4, seed=0), tokenizer_dir=tmp_path / "base")
@@ -41,7 +44,7 @@ def test_continued_pretraining_starts_from_the_checkpoint(tmp_path, tiny_tokeniz
     assert proc.returncode == 0, proc.stderr[-5000:]
 
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
-    assert meta["parent"] == str(tmp_path / "base") and meta["config"]["model"]["model_type"] == "llama"
+    assert meta["parent"] == str(tmp_path / "base") and meta["config"]["model"]["model_type"] == model_type
     assert "flavour" not in meta["config"]["model"]
     # The first step's loss is the checkpoint's own loss on the first batch, as transformers computes it.
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
@@ -51,6 +54,8 @@ def test_continued_pretraining_starts_from_the_checkpoint(tmp_path, tiny_tokeniz
         want = base(input_ids=ids, labels=labels).loss.item()
     assert meta["metrics"]["first_loss"] == pytest.approx(want, rel=1e-5)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["rope_parameters"]["rope_theta"] == 100000.0 and config["vocab_size"] == base.config.vocab_size
+    assert config["vocab_size"] == base.config.vocab_size
+    assert config["rope_parameters"]["rope_theta"] == 100000.0 if model_type == "llama" else config["n_embd"] == 64
     trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert type(trained) is type(base)
     assert not torch.equal(trained.lm_head.weight, base.lm_head.weight)

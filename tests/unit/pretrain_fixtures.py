@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 
+from stages.checkpoint.store import COMPLETE, checkpoint_name
 from stages.config import check_config
 from stages.data.corpus import write_token_files
 
@@ -66,3 +70,29 @@ def torchrun(nproc: int, data_dir: Path, out: Path, model: dict | None = None, c
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return pd.read_csv(out / "train_log.csv")
+
+
+def kill_after_checkpoint(cmd: list[str], env: dict[str, str], ckpt, step: int) -> bool:
+    """Start the run and SIGKILL its whole process group once checkpoint-`step` is complete; returns
+    whether it was still running then. A run that outran the poll is left as a kill right after
+    that checkpoint would have left it: no output, no later checkpoint."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 300
+    while not any(ckpt.glob(f"*/{checkpoint_name(step)}/{COMPLETE}")):
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (rc {proc.returncode}) before {checkpoint_name(step)}:\n"
+                                 f"{proc.stderr.read()[-4000:]}")
+        assert time.monotonic() < deadline, f"no {checkpoint_name(step)} in time"
+        time.sleep(0.01)
+    killed = proc.poll() is None
+    if killed:
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks: this test started them
+    proc.communicate(timeout=60)
+    if not killed:
+        out = Path(cmd[cmd.index("--out") + 1])
+        shutil.rmtree(out)
+        for later in ckpt.glob("*/checkpoint-*"):
+            if later.name > checkpoint_name(step):
+                shutil.rmtree(later)
+    return killed

@@ -19,22 +19,16 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import shutil
-import signal
-import subprocess
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from checkpoint_fixtures import chat_tokenizer, save_checkpoint
-from pretrain_fixtures import ROOT, torchrun, torchrun_command
+from pretrain_fixtures import kill_after_checkpoint, torchrun, torchrun_command
 from stages import import_base, prepare
 from stages.checkpoint.hf import load_state_dict
-from stages.checkpoint.store import COMPLETE, StateReader, checkpoint_name, complete_checkpoints
+from stages.checkpoint.store import StateReader, checkpoint_name, complete_checkpoints
 from stages.merge_tp import merge
 
 pytestmark = pytest.mark.multiproc
@@ -188,32 +182,6 @@ def test_every_layout_matches_one_process(runs, family, layout):
     _report(family, layout, check_layout(runs, family, layout))
 
 
-def _kill_after_checkpoint(cmd: list[str], env: dict[str, str], ckpt, step: int) -> bool:
-    """Start the run and SIGKILL its whole process group once checkpoint-`step` is complete; returns
-    whether it was still running then. A run that outran the poll is left as a kill right after
-    that checkpoint would have left it: no output, no later checkpoint."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    deadline = time.monotonic() + 300
-    while not any(ckpt.glob(f"*/{checkpoint_name(step)}/{COMPLETE}")):
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended (rc {proc.returncode}) before {checkpoint_name(step)}:\n"
-                                 f"{proc.stderr.read()[-4000:]}")
-        assert time.monotonic() < deadline, f"no {checkpoint_name(step)} in time"
-        time.sleep(0.01)
-    killed = proc.poll() is None
-    if killed:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks: this test started them
-    proc.communicate(timeout=60)
-    if not killed:
-        out = Path(cmd[cmd.index("--out") + 1])
-        shutil.rmtree(out)
-        for later in ckpt.glob("*/checkpoint-*"):
-            if later.name > checkpoint_name(step):
-                shutil.rmtree(later)
-    return killed
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["glm4", "qwen3"])
 def test_killed_tp2_run_resumes_bit_identically(runs, family, tmp_path):
@@ -229,7 +197,7 @@ def test_killed_tp2_run_resumes_bit_identically(runs, family, tmp_path):
                         init=base, **section)
 
     cmd, env = torchrun_command(nproc, runs.data(), tmp_path / "killed", model, tmp_path / "ckpt", base, **section)
-    killed = _kill_after_checkpoint(cmd, env, tmp_path / "ckpt", 3)
+    killed = kill_after_checkpoint(cmd, env, tmp_path / "ckpt", 3)
     assert not (tmp_path / "killed").exists()
     resumed = torchrun(nproc, runs.data(), tmp_path / "killed", model, checkpoints=tmp_path / "ckpt", init=base,
                        **section)

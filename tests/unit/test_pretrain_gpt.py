@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from pretrain_fixtures import make_data_dir, torchrun
+from pretrain_fixtures import kill_after_checkpoint, make_data_dir, torchrun, torchrun_command
 from stages.checkpoint.hf import load_pretrained, load_state_dict
 
 pytestmark = pytest.mark.multiproc
@@ -77,17 +77,19 @@ def test_layout_matches_the_single_process_run(name, data_dir, reference, tmp_pa
         torch.testing.assert_close(got[key], ref[key], rtol=1e-4, atol=2e-5, msg=key)
 
 
-def test_a_tp2_run_resumes_bit_identically(data_dir, tmp_path):
-    """tp2, a checkpoint at step 4: a second run in the same checkpoint directory starts from it
-    (as a run killed after step 4 would) and ends with the uninterrupted run's losses and weights,
-    bit for bit (tests/integration/test_resume_after_kill.py kills real runs)."""
+def test_a_killed_tp2_run_resumes_bit_identically(data_dir, tmp_path):
+    """tp2, a checkpoint every 4 steps: the run SIGKILLed once checkpoint-4 is complete, started
+    again with the same command, ends with the uninterrupted run's losses and weights bit for bit."""
     nproc, section = LAYOUTS["tp2"]
-    layout = dict(world_size=nproc, **section, save_steps=4, save_total_limit=0)
-    full = torchrun(nproc, data_dir, tmp_path / "full", MODEL, checkpoints=tmp_path / "ckpt", **layout, **COMMON)
-    resumed = torchrun(nproc, data_dir, tmp_path / "resumed", MODEL, checkpoints=tmp_path / "ckpt", **layout, **COMMON)
-    assert json.loads((tmp_path / "resumed" / "meta.json").read_text())["metrics"]["resumed_from_step"] == 4
+    layout = dict(world_size=nproc, **section, save_steps=4, save_total_limit=0, **COMMON)
+    full = torchrun(nproc, data_dir, tmp_path / "full", MODEL, checkpoints=tmp_path / "ckpt_full", **layout)
+    cmd, env = torchrun_command(nproc, data_dir, tmp_path / "killed", MODEL, tmp_path / "ckpt", **layout)
+    kill_after_checkpoint(cmd, env, tmp_path / "ckpt", 4)
+    assert not (tmp_path / "killed").exists()
+    resumed = torchrun(nproc, data_dir, tmp_path / "killed", MODEL, checkpoints=tmp_path / "ckpt", **layout)
+    assert json.loads((tmp_path / "killed" / "meta.json").read_text())["metrics"]["resumed_from_step"] == 4
     assert (resumed["loss"] == full["loss"]).all()
-    a, b = load_state_dict(tmp_path / "full"), load_state_dict(tmp_path / "resumed")
+    a, b = load_state_dict(tmp_path / "full"), load_state_dict(tmp_path / "killed")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 

@@ -33,7 +33,6 @@ from stages.merge_tp import merge
 
 pytestmark = pytest.mark.multiproc
 
-FAMILIES = ("qwen3", "glm", "glm4")
 CLASSES = {"qwen3": "Qwen3ForCausalLM", "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM"}
 COMMON = dict(enabled=True, max_steps=8, warmup_steps=2, max_length=32, seed=7, learning_rate=3e-3)
 REFERENCE = (1, dict(sharding="none", per_device_train_batch_size=2, gradient_accumulation_steps=4))
@@ -61,6 +60,13 @@ LAYOUTS = {
 # a wrong slice or a missing gradient reduction moves weights by ~lr = 3e-3.
 WEIGHTS_RTOL, WEIGHTS_ATOL = 1e-4, 5e-5
 DEFAULT = ("glm4", "tp2")  # the one pair of the default run
+# The slow run's pairs: every layout for some family, and what each family adds under the layouts it
+# touches (Qwen3's head norms and GLM's fused gate_up under tensor parallelism; GLM-4's extra norms
+# move with their layer under the pipeline). The whole 3 x 6 product passed on 2026-11-26 (numbers in
+# the commit's note); it takes ~10 min on 2 cores, this selection ~4.
+SLOW_PAIRS = [("qwen3", "tp2"), ("qwen3", "tp2_vocab_parallel_loss_recompute"), ("qwen3", "tp2_pp2_zero1"),
+              ("glm", "tp2"), ("glm", "pp2_interleaved"), ("glm", "sharding_stage3"),
+              ("glm4", "pp2_1f1b"), ("glm4", "tp2_pp2_zero1")]
 # 8 steps, saved every 3: checkpoints 3 and 6 (none at the last step)
 RESUME = dict(COMMON, save_steps=3, save_total_limit=0, unified_checkpoint=False)
 
@@ -174,16 +180,13 @@ def test_merge_tp_of_a_sharded_glm4_run_is_the_single_device_model(runs, tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family, layout", SLOW_PAIRS)
 def test_every_layout_matches_one_process(runs, family, layout):
-    if (family, layout) == DEFAULT:
-        pytest.skip("the default run's test_glm4_tp2_matches_one_process")
     _report(family, layout, check_layout(runs, family, layout))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["glm4", "qwen3"])
+@pytest.mark.parametrize("family", ["glm4"])  # the fused slices; Qwen3's tp2 passed too (~70 s more)
 def test_killed_tp2_run_resumes_bit_identically(runs, family, tmp_path):
     """A tp2 run with sharded checkpoints (`unified_checkpoint: false`: each rank writes its slices,
     gate_up_proj's [gate_r | up_r] with partition_chunks=2) SIGKILLed after its first checkpoint,

@@ -252,7 +252,8 @@ def _check_parallel(name: str, exp: dict[str, Any], source: dict[str, Any] | Non
     checks the real shapes again)."""
     sections = [("pretrain", exp["pretrain"]), *((f"finetune.{m}", sec) for m, sec in exp["finetune"].items())]
     for where, sec in sections:
-        _check_layout(f"experiments.{name}.{where}", sec, exp, source, pretraining=where == "pretrain")
+        _check_layout(f"experiments.{name}.{where}", sec, exp, source,
+                      full_training=where in ("pretrain", "finetune.sft"))
     for method, sec in exp["finetune"].items():
         _check_finetune(f"experiments.{name}.finetune.{method}", method, sec, source)
 
@@ -318,7 +319,7 @@ def _check_finetune(key: str, method: str, sec: dict[str, Any], source: dict[str
         from stages.checkpoint.source import FAMILIES, family_of
 
         family = family_of(source)
-        if not family.ours:
+        if not (family.full_training_on_ours if method == "sft" else family.ours):
             ours = ", ".join(f.name for f in FAMILIES.values() if f.ours)
             raise ConfigError(f"{key}: packing=true with a {family.name} checkpoint: packed rows need the "
                               f"project's own model ({ours}), whose attention keeps the examples apart; set "
@@ -365,12 +366,12 @@ def _check_model_source(name: str, exp: dict[str, Any]) -> dict[str, Any] | None
     except ModelSourceError as e:  # every message names the key (family_of names only the file)
         raise ConfigError(str(e) if str(e).startswith(key) else f"{key}={path!r}: {e}") from None
     family = family_of(source)
-    if exp["pretrain"]["enabled"] and not family.pretraining_on_ours:
-        pretrainable = ", ".join(f.name for f in FAMILIES.values() if f.pretraining_on_ours)
+    if exp["pretrain"]["enabled"] and not family.full_training_on_ours:
+        pretrainable = ", ".join(f.name for f in FAMILIES.values() if f.full_training_on_ours)
         raise ConfigError(f"experiments.{name}.pretrain.enabled=true with a {family.name} checkpoint: "
                           f"continued pretraining runs on the project's own model ({pretrainable}); "
                           "fine-tune it directly (pretrain.enabled: null)")
-    if family.pretraining_on_ours:  # our model must honour every field, or refuse it now (imports torch)
+    if family.full_training_on_ours:  # our model must honour every field, or refuse it now (imports torch)
         from stages.model.config import LlamaConfig
 
         try:
@@ -398,7 +399,7 @@ def _check_device(key: str, sec: dict[str, Any]) -> None:
 
 
 def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any], source: dict[str, Any] | None,
-                  pretraining: bool = False) -> None:
+                  full_training: bool = False) -> None:
     world, tp, pp, vpp = (sec["world_size"], sec["tensor_parallel_degree"], sec["pipeline_parallel_degree"],
                           sec["virtual_pp_degree"])
     if world % (tp * pp):
@@ -427,7 +428,7 @@ def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any], source: di
         raise ConfigError(f"{key}: interleaved 1F1B needs gradient_accumulation_steps={accum} to be a "
                           f"multiple of gradient_accumulation_steps // pipeline_parallel_degree = {accum // pp}")
     if source is not None:
-        _check_layout_for_source(key, sec, source, pretraining)
+        _check_layout_for_source(key, sec, source, full_training)
         return
     arch = architecture(exp["model"])
     layers = arch["num_hidden_layers"]
@@ -449,9 +450,10 @@ def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any], source: di
                           "pipeline parallelism does not support yet (they would live on two stages)")
 
 
-def _check_layout_for_source(key: str, sec: dict[str, Any], source: dict[str, Any], pretraining: bool) -> None:
+def _check_layout_for_source(key: str, sec: dict[str, Any], source: dict[str, Any], full_training: bool) -> None:
     """Tensor/pipeline parallelism needs our own model (every stage of the families it implements,
-    pretraining also for GPT-2) and degrees that divide the checkpoint's real head counts and layers."""
+    pretraining and full SFT also for GPT-2) and degrees that divide the checkpoint's real head
+    counts and layers."""
     from stages.checkpoint.source import FAMILIES, family_of
     from stages.model import gpt2_layout
 
@@ -459,14 +461,14 @@ def _check_layout_for_source(key: str, sec: dict[str, Any], source: dict[str, An
     if tp == 1 and pp == 1:
         return
     family = family_of(source)
-    if not (family.pretraining_on_ours if pretraining else family.ours):
+    if not (family.full_training_on_ours if full_training else family.ours):
         ours = ", ".join(f.name for f in FAMILIES.values() if f.ours)
-        also = [f.name for f in FAMILIES.values() if f.pretrains_ours and not f.ours]
+        also = [f.name for f in FAMILIES.values() if f.trains_ours and not f.ours]
         raise ConfigError(f"{key}: tensor_parallel_degree={tp} / pipeline_parallel_degree={pp} with a "
                           f"{family.name} checkpoint: model parallelism runs on the project's own model "
-                          f"({ours}; for pretraining also {', '.join(also)}); {family.name} "
-                          f"{'fine-tunes' if family.pretrains_ours else 'trains'} through transformers with data "
-                          "parallel and ZeRO (world_size + sharding) only")
+                          f"({ours}; for pretraining and full SFT also {', '.join(also)}); {family.name} "
+                          f"{'trains adapters' if family.trains_ours else 'trains'} through transformers with "
+                          "data parallel and ZeRO (world_size + sharding) only")
     if family.model_type == "gpt2":  # GPT2Config's own key names, and its defaults
         source = {field: source.get(key, gpt2_layout.DEFAULTS[key]) for key, field in gpt2_layout.CONFIG_KEYS.items()}
     heads = source.get("num_attention_heads")

@@ -285,7 +285,10 @@ def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str |
 
     # Each rank reads only its slice of the base, unless the prefix starts from the base's own KV
     # cache of real tokens (prefix_init: tokens), which needs the whole model before slicing.
-    model = load_causal_lm(model_dir, lazy=not (isinstance(config, PrefixSettings) and config.prefix_init == "tokens"))
+    # Full SFT runs GPT-2 on our model too (every layout, written in GPT-2's layout); adapters of a
+    # GPT-2 train on transformers' model, for peft's GPT-2 names
+    model = load_causal_lm(model_dir, lazy=not (isinstance(config, PrefixSettings) and config.prefix_init == "tokens"),
+                           families="all" if method == "sft" else "ours")
     if config.packing and not isinstance(model, LlamaForCausalLM):
         raise InputError(f"finetune.{method}.packing: {model_dir} trains through transformers' "
                          f"{type(model).__name__}, whose attention does not keep packed examples apart; "

@@ -103,7 +103,7 @@ def load_config(model_dir: str | Path, families: str = "ours") -> LlamaConfig:
     """The LlamaConfig of an HF checkpoint directory; ValueError naming config.json's path and the
     key for any field our model cannot honour (see stages.model.config), and for a family the chain
     runs on transformers' model (`stages.checkpoint.source.FAMILIES`, e.g. GPT-2) unless `families`
-    is "all" (our model reads GPT-2 too; the chain's stages do not use it for GPT-2 yet)."""
+    is "all" (our model reads GPT-2 too: pretraining and full SFT ask for it, `Family.trains_ours`)."""
     path = Path(model_dir) / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing; expected a Hugging Face checkpoint directory")

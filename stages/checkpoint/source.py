@@ -21,11 +21,13 @@ class Family:
     name: str  # what the README's support table calls it
     model_type: str  # config.json's model_type
     ours: bool  # every stage runs our model: every parallel layout; else transformers' model, data parallel + ZeRO
-    pretrains_ours: bool = False  # (continued) pretraining runs our model, in every layout, even where not `ours`
+    # (continued) pretraining and full SFT run our model, in every layout, even where not `ours`
+    # (adapters and the later stages then use transformers' model)
+    trains_ours: bool = False
 
     @property
-    def pretraining_on_ours(self) -> bool:
-        return self.ours or self.pretrains_ours
+    def full_training_on_ours(self) -> bool:
+        return self.ours or self.trains_ours
 
 
 # config.json `architectures[0]` -> family. Every family: full SFT, LoRA, prefix tuning, merge,
@@ -37,8 +39,9 @@ FAMILIES: dict[str, Family] = {
     "Qwen3ForCausalLM": Family("Qwen3", "qwen3", True),
     "GlmForCausalLM": Family("GLM", "glm", True),
     "Glm4ForCausalLM": Family("GLM-4", "glm4", True),
-    # GPT-2 pretrains on our model (stages.model.gpt2_layout); fine-tuning and later stages use transformers'
-    "GPT2LMHeadModel": Family("GPT-2", "gpt2", False, pretrains_ours=True),
+    # GPT-2 pretrains and fully fine-tunes on our model (stages.model.gpt2_layout); LoRA, prefix tuning
+    # and the later stages use transformers' GPT2LMHeadModel
+    "GPT2LMHeadModel": Family("GPT-2", "gpt2", False, trains_ours=True),
     "OPTForCausalLM": Family("OPT", "opt", False),
     "BloomForCausalLM": Family("Bloom", "bloom", False),
     "GPTNeoXForCausalLM": Family("GPT-NeoX", "gpt_neox", False),

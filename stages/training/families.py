@@ -2,9 +2,11 @@
 
 The families our Llama implements (`stages.checkpoint.source.FAMILIES` marks them `ours`: Llama,
 Qwen2, Mistral, Qwen3, GLM, GLM-4) train through our model in every layout: data parallel, ZeRO
-1/2/3, tensor and pipeline parallelism. Every other causal LM that transformers supports (GPT-2, OPT, Bloom,
-GPT-NeoX, ...) trains through transformers' own model with data parallel and ZeRO 1/2/3 only: our
-tensor-parallel plan and pipeline split are written against our model's module names.
+1/2/3, tensor and pipeline parallelism; GPT-2 too for full training (pretraining, full SFT:
+`Family.trains_ours`, `load_causal_lm(..., families="all")`), its adapters on transformers' model.
+Every other causal LM that transformers supports (OPT, Bloom, GPT-NeoX, ...) trains through
+transformers' own model with data parallel and ZeRO 1/2/3 only: our tensor-parallel plan and
+pipeline split are written against our model's module names.
 
 The engine tells the two apart by the model it is given; the helpers here take either. This module
 imports neither torch nor transformers at import time: `stages.config` asks
@@ -66,23 +68,25 @@ def _refuse_model_parallel(model_type: str, tp: int, pp: int, model_class: str =
 
 
 # -- loading ------------------------------------------------------------------------------------------
-def load_causal_lm(model_dir: str | Path, lazy: bool = False):
+def load_causal_lm(model_dir: str | Path, lazy: bool = False, families: str = "ours"):
     """The fp32 model of a local HF directory for the training engine: our LlamaForCausalLM when our
     config reader takes its config.json (the families we implement), else transformers'
     `AutoModelForCausalLM` (no hub, no remote code, safetensors only). Raises FileNotFoundError
     without config.json, `WeightsError` (a ValueError) for weights that fail the checks of
     `stages.checkpoint.weights`, and ValueError when our loader takes the config but the weights
     do not match it. With `lazy`, our model comes on the meta device, to be filled with each rank's
-    slice by the engine (`stages.training.materialize`); a transformers model is always whole."""
+    slice by the engine (`stages.training.materialize`); a transformers model is always whole.
+    `families="all"` (full training: pretraining, full SFT) also takes GPT-2 into our model
+    (`stages.checkpoint.source.Family.trains_ours`)."""
     from stages.checkpoint.hf import load_config, load_pretrained
     from stages.training.materialize import lazy_pretrained
 
     try:
-        load_config(model_dir)
+        load_config(model_dir, families)
     except ValueError as exc:  # a family (or a variant) our model does not implement
         declined = str(exc)
     else:
-        return lazy_pretrained(model_dir) if lazy else load_pretrained(model_dir)
+        return lazy_pretrained(model_dir, families) if lazy else load_pretrained(model_dir, families=families)
     import torch
     import transformers
 

@@ -97,16 +97,17 @@ def test_model_parallelism_needs_our_model(tmp_path, tiny_tokenizer_dir):
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir)
     gpt2 = save_checkpoint(tmp_path / "gpt2", tokenizer, "gpt2")
     check_config(experiment(gpt2, finetune={"sft": {"world_size": 2, "sharding": "stage1"}}))
-    # GPT-2 pretrains on our model, in every layout; it fine-tunes on transformers' model
+    # GPT-2 pretrains and fully fine-tunes on our model, in every layout; its adapters train on transformers' model
     check_config(experiment(gpt2, pretrain={"enabled": True, "world_size": 2, "sharding": "stage1"}))
     with pytest.raises(ConfigError, match=r"pretrain: tensor_parallel_degree=2 does not divide vocab_size=323"):
         check_config(experiment(gpt2, pretrain={"enabled": True, "world_size": 2, "tensor_parallel_degree": 2}))
-    with pytest.raises(ConfigError, match=r"pipeline_parallel_degree=2 with a GPT-2 checkpoint: model parallelism "
-                                          r"runs on the project's own model \(Llama, Qwen2, Mistral, Qwen3, GLM, "
-                                          r"GLM-4; for pretraining also GPT-2\); "
-                                          r"GPT-2 fine-tunes through transformers"):
-        check_config(experiment(gpt2, finetune={"sft": {"world_size": 2, "pipeline_parallel_degree": 2,
-                                                        "gradient_accumulation_steps": 2}}))
+    with pytest.raises(ConfigError, match=r"lora: tensor_parallel_degree=2 / pipeline_parallel_degree=1 with a GPT-2 "
+                                          r"checkpoint: model parallelism runs on the project's own model \(Llama, "
+                                          r"Qwen2, Mistral, Qwen3, GLM, GLM-4; for pretraining and full SFT also "
+                                          r"GPT-2\); "
+                                          r"GPT-2 trains adapters through transformers"):
+        check_config(experiment(gpt2, finetune={"lora": {"world_size": 2, "tensor_parallel_degree": 2}}))
+    check_config(experiment(gpt2, finetune={"sft": {"world_size": 2, "sharding": "stage1", "packing": True}}))
     with pytest.raises(ConfigError, match=r"pretrain: the starting checkpoint ties lm_head to the embedding"):
         check_config(experiment(gpt2, pretrain={"enabled": True, "world_size": 2, "pipeline_parallel_degree": 2,
                                                 "gradient_accumulation_steps": 2}))

@@ -50,7 +50,8 @@ def merge(shards_dir: str | Path, out_dir: str | Path) -> dict[str, Any]:
         raise InputError(f"cannot merge {shards_dir}: " + "; ".join(found))
     state = {name: reader.get(name) for name in reader.keys("model")}
     config_path = shards_dir / "config.json"
-    if config_path.exists() and json.loads(config_path.read_text()).get("model_type") == "gpt2":
+    if reader.index.get("hf_layout") != "gpt2" and config_path.exists() \
+            and json.loads(config_path.read_text()).get("model_type") == "gpt2":
         state = gpt2_layout.to_hf(state)  # the slices keep our names; the HF layout has GPT-2's
     split = sorted(k for k, parts in reader.tensors.items() if len(parts) > 1 and parts[0]["file"].startswith("model"))
     summary = {"format": reader.index["format"], "tensors": len(state), "merged_tensor_parallel": len(split),

@@ -164,6 +164,8 @@ class StateReader:
         return read_tensor(self._handles[file], self.path / file, key)
 
     def get(self, key: str) -> torch.Tensor:
+        if key not in self.tensors and self.index.get("hf_layout") == "gpt2":
+            return self._get_gpt2(key)
         if key not in self.tensors:
             raise KeyError(f"{self.path / INDEX} has no tensor {key!r}; the checkpoint was written for "
                            "another model architecture")
@@ -175,6 +177,34 @@ class StateReader:
             return self._read(parts[0]["file"], key)
         return join_shards([self._read(p["file"], key) for p in parts], parts[0]["partition_dim"],
                            parts[0].get("partition_chunks", 1))
+
+    def has(self, key: str) -> bool:
+        """Whether `get(key)` finds the tensor (our model's name, in either layout)."""
+        if key in self.tensors:
+            return True
+        try:
+            return self.index.get("hf_layout") == "gpt2" and self._gpt2_name(key) in self.tensors
+        except KeyError:
+            return False
+
+    def _gpt2_name(self, key: str) -> str:
+        from stages.model.gpt2_layout import hf_name
+
+        return hf_name(key)
+
+    def _get_gpt2(self, key: str) -> torch.Tensor:
+        """Our model's tensor `key` from a unified checkpoint written in GPT-2's names and Conv1D
+        layout (`stages.model.gpt2_layout`; its optimizer moments keep our names)."""
+        from stages.model.gpt2_layout import from_hf
+
+        try:
+            theirs = self._gpt2_name(key)
+        except KeyError:
+            theirs = None
+        if theirs is None or theirs not in self.tensors:
+            raise KeyError(f"{self.path / INDEX} has no tensor {key!r} (GPT-2's {theirs!r}); the checkpoint "
+                           "was written for another model architecture")
+        return from_hf({theirs: self.get(theirs)})[key]
 
     def close(self) -> None:
         self._handles.clear()

@@ -205,11 +205,13 @@ class RankPart:
 
 
 def _to_hf_layout(part: RankPart) -> None:
-    """GPT-2's names and Conv1D weights for a unified part's tensors, in place."""
+    """GPT-2's names and Conv1D weights for a unified part's model tensors, in place (the optimizer's
+    moments keep our names and layout: no library reads them)."""
     from stages.model.gpt2_layout import hf_name, to_hf
 
-    part.files = {file: to_hf(tensors) for file, tensors in part.files.items()}
-    part.entries = {hf_name(key): {**entry} for key, entry in part.entries.items()}
+    model_files = {file for file in part.files if file.startswith("model")}
+    part.files = {file: to_hf(tensors) if file in model_files else tensors for file, tensors in part.files.items()}
+    part.entries = {hf_name(key) if entry["file"] in model_files else key: entry for key, entry in part.entries.items()}
 
 
 def write_part(directory: Path, part: RankPart) -> dict[str, Any]:
@@ -417,10 +419,13 @@ class Checkpointer:
         self.wait()  # one save in flight at a time
         begun = time.perf_counter()
         part = snapshot(engine, access, names, self.topology, unified=self.unified, optimizer=True)
+        gpt2 = self.unified and getattr(self.model_config, "gpt2_blocks", False)
+        if gpt2:  # a plain GPT-2 model directory, as the final output; StateReader translates back
+            _to_hf_layout(part)
         state = trainer_state() if self.rank == 0 else None
         partial = self.run_dir / f"{checkpoint_name(step)}.partial"
         header = {"format": UNIFIED if self.unified else SHARDED, "step": step,
-                  "optimizer_step": access.step_count()}
+                  "optimizer_step": access.step_count(), **({"hf_layout": "gpt2"} if gpt2 else {})}
         if self._pool is not None:
             future = self._pool.submit(write_part, partial, part)
         else:
@@ -541,6 +546,8 @@ def write_final(out_dir: Path, engine, access: OptimizerAccess, names: dict[str,
     part = snapshot(engine, access, names, topology, unified=unified, optimizer=False)
     if unified and gpt2_layout:
         _to_hf_layout(part)
+    header = {"format": UNIFIED if unified else SHARDED, "step": None,
+              **({"hf_layout": "gpt2"} if unified and gpt2_layout else {})}
     rank = dist.get_rank()
     partial = out_dir.parent / f".{out_dir.name}.partial"
     if rank == 0 and partial.exists():
@@ -556,7 +563,7 @@ def write_final(out_dir: Path, engine, access: OptimizerAccess, names: dict[str,
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, written)
     if rank == 0:
-        index = build_index({"format": UNIFIED if unified else SHARDED, "step": None}, parts)
+        index = build_index(header, parts)
         with atomic_dir(out_dir) as tmp:
             for record in index["files"]:
                 (partial / record["name"]).rename(tmp / record["name"])

@@ -151,7 +151,7 @@ class ResumeWeights(WeightSource):
         self.reader, self.base = reader, base
 
     def tensors(self, names: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        saved = names & set(self.reader.keys("model"))
+        saved = {name for name in names if self.reader.has(name)}
         for name in sorted(saved):
             yield name, self.reader.get(name).float()
         yield from self.base.tensors(names - saved)

@@ -91,6 +91,9 @@ def test_a_killed_tp2_run_resumes_bit_identically(data_dir, tmp_path):
     assert (resumed["loss"] == full["loss"]).all()
     a, b = load_state_dict(tmp_path / "full"), load_state_dict(tmp_path / "killed")
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    # the checkpoint it resumed from is a plain GPT-2 directory too (its reader translates back)
+    (checkpoint,) = [p for p in (tmp_path / "ckpt").glob("*/checkpoint-*") if p.is_dir()]
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(checkpoint)) is transformers.GPT2LMHeadModel
 
 
 def test_merge_tp_of_sharded_slices_writes_the_gpt2_checkpoint(data_dir, reference, tmp_path):

@@ -55,7 +55,7 @@ def test_full_sft_of_gpt2_runs_our_model_and_writes_gpt2(gpt2_dir, reference):
     assert metrics["final_loss"] < metrics["first_loss"]
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "pp2" else n for n in LAYOUTS])
 def test_layout_follows_the_one_process_curve(name, gpt2_dir, reference, tmp_path):
     data, out, _ = reference
     section = finetune_section("sft", **{**SECTION, **LAYOUTS[name]})

@@ -1,11 +1,13 @@
-"""The Llama family (Llama 1/2/3, Qwen2, Qwen3, Mistral, GLM, GLM-4: biases, GQA, RoPE scaling and
-partial interleaved RoPE, sliding windows, q/k norms, a fused gate/up projection, sandwich norms)
-written once.
+"""One decoder written once, with switches: the Llama family (Llama 1/2/3, Qwen2, Qwen3, Mistral,
+GLM, GLM-4: biases, GQA, RoPE scaling and partial interleaved RoPE, sliding windows, q/k norms, a
+fused gate/up projection, sandwich norms) and GPT-2 blocks (learned positions, LayerNorm, GELU MLP,
+a fused qkv projection).
 
 Single-device and parallelism-free: tensor and pipeline parallelism are applied to a built model
-by `stages.parallel`, not written in here. Parameter names equal Hugging Face's
-(`model.layers.0.self_attn.q_proj.weight`, ...), so a state dict saved from this module loads into
-`transformers.LlamaForCausalLM` unchanged, and the blocks live in a `ModuleDict` keyed by their
+by `stages.parallel`, not written in here. Parameter names equal Hugging Face's for the Llama
+family (`model.layers.0.self_attn.q_proj.weight`, ...), so a state dict saved from this module loads
+into `transformers.LlamaForCausalLM` unchanged (GPT-2's names and Conv1D layout are translated at
+the boundary: `stages.model.gpt2_layout`), and the blocks live in a `ModuleDict` keyed by their
 global index so a pipeline stage that holds layers 4..7 still names them `model.layers.4...`.
 
 Shapes: B batch, T sequence, d hidden, H query heads, K kv heads, hd head dim, V vocab.

@@ -226,10 +226,22 @@ def _check_quantize(name: str, exp: dict[str, Any]) -> None:
                               f"{exp['model']['flavour']!r}; choose a divisor of {widths} or -1 (per channel)")
 
 
-def _check_deploy(name: str, exp: dict[str, Any]) -> None:
-    """Each deploy.compressed_tensors entry is an A8W8 variant of quantize.variants without the
-    shift, which the compressed-tensors format cannot express."""
+def _check_deploy(name: str, exp: dict[str, Any], source: dict[str, Any] | None) -> None:
+    """deploy.gguf needs a model the GGUF writer takes (the starting checkpoint's or the flavour's
+    model_type); each deploy.compressed_tensors entry is an A8W8 variant of quantize.variants without
+    the shift, which the compressed-tensors format cannot express."""
+    from stages.deployment.gguf_types import GGUF_MODEL_TYPES
+    from stages.model.config import FLAVOURS
     from stages.quant.variants import resolve_variant
+
+    if exp["deploy"]["gguf"]:
+        model_type = (source or FLAVOURS[exp["model"]["flavour"]]).get("model_type", "llama")
+        if model_type not in GGUF_MODEL_TYPES:
+            what = "the starting checkpoint" if source else f"flavour {exp['model']['flavour']!r}"
+            raise ConfigError(f"experiments.{name}.deploy.gguf={exp['deploy']['gguf']}: {what} is model_type "
+                              f"{model_type!r}, which the GGUF writer does not write (it writes "
+                              f"{', '.join(GGUF_MODEL_TYPES)}); remove deploy.gguf and deploy it as ONNX "
+                              "(export/) or compressed-tensors")
 
     quant, key = exp["quantize"], f"experiments.{name}.deploy.compressed_tensors"
     for variant in exp["deploy"]["compressed_tensors"]:
@@ -505,7 +517,7 @@ def check_config(config: dict[str, Any], schema: dict[str, Any] | None = None) -
         if source is None:
             _check_architecture(name, exp)
         _check_quantize(name, exp)
-        _check_deploy(name, exp)
+        _check_deploy(name, exp, source)
         _check_parallel(name, exp, source)
     return config
 

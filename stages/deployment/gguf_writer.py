@@ -47,13 +47,13 @@ import torch
 from stages.checkpoint.atomic import atomic_file
 from stages.checkpoint.hf import load_config, load_state_dict
 from stages.deployment.gguf_tokenizer import gguf_tokenizer
+from stages.deployment.gguf_types import GGUF_MODEL_TYPES
 from stages.model.config import LlamaConfig
 from stages.model.rope_types import rope_type
 
 log = logging.getLogger(__name__)
 
 FILE_TYPES = ("f32", "f16", "q8_0", "q4_0")
-GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2")  # of our config reader's model types (stages.model.config)
 # Hugging Face parameter name (with {i} for the layer) -> llama.cpp tensor name.
 TENSOR_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",

@@ -130,3 +130,17 @@ def test_a_field_our_model_cannot_honour_is_refused_at_parse_time(checkpoint, tm
     (path / "config.json").write_text(json.dumps({**config, "hidden_act": "gelu"}))
     with pytest.raises(ConfigError, match=r"model_name_or_path: .*config.json.*hidden_act.*gelu"):
         check_config(experiment(path))
+
+
+def test_gguf_deploy_of_a_model_the_writer_refuses_stops_at_parse_time(tmp_path, tiny_tokenizer_dir):
+    """deploy.gguf with a Qwen3 / GLM checkpoint or a GPT-2 flavour fails when Snakemake parses the
+    config, not in the deploy job after the whole chain."""
+    from transformers import PreTrainedTokenizerFast
+
+    glm = save_checkpoint(tmp_path / "glm", PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir), "glm4")
+    with pytest.raises(ConfigError, match=r"deploy.gguf=\['q8_0'\]: the starting checkpoint is model_type 'glm4', "
+                                          r"which the GGUF writer does not write \(it writes llama, mistral, qwen2\)"):
+        check_config(experiment(glm, deploy={"gguf": ["q8_0"]}))
+    with pytest.raises(ConfigError, match=r"flavour 'gpt-tiny' is model_type 'gpt2'"):
+        check_config({"experiments": {"x": {"model": {"flavour": "gpt-tiny"}, "deploy": {"gguf": ["f32"]}}}})
+    check_config({"experiments": {"x": {"model": {"flavour": "tiny"}, "deploy": {"gguf": ["f32"]}}}})

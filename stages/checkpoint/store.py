@@ -182,23 +182,20 @@ class StateReader:
         """Whether `get(key)` finds the tensor (our model's name, in either layout)."""
         if key in self.tensors:
             return True
-        try:
-            return self.index.get("hf_layout") == "gpt2" and self._gpt2_name(key) in self.tensors
-        except KeyError:
-            return False
-
-    def _gpt2_name(self, key: str) -> str:
         from stages.model.gpt2_layout import hf_name
 
-        return hf_name(key)
+        try:
+            return self.index.get("hf_layout") == "gpt2" and hf_name(key) in self.tensors
+        except KeyError:
+            return False
 
     def _get_gpt2(self, key: str) -> torch.Tensor:
         """Our model's tensor `key` from a unified checkpoint written in GPT-2's names and Conv1D
         layout (`stages.model.gpt2_layout`; its optimizer moments keep our names)."""
-        from stages.model.gpt2_layout import from_hf
+        from stages.model.gpt2_layout import from_hf, hf_name
 
         try:
-            theirs = self._gpt2_name(key)
+            theirs = hf_name(key)
         except KeyError:
             theirs = None
         if theirs is None or theirs not in self.tensors:

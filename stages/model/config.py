@@ -370,7 +370,7 @@ def _fields_from_hf(d: dict[str, Any], where: str) -> dict[str, Any]:
         raise ValueError(f"{where}: model_type={model_type!r} is not supported; supported model types: "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)} (architectures {', '.join(ARCHITECTURES.values())})")
     for key, (neutral, why) in REFUSED_KEYS.items():
-        if d.get(key, neutral) != neutral and not (key in HONOURED_KEYS[model_type]):
+        if d.get(key, neutral) != neutral and key not in HONOURED_KEYS[model_type]:
             raise ValueError(f"{where}: {key}={d[key]!r} is not supported: {why}")
     fields = {k: d.get(k, default) for k, default in FAMILY_DEFAULTS[model_type].items()}
     fields.update({k: d.get(k) for k in _TOKEN_KEYS})

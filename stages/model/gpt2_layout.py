@@ -69,6 +69,8 @@ _CONV1D = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_pr
 _LAYER = {"ln_1": "input_layernorm", "attn.c_attn": "self_attn.qkv_proj", "attn.c_proj": "self_attn.o_proj",
           "ln_2": "post_attention_layernorm", "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}
 _TOP = {"wte": "model.embed_tokens", "wpe": "model.embed_positions", "ln_f": "model.norm"}
+_LAYER_HF = {ours: theirs for theirs, ours in _LAYER.items()}
+_TOP_HF = {ours: theirs for theirs, ours in _TOP.items()}
 _BUFFERS = re.compile(r"(^|\.)h\.\d+\.attn\.(bias|masked_bias)$")
 
 
@@ -103,10 +105,9 @@ def hf_name(name: str) -> str:
         return name
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", name)
     if m:
-        inner = {ours: theirs for theirs, ours in _LAYER.items()}[m.group(2)]
-        return f"transformer.h.{m.group(1)}.{inner}.{m.group(3)}"
+        return f"transformer.h.{m.group(1)}.{_LAYER_HF[m.group(2)]}.{m.group(3)}"
     module, _, kind = name.rpartition(".")
-    return f"transformer.{ {ours: theirs for theirs, ours in _TOP.items()}[module]}.{kind}"
+    return f"transformer.{_TOP_HF[module]}.{kind}"
 
 
 def our_name(name: str) -> str | None:

@@ -42,6 +42,7 @@ from stages.parallel.topology import ParallelDegrees, Topology
 
 COLUMN, ROW, VOCAB, OUTPUT, HEAD_NORM = "column", "row", "vocab", "output", "head_norm"
 COLUMN_FUSED2, COLUMN_FUSED3 = "column_fused2", "column_fused3"
+FUSED_BLOCKS = {COLUMN_FUSED2: 2, COLUMN_FUSED3: 3}  # fused column styles -> blocks stacked in the layer
 
 # Module-name pattern (fnmatch, against `named_modules()` names) -> parallel style.
 # OUTPUT is column-parallel with the logits gathered, or left vocab-split with tensor_parallel_output.
@@ -79,8 +80,8 @@ def _parallel_module(module: nn.Module, style: str, group, tensor_parallel_outpu
         return VocabParallelEmbedding.from_dense(module, group)
     if style == COLUMN:
         return ColumnParallelLinear.from_dense(module, group, gather_output=False)
-    if style in (COLUMN_FUSED2, COLUMN_FUSED3):
-        return ColumnParallelLinear.from_dense(module, group, gather_output=False, chunks=int(style[-1]))
+    if style in FUSED_BLOCKS:
+        return ColumnParallelLinear.from_dense(module, group, gather_output=False, chunks=FUSED_BLOCKS[style])
     if style == HEAD_NORM:
         return HeadSharedRMSNorm.from_dense(module, group)
     if style == OUTPUT:

@@ -74,3 +74,15 @@ def save_checkpoint(out: Path, tokenizer, model_type: str = "llama", seed: int =
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def randomize_biases_and_norms(model: torch.nn.Module, seed: int = 7) -> None:
+    """Seeded non-zero biases and non-unit norm weights (RMSNorm / LayerNorm, GPT-2's ln_*): zero
+    biases and unit norms, as a fresh model has them, would hide a bias or norm bug."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif "norm" in name or ".ln_" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))

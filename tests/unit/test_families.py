@@ -18,6 +18,7 @@ import peft
 import pytest
 import torch
 import transformers
+from genai_fixtures import genai_greedy
 from safetensors import safe_open
 from sft_fixtures import finetune_section, toy_records, write_toy_data
 from transformers import AutoModelForCausalLM
@@ -261,13 +262,7 @@ def test_onnxruntime_genai_runs_the_export(chain):
     og = pytest.importorskip("onnxruntime_genai")
     model = og.Model(str(root / "onnx"))
     prompt, new = _probe(json.loads((root / "merged" / "config.json").read_text())["vocab_size"])[0, :5].tolist(), 8
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(prompt) + new, min_length=len(prompt) + new, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(prompt)
-    while not generator.is_done():
-        generator.generate_next_token()
-    got = [int(t) for t in generator.get_sequence(0)][len(prompt):]
+    got = genai_greedy(og, model, prompt, new, exact=True)
     ids = np.asarray([prompt])
     want = greedy_generate(OnnxDecoder(root / "onnx" / "model.onnx"), ids, np.ones_like(ids), new, 2, 0,
                            min_new_tokens=new)[0, len(prompt):].tolist()

@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import logging
-import os
-import warnings
 
 import pytest
 import torch
 import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file
+from gptq_runtimes import import_gptq_runtimes
 from sft_fixtures import finetune_section, write_toy_data
 from transformers import AutoModelForCausalLM
 
@@ -136,22 +134,10 @@ def test_quantized_logits_are_close_to_the_float_model(chain, variant):
 
 
 def _import_gptq_runtime() -> None:
-    """gptqmodel and optimum's GPTQ module (transformers' GPTQ path), skipping without them, imported
-    leaving os.environ, the root logger and the warning filters as they were (see
-    tests/unit/test_quant_interop.py: gptqmodel's import changes all three)."""
-    if importlib.util.find_spec("gptqmodel") is None or importlib.util.find_spec("optimum") is None:
-        pytest.skip("gptqmodel and optimum are not installed")
-    env, root = dict(os.environ), logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        with warnings.catch_warnings():
-            importlib.import_module("gptqmodel")
-            importlib.import_module("optimum.gptq")
-    finally:
-        os.environ.clear()
-        os.environ.update(env)
-        root.handlers[:] = handlers
-        root.setLevel(level)
+    """gptqmodel and optimum's GPTQ module (transformers' GPTQ path), skipping without either."""
+    if importlib.util.find_spec("optimum") is None:
+        pytest.skip("optimum is not installed")
+    import_gptq_runtimes()
 
 
 @pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")

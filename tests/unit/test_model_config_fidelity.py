@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from checkpoint_fixtures import randomize_biases_and_norms
 
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import load_config, load_pretrained, save_pretrained
@@ -82,17 +83,6 @@ LAYER_TYPE_CASES = {
 }
 
 
-def _randomize(model: torch.nn.Module, seed: int = 7) -> None:
-    """Non-zero biases and non-unit norm weights, seeded."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            elif "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-
-
 def _as_transformers4(config_path: Path) -> None:
     """Rewrite a transformers-5 config.json in the layout transformers 4 wrote."""
     d = json.loads(config_path.read_text())
@@ -124,7 +114,7 @@ def _hf_checkpoint(path: Path, family: str, fields: dict, layout: str) -> transf
     return it as transformers reads it back from there (checked equal to the saved model)."""
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(CLASSES[family](**SMALL, **fields)).float().eval()
-    _randomize(model)
+    randomize_biases_and_norms(model)
     model.save_pretrained(path)
     if layout == "v4":
         _as_transformers4(path / "config.json")

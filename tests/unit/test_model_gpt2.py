@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 import transformers
+from checkpoint_fixtures import randomize_biases_and_norms
 from safetensors.torch import load_file, save_file
 
 from stages.checkpoint.atomic import atomic_dir
@@ -23,20 +24,10 @@ VOCAB = 300
 SMALL = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64)
 
 
-def _randomize(model: torch.nn.Module, seed: int = 7) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            elif "ln" in name or "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-
-
 def _hf_checkpoint(path, **fields) -> transformers.GPT2LMHeadModel:
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**SMALL, **fields)).eval()
-    _randomize(model)
+    randomize_biases_and_norms(model)
     model.save_pretrained(path)
     return model
 
@@ -79,7 +70,7 @@ def test_our_random_init_gpt2_runs_in_transformers(tmp_path):
                          num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
                          hidden_act="gelu_new", rms_norm_eps=1e-5, tie_word_embeddings=True)
     ours = build_model(config, seed=0).eval()
-    _randomize(ours)
+    randomize_biases_and_norms(ours)
     assert sum(p.numel() for p in ours.parameters()) == config.num_parameters()
     with atomic_dir(tmp_path / "m") as out:
         save_pretrained(ours, out)

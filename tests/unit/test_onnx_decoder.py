@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from genai_fixtures import genai_greedy
 
 from stages import export, predict
 from stages.checkpoint.atomic import atomic_dir
@@ -170,13 +171,7 @@ def test_onnxruntime_genai_generates_the_same_tokens(exported, tiny_tokenizer_di
     assert list(og.Tokenizer(model).encode(text)) == hf_tokenizer(text)["input_ids"]
     decoder = OnnxDecoder(root / "onnx" / "model.onnx")
     for prompt in ([1, 40, 41, 42, 43], [1, 7], [1] + hf_tokenizer(text)["input_ids"]):
-        params = og.GeneratorParams(model)
-        params.set_search_options(max_length=len(prompt) + NEW_TOKENS, do_sample=False)
-        generator = og.Generator(model, params)
-        generator.append_tokens(prompt)
-        while not generator.is_done():
-            generator.generate_next_token()
-        got = [int(t) for t in generator.get_sequence(0)][len(prompt):]
+        got = genai_greedy(og, model, prompt, NEW_TOKENS)
         ids = np.asarray([prompt])
         want = greedy_generate(decoder, ids, np.ones_like(ids), NEW_TOKENS, 2, 0)[0, len(prompt):].tolist()
         want = want[:want.index(2) + 1] if 2 in want else want

@@ -20,19 +20,16 @@ asymmetric ones (RTN, GPTQ with sym false) as "gptq_v2", never with a `meta.quan
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import logging
-import os
 import shutil
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from gptq_runtimes import import_gptq_runtimes
 from safetensors import safe_open
 
 from stages import quantize
@@ -46,29 +43,7 @@ from stages.quant.layers import decoder_blocks
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _import_runtimes():
-    """gptqmodel (skipping the module without it) and, if installed, optimum's GPTQ module, imported
-    leaving the process as it was. gptqmodel's import sets HF_HOME, HF_HUB_CACHE, TRANSFORMERS_CACHE,
-    HF_MODULES_CACHE, TORCHINDUCTOR_CACHE_DIR, PYTORCH_ALLOC_CONF, CUDA_DEVICE_ORDER and
-    KMP_DUPLICATE_LIB_OK in os.environ, adds a root logging handler at INFO and warning filters: the
-    rest of a pytest session, and the subprocesses it starts, must not inherit those. Once imported,
-    transformers' GPTQ path finds both in sys.modules and nothing runs again."""
-    env, root = dict(os.environ), logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        with warnings.catch_warnings():
-            module = pytest.importorskip("gptqmodel")
-            if importlib.util.find_spec("optimum") is not None:
-                importlib.import_module("optimum.gptq")
-    finally:
-        os.environ.clear()
-        os.environ.update(env)
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    return module
-
-
-gptqmodel = _import_runtimes()
+gptqmodel = import_gptq_runtimes()
 
 # transformers warns that only the loading attributes (backend) of a passed GPTQConfig are used: intended
 pytestmark = pytest.mark.filterwarnings("ignore:You passed `quantization_config`:UserWarning")

@@ -151,11 +151,3 @@ def test_cli_names_an_unknown_setting(exported, tmp_path):
     with pytest.raises(ValueError, match=r"'export.atol' is unknown; did you mean 'rtol'"):
         export.main(["--model", str(root / "model"), "--out", str(tmp_path / "o"),
                      "--config", json.dumps({"opset_version": 18, "atol": 1e-4})])
-
-
-@pytest.mark.slow
-def test_a_real_135m_model_passes_with_the_default_tolerances(smollm2_dir, tmp_path):
-    """SmolLM2-135M (fp32, logits up to ~36): observed max |diff| 1.1e-4, beyond the old absolute
-    bound of 1e-4, yet 3e-6 of the logit scale and every top-1 token agreeing (about 2.5 min)."""
-    m = export.run(smollm2_dir, tmp_path / "onnx", {"opset_version": 18, "int8": False})
-    assert m["logit_scale"] > 10 and m["rel_err"] < 1e-4 and m["top1_agreement"] == 1.0

@@ -195,13 +195,14 @@ def load_variant(model_dir: str | Path, backend: str | None = None) -> tuple[Any
     elif (model_dir / "adapter_config.json").exists():
         import peft
 
-        from stages.adapters.peft_files import check_adapter_fits
+        from stages.adapters.peft_files import check_adapter_fits, check_every_adapted_layer_loaded
 
         base_dir = adapter_base_dir(model_dir)
         check_adapter_dir(model_dir)  # before the base loads: a bad adapter fails fast
         check_adapter_fits(model_dir, base_dir)
         base, _ = _load_full_model(base_dir)
         model, kind = peft.PeftModel.from_pretrained(base, model_dir, is_trainable=False), "adapter"
+        check_every_adapted_layer_loaded(model, model_dir)
         log.info("loaded adapter %s on base %s", model_dir, base_dir)
     else:
         model, kind = _load_full_model(model_dir)

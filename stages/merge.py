@@ -35,7 +35,7 @@ import transformers
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import copy_tokenizer
 from stages import merge_tp
-from stages.adapters.peft_files import check_adapter_fits
+from stages.adapters.peft_files import check_adapter_fits, check_every_adapted_layer_loaded
 from stages.checkpoint.meta import META_NAME, write_meta
 from stages.checkpoint.store import INDEX, SHARDED
 from stages.checkpoint.weights import check_adapter_dir, check_model_dir
@@ -122,6 +122,7 @@ def run(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | Non
         base = transformers.AutoModelForCausalLM.from_pretrained(
             load_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=False, use_safetensors=True)
     model = peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=False)
+    check_every_adapted_layer_loaded(model, adapter_dir)
     model.eval()
     merged_modules = sum(1 for m in model.modules() if isinstance(m, peft.tuners.lora.LoraLayer))
 

@@ -27,6 +27,7 @@ from stages.adapters.lora_linear import peft_name
 from stages.adapters.prefix import build_prefix_config
 from stages.adapters.prefix_kv import PEFT_KEY, prefix_names, projected_table, to_peft
 from stages.checkpoint.integrity import write_tensors
+from stages.errors import InputError
 from stages.sections import FINETUNE
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -123,3 +124,25 @@ def check_adapter_fits(adapter_dir: str | Path, base_dir: str | Path) -> None:
             raise InputError(f"{where}: {key} is {entry['shape']} (trained for a layer with "
                              f"{'in' if '.lora_A.' in key else 'out'}_features={got}), but the base's "
                              f"{module}.weight is {weight}; use the base the adapter was trained on")
+
+
+def check_every_adapted_layer_loaded(model: peft.PeftModel, adapter_dir: str | Path) -> None:
+    """Every layer peft adapted (its adapter_config.json target_modules matched against the base) has
+    its LoRA tensors in the adapter file. peft leaves a layer the file lacks at its initialisation
+    (B = 0: no update at all) with only a warning, so an evaluation would score, and a merge would
+    write, a model without that layer's training; this raises InputError naming the layers instead."""
+    from stages.checkpoint.weights import read_header
+
+    if not isinstance(model.peft_config.get("default"), peft.LoraConfig):
+        return
+    saved = {key.split(".lora_")[0] for key in read_header(Path(adapter_dir) / ADAPTER_WEIGHTS) if ".lora_" in key}
+    adapted = [name for name, module in model.named_modules() if isinstance(module, peft.tuners.lora.LoraLayer)]
+    missing = [name.removeprefix("base_model.model.") for name in adapted if name not in saved]
+    if missing:
+        targets = model.peft_config["default"].target_modules
+        targets = sorted(targets) if isinstance(targets, set) else targets
+        raise InputError(f"{adapter_dir}: adapter_config.json's target_modules ({targets}) "
+                         f"adapt {len(adapted)} layers of the base, but {ADAPTER_WEIGHTS} has no LoRA weights for "
+                         f"{len(missing)} of them ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); "
+                         "peft would leave those untrained (B = 0). The file is incomplete (train or save the adapter "
+                         "again) or target_modules names layers it was not trained on (correct it)")

@@ -119,6 +119,27 @@ def test_missing_base_names_the_fix(tmp_path, adapter_dir):
         merge.run(adapter_dir, tmp_path / "m", base_dir=tmp_path / "nowhere")
 
 
+def test_an_adapter_file_missing_a_targeted_layer_is_refused(tmp_path, adapter_dir, debug_model_dir):
+    """peft would load it with only a warning, leaving that layer's B at zero (no update): merged,
+    the model silently loses the layer's training. Refused, naming the layer; nothing written."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from stages.errors import InputError
+
+    partial = tmp_path / "partial"
+    shutil.copytree(adapter_dir, partial)
+    (partial / "meta.json").unlink()  # as a user-supplied adapter: no records to compare against
+    tensors = load_file(partial / "adapter_model.safetensors")
+    dropped = [k for k in tensors if ".layers.0.self_attn.q_proj." in k]
+    assert len(dropped) == 2  # its lora_A and lora_B
+    save_file({k: t for k, t in tensors.items() if k not in dropped}, partial / "adapter_model.safetensors")
+    with pytest.raises(InputError, match=r"no LoRA weights for 1 of them \(model\.layers\.0\.self_attn\.q_proj\)"):
+        merge.run(partial, tmp_path / "out", base_dir=debug_model_dir)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_quantized_base_is_refused(tmp_path, adapter_dir, debug_model_dir):
     import shutil
 

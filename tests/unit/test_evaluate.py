@@ -148,6 +148,22 @@ def test_lora_adapter_dir(workspace):
     assert metrics["num_parameters"] > base_params
 
 
+def test_an_adapter_config_naming_layers_its_file_lacks_is_refused(workspace, tmp_path):
+    """target_modules widened after training: peft would adapt k_proj with B = 0 and only warn."""
+    import peft
+
+    from stages.errors import InputError
+
+    adapter = _adapter(workspace, "lora-qv", peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                             task_type="CAUSAL_LM"))
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["target_modules"] = ["q_proj", "k_proj", "v_proj"]
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match=r"no LoRA weights for 2 of them \(model\.layers\.0\.self_attn\.k_proj, "):
+        evaluate.run(adapter, workspace / "data", tmp_path / "eval.json", "lora", CONFIG)
+    assert not (tmp_path / "eval.json").exists()
+
+
 def test_batched_left_padded_generation_matches_one_by_one(workspace):
     """Left padding must not change greedy outputs, also for prefix tuning (past_key_values)."""
     import peft

@@ -5,7 +5,10 @@ GGUF loader, transformers with compressed-tensors) with what the pipeline comput
 on the experiment's own validation text, so the top-1 agreement measures quantization error at
 positions where the model has a real preference, not near-ties of random tokens:
 
-    top1_agreement = share of probe positions whose argmax token is the same
+    top1_agreement = share of probe positions whose argmax token is the same, a near-tie counted as
+                     agreeing: a position where the source itself prefers its token over the
+                     artifact's by at most TIE_RTOL of the logit scale (such a flip is rounding on a
+                     tie, not quantization error; strict_top1_agreement and near_ties report both)
     rel_err        = max |got - want| / max |want|          over every logit of the probe
 
 Tokenizers are compared on strings that break careless conversions (numerals, runs of spaces,
@@ -35,6 +38,11 @@ TOKENIZER_PROBES = (
 )
 PROBE_LENGTH = 64  # tokens per probe window
 PROBE_WINDOWS = 8
+# A near-tie: the source's lead of its own top-1 over the artifact's pick is at most this share of
+# the logit scale. Measured on the default run's merged model (logit scale 12.8): its q8_0 file
+# flipped 6 of 512 positions, where the source led by 0.0005-0.015 (<= 0.12% of the scale) while
+# q8_0 moved logits by up to 0.087; the q4_0 file's flips had leads up to 0.52 (4%).
+TIE_RTOL = 1e-2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +51,8 @@ class Agreement:
     rel_err: float
     max_abs_diff: float
     positions: int
+    strict_top1_agreement: float
+    near_ties: int  # positions whose argmax differs only on a near-tie of the source
 
     def as_dict(self) -> dict[str, float | int]:
         return dataclasses.asdict(self)
@@ -62,16 +72,20 @@ def logits_of(model: torch.nn.Module, windows: torch.Tensor, batch_size: int = 4
                       for i in range(0, len(windows), batch_size)])
 
 
-def agreement(want: torch.Tensor, got: torch.Tensor) -> Agreement:
-    """How far `got` logits are from `want` (same shape, (..., vocab))."""
+def agreement(want: torch.Tensor, got: torch.Tensor, tie_rtol: float = TIE_RTOL) -> Agreement:
+    """How far `got` logits are from `want` (same shape, (..., vocab)); see the module docstring."""
     if want.shape != got.shape:
         raise ValueError(f"logits of shape {tuple(got.shape)} against {tuple(want.shape)}: the artifact's "
                          "vocabulary or sequence handling differs from the source's")
     diff = (got - want).abs().max().item()
     scale = want.abs().max().item() or 1.0
-    top1 = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
-    return Agreement(top1_agreement=top1, rel_err=diff / scale, max_abs_diff=diff,
-                     positions=int(want.shape[:-1].numel()))
+    want_top, got_top = want.argmax(-1), got.argmax(-1)
+    same = got_top == want_top
+    lead = (want.gather(-1, want_top[..., None]) - want.gather(-1, got_top[..., None]))[..., 0]  # >= 0
+    ties = ~same & (lead <= tie_rtol * scale)
+    return Agreement(top1_agreement=(same | ties).float().mean().item(), rel_err=diff / scale, max_abs_diff=diff,
+                     positions=int(want.shape[:-1].numel()), strict_top1_agreement=same.float().mean().item(),
+                     near_ties=int(ties.sum()))
 
 
 def tokenizer_mismatches(want, got, texts: tuple[str, ...] = TOKENIZER_PROBES) -> list[str]:
@@ -84,7 +98,8 @@ def require(agreement_: Agreement, min_top1: float, what: str, setting: str, max
     """ValueError naming the artifact, the numbers and the setting when the agreement is too low."""
     if agreement_.top1_agreement < min_top1:
         raise ValueError(f"{what}: top-1 agreement {agreement_.top1_agreement:.4f} with the source over "
-                         f"{agreement_.positions} validation positions is below {setting}={min_top1}; the "
+                         f"{agreement_.positions} validation positions ({agreement_.near_ties} near-ties "
+                         f"forgiven) is below {setting}={min_top1}; the "
                          "artifact is not published (lower the setting only if this loss is acceptable)")
     if max_rel_err is not None and agreement_.rel_err > max_rel_err:
         raise ValueError(f"{what}: logits differ from the source's by {agreement_.rel_err:.2e} of their scale "

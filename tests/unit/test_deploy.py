@@ -75,12 +75,25 @@ def test_agreement_and_require_name_the_numbers_and_the_setting():
     want = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])
     found = checks.agreement(want, torch.tensor([[[1.0, 0.5], [0.9, 0.8]]]))
     assert (found.top1_agreement, found.positions) == (0.5, 2) and found.rel_err == pytest.approx(0.9)
-    with pytest.raises(ValueError, match=r"a\.gguf: top-1 agreement 0\.5000 .* 2 validation positions .* x=0\.9"):
+    assert (found.strict_top1_agreement, found.near_ties) == (0.5, 0)
+    with pytest.raises(ValueError, match=r"a\.gguf: top-1 agreement 0\.5000 .* 2 validation positions "
+                                         r"\(0 near-ties forgiven\) .* x=0\.9"):
         checks.require(found, 0.9, "a.gguf", "x")
     with pytest.raises(ValueError, match="differ from the source's by 9.00e-01"):
         checks.require(found, 0.5, "a.gguf", "x", max_rel_err=1e-5)
     with pytest.raises(ValueError, match="vocabulary"):
         checks.agreement(want, want[..., :1])
+
+
+def test_a_flip_on_a_near_tie_of_the_source_is_not_a_disagreement():
+    """The source leads by 0.05 of a logit scale of 10 (0.5% <= TIE_RTOL): a flip there is rounding on
+    a tie; a flip where it leads by 0.5 (5%) stays a disagreement."""
+    want = torch.tensor([[[10.0, 9.95, 0.0], [10.0, 9.5, 0.0], [0.0, 1.0, 10.0]]])
+    got = torch.tensor([[[9.96, 9.98, 0.0], [9.6, 9.9, 0.0], [0.0, 1.0, 10.0]]])
+    found = checks.agreement(want, got)
+    assert found.near_ties == 1 and found.strict_top1_agreement == pytest.approx(1 / 3)
+    assert found.top1_agreement == pytest.approx(2 / 3)
+    assert checks.agreement(want, got, tie_rtol=0.0).top1_agreement == pytest.approx(1 / 3)
 
 
 def test_the_cli_takes_the_sections_settings_as_options(debug_model_dir, data_dir, tmp_path, capsys):

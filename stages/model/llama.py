@@ -167,7 +167,7 @@ class Attention(nn.Module):
             k = torch.cat([prefix_key.to(k.dtype).expand(B, -1, -1, -1), k], dim=2)
             v = torch.cat([self.prefix_value.to(v.dtype).expand(B, -1, -1, -1), v], dim=2)
         # each KV head serves H / K query heads: SDPA's enable_gqa reads the shared heads in place
-        # (repeating k and v first cost 18% of attention's forward + backward, bf16, 2 CPU cores)
+        # (repeating k and v first cost 18% of attention's forward + backward: bf16, one CPU thread)
         gqa = q.shape[1] != k.shape[1]
         dropout = self.attention_dropout if self.training else 0.0
         window = self.sliding_window if self.sliding_window is not None and T > self.sliding_window else None

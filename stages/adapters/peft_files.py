@@ -76,6 +76,12 @@ def write_adapter(directory: Path, config: peft.PeftConfig, tensors: dict[str, t
     write_tensors(Path(directory) / ADAPTER_WEIGHTS, {k: v.float() for k, v in tensors.items()})
 
 
+def adapted_module(name: str) -> str:
+    """The base module a peft LoRA key or module name belongs to, in the base's own names:
+    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight` -> `model.layers.0.self_attn.q_proj`."""
+    return name.removeprefix("base_model.model.").split(".lora_")[0]
+
+
 def check_adapter_fits(adapter_dir: str | Path, base_dir: str | Path) -> None:
     """Raise InputError, naming both directories and what differs, when the adapter in
     `adapter_dir` was trained on a model of another shape than `base_dir`'s: a LoRA factor whose
@@ -112,7 +118,7 @@ def check_adapter_fits(adapter_dir: str | Path, base_dir: str | Path) -> None:
     for key, entry in read_header(adapter_dir / ADAPTER_WEIGHTS).items():
         if ".lora_A." not in key and ".lora_B." not in key:
             continue
-        module = key.removeprefix("base_model.model.").split(".lora_")[0]
+        module = adapted_module(key)
         weight = shapes.get(f"{module}.weight")
         if weight is None:
             raise InputError(f"{where}: it adapts {module}, which the base has no weight for (a model of "
@@ -135,9 +141,10 @@ def check_every_adapted_layer_loaded(model: peft.PeftModel, adapter_dir: str | P
 
     if not isinstance(model.peft_config.get("default"), peft.LoraConfig):
         return
-    saved = {key.split(".lora_")[0] for key in read_header(Path(adapter_dir) / ADAPTER_WEIGHTS) if ".lora_" in key}
-    adapted = [name for name, module in model.named_modules() if isinstance(module, peft.tuners.lora.LoraLayer)]
-    missing = [name.removeprefix("base_model.model.") for name in adapted if name not in saved]
+    saved = {adapted_module(key) for key in read_header(Path(adapter_dir) / ADAPTER_WEIGHTS) if ".lora_" in key}
+    adapted = [adapted_module(name) for name, module in model.named_modules()
+               if isinstance(module, peft.tuners.lora.LoraLayer)]
+    missing = [name for name in adapted if name not in saved]
     if missing:
         targets = model.peft_config["default"].target_modules
         targets = sorted(targets) if isinstance(targets, set) else targets

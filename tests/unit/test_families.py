@@ -24,6 +24,7 @@ from sft_fixtures import finetune_section, toy_records, write_toy_data
 from transformers import AutoModelForCausalLM
 
 from stages import evaluate, export, finetune, merge, quantize
+from stages.adapters.peft_files import adapted_module
 from stages.checkpoint.atomic import write_json
 from stages.checkpoint.hf import copy_tokenizer
 from stages.data.tokenizer import TokenizerError, load_model_tokenizer, save_tokenizer, train_tokenizer
@@ -171,7 +172,7 @@ def test_all_linear_lora_wraps_exactly_the_quantized_layers(chain):
     assert wrapped == set(blocks) and m["merge"]["merged_modules"] == len(blocks)
     # and the adapter trained each of them (peft fills a wrapped layer the file lacks with B = 0)
     with safe_open(str(root / "lora" / "adapter_model.safetensors"), "pt") as f:
-        assert {k.removeprefix("base_model.model.").split(".lora_")[0] for k in f.keys()} == set(blocks)
+        assert {adapted_module(k) for k in f.keys()} == set(blocks)
     assert any(blocks.values()) == (family == "gpt2")  # only GPT-2 has Conv1D layers
 
 

@@ -27,9 +27,9 @@ from stages import settings
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.meta import write_meta
 from stages.checkpoint.tokenizer_files import copy_tokenizer
-from stages.data import attributes
-from stages.data.corpus import (SFT_TARGETS, TokenFile, encode_documents, read_documents, split_documents,
-                                unigram_entropy_bits, write_token_files)
+from stages.data import attributes, records
+from stages.data.corpus import (RECORDS, SFT_TARGETS, CorpusError, TokenFile, encode_documents, read_documents,
+                                split_documents, unigram_entropy_bits, write_token_files)
 from stages.data.sft import SftRecord, uses_chat_template, write_sft_file
 from stages.data.tokenizer import (TokenizerError, load_model_tokenizer, save_tokenizer,
                                    tokenizer_fingerprint, train_tokenizer)
@@ -121,20 +121,26 @@ def run(out_dir: str | os.PathLike, data: Mapping[str, Any] | None = None, *,
     resolve_corpus(corpus, base_dir)
     resolve_sft(data.sft, base_dir)
     sft_train, sft_dev = load_sft(data.sft, data.num_sft_train, data.num_sft_dev, data.seed, base_dir)
-    files_and_pydoc = [c for c in corpus if c != SFT_TARGETS]
+    files_and_pydoc = [c for c in corpus if c not in (SFT_TARGETS, RECORDS)]
     docs = read_documents(files_and_pydoc, base_dir) if files_and_pydoc else []
     if SFT_TARGETS in corpus:
         docs += target_documents(sft_train)
+    # builtin:records is training text only, after the split: validation measures general text
+    train_only = records.documents() if RECORDS in corpus else []
+    if not docs:
+        raise CorpusError(f"data.corpus: {corpus} has only builtin:records, which is training text only; "
+                          "add general text (files or builtin:pydoc) for the validation split")
 
     if tokenizer_dir is None:
         # The SFT train texts join the tokenizer's training text so that task words become tokens;
         # dev texts stay out so that evaluation sees only what training saw.
-        tokenizer = train_tokenizer(docs + _sft_texts(sft_train), data.vocab_size)
+        tokenizer = train_tokenizer(docs + train_only + _sft_texts(sft_train), data.vocab_size)
         actual_vocab = len(tokenizer)
     else:  # a starting checkpoint: its own tokenizer, its embedding's vocabulary
         tokenizer, actual_vocab = model_tokenizer(tokenizer_dir)
     chat = uses_chat_template(tokenizer, data.chat_template)
     splits = split_documents(encode_documents(tokenizer, docs), data.validation_fraction, data.seed)
+    splits["train"] += encode_documents(tokenizer, train_only)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     with atomic_dir(out_dir) as tmp:
@@ -158,7 +164,7 @@ def run(out_dir: str | os.PathLike, data: Mapping[str, Any] | None = None, *,
             "num_sft_train": len(sft_train),
             "num_sft_dev": len(sft_dev),
             "train_unigram_entropy_bits": round(unigram_entropy_bits(train_tokens, actual_vocab), 6),
-            "chars_per_token": round(sum(map(len, docs)) / sum(map(len, all_docs)), 4),
+            "chars_per_token": round(sum(map(len, docs + train_only)) / sum(map(len, all_docs)), 4),
         }
         del train_tokens  # release the memmap before the directory is renamed
         write_meta(tmp, stage=STAGE, config=config, parent=None, seed=data.seed, metrics=metrics)

@@ -9,6 +9,7 @@ On-disk layout (docs/artifacts.md), per split `<split>` in ("train", "validation
 
 Sources (the `data.corpus` list; path rules in `stages.data.validate`):
 - `builtin:pydoc`: Python's `pydoc_data.topics.topics`, one document per topic, sorted by key;
+- `builtin:records`: record/sentence pairs (`stages.data.records`), train split only (prepare);
 - `.txt`: one document per file;  `.jsonl`: one document per line, field `text`;
 - `.parquet`: one document per row of column `text`.
 Documents with no non-whitespace text are skipped (and counted in the log).
@@ -26,6 +27,7 @@ from typing import Iterator
 import numpy as np
 
 from stages.checkpoint.atomic import atomic_file, write_json
+from stages.data import records
 from stages.data.files import json_lines, read_text
 from stages.data.validate import resolve_corpus
 from stages.errors import InputError
@@ -82,6 +84,7 @@ def _parquet_documents(path: Path) -> Iterator[str]:
 
 
 SFT_TARGETS = "builtin:sft_targets"
+RECORDS = "builtin:records"
 
 
 def iter_documents(sources: list[str], base_dir: str | os.PathLike | None = None,
@@ -90,7 +93,9 @@ def iter_documents(sources: list[str], base_dir: str | os.PathLike | None = None
     for source, path in resolve_corpus(sources, base_dir, key):
         if source == SFT_TARGETS:
             continue  # made by prepare from the SFT train split (see stages.prepare.target_documents)
-        if path is None:
+        if source == RECORDS:
+            yield from records.documents()
+        elif path is None:
             yield from _pydoc_documents()  # builtin:pydoc; resolve_corpus rejects unknown builtins
         elif path.suffix.lower() == ".txt":
             yield read_text(path, CorpusError)

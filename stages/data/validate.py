@@ -26,7 +26,7 @@ from stages.data.sft import SftDataError, SftRecord, read_sft_file
 from stages.errors import InputError
 
 SUPPORTED_EXTENSIONS = (".txt", ".jsonl", ".parquet")
-BUILTIN_CORPORA = ("builtin:pydoc", "builtin:sft_targets")
+BUILTIN_CORPORA = ("builtin:pydoc", "builtin:records", "builtin:sft_targets")
 BUILTIN_SFT = ("builtin:attributes",)
 SFT_SPLITS = ("train", "dev")
 _GLOB_CHARS = set("*?[")

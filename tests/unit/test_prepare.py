@@ -9,6 +9,7 @@ from pydoc_data.topics import topics
 from transformers import AutoTokenizer
 
 from stages import prepare
+from stages.data import attributes, records
 from stages.data.corpus import CorpusError, load_split
 from stages.data.sft import read_sft_file
 from stages.data.validate import DataConfigError
@@ -62,6 +63,42 @@ def test_token_files_decode_to_the_corpus(pydoc_run):
             assert tokens[end - 1] == tok.eos_token_id
             decoded.append(tok.decode(tokens[start:end - 1].tolist()))
     assert sorted(decoded) == sorted(topics.values())
+
+
+def test_builtin_records_are_training_text_only(tmp_path):
+    """builtin:records joins the train split, after the other documents; validation holds general
+    text only (the pydoc topics here), whose perplexity is what forgetting is measured on."""
+    with_records = tmp_path / "data"
+    more = prepare.run(with_records, {**SMALL, "corpus": ["builtin:pydoc", "builtin:records"]})
+    assert more["num_documents_train"] + more["num_documents_validation"] == len(topics) + records.DOCUMENTS
+    tok = AutoTokenizer.from_pretrained(str(with_records / "tokenizer"))
+    tokens, offsets = load_split(with_records, "train")
+    tail = [tok.decode(tokens[s:e - 1].tolist()) for s, e in zip(offsets[-records.DOCUMENTS - 1:-1],
+                                                                 offsets[-records.DOCUMENTS:])]
+    assert tail == records.documents()
+    tokens, offsets = load_split(with_records, "validation")
+    held_out = {tok.decode(tokens[s:e - 1].tolist()) for s, e in zip(offsets[:-1], offsets[1:])}
+    assert held_out <= set(topics.values())
+    with pytest.raises(CorpusError, match="only builtin:records, which is training text only"):
+        prepare.run(tmp_path / "records_only", {**SMALL, "corpus": ["builtin:records"]})
+    assert not (tmp_path / "records_only").exists()
+
+
+def test_records_pair_a_record_with_its_sentence():
+    text = records.documents(count=3, pairs=50)
+    assert text == records.documents(count=3, pairs=50)  # fixed text
+    lines = "".join(text).splitlines()
+    assert len(lines) == 300
+    task_words = {*attributes.SIZES, *attributes.COLORS, *attributes.SHAPES, *attributes.NUMBER_WORDS.values()}
+    for record, sentence in zip(lines[::2], lines[1::2]):
+        values = dict(field.split(": ") for field in record.split("; "))
+        assert {"name", "job", "city"} <= set(values) <= {"name", "job", "city", "drink", "sport"}
+        article = "an" if values["job"][0] in "aeiou" else "a"
+        assert sentence.startswith(f"{values['name']} is {article} {values['job']} from {values['city']}")
+        habits = [f"{verb} {values[key]}" for key, verb in (("drink", "drinks"), ("sport", "plays")) if key in values]
+        assert sentence.endswith(" who " + " and ".join(habits) + "." if habits else f"{values['city']}.")
+        assert not task_words & set(re.findall(r"[a-z]+", (record + " " + sentence).lower()))
+    assert len({r.split(": ")[0] for r in lines[::2]}) == 5  # the key order varies: every key comes first
 
 
 def test_sft_files(pydoc_run):

@@ -34,7 +34,7 @@ JOBS = ("miner", "baker", "pilot", "nurse", "judge", "actor", "farmer", "tailor"
 DRINKS = ("tea", "milk", "coffee", "water", "juice", "cocoa", "soda", "cider")
 SPORTS = ("golf", "chess", "tennis", "rugby", "hockey", "polo", "squash", "judo")
 
-DOCUMENTS = 60  # ~20% of the default corpus's training tokens with the pydoc topics
+DOCUMENTS = 60  # 22% of the default corpus's training tokens (with the pydoc topics and the SFT targets)
 PAIRS_PER_DOCUMENT = 20
 
 

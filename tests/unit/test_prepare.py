@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 from stages import prepare
 from stages.data import attributes, records
 from stages.data.corpus import CorpusError, load_split
+from stages.data.mix_sources import load_mix_sources
 from stages.data.sft import read_sft_file
 from stages.data.validate import DataConfigError
 
@@ -76,6 +77,9 @@ def test_builtin_records_are_training_text_only(tmp_path):
     tail = [tok.decode(tokens[s:e - 1].tolist()) for s, e in zip(offsets[-records.DOCUMENTS - 1:-1],
                                                                  offsets[-records.DOCUMENTS:])]
     assert tail == records.documents()
+    # named in a fine-tuning section's mix_datasets, it is the same text, tokenized there
+    mixed, = load_mix_sources(["builtin:records"], with_records, tok, "finetune.lora.mix_datasets")
+    assert mixed.tolist() == tokens[offsets[-records.DOCUMENTS - 1]:].tolist()
     tokens, offsets = load_split(with_records, "validation")
     held_out = {tok.decode(tokens[s:e - 1].tolist()) for s, e in zip(offsets[:-1], offsets[1:])}
     assert held_out <= set(topics.values())

@@ -127,7 +127,7 @@ def run(out_dir: str | os.PathLike, data: Mapping[str, Any] | None = None, *,
         docs += target_documents(sft_train)
     # builtin:records is training text only, after the split: validation measures general text
     train_only = records.documents() if RECORDS in corpus else []
-    if not docs:
+    if train_only and not docs:
         raise CorpusError(f"data.corpus: {corpus} has only builtin:records, which is training text only; "
                           "add general text (files or builtin:pydoc) for the validation split")
 

@@ -283,25 +283,25 @@ def test_a_time_limit_and_a_requeue_end_in_the_uninterrupted_weights(tmp_path, s
            *targets]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    watch = _LimitFromFirstStep(tmp_path, "limit").__enter__()
-    try:
-        limit_job, requeue_job = _job_id(tmp_path, "pretrain", "limit"), _job_id(tmp_path, "pretrain", "requeue")
-        _wait_for(lambda: logged_steps(tmp_path, "requeue") >= 150, "requeue: 150 steps (one checkpoint)")
-        cancel = subprocess.run(["scancel", "--signal=TERM", requeue_job], capture_output=True, text=True, timeout=60)
-        assert cancel.returncode == 0, cancel.stderr
-        _release(requeue_job)  # requeued by its rank 0 after the save
-        _release(limit_job, time_limit=30)  # room to finish after the restart
-        resumed = tmp_path / "results" / "requeue" / "logs" / "pretrain.log"
-        _wait_for(lambda: "resumed at step" in _text(resumed), "requeue: resumed after SIGTERM")
-        assert "when stopped by SIGTERM" in _text(resumed), _text(resumed)[-3000:]
-        _wait_for(lambda: logged_steps(tmp_path, "requeue") >= 500, "requeue: 500 steps")
-        _scontrol("requeue", requeue_job)
-        _release(requeue_job)
-        out, _ = proc.communicate(timeout=900)
-    finally:
-        watch.__exit__()
-        if proc.poll() is None:
-            proc.kill()
+    with _LimitFromFirstStep(tmp_path, "limit") as watch:
+        try:
+            limit_job, requeue_job = _job_id(tmp_path, "pretrain", "limit"), _job_id(tmp_path, "pretrain", "requeue")
+            _wait_for(lambda: logged_steps(tmp_path, "requeue") >= 150, "requeue: 150 steps (one checkpoint)")
+            cancel = subprocess.run(["scancel", "--signal=TERM", requeue_job], capture_output=True, text=True,
+                                    timeout=60)
+            assert cancel.returncode == 0, cancel.stderr
+            _release(requeue_job)  # requeued by its rank 0 after the save
+            _release(limit_job, time_limit=30)  # room to finish after the restart
+            resumed = tmp_path / "results" / "requeue" / "logs" / "pretrain.log"
+            _wait_for(lambda: "resumed at step" in _text(resumed), "requeue: resumed after SIGTERM")
+            assert "when stopped by SIGTERM" in _text(resumed), _text(resumed)[-3000:]
+            _wait_for(lambda: logged_steps(tmp_path, "requeue") >= 500, "requeue: 500 steps")
+            _scontrol("requeue", requeue_job)
+            _release(requeue_job)
+            out, _ = proc.communicate(timeout=900)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
     print(f"three pretraining jobs, one stopped at its time limit, one requeued: {time.monotonic() - start:.0f} s "
           f"(the limit raised {watch.extended} times before the first step)")
     assert proc.returncode == 0, out[-4000:]

@@ -34,8 +34,8 @@ import numpy as np
 import torch
 
 from stages import settings
-from stages.adapters import ADAPTER_METHODS, attach_adapter, count_parameters
-from stages.adapters.peft_files import peft_config_for, peft_model_tensors, peft_tensors, write_adapter
+from stages.adapters import ADAPTER_METHODS
+from stages.adapters.trainable import count_parameters
 from stages.checkpoint.integrity import sha256_file
 from stages.config import check_finetune_section
 from stages.data.corpus import read_index
@@ -232,6 +232,8 @@ def dev_evaluator(config: SftSettings, dev: Sequence[Example] | None, dev_record
 
 def adapter_writer(method: str, config: SftSettings, model: torch.nn.Module, model_dir: Path):
     """Writes the trained adapter tensors (whole, by the training model's names) as a peft adapter dir."""
+    from stages.adapters.peft_files import peft_config_for, peft_model_tensors, peft_tensors, write_adapter
+
     if isinstance(model, LlamaForCausalLM):
         peft_config = peft_config_for(method, config, model_dir)
         num_layers = model.config.num_hidden_layers
@@ -294,6 +296,8 @@ def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str |
                          f"{type(model).__name__}, whose attention does not keep packed examples apart; "
                          f"packing needs a family our model implements ({', '.join(own_families())})")
     if method != "sft":  # seeded above: the adapter's initial weights repeat, the same on every rank
+        from stages.adapters import attach_adapter  # peft's import, only for the adapter methods
+
         model = attach_adapter(model, method, config, prefix_init_ids(config, examples))
     trainable, total = count_parameters(model)
     if dist.get_rank() == 0:

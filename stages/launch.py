@@ -5,7 +5,9 @@
 One rule text serves both worlds, so the training rules call this instead of choosing a launcher:
 
 - outside SLURM: `torchrun --standalone --nproc_per_node N -m <module> ...` (one node; torchrun
-  sets RANK/LOCAL_RANK/WORLD_SIZE and picks its own rendezvous port);
+  sets RANK/LOCAL_RANK/WORLD_SIZE and picks its own rendezvous port); for one rank, `python -m
+  <module> ...` itself, a world of one (stages.training.distributed.init_distributed): torchrun's
+  agent would add ~1.8 s of start-up on 2 CPU cores and a process between the job and its rank;
 - inside an allocation (SLURM_JOB_ID set: a batch job of the slurm profile, or `salloc`):
   `srun --overlap --kill-on-bad-exit=1 --ntasks N --nodes M --ntasks-per-node N/M python -m <module>`.
   Training jobs declare `mpi` (stages.cluster.resources), so the slurm executor runs the rule's
@@ -25,7 +27,8 @@ One rule text serves both worlds, so the training rules call this instead of cho
   nodes asked for 2").
 
 The process replaces itself with the launcher (exec), so a signal to the job reaches srun/torchrun
-directly. NCCL or gloo is chosen by each rank (stages.training.distributed.init_distributed: NCCL when CUDA is there).
+(or the one rank) directly. NCCL or gloo is chosen by each rank
+(stages.training.distributed.init_distributed: NCCL when CUDA is there).
 """
 
 from __future__ import annotations
@@ -103,6 +106,8 @@ def launch_command(nproc: int, nodes: int, module: str, args: list[str],
                              "starts ranks on this machine only; run through the slurm profile "
                              "(--workflow-profile workflow/profiles/slurm) or inside salloc")
         env.update(threads_per_rank(env, nproc))
+        if nproc == 1:
+            return [sys.executable, "-m", module, *args], env
         return torchrun_command(nproc, module, args), env
     nodelist = job_nodelist(env)
     if nodelist:  # the job's nodes, not those of the executor's one-node step

@@ -13,14 +13,13 @@ from typing import Any
 import peft
 import torch
 
+from stages.adapters import ADAPTER_METHODS
 from stages.adapters.lora import build_lora_config, check_target_modules, targets_conv1d
 from stages.adapters.lora_linear import add_lora
 from stages.adapters.prefix import build_prefix_config
 from stages.adapters.prefix_kv import add_prefix, to_peft
 from stages.model import LlamaForCausalLM
 from stages.sections import FINETUNE
-
-ADAPTER_METHODS = ("lora", "prefix")
 
 
 def attach_adapter(model: torch.nn.Module, method: str, section: Mapping[str, Any],
@@ -60,16 +59,3 @@ def _prefix_from_cache(model: peft.PeftModel, ids: list[int]) -> None:
     cache = base(input_ids=torch.tensor([ids], device=base.device), use_cache=True).past_key_values
     pairs = [(layer.keys[0], layer.values[0]) for layer in cache.layers]  # each (K, P, hd)
     model.prompt_encoder.default.embedding.weight.copy_(to_peft(pairs))
-
-
-def count_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """(trainable, total) parameter counts; tied weights are counted once."""
-    seen, trainable, total = set(), 0, 0
-    for p in model.parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        total += p.numel()
-        if p.requires_grad:
-            trainable += p.numel()
-    return trainable, total

@@ -29,6 +29,27 @@ def test_outside_slurm_torchrun_starts_the_ranks_on_this_machine():
     assert "MASTER_PORT" not in env  # torchrun --standalone picks its own
 
 
+def test_outside_slurm_one_rank_is_the_module_itself_a_world_of_one(tmp_path):
+    """One rank needs no torchrun (its agent costs ~1.8 s of start-up): the module runs under this
+    python with the job's threads, and init_distributed makes it a world of one."""
+    argv, env = launch_command(1, 1, "stages.finetune", ["--method", "sft"], {"OMP_NUM_THREADS": "2"})
+    assert argv == [sys.executable, "-m", "stages.finetune", "--method", "sft"]
+    assert env == {"OMP_NUM_THREADS": "2"}
+    (tmp_path / "report_world.py").write_text(
+        "import os, torch, torch.distributed as dist\n"
+        "from stages.training.distributed import finish_distributed, init_distributed\n"
+        "init_distributed()\n"
+        "open(os.path.join(os.environ['OUT'], 'world'), 'w').write(\n"
+        "    f'{dist.get_rank()} {dist.get_world_size()} {torch.get_num_threads()} {os.getppid()}')\n"
+        "finish_distributed()\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "OUT": str(tmp_path), "PYTHONPATH": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "stages.launch", "--nproc", "1", "--", "report_world"], env=env)
+    assert proc.wait(timeout=120) == 0
+    rank, world, threads, parent = (tmp_path / "world").read_text().split()
+    assert (rank, world, threads) == ("0", "1", "2")
+    assert int(parent) == os.getpid()  # launch exec'd the module: no launcher process in between
+
+
 def test_each_rank_gets_its_share_of_the_jobs_threads(tmp_path):
     """Snakemake sets OMP_NUM_THREADS to the rule's threads for the whole command; under torchrun
     each of the ranks gets threads / nproc (at least 1), as torch itself reports."""

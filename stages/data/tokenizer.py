@@ -21,13 +21,16 @@ import os
 import time
 from collections.abc import Collection, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from stages.checkpoint.atomic import write_json
 from stages.errors import InputError
 from stages.stage_logs import progress_iter
+
+if TYPE_CHECKING:  # transformers is imported where a tokenizer is built or loaded: ~0.8 s that a
+    from transformers import PreTrainedTokenizerFast  # training rank which never loads one does not pay
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
 
 
 def _wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
+    from transformers import PreTrainedTokenizerFast
+
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
         clean_up_tokenization_spaces=False,
@@ -102,6 +107,8 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerFast:
     if not (path / "tokenizer.json").is_file():
         raise TokenizerError(f"{path}/tokenizer.json is missing; {path} is not a tokenizer directory "
                              "(run the prepare stage to make one)")
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(path))
     if tok.bos_token_id is None or tok.eos_token_id is None or tok.pad_token_id is None:
         raise TokenizerError(f"{path}: tokenizer lacks a bos, eos or pad token (bos={tok.bos_token_id}, "
@@ -120,6 +127,8 @@ def load_model_tokenizer(model_dir: str | os.PathLike):
     if not any((model_dir / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise TokenizerError(f"{model_dir} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json); "
                              "save the checkpoint's tokenizer beside it with tokenizer.save_pretrained(dir)")
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=False,
                                         **_files_decide(model_dir))
     if tok.eos_token_id is None:

@@ -1,7 +1,7 @@
 # Full SFT, LoRA and prefix tuning of the pretrained model (or the imported checkpoint,
 # results/{experiment}/base) on the src/tgt data, all on the distributed training engine in the
-# layout of their finetune.<method> section. stages.launch starts the ranks (torchrun here, srun inside
-# a SLURM job); nodes, tasks and memory come from the experiment's plan.
+# layout of their finetune.<method> section. stages.launch starts the ranks (torchrun here, or the
+# module itself for one rank; srun inside a SLURM job); nodes, tasks and memory come from the experiment's plan.
 rule finetune:
     input:
         model=finetune_base,

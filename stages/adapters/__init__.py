@@ -1,6 +1,6 @@
 """LoRA and prefix-tuning glue around peft: config sections in, peft configs and models out.
 
-The names below are imported on first use: `import peft` costs ~1.7 s on 2 CPU cores (it loads
+The names below are imported on first use: `import peft` costs ~1.9 s on 2 CPU cores (it loads
 transformers' model classes), which full fine-tuning (`stages.finetune --method sft`) never needs.
 """
 

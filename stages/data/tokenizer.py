@@ -29,7 +29,7 @@ from stages.checkpoint.atomic import write_json
 from stages.errors import InputError
 from stages.stage_logs import progress_iter
 
-if TYPE_CHECKING:  # transformers is imported where a tokenizer is built or loaded: ~0.8 s that a
+if TYPE_CHECKING:  # transformers is imported where a tokenizer is built or loaded: ~0.9 s that a
     from transformers import PreTrainedTokenizerFast  # training rank which never loads one does not pay
 
 log = logging.getLogger(__name__)

@@ -175,7 +175,7 @@ def test_cpus_per_task_come_from_slurmctld_when_the_executor_dropped_the_jobs_va
 
 def test_a_training_rank_imports_transformers_and_peft_only_when_it_uses_them():
     """Every rank of every training job pays its imports: on 2 CPU cores transformers costs ~0.9 s
-    and peft ~1.7 s more. Pretraining never needs them and full fine-tuning needs only the tokenizer
+    and peft ~1.9 s more. Pretraining never needs them and full fine-tuning needs only the tokenizer
     (transformers, imported when it loads one); LoRA and prefix import peft when they attach it."""
     code = ("import sys, stages.pretrain, stages.finetune, stages.training.engine; "
             "sys.exit(' '.join(sorted({'transformers', 'peft'} & set(sys.modules))) or None)")

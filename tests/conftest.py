@@ -42,3 +42,21 @@ def pytest_unconfigure(config):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(config.stash[_EXIT_STATUS])
+
+
+def in_process_threads() -> int | None:
+    """torch's intra-op threads for the tests' own (in-process) compute: LLM_LIFECYCLE_TEST_THREADS
+    if set, else 1 when pytest-xdist runs several workers (two workers with one thread per core each
+    oversubscribe the cores; measured in docs/testing.md), else torch's default. The jobs and ranks the
+    tests start set their own threads (OMP_NUM_THREADS, Snakemake's `threads`), unchanged."""
+    if os.environ.get("LLM_LIFECYCLE_TEST_THREADS"):
+        return int(os.environ["LLM_LIFECYCLE_TEST_THREADS"])
+    return 1 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else None
+
+
+def pytest_configure(config):
+    threads = in_process_threads()
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)

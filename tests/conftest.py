@@ -49,8 +49,12 @@ def in_process_threads() -> int | None:
     if set, else 1 when pytest-xdist runs several workers (two workers with one thread per core each
     oversubscribe the cores; measured in docs/testing.md), else torch's default. The jobs and ranks the
     tests start set their own threads (OMP_NUM_THREADS, Snakemake's `threads`), unchanged."""
-    if os.environ.get("LLM_LIFECYCLE_TEST_THREADS"):
-        return int(os.environ["LLM_LIFECYCLE_TEST_THREADS"])
+    value = os.environ.get("LLM_LIFECYCLE_TEST_THREADS")
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise pytest.UsageError(f"LLM_LIFECYCLE_TEST_THREADS={value!r}: set a whole number of threads >= 1, "
+                                    "or unset it for the default")
+        return int(value)
     return 1 if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1 else None
 
 

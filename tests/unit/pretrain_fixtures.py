@@ -38,6 +38,11 @@ def pretrain_section(**overrides):
     return cfg["experiments"]["t"]["pretrain"]
 
 
+def model_section(model: dict | None = None) -> dict:
+    """A validated `model` section (the `debug` flavour unless `model` says otherwise)."""
+    return check_config({"experiments": {"t": {"model": model or {"flavour": "debug"}}}})["experiments"]["t"]["model"]
+
+
 def make_data_dir(out: Path) -> Path:
     """A prepared data directory whose text is a repeated random phrase: quickly learnable."""
     rng = np.random.default_rng(0)
@@ -51,7 +56,7 @@ def torchrun_command(nproc: int, data_dir: Path, out: Path, model: dict | None =
                      checkpoints: Path | None = None, init: Path | None = None,
                      **section) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of `torchrun` (below), for a caller that starts it itself."""
-    model = check_config({"experiments": {"t": {"model": model or {"flavour": "debug"}}}})["experiments"]["t"]["model"]
+    model = model_section(model)
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
            "-m", "stages.pretrain", "--data", str(data_dir), "--out", str(out),
            "--model-config", json.dumps(model), "--config", json.dumps(pretrain_section(**section))]

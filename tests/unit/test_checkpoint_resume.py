@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
-from pretrain_fixtures import make_data_dir, requires_fp16, torchrun
+from pretrain_fixtures import make_data_dir, model_section, pretrain_section, requires_fp16, torchrun
+from runs_in_one_world import start_world
 from stages.checkpoint.hf import load_state_dict
 from stages.checkpoint.store import StateReader, complete_checkpoints
 from stages.merge_tp import merge
@@ -40,17 +43,38 @@ PAIRS = [("tp2", "dp2"), ("pp2", "tp2"), ("stage3x2", "single"), ("single", "tp2
          ("tp2xpp2", "pp2xstage1x2")]  # the last: ZeRO's fragments under a pipeline, both ways sliced
 
 
+# the uninterrupted two-rank runs the tests below resume from or compare: (layout, extra settings)
+TWO_RANK_RUNS = [("tp2", {}), ("pp2", {}), ("stage3x2", {}), ("dp2", {}), ("tp2", {"unified_checkpoint": False})]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Uninterrupted runs by layout name (run on first use): (train_log, out dir, checkpoint dir)."""
+    """Uninterrupted runs by layout name (run on first use): (train_log, out dir, checkpoint dir).
+    The two-rank ones (TWO_RANK_RUNS) run one after another in one torchrun
+    (tests/unit/runs_in_one_world.py); every resumed run below starts processes of its own, as a
+    rerun after a stop does."""
     data = make_data_dir(tmp_path_factory.mktemp("data"))
+    root = tmp_path_factory.mktemp("uninterrupted")
+
+    def where(name: str, extra: dict) -> Path:
+        return root / "-".join([name, *(f"{k}={v}" for k, v in sorted(extra.items()))])
+
+    @functools.cache
+    def two_rank_world():
+        entries = [{"stage": "pretrain", "data": data, "out": where(n, e) / "out", "checkpoints": where(n, e) / "ckpt",
+                    "model": model_section(), "section": pretrain_section(**LAYOUTS[n][1], **COMMON, **e)}
+                   for n, e in TWO_RANK_RUNS]
+        return start_world(2, entries, root / "world")
 
     @functools.cache
     def run(name: str, **extra):
         nproc, layout = LAYOUTS[name]
-        root = tmp_path_factory.mktemp(name)
-        log = torchrun(nproc, data, root / "out", checkpoints=root / "ckpt", **layout, **COMMON, **extra)
-        return log, root / "out", root / "ckpt"
+        if nproc == 2:
+            out = two_rank_world().out(TWO_RANK_RUNS.index((name, extra)))
+        else:
+            out = where(name, extra) / "out"
+            torchrun(nproc, data, out, checkpoints=where(name, extra) / "ckpt", **layout, **COMMON, **extra)
+        return pd.read_csv(out / "train_log.csv"), out, where(name, extra) / "ckpt"
 
     run.data = data
     return run

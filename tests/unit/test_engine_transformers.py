@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from runs_in_one_world import start_world
 from sft_fixtures import finetune_section, toy_records, torchrun_finetune_sft, train_losses, write_toy_data
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -162,14 +163,26 @@ def torchrun_sft(nproc: int, model: Path, data: Path, out: Path, checkpoints: Pa
 @pytest.fixture(scope="module")
 def opt_runs(tmp_path_factory, model_dir, data_dir):
     """Layout name -> (losses, out dir, checkpoint dir) of a 10-step OPT full SFT on transformers'
-    OPTForCausalLM (run on first use)."""
+    OPTForCausalLM: the one-process run on first use; the two-rank layouts, on first use of one,
+    one after another in one torchrun (tests/unit/runs_in_one_world.py)."""
+    root = tmp_path_factory.mktemp("opt")
+    two_ranks = [n for n, (nproc, _) in LAYOUTS.items() if nproc == 2]
+
+    @functools.cache
+    def world():
+        entries = [{"stage": "finetune", "method": "sft", "model": model_dir("opt"), "data": data_dir,
+                    "out": root / n / "out", "checkpoints": root / n / "ckpt",
+                    "section": dict(finetune_section("sft", **{**SFT, **STEPS, **LAYOUTS[n][1]}))} for n in two_ranks]
+        return start_world(2, entries, root / "world")
 
     @functools.cache
     def run(name: str):
-        nproc, layout = LAYOUTS[name]
-        root = tmp_path_factory.mktemp(name)
-        losses = torchrun_sft(nproc, model_dir("opt"), data_dir, root / "out", root / "ckpt", **layout)
-        return losses, root / "out", root / "ckpt"
+        if name in two_ranks:
+            out = world().out(two_ranks.index(name))
+            return train_losses(out), out, root / name / "ckpt"
+        losses = torchrun_sft(LAYOUTS[name][0], model_dir("opt"), data_dir, root / name / "out", root / name / "ckpt",
+                              **LAYOUTS[name][1])
+        return losses, root / name / "out", root / name / "ckpt"
 
     return run
 

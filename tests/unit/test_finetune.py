@@ -9,6 +9,7 @@ import json
 import peft
 import pytest
 import torch
+from runs_in_one_world import start_world
 from sft_fixtures import finetune_section, toy_records, torchrun_finetune_sft, train_losses, write_toy_data
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -175,9 +176,12 @@ SFT_LAYOUTS = {
 }
 
 
+def sft_section(**overrides):
+    return finetune_section("sft", max_steps=6, warmup_steps=1, learning_rate=1e-2, **overrides)
+
+
 def torchrun_sft(nproc: int, model_dir, data_dir, out, **overrides) -> list[float]:
-    config = finetune_section("sft", max_steps=6, warmup_steps=1, learning_rate=1e-2, **overrides)
-    return torchrun_finetune_sft(nproc, model_dir, data_dir, out, config)
+    return torchrun_finetune_sft(nproc, model_dir, data_dir, out, sft_section(**overrides))
 
 
 @pytest.fixture(scope="module")
@@ -186,11 +190,22 @@ def sft_reference(tmp_path_factory, debug_model_dir, data_dir):
     return torchrun_sft(1, debug_model_dir, data_dir, out, per_device_train_batch_size=4, gradient_accumulation_steps=2)
 
 
+@pytest.fixture(scope="module")
+def sft_layout_runs(tmp_path_factory, debug_model_dir, data_dir):
+    """name -> output dir: every layout has two ranks, so all run one after another in one torchrun
+    (tests/unit/runs_in_one_world.py)."""
+    root = tmp_path_factory.mktemp("sft_layouts")
+    assert {layout["world_size"] for layout in SFT_LAYOUTS.values()} == {2}
+    entries = [{"stage": "finetune", "method": "sft", "model": debug_model_dir, "data": data_dir, "out": root / name,
+                "section": dict(sft_section(**layout))} for name, layout in SFT_LAYOUTS.items()]
+    world = start_world(2, entries, root / "world")
+    return {name: world.out(i) for i, name in enumerate(SFT_LAYOUTS)}
+
+
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(SFT_LAYOUTS))
-def test_full_sft_layout_matches_the_single_process_run(name, sft_reference, debug_model_dir, data_dir, tmp_path):
-    curve = torchrun_sft(SFT_LAYOUTS[name]["world_size"], debug_model_dir, data_dir, tmp_path / name,
-                         **SFT_LAYOUTS[name])
+def test_full_sft_layout_matches_the_single_process_run(name, sft_reference, sft_layout_runs):
+    curve = train_losses(sft_layout_runs[name])
     assert len(curve) == len(sft_reference) == 6
     assert curve == pytest.approx(sft_reference, rel=1e-5)
     assert sft_reference[-1] < sft_reference[0]

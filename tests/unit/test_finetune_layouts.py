@@ -1,8 +1,9 @@
 """LoRA and prefix tuning in parallel layouts (LoRA tp2 and dp2 x ZeRO-2, prefix dp2 x ZeRO-1 and
-tp2, a prefix projection under dp2 x ZeRO-3) on the training engine (real torchrun, gloo) follow
-the one-process run of the same engine: same adapter init, same global batch of 8 examples per
-step, fp32, loss curve within 1e-5 relative; the tp2 LoRA adapter is peft's whole-tensor adapter
-(equal to the one-process adapter within 1e-5) and, merged, gives the unmerged model's logits."""
+tp2, a prefix projection under dp2 x ZeRO-3) on the training engine (real torchrun, gloo; the five
+layouts one after another in one torchrun) follow the one-process run of the same engine: same
+adapter init, same global batch of 8 examples per step, fp32, loss curve within 1e-5 relative; the
+tp2 LoRA adapter is peft's whole-tensor adapter (equal to the one-process adapter within 1e-5) and,
+merged, gives the unmerged model's logits."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import peft
 import pytest
 import torch
 from safetensors.torch import load_file
-from sft_fixtures import finetune_section, torchrun_finetune_sft, train_losses, write_toy_data
+from runs_in_one_world import start_world
+from sft_fixtures import finetune_section, train_losses, write_toy_data
 from transformers import AutoModelForCausalLM
 
 from stages import finetune, merge
@@ -55,12 +57,15 @@ def references(tmp_path_factory, debug_model_dir, data_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, debug_model_dir, data_dir):
-    """layout -> output dir of its torchrun run."""
+    """layout -> output dir of its run: every layout has two ranks, so all run one after another in
+    one torchrun (tests/unit/runs_in_one_world.py)."""
     root = tmp_path_factory.mktemp("layouts")
-    for name, (recipe, layout) in LAYOUTS.items():
-        torchrun_finetune_sft(layout["world_size"], debug_model_dir, data_dir, root / name, section(recipe, **layout),
-                              method=RECIPE[recipe][0])
-    return {name: root / name for name in LAYOUTS}
+    entries = [{"stage": "finetune", "method": RECIPE[recipe][0], "model": debug_model_dir, "data": data_dir,
+                "out": root / name, "section": dict(section(recipe, **layout))}
+               for name, (recipe, layout) in LAYOUTS.items()]
+    assert {layout["world_size"] for _, layout in LAYOUTS.values()} == {2}
+    world = start_world(2, entries, root / "world")
+    return {name: world.out(i) for i, name in enumerate(LAYOUTS)}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

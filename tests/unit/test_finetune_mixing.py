@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from sft_fixtures import finetune_section, torchrun_finetune_sft, train_losses, write_toy_data
+from runs_in_one_world import start_world
+from sft_fixtures import finetune_section, train_losses, write_toy_data
 
 from stages import finetune
 from stages.checkpoint.store import checkpoint_name
@@ -50,13 +51,26 @@ def test_meta_records_the_mixing(reference):
     assert meta["metrics"]["mix_rows_length"] <= 48
 
 
+LAYOUTS = {"tp2": dict(tensor_parallel_degree=2, per_device_train_batch_size=8),
+           "dp2_zero3": dict(sharding="stage3", per_device_train_batch_size=4)}
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory, debug_model_dir, data_dir):
+    """name -> output dir of LAYOUTS' two-rank runs, one after another in one torchrun
+    (tests/unit/runs_in_one_world.py)."""
+    root = tmp_path_factory.mktemp("layouts")
+    entries = [{"stage": "finetune", "method": "sft", "model": debug_model_dir, "data": data_dir, "out": root / name,
+                "section": dict(section(data_dir, world_size=2, **layout))} for name, layout in LAYOUTS.items()]
+    world = start_world(2, entries, root / "world")
+    return {name: world.out(i) for i, name in enumerate(LAYOUTS)}
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize("layout", [dict(tensor_parallel_degree=2, per_device_train_batch_size=8),
-                                    dict(sharding="stage3", per_device_train_batch_size=4)], ids=["tp2", "dp2_zero3"])
-def test_parallel_layouts_follow_the_one_process_curve(reference, debug_model_dir, data_dir, tmp_path, layout):
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_parallel_layouts_follow_the_one_process_curve(reference, layout_runs, name):
     out, _ = reference
-    curve = torchrun_finetune_sft(2, debug_model_dir, data_dir, tmp_path / "out",
-                                  section(data_dir, world_size=2, **layout))
+    curve = train_losses(layout_runs[name])
     expected = train_losses(out)
     assert len(curve) == len(expected) == 5
     assert curve == pytest.approx(expected, rel=1e-5)

@@ -4,12 +4,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
-from pretrain_fixtures import make_data_dir, pretrain_section, requires_fp16, torchrun
+from pretrain_fixtures import make_data_dir, model_section, pretrain_section, requires_fp16, torchrun
+from runs_in_one_world import start_world
 from stages.training.batches import SftBatches, WindowSampler
 from stages.training.deepspeed_engine import deepspeed_config
 
@@ -156,17 +159,39 @@ def reference(data_dir, tmp_path_factory):
     return log, out
 
 
-def check_layout(name, layout, data_dir, reference, tmp_path):
+@pytest.fixture(scope="module")
+def layout_runs(data_dir, tmp_path_factory):
+    """name -> output dir of every layout of LAYOUTS and MIXED_PRECISION, run one after another in
+    one torchrun per process count (tests/unit/runs_in_one_world.py), each world started when a
+    test first asks for one of its layouts."""
+    model = model_section(FOUR_LAYERS)
+    root = tmp_path_factory.mktemp("layouts")
+    layouts = {**LAYOUTS, **MIXED_PRECISION}
+    worlds = {}
+
+    def out(name: str) -> Path:
+        nproc = layouts[name][0]
+        if nproc not in worlds:
+            names = [n for n, (p, _) in layouts.items() if p == nproc]
+            runs = [{"stage": "pretrain", "data": data_dir, "out": root / n, "model": model,
+                     "section": pretrain_section(world_size=nproc, **layouts[n][1], **COMMON)} for n in names]
+            worlds[nproc] = (names, start_world(nproc, runs, root / f"world{nproc}"))
+        names, world = worlds[nproc]
+        return world.out(names.index(name))
+
+    return out
+
+
+def check_layout(out, reference):
     from stages.checkpoint.hf import load_state_dict
 
-    nproc, section = layout
-    log = torchrun(nproc, data_dir, tmp_path / name, FOUR_LAYERS, world_size=nproc, **section, **COMMON)
+    log = pd.read_csv(out / "train_log.csv")
     ref_log, ref_dir = reference
     # fp32 on CPU: only the order of reductions differs, so 1e-5 relative is generous (measured ~1e-7).
     np.testing.assert_allclose(log["loss"], ref_log["loss"], rtol=1e-5)
     np.testing.assert_allclose(log["grad_norm"], ref_log["grad_norm"], rtol=1e-4)
     # The checkpoint is the single-device layout whatever the layout: same names, same values.
-    ref, got = load_state_dict(ref_dir), load_state_dict(tmp_path / name)
+    ref, got = load_state_dict(ref_dir), load_state_dict(out)
     assert sorted(got) == sorted(ref)
     for key in ref:
         torch.testing.assert_close(got[key], ref[key], rtol=1e-4, atol=2e-5, msg=key)
@@ -174,9 +199,8 @@ def check_layout(name, layout, data_dir, reference, tmp_path):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(MIXED_PRECISION))
-def test_mixed_precision_follows_the_fp32_curve(name, data_dir, reference, tmp_path):
-    nproc, section = MIXED_PRECISION[name]
-    log = torchrun(nproc, data_dir, tmp_path / name, FOUR_LAYERS, world_size=nproc, **section, **COMMON)
+def test_mixed_precision_follows_the_fp32_curve(name, layout_runs, reference):
+    log = pd.read_csv(layout_runs(name) / "train_log.csv")
     ref_log, _ = reference
     np.testing.assert_allclose(log["loss"], ref_log["loss"], rtol=2e-2)
     assert log["loss"].iloc[-1] < log["loss"].iloc[0] - 0.5
@@ -199,6 +223,6 @@ def test_fp16_with_dynamic_loss_scaling(data_dir, reference, tmp_path):
 
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_the_single_process_run(name, data_dir, reference, tmp_path):
-    check_layout(name, LAYOUTS[name], data_dir, reference, tmp_path)
+def test_layout_matches_the_single_process_run(name, layout_runs, reference):
+    check_layout(layout_runs(name), reference)
 

@@ -1,0 +1,86 @@
+"""Several training runs, one after another, in one world of torchrun ranks (a test helper).
+
+`torchrun --standalone --nproc_per_node=N tests/unit/runs_in_one_world.py RUNS.json` initialises
+the process group once and calls the stage's own `run` for each entry of RUNS.json, in order:
+`{"stage": "pretrain", "data": DIR, "out": DIR, "model": {...}, "section": {...}}` or
+`{"stage": "finetune", "method": M, "model": DIR, "data": DIR, "out": DIR, "section": {...}}`, each
+with an optional `"checkpoints": DIR` (the stage's checkpoint directory).
+
+Why: a torchrun costs its ranks' start-up (interpreter, torch / DeepSpeed / transformers imports,
+rendezvous, ~5-8 s on 2 cores) against ~1-2 s of training for the parity tests' 5-10 debug steps,
+so a layout matrix with one torchrun per layout spent most of its time starting processes. Each
+run builds its own model, engine and parallel groups (`stages.parallel.topology` creates them per
+run), so a run that leaked state into the next would show in that run's parity check. The
+stages' command lines are run by the tests that start them one torchrun each (e.g.
+test_two_zero1_ranks_match_one_process, the workflow tests). A run that raises ends the world;
+the runs before it have written their outputs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+log = logging.getLogger("runs_in_one_world")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class World:
+    """The outputs of one world's runs (the caller's side): `out(i)` is run i's output directory,
+    or an AssertionError with the ranks' stderr when the world ended before writing it."""
+
+    def __init__(self, runs: list[dict], returncode: int, stderr: str):
+        self.runs, self.returncode, self.stderr = runs, returncode, stderr
+
+    def out(self, i: int) -> Path:
+        out = Path(self.runs[i]["out"])
+        assert self.returncode == 0 or (out / "meta.json").exists(), \
+            f"the world of {len(self.runs)} runs ended (rc {self.returncode}) before {out}:\n{self.stderr[-5000:]}"
+        return out
+
+
+def start_world(nproc: int, runs: list[dict], workdir: Path) -> World:
+    """Run `runs` (entries as this module's docstring says) on `nproc` gloo ranks of one torchrun."""
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    runs_file = Path(workdir) / "runs.json"
+    runs_file.write_text(json.dumps(runs, default=str))
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
+           __file__, str(runs_file)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # an in-process engine run of the test session must not leak its world
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return World(runs, proc.returncode, proc.stderr)
+
+
+def run_one(entry: dict) -> None:
+    if entry["stage"] == "pretrain":
+        from stages import pretrain
+
+        pretrain.run(entry["data"], entry["out"], entry["model"], entry["section"], entry.get("checkpoints"))
+    elif entry["stage"] == "finetune":
+        from stages import finetune
+
+        finetune.run(entry["method"], entry["model"], entry["data"], entry["out"], entry["section"],
+                     entry.get("checkpoints"))
+    else:
+        raise ValueError(f"{entry['stage']!r}: expected 'pretrain' or 'finetune'")
+
+
+def main(runs_file: str) -> None:
+    from stages.stage_logs import configure_logging
+    from stages.training.distributed import finish_distributed
+
+    configure_logging()
+    runs = json.loads(Path(runs_file).read_text())
+    for i, entry in enumerate(runs, 1):
+        log.info("run %d of %d: %s -> %s", i, len(runs), entry["stage"], entry["out"])
+        run_one(entry)
+    finish_distributed()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

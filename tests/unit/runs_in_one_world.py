@@ -4,7 +4,8 @@
 the process group once and calls the stage's own `run` for each entry of RUNS.json, in order:
 `{"stage": "pretrain", "data": DIR, "out": DIR, "model": {...}, "section": {...}}` or
 `{"stage": "finetune", "method": M, "model": DIR, "data": DIR, "out": DIR, "section": {...}}`, each
-with an optional `"checkpoints": DIR` (the stage's checkpoint directory).
+with an optional `"checkpoints": DIR` (the stage's checkpoint directory), a pretraining entry with
+an optional `"init": DIR` (continued pretraining from that checkpoint, the stage's `--init`).
 
 Why: a torchrun costs its ranks' start-up (interpreter, torch / DeepSpeed / transformers imports,
 rendezvous, ~5-8 s on 2 cores) against ~1-2 s of training for the parity tests' 5-10 debug steps,
@@ -29,24 +30,26 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class World:
-    """The outputs of one world's runs (the caller's side): `out(i)` is run i's output directory,
-    or an AssertionError with the ranks' stderr when the world ended before writing it."""
+    """The outputs of one world's runs (the caller's side): `out(name)` is that run's output
+    directory, or an AssertionError with the ranks' stderr when the world ended before writing it."""
 
-    def __init__(self, runs: list[dict], returncode: int, stderr: str):
+    def __init__(self, runs: dict[str, dict], returncode: int, stderr: str):
         self.runs, self.returncode, self.stderr = runs, returncode, stderr
 
-    def out(self, i: int) -> Path:
-        out = Path(self.runs[i]["out"])
+    def out(self, name: str) -> Path:
+        out = Path(self.runs[name]["out"])
         assert self.returncode == 0 or (out / "meta.json").exists(), \
-            f"the world of {len(self.runs)} runs ended (rc {self.returncode}) before {out}:\n{self.stderr[-5000:]}"
+            f"the world of {len(self.runs)} runs ended (rc {self.returncode}) before {name} ({out}):\n" \
+            f"{self.stderr[-5000:]}"
         return out
 
 
-def start_world(nproc: int, runs: list[dict], workdir: Path) -> World:
-    """Run `runs` (entries as this module's docstring says) on `nproc` gloo ranks of one torchrun."""
+def start_world(nproc: int, runs: dict[str, dict], workdir: Path) -> World:
+    """Run `runs` (name -> entry as this module's docstring says), in order, on `nproc` gloo ranks of
+    one torchrun whose files go to `workdir`."""
     Path(workdir).mkdir(parents=True, exist_ok=True)
     runs_file = Path(workdir) / "runs.json"
-    runs_file.write_text(json.dumps(runs, default=str))
+    runs_file.write_text(json.dumps(list(runs.values()), default=str))
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
            __file__, str(runs_file)]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -60,7 +63,8 @@ def run_one(entry: dict) -> None:
     if entry["stage"] == "pretrain":
         from stages import pretrain
 
-        pretrain.run(entry["data"], entry["out"], entry["model"], entry["section"], entry.get("checkpoints"))
+        pretrain.run(entry["data"], entry["out"], entry["model"], entry["section"], entry.get("checkpoints"),
+                     entry.get("init"))
     elif entry["stage"] == "finetune":
         from stages import finetune
 

@@ -61,16 +61,16 @@ def runs(tmp_path_factory):
 
     @functools.cache
     def two_rank_world():
-        entries = [{"stage": "pretrain", "data": data, "out": where(n, e) / "out", "checkpoints": where(n, e) / "ckpt",
-                    "model": model_section(), "section": pretrain_section(**LAYOUTS[n][1], **COMMON, **e)}
-                   for n, e in TWO_RANK_RUNS]
-        return start_world(2, entries, root / "world")
+        return start_world(2, {where(n, e).name: {"stage": "pretrain", "data": data, "out": where(n, e) / "out",
+                                                  "checkpoints": where(n, e) / "ckpt", "model": model_section(),
+                                                  "section": pretrain_section(**LAYOUTS[n][1], **COMMON, **e)}
+                               for n, e in TWO_RANK_RUNS}, root / "world")
 
     @functools.cache
     def run(name: str, **extra):
         nproc, layout = LAYOUTS[name]
         if nproc == 2:
-            out = two_rank_world().out(TWO_RANK_RUNS.index((name, extra)))
+            out = two_rank_world().out(where(name, extra).name)
         else:
             out = where(name, extra) / "out"
             torchrun(nproc, data, out, checkpoints=where(name, extra) / "ckpt", **layout, **COMMON, **extra)

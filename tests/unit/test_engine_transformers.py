@@ -170,15 +170,15 @@ def opt_runs(tmp_path_factory, model_dir, data_dir):
 
     @functools.cache
     def world():
-        entries = [{"stage": "finetune", "method": "sft", "model": model_dir("opt"), "data": data_dir,
-                    "out": root / n / "out", "checkpoints": root / n / "ckpt",
-                    "section": dict(finetune_section("sft", **{**SFT, **STEPS, **LAYOUTS[n][1]}))} for n in two_ranks]
-        return start_world(2, entries, root / "world")
+        return start_world(2, {n: {"stage": "finetune", "method": "sft", "model": model_dir("opt"), "data": data_dir,
+                                   "out": root / n / "out", "checkpoints": root / n / "ckpt",
+                                   "section": dict(finetune_section("sft", **{**SFT, **STEPS, **LAYOUTS[n][1]}))}
+                               for n in two_ranks}, root / "world")
 
     @functools.cache
     def run(name: str):
         if name in two_ranks:
-            out = world().out(two_ranks.index(name))
+            out = world().out(name)
             return train_losses(out), out, root / name / "ckpt"
         losses = torchrun_sft(LAYOUTS[name][0], model_dir("opt"), data_dir, root / name / "out", root / name / "ckpt",
                               **LAYOUTS[name][1])

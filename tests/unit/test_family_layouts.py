@@ -13,20 +13,23 @@ gradient summed over the tensor-parallel group), GLM's fused gate_up_proj (COLUM
 split on its own, `partition_chunks=2` in checkpoints) and partial interleaved RoPE, GLM-4's norms
 after each sub-block. Default run (~35 s): GLM-4 under tp2; `slow` (~4 min): SLOW_PAIRS (every
 layout for some family, each family under the layouts its switches touch), GLM-4's tp2 slices
-merged by merge_tp, and the kill-and-resume test.
+merged by merge_tp (the two-rank runs of these share one torchrun), and the kill-and-resume test.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
 from checkpoint_fixtures import chat_tokenizer, save_checkpoint
-from pretrain_fixtures import kill_after_checkpoint, torchrun, torchrun_command
+from pretrain_fixtures import kill_after_checkpoint, model_section, pretrain_section, torchrun, torchrun_command
+from runs_in_one_world import start_world
 from stages import import_base, prepare
 from stages.checkpoint.hf import load_state_dict
 from stages.checkpoint.store import StateReader, checkpoint_name, complete_checkpoints
@@ -67,6 +70,10 @@ DEFAULT = ("glm4", "tp2")  # the one pair of the default run
 # the commit's note); it takes ~10 min on 2 cores, this selection ~3.
 SLOW_PAIRS = [("qwen3", "tp2"), ("qwen3", "tp2_vocab_parallel_loss_recompute"),
               ("glm", "pp2_interleaved"), ("glm", "sharding_stage3"), ("glm4", "tp2_pp2_zero1")]
+# The slow tests' two-rank runs, one after another in one torchrun (tests/unit/runs_in_one_world.py):
+# (family, layout, extra settings); the default pair keeps a torchrun of its own.
+SLOW_TWO_RANK_RUNS = [(family, layout, {}) for family, layout in SLOW_PAIRS if LAYOUTS[layout][0] == 2] + \
+    [("glm4", "tp2", {"unified_checkpoint": False})]
 # 8 steps, saved every 3: checkpoints 3 and 6 (none at the last step)
 RESUME = dict(COMMON, save_steps=3, save_total_limit=0, unified_checkpoint=False)
 
@@ -93,13 +100,30 @@ def runs(tmp_path_factory, tiny_tokenizer_dir):
                     tokenizer_dir=base("glm4"))
         return root / "data"
 
+    def out_dir(family: str, layout: str, extra: dict) -> Path:
+        return root / family / "_".join([layout, *(f"{k}-{v}" for k, v in sorted(extra.items()))])
+
+    @functools.cache
+    def slow_world():
+        runs = {}
+        for family, layout, extra in SLOW_TWO_RANK_RUNS:
+            nproc, section = LAYOUTS[layout]
+            runs[str(out_dir(family, layout, extra))] = {
+                "stage": "pretrain", "data": data(), "out": out_dir(family, layout, extra), "init": base(family),
+                "model": model_section({"model_name_or_path": str(base(family))}),
+                "section": pretrain_section(world_size=nproc, **{**COMMON, **section, **extra})}
+        return start_world(2, runs, root / "slow_world")
+
     @functools.cache
     def run(family: str, layout: str, **extra):
         nproc, section = REFERENCE if layout == "reference" else LAYOUTS[layout]
-        out = root / family / "_".join([layout, *(f"{k}-{v}" for k, v in sorted(extra.items()))])
-        log = torchrun(nproc, data(), out, {"model_name_or_path": str(base(family))}, init=base(family),
-                       world_size=nproc, **{**COMMON, **section, **extra})
-        return log, out
+        out = out_dir(family, layout, extra)
+        if (family, layout, extra) in SLOW_TWO_RANK_RUNS:
+            slow_world().out(str(out))
+        else:
+            torchrun(nproc, data(), out, {"model_name_or_path": str(base(family))}, init=base(family),
+                     world_size=nproc, **{**COMMON, **section, **extra})
+        return pd.read_csv(out / "train_log.csv"), out
 
     run.base, run.data = base, data
     return run

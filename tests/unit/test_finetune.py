@@ -196,10 +196,10 @@ def sft_layout_runs(tmp_path_factory, debug_model_dir, data_dir):
     (tests/unit/runs_in_one_world.py)."""
     root = tmp_path_factory.mktemp("sft_layouts")
     assert {layout["world_size"] for layout in SFT_LAYOUTS.values()} == {2}
-    entries = [{"stage": "finetune", "method": "sft", "model": debug_model_dir, "data": data_dir, "out": root / name,
-                "section": dict(sft_section(**layout))} for name, layout in SFT_LAYOUTS.items()]
-    world = start_world(2, entries, root / "world")
-    return {name: world.out(i) for i, name in enumerate(SFT_LAYOUTS)}
+    world = start_world(2, {name: {"stage": "finetune", "method": "sft", "model": debug_model_dir, "data": data_dir,
+                                   "out": root / name, "section": dict(sft_section(**layout))}
+                            for name, layout in SFT_LAYOUTS.items()}, root / "world")
+    return {name: world.out(name) for name in SFT_LAYOUTS}
 
 
 @pytest.mark.multiproc

@@ -60,12 +60,11 @@ def runs(tmp_path_factory, debug_model_dir, data_dir):
     """layout -> output dir of its run: every layout has two ranks, so all run one after another in
     one torchrun (tests/unit/runs_in_one_world.py)."""
     root = tmp_path_factory.mktemp("layouts")
-    entries = [{"stage": "finetune", "method": RECIPE[recipe][0], "model": debug_model_dir, "data": data_dir,
-                "out": root / name, "section": dict(section(recipe, **layout))}
-               for name, (recipe, layout) in LAYOUTS.items()]
     assert {layout["world_size"] for _, layout in LAYOUTS.values()} == {2}
-    world = start_world(2, entries, root / "world")
-    return {name: world.out(i) for i, name in enumerate(LAYOUTS)}
+    world = start_world(2, {name: {"stage": "finetune", "method": RECIPE[recipe][0], "model": debug_model_dir,
+                                   "data": data_dir, "out": root / name, "section": dict(section(recipe, **layout))}
+                            for name, (recipe, layout) in LAYOUTS.items()}, root / "world")
+    return {name: world.out(name) for name in LAYOUTS}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

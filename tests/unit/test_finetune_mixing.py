@@ -60,10 +60,10 @@ def layout_runs(tmp_path_factory, debug_model_dir, data_dir):
     """name -> output dir of LAYOUTS' two-rank runs, one after another in one torchrun
     (tests/unit/runs_in_one_world.py)."""
     root = tmp_path_factory.mktemp("layouts")
-    entries = [{"stage": "finetune", "method": "sft", "model": debug_model_dir, "data": data_dir, "out": root / name,
-                "section": dict(section(data_dir, world_size=2, **layout))} for name, layout in LAYOUTS.items()]
-    world = start_world(2, entries, root / "world")
-    return {name: world.out(i) for i, name in enumerate(LAYOUTS)}
+    world = start_world(2, {name: {"stage": "finetune", "method": "sft", "model": debug_model_dir, "data": data_dir,
+                                   "out": root / name, "section": dict(section(data_dir, world_size=2, **layout))}
+                            for name, layout in LAYOUTS.items()}, root / "world")
+    return {name: world.out(name) for name in LAYOUTS}
 
 
 @pytest.mark.multiproc

@@ -172,12 +172,11 @@ def layout_runs(data_dir, tmp_path_factory):
     def out(name: str) -> Path:
         nproc = layouts[name][0]
         if nproc not in worlds:
-            names = [n for n, (p, _) in layouts.items() if p == nproc]
-            runs = [{"stage": "pretrain", "data": data_dir, "out": root / n, "model": model,
-                     "section": pretrain_section(world_size=nproc, **layouts[n][1], **COMMON)} for n in names]
-            worlds[nproc] = (names, start_world(nproc, runs, root / f"world{nproc}"))
-        names, world = worlds[nproc]
-        return world.out(names.index(name))
+            runs = {n: {"stage": "pretrain", "data": data_dir, "out": root / n, "model": model,
+                        "section": pretrain_section(world_size=nproc, **section, **COMMON)}
+                    for n, (p, section) in layouts.items() if p == nproc}
+            worlds[nproc] = start_world(nproc, runs, root / f"world{nproc}")
+        return worlds[nproc].out(name)
 
     return out
 

@@ -105,14 +105,14 @@ def runs(tmp_path_factory, tiny_tokenizer_dir):
 
     @functools.cache
     def slow_world():
-        runs = {}
+        entries = {}
         for family, layout, extra in SLOW_TWO_RANK_RUNS:
             nproc, section = LAYOUTS[layout]
-            runs[str(out_dir(family, layout, extra))] = {
+            entries[str(out_dir(family, layout, extra))] = {
                 "stage": "pretrain", "data": data(), "out": out_dir(family, layout, extra), "init": base(family),
                 "model": model_section({"model_name_or_path": str(base(family))}),
                 "section": pretrain_section(world_size=nproc, **{**COMMON, **section, **extra})}
-        return start_world(2, runs, root / "slow_world")
+        return start_world(2, entries, root / "slow_world")
 
     @functools.cache
     def run(family: str, layout: str, **extra):

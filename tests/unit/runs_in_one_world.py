@@ -7,9 +7,9 @@ the process group once and calls the stage's own `run` for each entry of RUNS.js
 with an optional `"checkpoints": DIR` (the stage's checkpoint directory), a pretraining entry with
 an optional `"init": DIR` (continued pretraining from that checkpoint, the stage's `--init`).
 
-Why: a torchrun costs its ranks' start-up (interpreter, torch / DeepSpeed / transformers imports,
-rendezvous, ~5-8 s on 2 cores) against ~1-2 s of training for the parity tests' 5-10 debug steps,
-so a layout matrix with one torchrun per layout spent most of its time starting processes. Each
+Why: a torchrun spends most of its time before training (interpreter, imports, rendezvous, data,
+model and engine set-up: ~8 s of an 8.7-s LoRA tp2 run of 5 debug steps on 2 cores, 0.6 s of
+training), so a layout matrix with one torchrun per layout spent most of its time starting processes. Each
 run builds its own model, engine and parallel groups (`stages.parallel.topology` creates them per
 run), so a run that leaked state into the next would show in that run's parity check. The
 stages' command lines are run by the tests that start them one torchrun each (e.g.
@@ -44,6 +44,15 @@ class World:
         return out
 
 
+def torchrun_env() -> dict[str, str]:
+    """The environment of a torchrun a test starts: the project importable, one thread per rank,
+    and no world of the test process's own."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # an in-process engine run of the test session must not leak its world
+    return env
+
+
 def start_world(nproc: int, runs: dict[str, dict], workdir: Path) -> World:
     """Run `runs` (name -> entry as this module's docstring says), in order, on `nproc` gloo ranks of
     one torchrun whose files go to `workdir`."""
@@ -52,10 +61,7 @@ def start_world(nproc: int, runs: dict[str, dict], workdir: Path) -> World:
     runs_file.write_text(json.dumps(list(runs.values()), default=str))
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
            __file__, str(runs_file)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)  # an in-process engine run of the test session must not leak its world
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=900)
     return World(runs, proc.returncode, proc.stderr)
 
 

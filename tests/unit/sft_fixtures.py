@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from runs_in_one_world import torchrun_env
 
 from stages.config import check_config
 from stages.data.sft import SftRecord, write_sft_file
@@ -67,9 +68,6 @@ def torchrun_finetune_sft(nproc: int, model_dir: Path, data_dir: Path, out: Path
            "--out", str(out), "--config", json.dumps(dict(config))]
     if checkpoints is not None:
         cmd += ["--checkpoints", str(checkpoints)]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)  # an in-process engine run of this session must not leak its world
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return train_losses(out)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -167,16 +168,15 @@ def layout_runs(data_dir, tmp_path_factory):
     model = model_section(FOUR_LAYERS)
     root = tmp_path_factory.mktemp("layouts")
     layouts = {**LAYOUTS, **MIXED_PRECISION}
-    worlds = {}
+
+    @functools.cache
+    def world(nproc: int):
+        return start_world(nproc, {n: {"stage": "pretrain", "data": data_dir, "out": root / n, "model": model,
+                                       "section": pretrain_section(world_size=nproc, **section, **COMMON)}
+                                   for n, (p, section) in layouts.items() if p == nproc}, root / f"world{nproc}")
 
     def out(name: str) -> Path:
-        nproc = layouts[name][0]
-        if nproc not in worlds:
-            runs = {n: {"stage": "pretrain", "data": data_dir, "out": root / n, "model": model,
-                        "section": pretrain_section(world_size=nproc, **section, **COMMON)}
-                    for n, (p, section) in layouts.items() if p == nproc}
-            worlds[nproc] = start_world(nproc, runs, root / f"world{nproc}")
-        return worlds[nproc].out(name)
+        return world(layouts[name][0]).out(name)
 
     return out
 

@@ -54,6 +54,7 @@ from stages.training.checkpointing import (
     trained_parameters,
     write_final,
 )
+from stages.training.allocator import keep_freed_host_memory
 from stages.training.capabilities import fp16_unsupported_reason, native_bf16, resolved_bf16
 from stages.training.deepspeed_engine import build_engine
 from stages.training.families import (
@@ -170,6 +171,7 @@ def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: 
     training state and open the log. Collective; call after `init_distributed()`."""
     import torch.distributed as dist
 
+    keep_freed_host_memory()  # every step reuses the pages the last one freed (stages.training.allocator)
     degrees = parallel_degrees(section)
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != degrees.world_size:

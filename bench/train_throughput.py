@@ -6,7 +6,10 @@ gradient clipping, LR scheduler, optionally torch.compile) and of `transformers.
 tokens, the same optimizer and schedule, and the same warmup/measured steps. Steps are timed from
 just before the forward to just after zero_grad (a TrainerCallback's on_step_begin/on_step_end for
 the Trainer), so data loading and setup are excluded the same way for both. The machine's peak
-bf16 matmul FLOP/s is measured in the same run.
+bf16 matmul FLOP/s is measured in the same run. With `--profile`, a few more steps of the stage
+step as the default run trains and of the Trainer run under torch.profiler: time per step by kind
+of operator (matmul, attention, loss, the rest) and the ceiling that matmul and attention alone
+put on the ratio to the Trainer.
 
 Part 2, two processes (torchrun, gloo): per-rank peak RSS and bytes of parameters, gradients,
 fp32 master copies and optimizer state for DDP (sharding none) and DeepSpeed ZeRO-1/2/3 built
@@ -22,6 +25,7 @@ machine are noisy: compare ratios measured in the same run, not absolute numbers
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -43,6 +47,7 @@ from stages.config import check_config  # noqa: E402
 from stages.training.flops import flops_per_token, peak_matmul_flops  # noqa: E402
 from stages.model import build_model, config_for_flavour  # noqa: E402
 from stages.model.config import LlamaConfig  # noqa: E402
+from stages.training.allocator import keep_freed_host_memory  # noqa: E402
 from stages.training.deepspeed_engine import deepspeed_config  # noqa: E402
 from stages.training.distributed import finish_distributed, init_distributed  # noqa: E402
 from stages.training.step import train_step as engine_train_step  # noqa: E402
@@ -162,12 +167,28 @@ class EngineStep:
         return elapsed
 
 
+@contextlib.contextmanager
+def single_process_env():
+    """The launcher variables that `init_distributed` set for our engine's world of one, hidden
+    while the Trainer is built and trains: accelerate reads LOCAL_RANK as a multi-process CPU run
+    and would wrap the Trainer's model in DistributedDataParallel (a world of one, but DDP's
+    gradient buckets and hooks still cost every step)."""
+    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
 def bench_hf(config: LlamaConfig, state: dict[str, torch.Tensor], data: torch.Tensor, section: dict[str, Any],
-             warmup: int, steps: int, compile_model: bool, partners: list[OurStep]) -> tuple[dict, list[list[float]]]:
+             warmup: int, steps: int, compile_model: bool, partners: list[OurStep],
+             profiler: StepProfiler | None = None) -> tuple[dict, list[list[float]]]:
     """transformers.Trainer on transformers.LlamaForCausalLM from the same weights and tokens.
 
     After each measured Trainer step, each of `partners` runs and times one step, so the two
     alternate step by step and load from other processes on a shared machine hits both alike.
+    With `profiler`, the measured steps run under it (pass no partners then).
     Returns the Trainer's summary and the partners' measured step times.
     """
     from transformers import LlamaConfig as HFLlamaConfig
@@ -186,10 +207,14 @@ def bench_hf(config: LlamaConfig, state: dict[str, torch.Tensor], data: torch.Te
             self.t0 = 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):
+            if profiler is not None and state.global_step == warmup:  # global_step: steps finished
+                profiler.start()
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.times.append(time.perf_counter() - self.t0)
+            if profiler is not None and state.global_step == warmup + steps:
+                profiler.stop()
             if state.global_step > warmup:  # global_step counts the step just finished
                 for times, partner in zip(partner_times, partners):
                     times.append(partner.step())
@@ -202,7 +227,7 @@ def bench_hf(config: LlamaConfig, state: dict[str, torch.Tensor], data: torch.Te
             return {"input_ids": data[i], "labels": data[i]}
 
     timer = StepTimer()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, single_process_env():
         args = TrainingArguments(
             output_dir=tmp, use_cpu=True, bf16=section["bf16"], per_device_train_batch_size=section["per_device_train_batch_size"],
             gradient_accumulation_steps=1, max_steps=warmup + steps, max_grad_norm=section["max_grad_norm"],
@@ -213,6 +238,7 @@ def bench_hf(config: LlamaConfig, state: dict[str, torch.Tensor], data: torch.Te
         result = trainer.train()
     summary = _summary(timer.times[0], sum(timer.times[:warmup]), timer.times[warmup:])
     summary["train_loss"] = result.training_loss
+    summary["trained_module"] = type(trainer.model_wrapped).__name__  # LlamaForCausalLM: no DDP wrapper
     summary["param_dtype"] = str(next(model.parameters()).dtype)  # fp32 master weights under autocast
     return summary, partner_times
 
@@ -220,6 +246,78 @@ def bench_hf(config: LlamaConfig, state: dict[str, torch.Tensor], data: torch.Te
 def _summary(first_step_s: float, warmup_s: float, measured: list[float], **extra: Any) -> dict[str, Any]:
     return {"first_step_s": first_step_s, "warmup_s": warmup_s, "step_times_s": measured,
             "median_step_s": statistics.median(measured), "min_step_s": min(measured), **extra}
+
+
+# -- part 1b: where a step's time goes (--profile) ----------------------------------------------
+
+# Operator kinds by aten name, on self time (an operator's own time, its children's excluded), so
+# nothing is counted twice. Everything else (elementwise, copies, norms, the optimizer's arithmetic,
+# DeepSpeed's and the Trainer's own operators) is "other".
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_addmm_activation"}
+OP_KINDS = {"attention": ("scaled_dot_product", "flash_attention", "efficient_attention"),
+            "loss": ("log_softmax", "nll_loss", "cross_entropy")}
+
+
+def op_kind(name: str) -> str:
+    if name in MATMUL_OPS:
+        return "matmul"
+    return next((kind for kind, needles in OP_KINDS.items() if any(n in name for n in needles)), "other")
+
+
+class StepProfiler:
+    """torch.profiler (CPU) between start() and stop(); summary(steps) gives per-step milliseconds
+    by operator kind, the wall time between start and stop, and the heaviest operators."""
+
+    def __init__(self) -> None:
+        self.prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        self.wall_s = 0.0
+
+    def start(self) -> None:
+        self.prof.start()
+        self.wall_s = -time.perf_counter()
+
+    def stop(self) -> None:
+        self.wall_s += time.perf_counter()
+        self.prof.stop()
+
+    def summary(self, steps: int) -> dict[str, Any]:
+        kinds = dict.fromkeys(("matmul", "attention", "loss", "other"), 0.0)
+        optimizer_us, ops = 0.0, []
+        for event in self.prof.key_averages():
+            kinds[op_kind(event.key)] += event.self_cpu_time_total
+            ops.append((event.self_cpu_time_total, event.key))
+            if event.key.startswith("Optimizer.step#"):  # torch's region around optimizer.step()
+                optimizer_us += event.cpu_time_total
+
+        def per_step(us: float) -> float:
+            return us / 1e3 / steps
+        return {"steps": steps, "ms_per_step": {k: per_step(v) for k, v in kinds.items()},
+                "ops_ms_per_step": per_step(sum(kinds.values())), "wall_ms_per_step": self.wall_s * 1e3 / steps,
+                "optimizer_step_ms_per_step": per_step(optimizer_us),
+                "top_ops_ms_per_step": {name: per_step(us) for us, name in sorted(ops, reverse=True)[:12]}}
+
+
+def profile_steps(stepper: OurStep | EngineStep, steps: int) -> dict[str, Any]:
+    profiler = StepProfiler()
+    profiler.start()
+    for _ in range(steps):
+        stepper.step()
+    profiler.stop()
+    return profiler.summary(steps)
+
+
+def bench_profile(name: str, stepper: EngineStep, config: LlamaConfig, state: dict[str, torch.Tensor],
+                  data: torch.Tensor, section: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Profiles `steps` more steps of `stepper` (warm) and of a fresh Trainer (after one warmup
+    step). The ceiling is the Trainer's step time over our matmul + attention time: the ratio our
+    step would reach if everything else in it cost nothing, the kernels staying what they are."""
+    profiler = StepProfiler()
+    bench_hf(config, state, data, section, 1, steps, False, [], profiler=profiler)
+    runs = {name: profile_steps(stepper, steps), "hf trainer (eager)": profiler.summary(steps)}
+    kernels = runs[name]["ms_per_step"]["matmul"] + runs[name]["ms_per_step"]["attention"]
+    return {"runs": runs, "ours": name,
+            "ratio_profiled": runs["hf trainer (eager)"]["wall_ms_per_step"] / runs[name]["wall_ms_per_step"],
+            "ceiling_matmul_attention": runs["hf trainer (eager)"]["wall_ms_per_step"] / kernels}
 
 
 # -- part 2: per-rank memory under DeepSpeed ---------------------------------------------------
@@ -303,6 +401,8 @@ def memory_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if args.keep_freed_memory:  # as the stage's ranks do
+        keep_freed_host_memory()
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
     rank, world = dist.get_rank(), dist.get_world_size()
     baseline_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
@@ -351,7 +451,8 @@ def bench_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
             cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", str(Path(__file__).resolve()),
                    "--memory-worker", sharding, "--memory-dir", tmp, "--memory-flavour", args.memory_flavour,
                    "--memory-steps", str(args.memory_steps), "--batch-size", str(args.batch_size),
-                   "--seq-len", str(args.seq_len), "--vocab-size", str(args.vocab_size)]
+                   "--seq-len", str(args.seq_len), "--vocab-size", str(args.vocab_size),
+                   "--keep-freed-memory" if args.keep_freed_memory else "--no-keep-freed-memory"]
             if args.memory_bf16:
                 cmd.append("--memory-bf16")
             procs[sharding] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
@@ -374,7 +475,8 @@ def format_report(result: dict[str, Any]) -> str:
     m, s = result["machine"], result["settings"]
     lines = [f"machine: {m['cpu']} | {m['cores']} cores, {m['torch_threads']} torch threads | torch {m['torch']}",
              f"settings: flavour={s['flavour']} vocab={s['vocab_size']} batch={s['batch_size']} seq_len={s['seq_len']} "
-             f"warmup={s['warmup_steps']} steps={s['steps']} bf16 autocast, AdamW, clip {s['max_grad_norm']}",
+             f"warmup={s['warmup_steps']} steps={s['steps']} bf16 autocast, AdamW, clip {s['max_grad_norm']}, "
+             f"freed host memory kept: {s['keep_freed_host_memory']}",
              f"FLOPs/token = 6*{result['flops_per_token']['n_matmul_params']:,} + attention "
              f"{result['flops_per_token']['attention']:,} = {result['flops_per_token']['total']:,}",
              f"peak bf16 matmul: {result['peak_flops'] / 1e9:.1f} GFLOP/s (best of before/after: "
@@ -385,6 +487,20 @@ def format_report(result: dict[str, Any]) -> str:
                      f"{r['tokens_per_s']:>11.0f}{r['mfu'] * 100:>8.2f}{r['first_step_s']:>14.1f}")
     for name, v in result["ratios"].items():
         lines.append(f"ratio {name}: {v:.2f}x")
+    if result.get("profile"):
+        prof = result["profile"]
+        lines += ["", f"profile, ms per step over {s['profile_steps']} more steps each (torch.profiler self time "
+                      "by operator kind; wall includes the profiler's overhead):",
+                  f"{'run':<27}{'matmul':>8}{'attention':>10}{'loss':>7}{'other':>8}{'ops':>8}{'wall':>8}"
+                  f"{'optimizer.step':>16}"]
+        for name, r in prof["runs"].items():
+            k = r["ms_per_step"]
+            lines.append(f"{name:<27}{k['matmul']:>8.1f}{k['attention']:>10.1f}{k['loss']:>7.1f}{k['other']:>8.1f}"
+                         f"{r['ops_ms_per_step']:>8.1f}{r['wall_ms_per_step']:>8.1f}"
+                         f"{r['optimizer_step_ms_per_step']:>16.1f}")
+        lines.append(f"ratio profiled hf / {prof['ours']} (wall): {prof['ratio_profiled']:.2f}x; ceiling if only "
+                     "matmul and attention cost (hf wall / our matmul + attention): "
+                     f"{prof['ceiling_matmul_attention']:.2f}x")
     if result.get("memory"):
         lines += ["", f"memory per rank (2 ranks, flavour={result['memory_settings']['flavour']}, "
                       f"{result['memory_settings']['num_parameters']:,} params, bf16={result['memory_settings']['bf16']}), MiB:",
@@ -399,6 +515,9 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    # as every training job does (stages.training.engine.setup); for the whole process, so the
+    # Trainer's steps run on the same allocator as ours
+    kept = keep_freed_host_memory() if args.keep_freed_memory else False
     torch.manual_seed(0)
     config = model_config(args.flavour, args.vocab_size)
     section = pretrain_section(per_device_train_batch_size=args.batch_size, max_length=args.seq_len, bf16=True,
@@ -432,6 +551,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         runs["hf trainer (compile)"], (times,) = bench_hf(config, state, data, section, args.warmup_steps,
                                                           args.steps, True, [steppers[name]])
         runs[f"{name}, paired with hf compile"] = _summary(0.0, 0.0, times)
+    profile = None
+    if args.profile:
+        name = dag_name if dag_name in steppers else stage_name
+        profile = bench_profile(name, steppers[name], config, state, data, section, args.profile_steps)
     peaks.append(peak_bf16_matmul_flops())
     peak = max(peaks)
     for r in runs.values():
@@ -456,7 +579,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "seq_len": args.seq_len, "steps": args.steps, "warmup_steps": args.warmup_steps,
                      "compile": args.compile, "hf_compile": args.hf_compile, "bf16": True,
                      "max_grad_norm": section["max_grad_norm"], "num_parameters": config.num_parameters(),
-                     "tokens_per_step": tokens_per_step},
+                     "tokens_per_step": tokens_per_step, "profile_steps": args.profile_steps if args.profile else 0,
+                     "keep_freed_host_memory": kept},
         "flops_per_token": fpt,
         "mfu_formula": "tokens_per_s * (6 * n_matmul_params + 12 * L * H * head_dim * seq_len) / peak_flops",
         "peak_flops": peak, "peak_flops_samples": peaks,
@@ -464,7 +588,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "ours": {"tokens_per_s": ours["tokens_per_s"], "mfu": ours["mfu"]},
         "hf": {"tokens_per_s": runs["hf trainer (eager)"]["tokens_per_s"], "mfu": runs["hf trainer (eager)"]["mfu"]},
         "ratio": ratios["ours/hf (tokens/s)"], "ratios": ratios,
-        "memory": [], "memory_settings": None,
+        "memory": [], "memory_settings": None, "profile": profile,
     }
     if not args.skip_memory:
         result["memory"] = bench_memory(args)
@@ -487,6 +611,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="torch.compile our model (the proposed pretrain key torch_compile); eager is run as well")
     p.add_argument("--hf-compile", action=argparse.BooleanOptionalAction, default=False,
                    help="also run the Trainer with TrainingArguments(torch_compile=True)")
+    p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="malloc keeps freed memory for the next step, as training jobs do "
+                   "(stages.training.allocator), for both sides; --no-keep-freed-memory: glibc's defaults")
+    p.add_argument("--profile", action="store_true", help="also profile the stage step with the DAG's defaults and "
+                   "the Trainer: ms per step by operator kind (matmul, attention, loss, other)")
+    p.add_argument("--profile-steps", type=int, default=3, help="steps profiled per run with --profile")
     p.add_argument("--skip-memory", action="store_true", help="skip the 2-rank DeepSpeed memory part")
     p.add_argument("--shardings", nargs="+", default=list(SHARDINGS), choices=SHARDINGS,
                    help="ZeRO settings of the memory part (default: all)")
@@ -497,9 +627,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--memory-worker", choices=SHARDINGS, help=argparse.SUPPRESS)  # internal: one torchrun rank
     p.add_argument("--memory-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup_steps < 1 or args.memory_steps < 2:
-        p.error(f"--steps={args.steps} and --warmup-steps={args.warmup_steps} must be >= 1, "
-                f"--memory-steps={args.memory_steps} >= 2")
+    if args.steps < 1 or args.warmup_steps < 1 or args.profile_steps < 1 or args.memory_steps < 2:
+        p.error(f"--steps={args.steps}, --warmup-steps={args.warmup_steps} and --profile-steps={args.profile_steps} "
+                f"must be >= 1, --memory-steps={args.memory_steps} >= 2")
     return args
 
 

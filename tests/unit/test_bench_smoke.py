@@ -28,7 +28,7 @@ def run_bench(out: Path, *extra: str) -> dict:
 
 
 def test_throughput_report_has_its_keys(tmp_path):
-    result = run_bench(tmp_path / "bench.json", "--skip-memory")
+    result = run_bench(tmp_path / "bench.json", "--skip-memory", "--profile", "--profile-steps", "1")
     for key in ("machine", "settings", "flops_per_token", "mfu_formula", "peak_flops", "runs", "ours", "hf",
                 "ratio", "ratios", "memory"):
         assert key in result, key
@@ -39,6 +39,17 @@ def test_throughput_report_has_its_keys(tmp_path):
         assert {"tokens_per_s", "mfu", "median_step_s", "first_step_s"} <= run.keys()
     assert result["peak_flops"] > 0 and result["ratio"] > 0
     assert result["memory"] == []
+    # the Trainer trains its model itself: not wrapped in DDP by the engine's world of one
+    assert result["runs"]["hf trainer (eager)"]["trained_module"] == "LlamaForCausalLM"
+    assert result["settings"]["keep_freed_host_memory"] is sys.platform.startswith("linux")
+    profile = result["profile"]
+    assert list(profile["runs"]) == ["stage step", "hf trainer (eager)"]
+    for run in profile["runs"].values():
+        kinds = run["ms_per_step"]
+        assert list(kinds) == ["matmul", "attention", "loss", "other"]
+        assert kinds["matmul"] > 0 and kinds["attention"] > 0  # both models ran mm and SDPA
+        assert run["ops_ms_per_step"] == pytest.approx(sum(kinds.values()))
+    assert profile["ceiling_matmul_attention"] > 0
 
 
 @pytest.mark.multiproc

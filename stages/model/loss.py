@@ -23,10 +23,13 @@ PerTokenLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def shift(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(logits (B, T, V), labels (B, T)) -> (B*(T-1), V) fp32 logits and (B*(T-1),) targets:
-    position t predicts token t + 1."""
+    """(logits (B, T, V), labels (B, T)) -> (B*T, V) fp32 logits and (B*T,) targets: position t
+    predicts token t + 1, and the last position of each row has none (IGNORE_INDEX). The labels
+    move, not the logits (as transformers' ForCausalLMLoss does): a slice of the logits would be
+    copied once more before the fp32 copy and its gradient zero-filled, on every step."""
     vocab = logits.shape[-1]
-    return logits[:, :-1, :].reshape(-1, vocab).float(), labels[:, 1:].reshape(-1)
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    return logits.reshape(-1, vocab).float(), targets.reshape(-1)
 
 
 def counted_tokens(labels: torch.Tensor) -> torch.Tensor:

@@ -9,16 +9,16 @@ the same values). Measured on a 2-core AMD EPYC (2026-11-27, bf16, 1 thread per 
 - the default pretraining (tiny, 2 ranks, ZeRO-1, 8 x 256 tokens): 0.599 / 0.603 -> 0.543 /
   0.545 s per step, page faults 4.9 M -> 0.43 M over 80 steps, peak RSS 821-885 -> 827 MB, the
   same final loss;
-- SmolLM2-135M's shape (one process, 4 x 256 tokens, 2 threads): 4.48 -> 3.49 s per step, peak
-  RSS 4,316 -> 4,515 MB (+4.6%);
+- SmolLM2-135M's shape (one process, 4 x 256 tokens, 2 threads, the bench's stage step): 4.48 ->
+  3.49 s per step, peak RSS 4,316 -> 4,515 MB (+4.6%);
 - fine-tuning in fp32 (the default SFT and LoRA): no change beyond the noise.
 The cost: memory freed after the peak stays with the process until it exits (as with PyTorch's
 CUDA caching allocator), and the heap can hold several freed copies of a buffer before they merge
-into one that a new request fits (a lone 64 MiB buffer allocated over and over: 7 copies). The
-same effect, for a whole process, as the jemalloc or tcmalloc LD_PRELOAD that Intel's PyTorch
-guides recommend, without a library or a launcher change. Every training job applies it
-(`stages.training.engine.setup`); LLM_LIFECYCLE_KEEP_FREED_MEMORY=0 in the environment leaves
-malloc's defaults.
+into one that a new request fits (a lone 64 MiB buffer allocated over and over: 7 copies). This
+per-step page-fault cost is what Intel's PyTorch tuning guides preload jemalloc or tcmalloc
+against; here glibc's own setting, with no library or launcher change (not compared with them).
+Every training job applies it (`stages.training.engine.setup`); LLM_LIFECYCLE_KEEP_FREED_MEMORY=0
+in the environment leaves malloc's defaults.
 """
 
 from __future__ import annotations

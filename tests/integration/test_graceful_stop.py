@@ -25,7 +25,11 @@ from workflow_helpers import ROOT, logged_steps, snakemake, weights_sha256
 # `make test-all` runs them here.
 pytestmark = pytest.mark.slow
 
-PRETRAIN = {"seed": 5, "max_steps": 60, "warmup_steps": 3, "max_length": 32, "per_device_train_batch_size": 2,
+# 150 steps: the second signal goes out at step 30, and the debug model's steps take ~80 ms, so
+# the test has ~10 s to see step 30 and signal before the job would end. With 60 steps (~2.4 s)
+# a loaded machine (two xdist workers of slow tests) delayed the polling past the end: the job
+# finished instead of stopping (2026-11-27, twice in `-n 2 -m slow` runs, never alone).
+PRETRAIN = {"seed": 5, "max_steps": 150, "warmup_steps": 3, "max_length": 32, "per_device_train_batch_size": 2,
             "world_size": 2, "sharding": "stage1", "save_steps": 0, "async_save": True}
 EXPERIMENT = {"model": {"flavour": "debug"}, "data": {"vocab_size": 512, "num_sft_train": 50}, "pretrain": PRETRAIN}
 

@@ -49,7 +49,7 @@ from stages.model import build_model, config_for_flavour  # noqa: E402
 from stages.model.config import LlamaConfig  # noqa: E402
 from stages.training.allocator import keep_freed_host_memory  # noqa: E402
 from stages.training.deepspeed_engine import deepspeed_config  # noqa: E402
-from stages.training.distributed import finish_distributed, init_distributed  # noqa: E402
+from stages.training.distributed import WORLD_VARIABLES, finish_distributed, init_distributed  # noqa: E402
 from stages.training.step import train_step as engine_train_step  # noqa: E402
 from stages.training.schedule import build_scheduler  # noqa: E402
 
@@ -173,8 +173,7 @@ def single_process_env():
     while the Trainer is built and trains: accelerate reads LOCAL_RANK as a multi-process CPU run
     and would wrap the Trainer's model in DistributedDataParallel (a world of one, but DDP's
     gradient buckets and hooks still cost every step)."""
-    names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
-    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
+    saved = {name: os.environ.pop(name) for name in WORLD_VARIABLES if name in os.environ}
     try:
         yield
     finally:

@@ -13,6 +13,10 @@ from stages.training.launcher_watch import exit_with_launcher
 
 log = logging.getLogger(__name__)
 
+# What a rank reads to join its world: set by torchrun, by `init_distributed` for a srun task or a
+# world of one. A process that started an in-process world hides them from what it starts next.
+WORLD_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
 
 def init_distributed() -> None:
     import deepspeed

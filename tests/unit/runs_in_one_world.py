@@ -47,8 +47,10 @@ class World:
 def torchrun_env() -> dict[str, str]:
     """The environment of a torchrun a test starts: the project importable, one thread per rank,
     and no world of the test process's own."""
+    from stages.training.distributed import WORLD_VARIABLES
+
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for key in WORLD_VARIABLES:
         env.pop(key, None)  # an in-process engine run of the test session must not leak its world
     return env
 

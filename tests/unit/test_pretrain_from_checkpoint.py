@@ -19,6 +19,7 @@ from stages import import_base, prepare
 from stages.config import check_config
 from stages.data.corpus import load_split
 from stages.training.batches import WindowSampler
+from stages.training.distributed import WORLD_VARIABLES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,8 +39,7 @@ def test_continued_pretraining_starts_from_the_checkpoint(tmp_path, tiny_tokeniz
     cmd = [sys.executable, "-m", "stages.pretrain", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"),
            "--model-config", json.dumps(exp["model"]), "--config", json.dumps(exp["pretrain"]),
            "--init", str(tmp_path / "base")]
-    env = {k: v for k, v in os.environ.items()  # an in-process engine run of this session must not leak its world
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items() if k not in WORLD_VARIABLES}  # this session's world must not leak
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
 

@@ -62,7 +62,7 @@ from stages.training.families import (
     estimated_flops_per_token,
     write_config,
 )
-from stages.training.flops import flops_per_token, peak_matmul_flops
+from stages.training.flops import cpu_ranks_at_peak, flops_per_token, peak_matmul_flops
 from stages.training.log import TrainLog, event_files
 from stages.training.materialize import ResumeWeights, is_lazy, materialize
 from stages.training.parallelize import check_model_fits, layout_metrics, parallel_degrees, parallelize
@@ -73,13 +73,16 @@ log = logging.getLogger(__name__)
 
 
 def _peak_flops(section: Mapping[str, Any], device: torch.device, world: int) -> float:
-    """Matmul FLOP/s of all devices of the run, measured in the training dtype (once per process):
-    on GPU each rank has a device; on CPU the ranks of a node share its cores, so a node counts once."""
+    """Matmul FLOP/s of all devices of the run, measured in the training dtype (once per process, by
+    rank 0): on GPU each rank has a device; on CPU rank 0 measures at its own share of the node's
+    threads, and the node's ranks run side by side as far as its cores allow (`cpu_ranks_at_peak`)."""
     dtype = torch.bfloat16 if section["bf16"] else torch.float16 if section["fp16"] else torch.float32
     per_device = _measured_peak(dtype, str(device))
     if torch.device(device).type == "cuda":
         return per_device * world
-    return per_device * max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return per_device * cpu_ranks_at_peak(world, local_world, cores, torch.get_num_threads())
 
 
 @functools.lru_cache(maxsize=None)

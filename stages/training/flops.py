@@ -1,7 +1,9 @@
 """Model FLOPs per token and the measured matmul peak, for MFU (model FLOPs utilisation).
 
 MFU = tokens/s x FLOPs/token / (peak FLOP/s x devices). The peak is measured on this machine in
-the same run (a loop of large matmuls in the training dtype), not read from a data sheet.
+the same run (a loop of large matmuls in the training dtype), not read from a data sheet. On a CPU
+the devices are the ranks' shares of a node's cores: a rank measures at its own thread count, and
+the node's peak is that times the ranks that fit its cores side by side (`cpu_ranks_at_peak`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> dict[str, int]:
     attention = 12 * H * hd * keys_seen
     return {"n_matmul_params": n_matmul, "dense": 6 * n_matmul, "attention": attention,
             "total": 6 * n_matmul + attention}
+
+
+def cpu_ranks_at_peak(world: int, local_world: int, cores: int, threads: int) -> int:
+    """How many times one rank's measured peak the run's CPUs reach: on each of the world's nodes,
+    its `local_world` ranks each run `threads` threads, and at most cores // threads of them run at
+    full speed side by side (two ranks of one thread on two cores: 2; oversubscribed, two ranks of
+    two threads on two cores: 1)."""
+    nodes = max(1, world // max(1, local_world))
+    return nodes * max(1, min(local_world, cores // max(1, threads)))
 
 
 def peak_matmul_flops(dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",

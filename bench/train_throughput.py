@@ -11,6 +11,12 @@ step as the default run trains and of the Trainer run under torch.profiler: time
 of operator (matmul, attention, loss, the rest) and the ceiling that matmul and attention alone
 put on the ratio to the Trainer.
 
+Part 1c, the default run's layout (`--dag-layout`, on by default): the stage step as the default
+pretraining runs it, two torchrun ranks of one thread each, DeepSpeed ZeRO as config/config.yaml
+sets it (stage1), with the stage's per-step collectives (the global batch's learned tokens, the
+step loss), against the Trainer in the same two ranks (DistributedDataParallel, gloo) with the
+same per-rank batch; rounds alternate the two, and MFU is against the node's peak.
+
 Part 2, two processes (torchrun, gloo): per-rank peak RSS and bytes of parameters, gradients,
 fp32 master copies and optimizer state for DDP (sharding none) and DeepSpeed ZeRO-1/2/3 built
 with the pretrain stage's own `deepspeed_config`.
@@ -54,6 +60,7 @@ from stages.training.step import train_step as engine_train_step  # noqa: E402
 from stages.training.schedule import build_scheduler  # noqa: E402
 
 DEFAULT_OUT = ROOT / "bench" / "out" / "train_throughput.json"
+DEFAULT_CONFIG = ROOT / "config" / "config.yaml"  # the embedded default run, whose layout part 1c times
 # Shapes beside the flavours: `135m` is SmolLM2-135M's (vocab 49152, tied embeddings), a 135M-class
 # model for MFU at a size where matmuls dominate more than in tiny.
 SHAPES = {"135m": dict(base="tiny", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -319,6 +326,174 @@ def bench_profile(name: str, stepper: EngineStep, config: LlamaConfig, state: di
             "ceiling_matmul_attention": runs["hf trainer (eager)"]["wall_ms_per_step"] / kernels}
 
 
+# -- part 1c: the default run's layout (two ranks) ---------------------------------------------
+
+def dag_pretrain_section(**overrides: Any) -> dict[str, Any]:
+    """The default run's `pretrain` section (config/config.yaml's one experiment, schema defaults
+    filled, bf16 auto decided for this machine) with `overrides`."""
+    from stages.config import load_yaml
+    from stages.training.capabilities import resolved_bf16
+
+    config = check_config(load_yaml(DEFAULT_CONFIG))
+    (name,) = config["experiments"]  # the embedded default has one experiment
+    return resolved_bf16({**config["experiments"][name]["pretrain"], **overrides})
+
+
+class RankRows:
+    """Global batch `index`'s rows of this rank: B rows per rank, ranks side by side."""
+
+    def __init__(self, data: torch.Tensor, batch_size: int, rank: int, world: int):
+        self.data, self.batch_size, self.rank, self.world = data, batch_size, rank, world
+
+    def __call__(self, index: int) -> torch.Tensor:
+        start = (index * self.world + self.rank) * self.batch_size
+        return self.data[start:start + self.batch_size]
+
+
+def layout_stage_steps(config: LlamaConfig, state: dict[str, torch.Tensor], rows: RankRows,
+                       section: dict[str, Any], total: int) -> tuple[list[float], list[float]]:
+    """This rank's step times and step losses of the pretrain stage's step in its layout
+    (`stages.training.engine.step` without the data source: the global batch's learned tokens,
+    `train_step`, the step loss summed over the ranks)."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from stages.training.step import learned_tokens
+
+    world = dist.get_world_size()
+    model = build_model(config)
+    model.load_state_dict(state)
+    if section["torch_compile"]:
+        for layer in model.model.layers.values():
+            layer.compile()
+    optimizer = adamw(model.parameters(), section)
+    scheduler = build_scheduler(optimizer, section)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                      config=deepspeed_config(section, world))
+    engine.train()
+    times, losses = [], []
+    for index in range(total):
+        batches = [(rows(index), rows(index))]
+        t0 = time.perf_counter()
+        num_tokens = learned_tokens(batches, dist.group.WORLD)
+        share, _ = engine_train_step(engine, None, batches, num_tokens, dp=world, clip=None)
+        dist.all_reduce(share)
+        losses.append(share.item())
+        times.append(time.perf_counter() - t0)
+    return times, losses
+
+
+def layout_trainer_steps(config: LlamaConfig, state: dict[str, torch.Tensor], rows: RankRows,
+                         section: dict[str, Any], total: int) -> tuple[list[float], list[float], str]:
+    """This rank's step times of transformers.Trainer in the same ranks: accelerate reads the
+    launcher's variables and wraps the model in DistributedDataParallel (gloo on a CPU)."""
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    model = LlamaForCausalLM(HFLlamaConfig(**config.to_hf_dict(), attn_implementation="sdpa"))
+    model.load_state_dict(state, strict=False)
+    optimizer = adamw(model.parameters(), section)
+    times: list[float] = []
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            times.append(time.perf_counter() - self.t0)
+
+    class Rows(torch.utils.data.Dataset):  # all ranks' rows; the Trainer's sampler deals them out
+        def __len__(self) -> int:
+            return len(rows.data)
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            return {"input_ids": rows.data[i], "labels": rows.data[i]}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(
+            output_dir=tmp, use_cpu=True, bf16=section["bf16"], per_device_train_batch_size=rows.batch_size,
+            gradient_accumulation_steps=1, max_steps=total, max_grad_norm=section["max_grad_norm"],
+            logging_steps=10**6, report_to=[], save_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
+            seed=section["seed"], ddp_backend="gloo")
+        trainer = Trainer(model=model, args=args, train_dataset=Rows(),
+                          optimizers=(optimizer, build_scheduler(optimizer, section)), callbacks=[StepTimer()])
+        result = trainer.train()
+        wrapped = type(trainer.model_wrapped).__name__
+    return times, [result.training_loss], wrapped
+
+
+def layout_worker(args: argparse.Namespace) -> None:
+    """One rank under torchrun for part 1c: `--layout-worker stage|hf`; rank 0 writes its times."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # the stage's ranks: stages.launch gives each its share of the job's threads
+    if args.keep_freed_memory:
+        keep_freed_host_memory()
+    total = args.warmup_steps + args.steps
+    config = model_config(args.flavour, args.vocab_size)
+    section = dag_pretrain_section(per_device_train_batch_size=args.batch_size, max_length=args.seq_len,
+                                   max_steps=total, warmup_steps=args.warmup_steps)
+    state = build_model(config, seed=section["seed"]).state_dict()
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    rows = RankRows(random_tokens(total * world * args.batch_size, args.seq_len, config.vocab_size, seed=1),
+                    args.batch_size, rank, world)
+    if args.layout_worker == "stage":
+        init_distributed()
+        times, losses = layout_stage_steps(config, state, rows, section, total)
+        wrapped = "DeepSpeedEngine"
+    else:
+        times, losses, wrapped = layout_trainer_steps(config, state, rows, section, total)
+    if rank == 0:
+        record = {"side": args.layout_worker, "world_size": world, "threads": torch.get_num_threads(),
+                  "sharding": section["sharding"] if args.layout_worker == "stage" else "ddp",
+                  "bf16": section["bf16"], "torch_compile": section["torch_compile"] and args.layout_worker == "stage",
+                  "step_times_s": times, "losses": losses, "trained_module": wrapped}
+        Path(args.layout_dir, f"{args.layout_worker}.json").write_text(json.dumps(record))
+    if dist.is_initialized():
+        dist.barrier()
+        finish_distributed()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as the memory workers: no interpreter finalization after the record is written
+
+
+def bench_dag_layout(args: argparse.Namespace, tokens_per_rank_step: int) -> dict[str, Any]:
+    """`--layout-rounds` rounds of (stage, Trainer), each a fresh 2-rank torchrun; per side the
+    median over all rounds' measured steps of rank 0 (the ranks meet in every step's collectives)."""
+    torchrun = Path(sys.executable).parent / "torchrun"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    world = dag_pretrain_section()["world_size"]
+    sides: dict[str, list[dict[str, Any]]] = {"stage": [], "hf": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(args.layout_rounds):
+            for side in sides:
+                cmd = [str(torchrun), "--standalone", "--nproc_per_node", str(world), str(Path(__file__).resolve()),
+                       "--layout-worker", side, "--layout-dir", tmp, "--flavour", args.flavour,
+                       "--vocab-size", str(args.vocab_size), "--batch-size", str(args.batch_size),
+                       "--seq-len", str(args.seq_len), "--steps", str(args.steps),
+                       "--warmup-steps", str(args.warmup_steps),
+                       "--keep-freed-memory" if args.keep_freed_memory else "--no-keep-freed-memory"]
+                proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True, timeout=1200)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"layout worker {side} failed:\n{proc.stderr[-4000:]}")
+                sides[side].append(json.loads(Path(tmp, f"{side}.json").read_text()))
+    runs = {}
+    for side, records in sides.items():
+        measured = [t for r in records for t in r["step_times_s"][args.warmup_steps:]]
+        first = records[0]
+        name = (f"stage, {first['world_size']} ranks {first['sharding']}" if side == "stage"
+                else f"hf trainer, {first['world_size']} ranks ddp")
+        runs[name] = _summary(statistics.median(r["step_times_s"][0] for r in records),
+                              statistics.median(sum(r["step_times_s"][:args.warmup_steps]) for r in records),
+                              measured, rounds=len(records), world_size=first["world_size"],
+                              threads_per_rank=first["threads"], sharding=first["sharding"], bf16=first["bf16"],
+                              torch_compile=first["torch_compile"], trained_module=first["trained_module"],
+                              tokens_per_step=tokens_per_rank_step * first["world_size"],
+                              losses=[r["losses"] for r in records])
+    return runs
+
+
 # -- part 2: per-rank memory under DeepSpeed ---------------------------------------------------
 
 def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
@@ -480,9 +655,10 @@ def format_report(result: dict[str, Any]) -> str:
              f"{result['flops_per_token']['attention']:,} = {result['flops_per_token']['total']:,}",
              f"peak bf16 matmul: {result['peak_flops'] / 1e9:.1f} GFLOP/s (best of before/after: "
              f"{', '.join(f'{x / 1e9:.1f}' for x in result['peak_flops_samples'])})", ""]
-    lines.append(f"{'run':<22}{'median ms/step':>15}{'min ms/step':>13}{'tokens/s':>11}{'MFU %':>8}{'first step s':>14}")
+    lines.append(f"{'run':<30}{'median ms/step':>15}{'min ms/step':>13}{'tokens/s':>11}{'MFU %':>8}"
+                 f"{'first step s':>14}")
     for name, r in result["runs"].items():
-        lines.append(f"{name:<22}{r['median_step_s'] * 1e3:>15.1f}{r['min_step_s'] * 1e3:>13.1f}"
+        lines.append(f"{name:<30}{r['median_step_s'] * 1e3:>15.1f}{r['min_step_s'] * 1e3:>13.1f}"
                      f"{r['tokens_per_s']:>11.0f}{r['mfu'] * 100:>8.2f}{r['first_step_s']:>14.1f}")
     for name, v in result["ratios"].items():
         lines.append(f"ratio {name}: {v:.2f}x")
@@ -550,6 +726,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         runs["hf trainer (compile)"], (times,) = bench_hf(config, state, data, section, args.warmup_steps,
                                                           args.steps, True, [steppers[name]])
         runs[f"{name}, paired with hf compile"] = _summary(0.0, 0.0, times)
+    if args.dag_layout:
+        runs.update(bench_dag_layout(args, tokens_per_step))
     profile = None
     if args.profile:
         name = dag_name if dag_name in steppers else stage_name
@@ -557,7 +735,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     peaks.append(peak_bf16_matmul_flops())
     peak = max(peaks)
     for r in runs.values():
-        r["tokens_per_s"] = tokens_per_step / r["median_step_s"]
+        r["tokens_per_s"] = r.get("tokens_per_step", tokens_per_step) / r["median_step_s"]
         r["mfu"] = r["tokens_per_s"] * fpt["total"] / peak
     ours = runs["ours (compile)" if args.compile else "ours (eager)"]
     hf = runs["hf trainer (eager)"]
@@ -568,6 +746,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ratios["stage step with the DAG's defaults/hf (tokens/s)"] = dag["tokens_per_s"] / hf["tokens_per_s"]
     if args.compile:
         ratios["ours eager/hf eager"] = runs["ours (eager)"]["tokens_per_s"] / runs["hf trainer (eager)"]["tokens_per_s"]
+    layout = [name for name, r in runs.items() if "world_size" in r]
+    if layout:  # part 1c: (stage, Trainer) in the default run's ranks; and the stage there against
+        stage, trainer = (runs[name] for name in layout)  # the Trainer's faster layout of the two
+        ratios["stage in the DAG's layout/hf in the same layout (tokens/s)"] = (stage["tokens_per_s"]
+                                                                                / trainer["tokens_per_s"])
+        ratios["stage in the DAG's layout/hf's faster layout (tokens/s)"] = stage["tokens_per_s"] / max(
+            trainer["tokens_per_s"], hf["tokens_per_s"])
     if args.hf_compile:
         ratios["ours/hf, both compiled"] = (runs[f"{next(iter(steppers))}, paired with hf compile"]["tokens_per_s"]
                                             / runs["hf trainer (compile)"]["tokens_per_s"])
@@ -579,7 +764,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "compile": args.compile, "hf_compile": args.hf_compile, "bf16": True,
                      "max_grad_norm": section["max_grad_norm"], "num_parameters": config.num_parameters(),
                      "tokens_per_step": tokens_per_step, "profile_steps": args.profile_steps if args.profile else 0,
-                     "keep_freed_host_memory": kept},
+                     "keep_freed_host_memory": kept,
+                     "dag_layout_rounds": args.layout_rounds if args.dag_layout else 0},
         "flops_per_token": fpt,
         "mfu_formula": "tokens_per_s * (6 * n_matmul_params + 12 * L * H * head_dim * seq_len) / peak_flops",
         "peak_flops": peak, "peak_flops_samples": peaks,
@@ -616,6 +802,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", action="store_true", help="also profile the stage step with the DAG's defaults and "
                    "the Trainer: ms per step by operator kind (matmul, attention, loss, other)")
     p.add_argument("--profile-steps", type=int, default=3, help="steps profiled per run with --profile")
+    p.add_argument("--dag-layout", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the stage step in the default run's layout (config/config.yaml: two ranks, "
+                   "ZeRO stage1) against the Trainer in the same ranks (DDP)")
+    p.add_argument("--layout-rounds", type=int, default=2, help="alternating (stage, Trainer) rounds of --dag-layout")
     p.add_argument("--skip-memory", action="store_true", help="skip the 2-rank DeepSpeed memory part")
     p.add_argument("--shardings", nargs="+", default=list(SHARDINGS), choices=SHARDINGS,
                    help="ZeRO settings of the memory part (default: all)")
@@ -625,10 +815,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT.relative_to(ROOT)})")
     p.add_argument("--memory-worker", choices=SHARDINGS, help=argparse.SUPPRESS)  # internal: one torchrun rank
     p.add_argument("--memory-dir", help=argparse.SUPPRESS)
+    p.add_argument("--layout-worker", choices=("stage", "hf"), help=argparse.SUPPRESS)  # internal: one rank
+    p.add_argument("--layout-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.steps < 1 or args.warmup_steps < 1 or args.profile_steps < 1 or args.memory_steps < 2:
-        p.error(f"--steps={args.steps}, --warmup-steps={args.warmup_steps} and --profile-steps={args.profile_steps} "
-                f"must be >= 1, --memory-steps={args.memory_steps} >= 2")
+    if min(args.steps, args.warmup_steps, args.profile_steps, args.layout_rounds) < 1 or args.memory_steps < 2:
+        p.error(f"--steps={args.steps}, --warmup-steps={args.warmup_steps}, --profile-steps={args.profile_steps} "
+                f"and --layout-rounds={args.layout_rounds} must be >= 1, --memory-steps={args.memory_steps} >= 2")
     return args
 
 
@@ -636,6 +828,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.memory_worker:
         memory_worker(args)
+        return 0
+    if args.layout_worker:
+        layout_worker(args)
         return 0
     return finish(args.out, run(args), format_report)
 

@@ -28,7 +28,7 @@ def run_bench(out: Path, *extra: str) -> dict:
 
 
 def test_throughput_report_has_its_keys(tmp_path):
-    result = run_bench(tmp_path / "bench.json", "--skip-memory", "--profile", "--profile-steps", "1")
+    result = run_bench(tmp_path / "bench.json", "--skip-memory", "--no-dag-layout", "--profile", "--profile-steps", "1")
     for key in ("machine", "settings", "flops_per_token", "mfu_formula", "peak_flops", "runs", "ours", "hf",
                 "ratio", "ratios", "memory"):
         assert key in result, key
@@ -53,8 +53,22 @@ def test_throughput_report_has_its_keys(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_memory_report_has_its_keys(tmp_path):
-    result = run_bench(tmp_path / "bench.json", "--memory-flavour", "debug", "--shardings", "none", "stage3")
+def test_layout_and_memory_reports_have_their_keys(tmp_path):
+    """The 2-rank parts: the stage step in the default run's layout against the Trainer in the same
+    ranks (one round), and per-rank memory."""
+    result = run_bench(tmp_path / "bench.json", "--layout-rounds", "1",
+                       "--memory-flavour", "debug", "--shardings", "none", "stage3")
+    stage, trainer = result["runs"]["stage, 2 ranks stage1"], result["runs"]["hf trainer, 2 ranks ddp"]
+    assert stage["trained_module"] == "DeepSpeedEngine" and trainer["trained_module"] == "DistributedDataParallel"
+    for run in (stage, trainer):
+        assert run["world_size"] == 2 and run["threads_per_rank"] == 1 and run["rounds"] == 1
+        assert len(run["step_times_s"]) == 2  # --steps, rank 0's, after --warmup-steps
+        assert run["tokens_per_step"] == 2 * 2 * 32  # ranks x --batch-size x --seq-len
+    assert stage["sharding"] == "stage1" and stage["torch_compile"] is False  # config/config.yaml, the schema
+    assert len(stage["losses"][0]) == 3 and all(loss > 0 for loss in stage["losses"][0])
+    assert {"stage in the DAG's layout/hf in the same layout (tokens/s)",
+            "stage in the DAG's layout/hf's faster layout (tokens/s)"} <= result["ratios"].keys()
+    assert result["settings"]["dag_layout_rounds"] == 1
     assert [(r["sharding"], r["rank"]) for r in result["memory"]] == [("none", 0), ("none", 1), ("stage3", 0), ("stage3", 1)]
     for row in result["memory"]:
         assert row["peak_rss_bytes"] > 0

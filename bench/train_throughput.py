@@ -432,7 +432,8 @@ def layout_worker(args: argparse.Namespace) -> None:
     total = args.warmup_steps + args.steps
     config = model_config(args.flavour, args.vocab_size)
     section = dag_pretrain_section(per_device_train_batch_size=args.batch_size, max_length=args.seq_len,
-                                   max_steps=total, warmup_steps=args.warmup_steps)
+                                   max_steps=total, warmup_steps=args.warmup_steps,
+                                   **({"sharding": args.layout_sharding} if args.layout_sharding else {}))
     state = build_model(config, seed=section["seed"]).state_dict()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     rows = RankRows(random_tokens(total * world * args.batch_size, args.seq_len, config.vocab_size, seed=1),
@@ -461,7 +462,8 @@ def bench_dag_layout(args: argparse.Namespace, tokens_per_rank_step: int) -> dic
     """`--layout-rounds` rounds of (stage, Trainer), each a fresh 2-rank torchrun; per side the
     median over all rounds' measured steps of rank 0 (the ranks meet in every step's collectives)."""
     torchrun = Path(sys.executable).parent / "torchrun"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = {name: value for name, value in os.environ.items() if name not in WORLD_VARIABLES}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     world = dag_pretrain_section()["world_size"]
     sides: dict[str, list[dict[str, Any]]] = {"stage": [], "hf": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -473,6 +475,8 @@ def bench_dag_layout(args: argparse.Namespace, tokens_per_rank_step: int) -> dic
                        "--seq-len", str(args.seq_len), "--steps", str(args.steps),
                        "--warmup-steps", str(args.warmup_steps),
                        "--keep-freed-memory" if args.keep_freed_memory else "--no-keep-freed-memory"]
+                if args.layout_sharding:
+                    cmd += ["--layout-sharding", args.layout_sharding]
                 proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       text=True, timeout=1200)
                 if proc.returncode != 0:
@@ -703,6 +707,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokens_per_step = args.batch_size * args.seq_len
 
     peaks = [peak_bf16_matmul_flops()]
+    # part 1c first, while this process holds no model: the memory part 1 frees stays with the
+    # process (keep_freed_host_memory); at 135m, run after part 1, the stage's two ranks took
+    # 7.97 s per step, run first 6.70 s (the Trainer's 6.97 and 6.87 s)
+    layout_runs = bench_dag_layout(args, tokens_per_step) if args.dag_layout else {}
     ours_runs = {"ours (compile)": True, "ours (eager)": False} if args.compile else {"ours (eager)": False}
     steppers = {name: OurStep(config, state, data, section, c) for name, c in ours_runs.items()}
     stage_name = f"stage step{' (compile)' if args.compile else ''}"
@@ -721,13 +729,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                   False, list(steppers.values()))
     for (name, stepper), times in zip(steppers.items(), paired):
         runs[name] = _summary(*warm[name], times, first_loss=stepper.losses[0], last_loss=stepper.losses[-1])
+    first = next(iter(steppers))
     if args.hf_compile:  # a second pairing: compiled Trainer against our compiled (or eager) step
-        name = next(iter(steppers))
         runs["hf trainer (compile)"], (times,) = bench_hf(config, state, data, section, args.warmup_steps,
-                                                          args.steps, True, [steppers[name]])
-        runs[f"{name}, paired with hf compile"] = _summary(0.0, 0.0, times)
-    if args.dag_layout:
-        runs.update(bench_dag_layout(args, tokens_per_step))
+                                                          args.steps, True, [steppers[first]])
+        runs[f"{first}, paired with hf compile"] = _summary(0.0, 0.0, times)
+    runs.update(layout_runs)
     profile = None
     if args.profile:
         name = dag_name if dag_name in steppers else stage_name
@@ -754,7 +761,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ratios["stage in the DAG's layout/hf's faster layout (tokens/s)"] = stage["tokens_per_s"] / max(
             trainer["tokens_per_s"], hf["tokens_per_s"])
     if args.hf_compile:
-        ratios["ours/hf, both compiled"] = (runs[f"{next(iter(steppers))}, paired with hf compile"]["tokens_per_s"]
+        ratios["ours/hf, both compiled"] = (runs[f"{first}, paired with hf compile"]["tokens_per_s"]
                                             / runs["hf trainer (compile)"]["tokens_per_s"])
 
     result: dict[str, Any] = {
@@ -806,6 +813,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also time the stage step in the default run's layout (config/config.yaml: two ranks, "
                    "ZeRO stage1) against the Trainer in the same ranks (DDP)")
     p.add_argument("--layout-rounds", type=int, default=2, help="alternating (stage, Trainer) rounds of --dag-layout")
+    p.add_argument("--layout-sharding", choices=SHARDINGS, help="the stage's ZeRO setting in --dag-layout instead of "
+                   "config/config.yaml's (stage1)")
     p.add_argument("--skip-memory", action="store_true", help="skip the 2-rank DeepSpeed memory part")
     p.add_argument("--shardings", nargs="+", default=list(SHARDINGS), choices=SHARDINGS,
                    help="ZeRO settings of the memory part (default: all)")

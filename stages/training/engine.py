@@ -62,7 +62,7 @@ from stages.training.families import (
     estimated_flops_per_token,
     write_config,
 )
-from stages.training.flops import cpu_ranks_at_peak, flops_per_token, peak_matmul_flops
+from stages.training.flops import cpu_ranks_at_peak, flops_per_token, matmul_weights, peak_matmul_flops
 from stages.training.log import TrainLog, event_files
 from stages.training.materialize import ResumeWeights, is_lazy, materialize
 from stages.training.parallelize import check_model_fits, layout_metrics, parallel_degrees, parallelize
@@ -95,9 +95,10 @@ def _measured_peak(dtype: torch.dtype, device: str) -> float:
 
 
 def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> int:
-    """Training FLOPs per token: exact for our model, a 6N estimate for a transformers model."""
+    """Training FLOPs per token: exact for our model, a 6N estimate for a transformers model; frozen
+    weights (LoRA's base, prefix tuning's model) count 4 FLOPs, not 6."""
     if isinstance(model, LlamaForCausalLM):
-        return flops_per_token(model.config, seq_len)["total"]
+        return flops_per_token(model.config, seq_len, weights=matmul_weights(model))["total"]
     return estimated_flops_per_token(model, seq_len)["total"]
 
 

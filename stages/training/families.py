@@ -132,20 +132,25 @@ def write_config(config, directory: str | Path, generation_config=None) -> None:
 
 
 def estimated_flops_per_token(model, seq_len: int) -> dict[str, int]:
-    """Training FLOPs per token of a transformers model, generically: 6 x N + 12 x L x d x T, N the
-    parameters a token is multiplied by (all of them, less the input embedding, which is a lookup,
-    unless lm_head shares it), L x d from the config's standard names. Position tables, norms and
-    biases count as matmul weights: an estimate within a few percent, for MFU only."""
-    total = sum(p.numel() for p in model.parameters())  # a tied matrix counts once
+    """Training FLOPs per token of a transformers model (or a peft model around one), generically:
+    6 x N_trained + 4 x N_frozen + 12 x L x d x T. N counts the parameters a token is multiplied
+    by (all of them, less the input embedding, which is a lookup, unless lm_head shares it); a
+    frozen weight (LoRA's base, prefix tuning's model) costs its forward and the backward to its
+    input, 4 FLOPs, not the 2 more of its own gradient. L x d from the config's standard names.
+    Position tables, norms and biases count as matmul weights: an estimate within a few percent,
+    for MFU only."""
     embedding = model.get_input_embeddings().weight
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is embedding
-    n_matmul = total - (0 if tied else embedding.numel())
+    matmul = [p for p in model.parameters() if tied or p is not embedding]  # a tied matrix counts once
+    trained = sum(p.numel() for p in matmul if p.requires_grad)
+    frozen = sum(p.numel() for p in matmul if not p.requires_grad)
     config = model.config
     layers, width = getattr(config, "num_hidden_layers", 0) or 0, getattr(config, "hidden_size", 0) or 0
     attention = 12 * layers * width * seq_len
-    return {"n_matmul_params": n_matmul, "dense": 6 * n_matmul, "attention": attention,
-            "total": 6 * n_matmul + attention}
+    dense = 6 * trained + 4 * frozen
+    return {"n_matmul_params": trained + frozen, "trained_matmul_params": trained, "dense": dense,
+            "attention": attention, "total": dense + attention}
 
 
 def prepare_transformers_model(model, section: Mapping[str, Any]) -> None:

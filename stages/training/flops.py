@@ -15,7 +15,7 @@ import torch
 from stages.model.config import LlamaConfig
 
 
-def flops_per_token(config: LlamaConfig, seq_len: int) -> dict[str, int]:
+def flops_per_token(config: LlamaConfig, seq_len: int, weights: tuple[int, int] | None = None) -> dict[str, int]:
     """Training FLOPs per token, PaLM-style: 6 * N_matmul + 12 * H * hd * sum over layers of T_l.
 
     N_matmul counts every weight a token is multiplied by: the attention and MLP projections of
@@ -24,15 +24,35 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> dict[str, int]:
     forward per layer, x3 for forward+backward), counted over the full T x T square as is
     customary, although a causal kernel may skip half; T_l is T, or the window of a sliding-window
     layer when that is shorter (each query then sees at most `window` keys).
+
+    `weights`, (trained, frozen) elements of the model's matmul weights (`matmul_weights`), replaces
+    the config's count: a frozen weight (LoRA's base) costs its forward and the backward to its
+    input, 4 FLOPs per token, not the 2 more of its own gradient; LoRA's factors count as trained.
     """
     d, L, H, K, hd = (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
                       config.num_key_value_heads, config.head_dim)
     per_layer = d * H * hd + 2 * d * K * hd + H * hd * d + 3 * d * config.intermediate_size
-    n_matmul = L * per_layer + d * config.vocab_size
+    trained, frozen = weights or (L * per_layer + d * config.vocab_size, 0)
     keys_seen = sum(seq_len if w is None else min(seq_len, w) for w in config.layer_windows())
     attention = 12 * H * hd * keys_seen
-    return {"n_matmul_params": n_matmul, "dense": 6 * n_matmul, "attention": attention,
-            "total": 6 * n_matmul + attention}
+    dense = 6 * trained + 4 * frozen
+    return {"n_matmul_params": trained + frozen, "trained_matmul_params": trained, "dense": dense,
+            "attention": attention, "total": dense + attention}
+
+
+def matmul_weights(model: torch.nn.Module) -> tuple[int, int]:
+    """(trained, frozen) elements of the weights of `model`'s Linear layers, each tensor once (a
+    tied lm_head, a LoRA layer's base, its factors): the matmul weights of our model."""
+    seen: set[int] = set()
+    trained = frozen = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and id(module.weight) not in seen:
+            seen.add(id(module.weight))
+            if module.weight.requires_grad:
+                trained += module.weight.numel()
+            else:
+                frozen += module.weight.numel()
+    return trained, frozen
 
 
 def cpu_ranks_at_peak(world: int, local_world: int, cores: int, threads: int) -> int:

@@ -2,10 +2,13 @@
 
 import pytest
 import torch
+from sft_fixtures import finetune_section
 
-from stages.model import config_for_flavour
+from stages.adapters import attach_adapter
+from stages.model import build_model, config_for_flavour
 from stages.training import engine
-from stages.training.flops import cpu_ranks_at_peak, flops_per_token
+from stages.training.families import estimated_flops_per_token
+from stages.training.flops import cpu_ranks_at_peak, flops_per_token, matmul_weights
 
 
 def test_flops_per_token_of_the_tiny_model_by_hand():
@@ -17,6 +20,53 @@ def test_flops_per_token_of_the_tiny_model_by_hand():
     assert got["n_matmul_params"] == n_matmul == 3_997_696
     assert got["attention"] == 12 * 8 * 32 * 4 * 256
     assert got["total"] == 6 * n_matmul + 12 * 8 * 32 * 4 * 256 == 27_131_904
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_fully_trained_model_counts_what_its_config_counts(tied):
+    """The pretraining's and SFT's count is unchanged: our model's Linear weights (a tied lm_head
+    once) are the config's N, all trained."""
+    config = config_for_flavour("tiny", vocab_size=4096, tie_word_embeddings=tied)
+    model = build_model(config, seed=0)
+    by_config = flops_per_token(config, seq_len=256)
+    assert matmul_weights(model) == (by_config["n_matmul_params"], 0)
+    assert engine.model_flops_per_token(model, 256) == by_config["total"]
+
+
+@pytest.mark.parametrize("method", ["lora", "prefix"])
+def test_frozen_weights_cost_four_flops_per_token_and_lora_factors_six(method):
+    """LoRA's and prefix tuning's base model is frozen: forward and the backward to its input (4 N),
+    no weight gradient; LoRA's A and B train (6 each). The default LoRA run logged MFU 1.003
+    against one thread's fp32 peak while it counted 6 per frozen weight."""
+    config = config_for_flavour("tiny", vocab_size=4096)
+    model = build_model(config, seed=0)
+    base = flops_per_token(config, seq_len=128)
+    attach_adapter(model, method, finetune_section(method))
+    trained, frozen = matmul_weights(model)
+    assert frozen == base["n_matmul_params"]
+    if method == "lora":  # rank 4 on q_proj, v_proj, down_proj (sft_fixtures): r x (in + out) each, 4 layers
+        r, d, kv, ff = 4, 256, 4 * 32, 704
+        per_layer = r * ((d + d) + (d + kv) + (ff + d))
+        assert trained == 4 * per_layer == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    else:
+        assert trained == 0  # the prefix's keys and values are no Linear's weights
+    assert engine.model_flops_per_token(model, 128) == 6 * trained + 4 * frozen + base["attention"]
+
+
+def test_a_peft_model_counts_its_frozen_base_at_four():
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2))
+    full = estimated_flops_per_token(model, 32)
+    assert full["dense"] == 6 * full["n_matmul_params"] == 6 * full["trained_matmul_params"]
+    wrapped = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    adapter = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    got = estimated_flops_per_token(wrapped, 32)
+    assert got["trained_matmul_params"] == adapter
+    assert got["dense"] == 6 * adapter + 4 * full["n_matmul_params"]
+    assert got["attention"] == full["attention"]
 
 
 @pytest.mark.parametrize("world, local_world, cores, threads, expected", [

@@ -55,7 +55,12 @@ from stages.model import build_model, config_for_flavour  # noqa: E402
 from stages.model.config import LlamaConfig  # noqa: E402
 from stages.training.allocator import keep_freed_host_memory  # noqa: E402
 from stages.training.deepspeed_engine import deepspeed_config  # noqa: E402
-from stages.training.distributed import WORLD_VARIABLES, finish_distributed, init_distributed  # noqa: E402
+from stages.training.distributed import (  # noqa: E402
+    WORLD_VARIABLES,
+    finish_distributed,
+    init_distributed,
+    without_world,
+)
 from stages.training.step import train_step as engine_train_step  # noqa: E402
 from stages.training.schedule import build_scheduler  # noqa: E402
 
@@ -136,6 +141,25 @@ class OurStep:
         return elapsed
 
 
+def stage_engine(config: LlamaConfig, state: dict[str, torch.Tensor], section: dict[str, Any], world: int,
+                 compile_layers: bool):
+    """The pretrain stage's DeepSpeed engine from `state`: `deepspeed_config(section, world)`, and
+    `torch_compile` as the stage applies it (each decoder layer compiled in place), in train mode."""
+    import deepspeed
+
+    model = build_model(config)
+    model.load_state_dict(state)
+    if compile_layers:
+        for layer in model.model.layers.values():
+            layer.compile()
+    optimizer = adamw(model.parameters(), section)
+    scheduler = build_scheduler(optimizer, section)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                      config=deepspeed_config(section, world))
+    engine.train()
+    return engine
+
+
 class EngineStep:
     """The pretrain stage's own step (`stages.training.step.train_step`): a DeepSpeed engine in a
     world of one (ZeRO off), DeepSpeed bf16 (bf16 weights, fp32 master copy in the optimizer),
@@ -144,19 +168,8 @@ class EngineStep:
 
     def __init__(self, config: LlamaConfig, state: dict[str, torch.Tensor], data: torch.Tensor,
                  section: dict[str, Any], compile_layers: bool):
-        import deepspeed
-
         init_distributed()
-        model = build_model(config)
-        model.load_state_dict(state)
-        if compile_layers:
-            for layer in model.model.layers.values():
-                layer.compile()
-        optimizer = adamw(model.parameters(), section)
-        scheduler = build_scheduler(optimizer, section)
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                               config=deepspeed_config({**section, "sharding": "none"}, 1))
-        self.engine.train()
+        self.engine = stage_engine(config, state, {**section, "sharding": "none"}, 1, compile_layers)
         self.data, self.section = data, section
         self.count = 0
         self.losses: list[float] = []
@@ -172,6 +185,38 @@ class EngineStep:
         self.count += 1
         self.losses.append(float(loss))
         return elapsed
+
+
+class TokenRows(torch.utils.data.Dataset):
+    """Rows of token ids as the Trainer's examples, each its own labels."""
+
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.data[i], "labels": self.data[i]}
+
+
+def hf_trainer(config: LlamaConfig, state: dict[str, torch.Tensor], data: torch.Tensor, section: dict[str, Any],
+               batch_size: int, max_steps: int, output_dir: str, callback, **arguments: Any):
+    """transformers.Trainer on transformers.LlamaForCausalLM (sdpa) from `state`, on `data`'s rows,
+    with our optimizer and schedule, no logging, saving or workers; `arguments` adds TrainingArguments."""
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+
+    model = LlamaForCausalLM(HFLlamaConfig(**config.to_hf_dict(), attn_implementation="sdpa"))
+    model.load_state_dict(state, strict=False)  # same names; HF's rotary buffer is not persistent
+    optimizer = adamw(model.parameters(), section)
+    args = TrainingArguments(
+        output_dir=output_dir, use_cpu=True, bf16=section["bf16"], per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=1, max_steps=max_steps, max_grad_norm=section["max_grad_norm"],
+        logging_steps=10**6, report_to=[], save_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
+        seed=section["seed"], **arguments)
+    return Trainer(model=model, args=args, train_dataset=TokenRows(data),
+                   optimizers=(optimizer, build_scheduler(optimizer, section)), callbacks=[callback])
 
 
 @contextlib.contextmanager
@@ -197,14 +242,8 @@ def bench_hf(config: LlamaConfig, state: dict[str, torch.Tensor], data: torch.Te
     With `profiler`, the measured steps run under it (pass no partners then).
     Returns the Trainer's summary and the partners' measured step times.
     """
-    from transformers import LlamaConfig as HFLlamaConfig
-    from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback
 
-    hf_config = HFLlamaConfig(**config.to_hf_dict(), attn_implementation="sdpa")
-    model = LlamaForCausalLM(hf_config)
-    model.load_state_dict(state, strict=False)  # same names; HF's rotary buffer is not persistent
-    optimizer = adamw(model.parameters(), section)
-    scheduler = build_scheduler(optimizer, section)
     partner_times: list[list[float]] = [[] for _ in partners]
 
     class StepTimer(TrainerCallback):
@@ -225,27 +264,15 @@ def bench_hf(config: LlamaConfig, state: dict[str, torch.Tensor], data: torch.Te
                 for times, partner in zip(partner_times, partners):
                     times.append(partner.step())
 
-    class Rows(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return len(data)
-
-        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-            return {"input_ids": data[i], "labels": data[i]}
-
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as tmp, single_process_env():
-        args = TrainingArguments(
-            output_dir=tmp, use_cpu=True, bf16=section["bf16"], per_device_train_batch_size=section["per_device_train_batch_size"],
-            gradient_accumulation_steps=1, max_steps=warmup + steps, max_grad_norm=section["max_grad_norm"],
-            logging_steps=10**6, report_to=[], save_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
-            torch_compile=compile_model, seed=section["seed"])
-        trainer = Trainer(model=model, args=args, train_dataset=Rows(), optimizers=(optimizer, scheduler),
-                          callbacks=[timer])
+        trainer = hf_trainer(config, state, data, section, section["per_device_train_batch_size"], warmup + steps,
+                             tmp, timer, torch_compile=compile_model)
         result = trainer.train()
     summary = _summary(timer.times[0], sum(timer.times[:warmup]), timer.times[warmup:])
     summary["train_loss"] = result.training_loss
     summary["trained_module"] = type(trainer.model_wrapped).__name__  # LlamaForCausalLM: no DDP wrapper
-    summary["param_dtype"] = str(next(model.parameters()).dtype)  # fp32 master weights under autocast
+    summary["param_dtype"] = str(next(trainer.model.parameters()).dtype)  # fp32 master weights under autocast
     return summary, partner_times
 
 
@@ -355,22 +382,12 @@ def layout_stage_steps(config: LlamaConfig, state: dict[str, torch.Tensor], rows
     """This rank's step times and step losses of the pretrain stage's step in its layout
     (`stages.training.engine.step` without the data source: the global batch's learned tokens,
     `train_step`, the step loss summed over the ranks)."""
-    import deepspeed
     import torch.distributed as dist
 
     from stages.training.step import learned_tokens
 
     world = dist.get_world_size()
-    model = build_model(config)
-    model.load_state_dict(state)
-    if section["torch_compile"]:
-        for layer in model.model.layers.values():
-            layer.compile()
-    optimizer = adamw(model.parameters(), section)
-    scheduler = build_scheduler(optimizer, section)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                      config=deepspeed_config(section, world))
-    engine.train()
+    engine = stage_engine(config, state, section, world, section["torch_compile"])
     times, losses = [], []
     for index in range(total):
         batches = [(rows(index), rows(index))]
@@ -387,12 +404,8 @@ def layout_trainer_steps(config: LlamaConfig, state: dict[str, torch.Tensor], ro
                          section: dict[str, Any], total: int) -> tuple[list[float], list[float], str]:
     """This rank's step times of transformers.Trainer in the same ranks: accelerate reads the
     launcher's variables and wraps the model in DistributedDataParallel (gloo on a CPU)."""
-    from transformers import LlamaConfig as HFLlamaConfig
-    from transformers import LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+    from transformers import TrainerCallback
 
-    model = LlamaForCausalLM(HFLlamaConfig(**config.to_hf_dict(), attn_implementation="sdpa"))
-    model.load_state_dict(state, strict=False)
-    optimizer = adamw(model.parameters(), section)
     times: list[float] = []
 
     class StepTimer(TrainerCallback):
@@ -402,21 +415,9 @@ def layout_trainer_steps(config: LlamaConfig, state: dict[str, torch.Tensor], ro
         def on_step_end(self, args, state, control, **kwargs):
             times.append(time.perf_counter() - self.t0)
 
-    class Rows(torch.utils.data.Dataset):  # all ranks' rows; the Trainer's sampler deals them out
-        def __len__(self) -> int:
-            return len(rows.data)
-
-        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-            return {"input_ids": rows.data[i], "labels": rows.data[i]}
-
-    with tempfile.TemporaryDirectory() as tmp:
-        args = TrainingArguments(
-            output_dir=tmp, use_cpu=True, bf16=section["bf16"], per_device_train_batch_size=rows.batch_size,
-            gradient_accumulation_steps=1, max_steps=total, max_grad_norm=section["max_grad_norm"],
-            logging_steps=10**6, report_to=[], save_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
-            seed=section["seed"], ddp_backend="gloo")
-        trainer = Trainer(model=model, args=args, train_dataset=Rows(),
-                          optimizers=(optimizer, build_scheduler(optimizer, section)), callbacks=[StepTimer()])
+    with tempfile.TemporaryDirectory() as tmp:  # all ranks' rows: the Trainer's sampler deals them out
+        trainer = hf_trainer(config, state, rows.data, section, rows.batch_size, total, tmp, StepTimer(),
+                             ddp_backend="gloo")
         result = trainer.train()
         wrapped = type(trainer.model_wrapped).__name__
     return times, [result.training_loss], wrapped
@@ -462,8 +463,7 @@ def bench_dag_layout(args: argparse.Namespace, tokens_per_rank_step: int) -> dic
     """`--layout-rounds` rounds of (stage, Trainer), each a fresh 2-rank torchrun; per side the
     median over all rounds' measured steps of rank 0 (the ranks meet in every step's collectives)."""
     torchrun = Path(sys.executable).parent / "torchrun"
-    env = {name: value for name, value in os.environ.items() if name not in WORLD_VARIABLES}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = without_world(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     world = dag_pretrain_section()["world_size"]
     sides: dict[str, list[dict[str, Any]]] = {"stage": [], "hf": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -753,9 +753,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ratios["stage step with the DAG's defaults/hf (tokens/s)"] = dag["tokens_per_s"] / hf["tokens_per_s"]
     if args.compile:
         ratios["ours eager/hf eager"] = runs["ours (eager)"]["tokens_per_s"] / runs["hf trainer (eager)"]["tokens_per_s"]
-    layout = [name for name, r in runs.items() if "world_size" in r]
-    if layout:  # part 1c: (stage, Trainer) in the default run's ranks; and the stage there against
-        stage, trainer = (runs[name] for name in layout)  # the Trainer's faster layout of the two
+    if layout_runs:  # part 1c: (stage, Trainer) in the default run's ranks; and the stage there against
+        stage, trainer = layout_runs.values()  # the Trainer's faster layout of the two
         ratios["stage in the DAG's layout/hf in the same layout (tokens/s)"] = (stage["tokens_per_s"]
                                                                                 / trainer["tokens_per_s"])
         ratios["stage in the DAG's layout/hf's faster layout (tokens/s)"] = stage["tokens_per_s"] / max(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Mapping
 
 import torch
 
@@ -16,6 +17,12 @@ log = logging.getLogger(__name__)
 # What a rank reads to join its world: set by torchrun, by `init_distributed` for a srun task or a
 # world of one. A process that started an in-process world hides them from what it starts next.
 WORLD_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def without_world(env: Mapping[str, str], **updates: str) -> dict[str, str]:
+    """`env` less WORLD_VARIABLES, with `updates`: the environment of a process started by one
+    that may have joined a world of its own (a test session, a bench)."""
+    return {**{name: value for name, value in env.items() if name not in WORLD_VARIABLES}, **updates}
 
 
 def init_distributed() -> None:

@@ -139,12 +139,12 @@ def estimated_flops_per_token(model, seq_len: int) -> dict[str, int]:
     input, 4 FLOPs, not the 2 more of its own gradient. L x d from the config's standard names.
     Position tables, norms and biases count as matmul weights: an estimate within a few percent,
     for MFU only."""
+    from stages.training.flops import trained_and_frozen  # not at the top: this module imports no torch
+
     embedding = model.get_input_embeddings().weight
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is embedding
-    matmul = [p for p in model.parameters() if tied or p is not embedding]  # a tied matrix counts once
-    trained = sum(p.numel() for p in matmul if p.requires_grad)
-    frozen = sum(p.numel() for p in matmul if not p.requires_grad)
+    trained, frozen = trained_and_frozen(p for p in model.parameters() if tied or p is not embedding)
     config = model.config
     layers, width = getattr(config, "num_hidden_layers", 0) or 0, getattr(config, "hidden_size", 0) or 0
     attention = 12 * layers * width * seq_len

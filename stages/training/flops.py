@@ -9,6 +9,7 @@ the node's peak is that times the ranks that fit its cores side by side (`cpu_ra
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import torch
 
@@ -40,19 +41,17 @@ def flops_per_token(config: LlamaConfig, seq_len: int, weights: tuple[int, int] 
             "attention": attention, "total": dense + attention}
 
 
+def trained_and_frozen(weights: Iterable[torch.Tensor]) -> tuple[int, int]:
+    """(elements with requires_grad, elements without) of `weights`, each tensor counted once."""
+    distinct = {id(w): w for w in weights}.values()
+    trained = sum(w.numel() for w in distinct if w.requires_grad)
+    return trained, sum(w.numel() for w in distinct) - trained
+
+
 def matmul_weights(model: torch.nn.Module) -> tuple[int, int]:
-    """(trained, frozen) elements of the weights of `model`'s Linear layers, each tensor once (a
-    tied lm_head, a LoRA layer's base, its factors): the matmul weights of our model."""
-    seen: set[int] = set()
-    trained = frozen = 0
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and id(module.weight) not in seen:
-            seen.add(id(module.weight))
-            if module.weight.requires_grad:
-                trained += module.weight.numel()
-            else:
-                frozen += module.weight.numel()
-    return trained, frozen
+    """(trained, frozen) elements of the weights of `model`'s Linear layers (a tied lm_head, a LoRA
+    layer's base, its factors): the matmul weights of our model."""
+    return trained_and_frozen(m.weight for m in model.modules() if isinstance(m, torch.nn.Linear))
 
 
 def cpu_ranks_at_peak(world: int, local_world: int, cores: int, threads: int) -> int:

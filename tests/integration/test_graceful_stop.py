@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from stages.checkpoint.store import checkpoint_name
-from stages.training.distributed import WORLD_VARIABLES
+from stages.training.distributed import without_world
 from workflow_helpers import ROOT, logged_steps, snakemake, weights_sha256
 
 # Slow (about 70 s each): CI runs them beside the SLURM tests, where the machine has time to spare;
@@ -48,8 +48,8 @@ def _run_and_signal(workdir: Path, extra: Path, at_step: int, rank: str, signum:
     # without the world variables an in-process test of this pytest worker may have set (a world of
     # one): inherited, they marked Snakemake's shell and torchrun's agent as ranks too (a `-m slow`
     # run, 2026-11-27: three processes with RANK=0)
-    env = {name: value for name, value in os.environ.items() if name not in WORLD_VARIABLES}
-    env.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", PYTHONPATH=str(ROOT))
+    env = without_world(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+                        PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(workdir),
            "--configfile", str(ROOT / "config" / "config.yaml"), str(extra), "--cores", "2", "results/stop/pretrain"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -47,12 +47,10 @@ class World:
 def torchrun_env() -> dict[str, str]:
     """The environment of a torchrun a test starts: the project importable, one thread per rank,
     and no world of the test process's own."""
-    from stages.training.distributed import WORLD_VARIABLES
+    from stages.training.distributed import without_world
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    for key in WORLD_VARIABLES:
-        env.pop(key, None)  # an in-process engine run of the test session must not leak its world
-    return env
+    # an in-process engine run of the test session must not leak its world
+    return without_world(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
 
 def start_world(nproc: int, runs: dict[str, dict], workdir: Path) -> World:

@@ -19,7 +19,7 @@ from stages import import_base, prepare
 from stages.config import check_config
 from stages.data.corpus import load_split
 from stages.training.batches import WindowSampler
-from stages.training.distributed import WORLD_VARIABLES
+from stages.training.distributed import without_world
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +39,7 @@ def test_continued_pretraining_starts_from_the_checkpoint(tmp_path, tiny_tokeniz
     cmd = [sys.executable, "-m", "stages.pretrain", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out"),
            "--model-config", json.dumps(exp["model"]), "--config", json.dumps(exp["pretrain"]),
            "--init", str(tmp_path / "base")]
-    env = {k: v for k, v in os.environ.items() if k not in WORLD_VARIABLES}  # this session's world must not leak
+    env = without_world(os.environ)  # this session's world must not leak
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
 

@@ -334,7 +334,9 @@ class LlamaForCausalLM(nn.Module):
                 param.fill_(0.0 if kind == "zeros" else 1.0)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None):
+                position_ids: torch.Tensor | None = None, logits_at: torch.Tensor | None = None):
+        """logits (B, T, V) [and the loss, with labels]; with `logits_at` (B, T) bool, the logits of
+        those positions only, (N, V) in row-major order (the norm and lm_head skip the others)."""
         encoder = getattr(self, "prefix_encoder", None)
         if encoder is not None:  # prefix tuning through a projection: this step's prefix from its MLP
             encoder.place([layer.self_attn for layer in self.model.layers.values()], encoder())
@@ -342,7 +344,9 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed(input_ids, position_ids, prefix_length(list(layers)))  # (B, T, d)
         x = run_layers(layers, x, self.rotary_emb,
                        recompute=self.gradient_checkpointing and self.training, position_ids=position_ids)
-        logits = self.lm_head(self.model.norm(x))  # (B, T, V)
+        if logits_at is not None:
+            x = x[logits_at]  # (N, d)
+        logits = self.lm_head(self.model.norm(x))  # (B, T, V) or (N, V)
         if labels is None:
             return logits
         return logits, self.loss_function(logits, labels)

@@ -6,7 +6,9 @@ labels (the mean), the training loop and the dev loss (the sum, so gradient accu
 micro-batches weigh every counted token equally), the pipeline's last stage (the sum over one
 micro-batch divided by the whole batch's count, `normalizer`), perplexity, and tensor parallelism
 with the logits split over the vocabulary (`per_token`: `stages.parallel.tensor`'s
-vocab-parallel cross-entropy, which this layer does not import).
+vocab-parallel cross-entropy, which this layer does not import). The training step of our model
+asks for the logits of the learned positions only (`learned_positions`, then `token_loss`): the
+same terms, without the vocabulary projection of the prompt and padding positions.
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ def shift(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, tor
     return logits.reshape(-1, vocab).float(), targets.reshape(-1)
 
 
+def learned_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(labels (B, T)) -> (where (B, T) bool, targets (N,)): the positions whose next token is
+    learned and those tokens, in row-major order; `logits[where]` are the rows `shift` keeps."""
+    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    where = targets != IGNORE_INDEX
+    return where, targets[where]
+
+
 def counted_tokens(labels: torch.Tensor) -> torch.Tensor:
     """How many label tokens `causal_lm_loss` counts (a 0-d tensor): labels shifted by one, not ignored."""
     return (labels[:, 1:] != IGNORE_INDEX).sum()
@@ -47,10 +57,16 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *,
     are not whole, e.g. split over the vocabulary under tensor parallelism; without it
     F.cross_entropy reduces directly (the same floats as every earlier copy of this loss).
     """
-    shift_logits, shift_labels = shift(logits, labels)
-    if per_token is None:
-        loss = F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction=reduction)
-    else:
-        losses = per_token(shift_logits, shift_labels)
-        loss = losses.sum() if reduction == "sum" else losses.sum() / (shift_labels != IGNORE_INDEX).sum()
+    loss = token_loss(*shift(logits, labels), reduction=reduction, per_token=per_token)
     return loss if normalizer is None else loss / normalizer
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, *, reduction: Literal["mean", "sum"] = "mean",
+               per_token: PerTokenLoss | None = None) -> torch.Tensor:
+    """Cross-entropy of `logits` (N, V or V/tp) against `targets` (N,), those equal to IGNORE_INDEX
+    skipped: the mean over the counted ones, or the sum."""
+    logits = logits.float()
+    if per_token is None:
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
+    losses = per_token(logits, targets)
+    return losses.sum() if reduction == "sum" else losses.sum() / (targets != IGNORE_INDEX).sum()

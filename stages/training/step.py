@@ -9,7 +9,8 @@ from typing import Callable
 
 import torch
 
-from stages.model import causal_lm_loss, counted_tokens
+from stages.model import LlamaForCausalLM, causal_lm_loss, counted_tokens
+from stages.model.loss import learned_positions, token_loss
 from stages.parallel.mappings import collective_device
 from stages.parallel.pipeline import PipelineRunner
 from stages.parallel.tensor import vocab_parallel_cross_entropy
@@ -18,12 +19,17 @@ from stages.parallel.tensor import vocab_parallel_cross_entropy
 def token_sum_loss(engine, ids: torch.Tensor, labels: torch.Tensor, tp_group,
                    position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Summed next-token cross-entropy over labels != IGNORE_INDEX (logits split over the vocabulary when
-    `tp_group` is given, i.e. tensor_parallel_output). Our model returns the logits, a transformers
-    model a ModelOutput holding them; right padding needs no attention mask under causal attention.
-    `position_ids` marks packed rows (our model only)."""
-    output = engine(input_ids=ids) if position_ids is None else engine(input_ids=ids, position_ids=position_ids)
-    logits = output if torch.is_tensor(output) else output.logits  # (B, T, V) or (B, T, V/tp)
+    `tp_group` is given, i.e. tensor_parallel_output). Our model computes the logits of the learned
+    positions only (in SFT rows most positions are the prompt's: measured in docs/benchmarks.md);
+    a transformers model returns a ModelOutput holding all of them. Right padding needs no attention
+    mask under causal attention. `position_ids` marks packed rows (our model only)."""
+    inputs = {"input_ids": ids} if position_ids is None else {"input_ids": ids, "position_ids": position_ids}
     per_token = None if tp_group is None else functools.partial(vocab_parallel_cross_entropy, group=tp_group)
+    if isinstance(getattr(engine, "module", engine), LlamaForCausalLM):  # a DeepSpeed engine holds it as .module
+        where, targets = learned_positions(labels)
+        return token_loss(engine(**inputs, logits_at=where), targets, reduction="sum", per_token=per_token)
+    output = engine(**inputs)
+    logits = output if torch.is_tensor(output) else output.logits  # (B, T, V) or (B, T, V/tp)
     return causal_lm_loss(logits, labels, reduction="sum", per_token=per_token)
 
 

@@ -128,6 +128,25 @@ def test_sft_packing_bench_report_has_its_keys(tmp_path):
         assert r["ratio"]["effective_tokens_per_s"] > 0 and isinstance(r["target"]["pass"], bool)
 
 
+def test_learned_logits_bench_report_has_its_keys(tmp_path):
+    """bench/learned_logits.py --quick: each case's shape, its learned share as the default data's,
+    both ways timed, and the same loss both ways."""
+    out = tmp_path / "learned_logits.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "learned_logits.py"), "--quick", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "| speedup |" in proc.stdout
+    result = json.loads(out.read_text())
+    assert {"cpu", "cores", "torch_threads", "torch"} <= result["machine"].keys()
+    assert list(result["cases"]) == ["sft", "lora-shape", "pretrain"]
+    shares = {name: c["learned_share"] for name, c in result["cases"].items()}
+    assert shares["sft"] == pytest.approx(0.653, abs=0.01) and shares["lora-shape"] == pytest.approx(0.370, abs=0.01)
+    for name, c in result["cases"].items():
+        assert c["learned_positions"] == round(c["learned_share"] * c["rows"] * c["tokens_per_row"]), name
+        assert c["ms_all_logits"] > 0 and c["ms_learned_logits"] > 0 and c["speedup"] > 0, name
+        assert c["loss_rel_diff"] < 1e-5, name
+
+
 def test_lazy_build_bench_report_has_its_keys(tmp_path):
     out = tmp_path / "lazy.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "lazy_build.py"), "--flavour", "debug",

@@ -59,3 +59,33 @@ def test_written_once(pattern):
     hits = sorted(str(p.relative_to(ROOT)) for folder in ("stages", "bench") for p in (ROOT / folder).rglob("*.py")
                   if re.search(pattern, p.read_text()))
     assert set(hits) <= allowed, f"{pattern} outside {sorted(allowed)}: {hits}"
+
+
+def test_the_step_loss_from_the_learned_positions_only_equals_the_full_logits_loss():
+    """token_sum_loss asks our model for the logits of the learned positions only: the same rows of
+    the logits, the same summed loss and the same gradients as the whole (B, T, V) logits give."""
+    from stages.model import LlamaForCausalLM
+    from stages.model.config import config_for_flavour
+    from stages.model.loss import learned_positions
+    from stages.training.step import token_sum_loss
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config_for_flavour("debug", vocab_size=64))
+    ids = torch.randint(0, 64, (3, 12))
+    labels = ids.clone()
+    labels[0, :7] = IGNORE_INDEX  # an SFT row's prompt
+    labels[1, 9:] = IGNORE_INDEX  # padding
+    where, targets = learned_positions(labels)
+    assert int(where.sum()) == int(counted_tokens(labels)) == len(targets) == 5 + 8 + 11
+
+    full = model(input_ids=ids)
+    assert torch.allclose(model(input_ids=ids, logits_at=where), full[where], atol=1e-6)
+    expected = causal_lm_loss(full, labels, reduction="sum")
+    expected.backward()
+    expected_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    got = token_sum_loss(model, ids, labels, None)
+    got.backward()
+    assert float(got) == pytest.approx(float(expected), rel=1e-6)
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, expected_grads[name], rtol=1e-5, atol=1e-7), name

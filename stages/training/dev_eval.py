@@ -4,10 +4,12 @@ any layout but pipeline parallelism.
 
 Every rank evaluates the whole dev set (it is small): the forwards are collective under tensor
 parallelism and ZeRO-3, so all ranks run the same ones, and nothing needs reducing afterwards.
-Generation runs exactly `max_new_tokens` forwards of the whole batch (no early stop: every rank
-runs the same collectives), without a KV cache, prompts left-padded. Our model is told where the
-padding ends through its position ids (the pad tokens form a packed example of their own, which
-the prompt does not attend to); a transformers model gets the attention mask.
+Generation runs forwards of the whole batch, without a KV cache, prompts left-padded, until every
+row has produced eos or `max_new_tokens` are made; the ranks agree on the stop through an all-reduce
+(every rank runs the same collectives). The tokens after a row's eos are cut, so stopping there
+changes no result. Our model is told where the padding ends through its position ids (the pad tokens
+form a packed example of their own, which the prompt does not attend to); a transformers model gets
+the attention mask.
 """
 
 from __future__ import annotations
@@ -26,14 +28,15 @@ from stages.model import LlamaForCausalLM
 Example = tuple[list[int], list[int]]
 
 
-def _logits(module, ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-            attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    own = isinstance(_unwrap(module), LlamaForCausalLM)
-    if own:
-        out = module(input_ids=ids) if position_ids is None else module(input_ids=ids, position_ids=position_ids)
-    else:
-        out = module(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids)
-    return out if torch.is_tensor(out) else out.logits
+def _last_logits(module, ids: torch.Tensor, position_ids: torch.Tensor,
+                 attention_mask: torch.Tensor) -> torch.Tensor:
+    """The logits (B, V) of each row's last position: our model projects that position only."""
+    if isinstance(_unwrap(module), LlamaForCausalLM):
+        last = torch.zeros_like(ids, dtype=torch.bool)
+        last[:, -1] = True
+        return module(input_ids=ids, position_ids=position_ids, logits_at=last)
+    out = module(input_ids=ids, attention_mask=attention_mask, position_ids=position_ids)
+    return (out if torch.is_tensor(out) else out.logits)[:, -1]
 
 
 def _unwrap(module):
@@ -97,11 +100,12 @@ class DevEvaluator:
         mask = torch.zeros_like(ids)
         for row, p in enumerate(prompts):
             ids[row, width - len(p):], mask[row, width - len(p):] = torch.tensor(p), 1
+        finished = torch.zeros(len(prompts), dtype=torch.bool)
         for _ in range(max_new_tokens):
             # pads count 0, 1, ... and the real tokens start again at 0: two examples of a packed row
             pads = (mask == 0).long()
             position_ids = torch.where(mask.bool(), mask.cumsum(-1) - 1, pads.cumsum(-1) - 1)
-            logits = _logits(engine, ids.to(device), position_ids.to(device), mask.to(device))[:, -1].float()
+            logits = _last_logits(engine, ids.to(device), position_ids.to(device), mask.to(device)).float()
             if self.tp_group is not None:  # vocab-split logits: gather the last position's
                 parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(self.tp_group))]
                 dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
@@ -109,7 +113,21 @@ class DevEvaluator:
             token = logits.argmax(-1).cpu()
             ids = torch.cat([ids, token[:, None]], dim=1)
             mask = torch.cat([mask, torch.ones_like(token)[:, None]], dim=1)
+            if eos is not None:
+                finished |= token == eos
+            if _everyone_finished(finished):
+                break
         results = []
         for row in ids[:, width:].tolist():
             results.append(row[:row.index(eos) + 1] if eos in row else row)
         return results
+
+
+def _everyone_finished(finished: torch.Tensor) -> bool:
+    """Whether every row of every rank has produced eos: the ranks compute the same tokens, and the
+    all-reduce makes sure they also stop at the same forward (a rank that stopped alone would leave
+    the others waiting in the next forward's collectives)."""
+    unfinished = torch.tensor([int((~finished).sum())])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(unfinished, op=dist.ReduceOp.MAX)
+    return int(unfinished) == 0

@@ -167,10 +167,14 @@ def test_missing_data_names_the_file(tmp_path, debug_model_dir):
 
 # Full SFT in every layout follows the single-process engine run: same starting weights, same
 # global batch of 8 padded examples per step, loss = mean over the step's answer tokens.
+# Evaluation with generation every 3 steps: in the reference and in the layouts that evaluate (all
+# but pipeline parallelism, whose schedule only trains); it leaves the weights as they are.
+DEV_EVAL = dict(eval_steps=3, eval_with_do_generation=True, num_eval_examples=4, per_device_eval_batch_size=2)
 SFT_LAYOUTS = {
     "dp2_sharding_stage1": dict(world_size=2, sharding="stage1", per_device_train_batch_size=4,
-                                gradient_accumulation_steps=1),
-    "tp2": dict(world_size=2, tensor_parallel_degree=2, per_device_train_batch_size=4, gradient_accumulation_steps=2),
+                                gradient_accumulation_steps=1, **DEV_EVAL),
+    "tp2": dict(world_size=2, tensor_parallel_degree=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                **DEV_EVAL),
     "pp2_1f1b": dict(world_size=2, pipeline_parallel_degree=2, per_device_train_batch_size=2,
                      gradient_accumulation_steps=4),
 }
@@ -187,7 +191,9 @@ def torchrun_sft(nproc: int, model_dir, data_dir, out, **overrides) -> list[floa
 @pytest.fixture(scope="module")
 def sft_reference(tmp_path_factory, debug_model_dir, data_dir):
     out = tmp_path_factory.mktemp("sft_reference") / "out"
-    return torchrun_sft(1, debug_model_dir, data_dir, out, per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    torchrun_sft(1, debug_model_dir, data_dir, out, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                 **DEV_EVAL)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -205,10 +211,32 @@ def sft_layout_runs(tmp_path_factory, debug_model_dir, data_dir):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("name", list(SFT_LAYOUTS))
 def test_full_sft_layout_matches_the_single_process_run(name, sft_reference, sft_layout_runs):
-    curve = train_losses(sft_layout_runs[name])
-    assert len(curve) == len(sft_reference) == 6
-    assert curve == pytest.approx(sft_reference, rel=1e-5)
-    assert sft_reference[-1] < sft_reference[0]
+    curve, reference = train_losses(sft_layout_runs[name]), train_losses(sft_reference)
+    assert len(curve) == len(reference) == 6
+    assert curve == pytest.approx(reference, rel=1e-5)
+    assert reference[-1] < reference[0]
+
+
+def dev_evaluations(out_dir) -> tuple[dict[int, dict[str, float]], dict[str, float]]:
+    """step -> the eval columns of train_log.csv, and meta.json's final dev metrics."""
+    with open(out_dir / "train_log.csv") as f:
+        logged = {int(row["step"]): {k: float(v) for k, v in row.items() if k.startswith("eval_")}
+                  for row in csv.DictReader(f) if row["eval_loss"]}
+    meta = json.loads((out_dir / "meta.json").read_text())["metrics"]
+    return logged, {k: v for k, v in meta.items() if k.startswith("dev_") and isinstance(v, float)}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", [name for name, layout in SFT_LAYOUTS.items() if "eval_steps" in layout])
+def test_dev_evaluation_with_generation_matches_the_single_process_run(name, sft_reference, sft_layout_runs):
+    """Dev loss, exact match, BLEU-4 and ROUGE-L of greedy generations at steps 3 and 6 and of the
+    final weights: every rank generates the whole dev set and the ranks stop together."""
+    (logged, final), (logged_ref, final_ref) = dev_evaluations(sft_layout_runs[name]), dev_evaluations(sft_reference)
+    assert sorted(logged) == sorted(logged_ref) == [3, 6]
+    assert {"dev_loss", "dev_exact_match", "dev_bleu4", "dev_rouge_l"} <= final_ref.keys()
+    for step in logged:
+        assert logged[step] == pytest.approx(logged_ref[step], rel=1e-5)
+    assert final == pytest.approx(final_ref, rel=1e-5)
 
 
 def test_eval_steps_log_dev_metrics_and_the_best_model_is_written(tmp_path, debug_model_dir, data_dir):

@@ -23,24 +23,6 @@ def smollm2_dir():
     return real_model.cached_smollm2_dir()
 
 
-@pytest.fixture(autouse=True)
-def _world_variables_stay_in_their_test():
-    """Restore RANK, WORLD_SIZE and the other world variables after each test. An in-process world
-    of one (`init_distributed` in the test's own process) writes them into os.environ; left there,
-    every later test of the same pytest worker handed them to the jobs it started, whose shells and
-    launchers then looked like rank 0 (test_graceful_stop failed so, depending on which files shared
-    its worker). The process group itself stays: a later in-process init_distributed reuses it."""
-    from stages.training.distributed import WORLD_VARIABLES
-
-    before = {name: os.environ.get(name) for name in WORLD_VARIABLES}
-    yield
-    for name, value in before.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-
-
 _EXIT_STATUS = pytest.StashKey[int]()
 
 

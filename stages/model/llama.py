@@ -337,6 +337,9 @@ class LlamaForCausalLM(nn.Module):
                 position_ids: torch.Tensor | None = None, logits_at: torch.Tensor | None = None):
         """logits (B, T, V) [and the loss, with labels]; with `logits_at` (B, T) bool, the logits of
         those positions only, (N, V) in row-major order (the norm and lm_head skip the others)."""
+        if logits_at is not None and labels is not None:
+            raise ValueError("logits_at with labels: the loss needs every position's logits; score the kept "
+                             "logits with stages.model.loss.token_loss instead")
         encoder = getattr(self, "prefix_encoder", None)
         if encoder is not None:  # prefix tuning through a projection: this step's prefix from its MLP
             encoder.place([layer.self_attn for layer in self.model.layers.values()], encoder())

@@ -20,9 +20,10 @@ def token_sum_loss(engine, ids: torch.Tensor, labels: torch.Tensor, tp_group,
                    position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Summed next-token cross-entropy over labels != IGNORE_INDEX (logits split over the vocabulary when
     `tp_group` is given, i.e. tensor_parallel_output). Our model computes the logits of the learned
-    positions only (in SFT rows most positions are the prompt's: measured in docs/benchmarks.md);
-    a transformers model returns a ModelOutput holding all of them. Right padding needs no attention
-    mask under causal attention. `position_ids` marks packed rows (our model only)."""
+    positions only (a prompt's and padding positions are not: 35% of the default SFT run's positions,
+    63% of LoRA's; bench/learned_logits.py); a transformers model returns a ModelOutput holding all
+    of them. Right padding needs no attention mask under causal attention. `position_ids` marks
+    packed rows (our model only)."""
     inputs = {"input_ids": ids} if position_ids is None else {"input_ids": ids, "position_ids": position_ids}
     per_token = None if tp_group is None else functools.partial(vocab_parallel_cross_entropy, group=tp_group)
     if isinstance(getattr(engine, "module", engine), LlamaForCausalLM):  # a DeepSpeed engine holds it as .module

@@ -102,6 +102,15 @@ def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> int:
     return estimated_flops_per_token(model, seq_len)["total"]
 
 
+def logits_flops_per_token(model: torch.nn.Module) -> int:
+    """The part of `model_flops_per_token` that only a learned position costs: our model's lm_head
+    (6 FLOPs per weight, 4 frozen), which the training step skips at the other positions
+    (`stages.training.step.token_sum_loss`); 0 for a transformers model, which projects them all."""
+    if not isinstance(model, LlamaForCausalLM):
+        return 0
+    return (6 if model.lm_head.weight.requires_grad else 4) * model.lm_head.weight.numel()
+
+
 def open_checkpoints(model: torch.nn.Module, section: Mapping[str, Any], topology: Topology, checkpoint_dir: Path,
                      global_batch: int, identity: dict[str, Any] | None):
     """The run's Checkpointer in `checkpoint_dir/<fingerprint>/` and the checkpoint to resume from
@@ -139,8 +148,10 @@ class Run:
     num_parameters: int
     trainable_parameters: int
     flops_per_token: int
+    logits_flops_per_token: int  # of flops_per_token, what only a learned position costs
     peak_flops: float | None
     start_step: int = 0
+    learned_tokens: int = 0  # of the global batches stepped since the last logged row
     losses: list[float] = field(default_factory=list)
     evaluations: list[dict[str, Any]] = field(default_factory=list)  # {"step", metric: value}
     stops: list[dict[str, Any]] = field(default_factory=list)  # {"step", "reason"}: stopped on request there
@@ -195,11 +206,13 @@ def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: 
     # Counted on the whole model, before tensor parallelism slices it or ZeRO-3 partitions it.
     n_params = num_parameters or sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for _, p in trained_parameters(model))
-    fpt = model_flops_per_token(model, source.seq_len)
+    fpt, logits_fpt = model_flops_per_token(model, source.seq_len), logits_flops_per_token(model)
     config = model.config
     generation_config = getattr(model, "generation_config", None)  # a transformers model's, for out_dir
     lazy = model.weight_source if is_lazy(model) else None
     module, runner = parallelize(model, section, topology)
+    if runner is not None:  # the pipeline's last stage projects every position
+        logits_fpt = 0
     del model  # the pipeline keeps only this rank's chunks
     names = module.full_names() if runner is not None else {}
     if lazy is not None:  # only this rank's slice is ever allocated
@@ -224,12 +237,12 @@ def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: 
     peak = _peak_flops(section, engine.device, world) if rank == 0 else None
     dist.barrier()  # the peak was measured while the other ranks waited
     train_log = TrainLog(staging / "train_log.csv", section["max_steps"], enabled=rank == 0, desc=stage,
-                         flops_per_token=fpt, peak_flops=peak, previous=rows)
+                         flops_per_token=fpt, logits_flops_per_token=logits_fpt, peak_flops=peak, previous=rows)
     return Run(section=section, stage=stage, topology=topology, engine=engine, scheduler=scheduler, access=access,
                clip=clip, runner=runner, names=names, config=config, generation_config=generation_config,
                checkpointer=checkpointer, train_log=train_log, staging=staging, global_batch=global_batch,
                seq_len=source.seq_len, num_parameters=n_params, trainable_parameters=n_trainable,
-               flops_per_token=fpt, peak_flops=peak, start_step=start_step, losses=losses, evaluations=evaluations,
+               flops_per_token=fpt, logits_flops_per_token=logits_fpt, peak_flops=peak, start_step=start_step, losses=losses, evaluations=evaluations,
                stops=stops)
 
 
@@ -241,6 +254,7 @@ def step(run: Run, source, index: int) -> tuple[float, float | None]:
     dp, dp_rank = topology.get_data_parallel_world_size(), topology.get_data_parallel_rank()
     batches = source.micro_batches(index, run.global_batch, dp_rank, dp, section["per_device_train_batch_size"])
     num_tokens = learned_tokens(batches, topology.get_data_parallel_group())
+    run.learned_tokens += num_tokens
     step_loss, grad_norm = train_step(run.engine, run.runner, batches, num_tokens, dp, run.clip, tp_output_group(run))
     if dp > 1:  # the ranks' shares add up to the step loss
         dist.all_reduce(step_loss, group=topology.get_data_parallel_group())
@@ -278,8 +292,8 @@ def run_steps(run: Run, source, evaluator: Callable[..., dict[str, float]] | Non
                 if grad_norm is None:
                     grad_norm = engine.get_global_grad_norm()
                 grad_norm = None if grad_norm is None else float(grad_norm)
-                run.train_log.log(done, loss, lr, grad_norm, since_log, evaluation)
-                since_log = 0
+                run.train_log.log(done, loss, lr, grad_norm, since_log, evaluation, learned=run.learned_tokens)
+                since_log = run.learned_tokens = 0
             watch.longest_step_s = max(watch.longest_step_s, time.perf_counter() - started)
             if done < section["max_steps"]:
                 reason = watch.agreed(collective_device())
@@ -377,7 +391,8 @@ def run_metrics(run: Run) -> dict[str, Any]:
         "tokens_seen": run.global_batch * run.seq_len * section["max_steps"],
         "tokens_per_s": float(np.median([float(r["tokens_per_s"]) for r in rows[1:] or rows])) if rows else None,
         "mfu": float(np.median([float(r["mfu"]) for r in rows[1:] or rows])) if rows and run.peak_flops else None,
-        "flops_per_token": run.flops_per_token, "peak_flops": run.peak_flops,
+        "flops_per_token": run.flops_per_token,
+        "logits_flops_per_token": run.logits_flops_per_token, "peak_flops": run.peak_flops,
         "skipped_steps": int(getattr(run.engine, "skipped_steps", 0)),  # fp16 overflow: update skipped
         "resumed_from_step": run.start_step or None,
         "checkpoint_save_stall_s": [round(s, 4) for s in run.checkpointer.stall_s] if run.checkpointer else [],

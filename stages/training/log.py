@@ -43,15 +43,18 @@ class TrainLog:
 
     def __init__(self, path: str | Path, max_steps: int, enabled: bool = True, desc: str = "train",
                  flops_per_token: float | None = None, peak_flops: float | None = None,
-                 previous: list[dict[str, Any]] | None = None):
+                 previous: list[dict[str, Any]] | None = None, logits_flops_per_token: float = 0):
         """With `flops_per_token` and `peak_flops` (FLOP/s of all devices together) each row gets
-        mfu = tokens_per_s x flops_per_token / peak_flops; otherwise the column stays empty.
+        mfu = the FLOPs of its tokens / seconds / peak_flops; otherwise the column stays empty. A
+        token costs flops_per_token, less `logits_flops_per_token` (the vocabulary projection) where
+        its next token is not learned and the step skipped it (`log(..., learned=)`).
         `previous` rows (a resumed run's log up to its checkpoint) are written first, to both files;
         elapsed_s continues from the last of them. Event files already in the directory (a run that
         stopped before this one) are removed, as train_log.csv is overwritten, so TensorBoard shows
         one curve."""
         self.enabled = enabled
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
+        self.logits_flops_per_token = logits_flops_per_token
         self.rows: list[dict[str, Any]] = list(previous or [])
         if not enabled:
             return
@@ -91,15 +94,19 @@ class TrainLog:
                 events.add_scalar(tag, float(row[column]), int(row["step"]), walltime=walltime)
 
     def log(self, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int,
-            evaluation: dict[str, float] | None = None) -> None:
+            evaluation: dict[str, float] | None = None, learned: int | None = None) -> None:
         """Record optimizer step `step` (1-based); `tokens` is the number of tokens all ranks
-        consumed since the previous logged row; `evaluation` the dev metrics measured after it."""
+        consumed since the previous logged row, `learned` how many of them had a learned next token
+        (None: all); `evaluation` the dev metrics measured after it."""
         if not self.enabled:
             return
         now = time.perf_counter()
         tokens_per_s = tokens / max(now - self._last, 1e-9)
-        mfu = (tokens_per_s * self.flops_per_token / self.peak_flops
-               if self.flops_per_token and self.peak_flops else None)
+        mfu = None
+        if self.flops_per_token and self.peak_flops:
+            skipped = 0 if learned is None else tokens - learned
+            flops = tokens * self.flops_per_token - skipped * self.logits_flops_per_token
+            mfu = flops / max(now - self._last, 1e-9) / self.peak_flops
         row = {"step": step, "loss": f"{loss:.6f}", "lr": f"{lr:.6e}",
                "grad_norm": "" if grad_norm is None else f"{grad_norm:.6f}", "tokens": tokens,
                "tokens_per_s": f"{tokens_per_s:.1f}", "mfu": "" if mfu is None else f"{mfu:.5f}",

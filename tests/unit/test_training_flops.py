@@ -98,3 +98,21 @@ def test_a_cpu_run_of_two_one_thread_ranks_counts_both_shares_of_the_node(monkey
         assert engine._peak_flops(section, torch.device("cpu"), world=1) == 100.0
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_logits_share_is_our_lm_head_at_six_or_four_and_nothing_for_transformers():
+    """What a position whose next token is not learned does not cost (the step skips its lm_head)."""
+    from transformers import LlamaConfig as HfLlamaConfig
+    from transformers import LlamaForCausalLM as HfLlamaForCausalLM
+
+    from stages.model import LlamaForCausalLM
+    from stages.model.config import config_for_flavour
+    from stages.training.engine import logits_flops_per_token
+
+    ours = LlamaForCausalLM(config_for_flavour("debug", vocab_size=512))
+    assert logits_flops_per_token(ours) == 6 * 512 * ours.config.hidden_size
+    ours.lm_head.weight.requires_grad_(False)  # LoRA's and prefix tuning's frozen base
+    assert logits_flops_per_token(ours) == 4 * 512 * ours.config.hidden_size
+    hf = HfLlamaForCausalLM(HfLlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                          num_attention_heads=4))
+    assert logits_flops_per_token(hf) == 0

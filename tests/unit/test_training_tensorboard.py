@@ -72,6 +72,20 @@ def test_every_logged_value_reads_back(tmp_path):
     assert sorted(got["train/grad_norm"]) == [1, 3, 4]  # step 2 had none, as its CSV cell is empty
 
 
+def test_mfu_counts_the_vocabulary_projection_of_learned_tokens_only(tmp_path):
+    """A token whose next one is not learned costs flops_per_token less logits_flops_per_token (the
+    step skipped its lm_head); `learned=None` counts every token whole."""
+    train_log = TrainLog(tmp_path / "train_log.csv", max_steps=2, flops_per_token=6e6, peak_flops=1e12,
+                         logits_flops_per_token=2e6)
+    train_log.log(1, loss=2.0, lr=1e-3, grad_norm=1.0, tokens=1000, learned=600)
+    train_log.log(2, loss=2.0, lr=1e-3, grad_norm=1.0, tokens=1000)
+    train_log.close()
+    partly, whole = train_log.rows
+    for row, flops in ((partly, 1000 * 6e6 - 400 * 2e6), (whole, 1000 * 6e6)):
+        seconds = 1000 / float(row["tokens_per_s"])
+        assert float(row["mfu"]) == pytest.approx(flops / seconds / 1e12, rel=1e-3)
+
+
 def test_columns_without_values_get_no_scalars(tmp_path):
     train_log = TrainLog(tmp_path / "train_log.csv", max_steps=2)  # no peak FLOP/s: no MFU
     log_steps(train_log, range(1, 3))

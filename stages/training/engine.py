@@ -242,8 +242,8 @@ def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: 
                clip=clip, runner=runner, names=names, config=config, generation_config=generation_config,
                checkpointer=checkpointer, train_log=train_log, staging=staging, global_batch=global_batch,
                seq_len=source.seq_len, num_parameters=n_params, trainable_parameters=n_trainable,
-               flops_per_token=fpt, logits_flops_per_token=logits_fpt, peak_flops=peak, start_step=start_step, losses=losses, evaluations=evaluations,
-               stops=stops)
+               flops_per_token=fpt, logits_flops_per_token=logits_fpt, peak_flops=peak, start_step=start_step,
+               losses=losses, evaluations=evaluations, stops=stops)
 
 
 def step(run: Run, source, index: int) -> tuple[float, float | None]:

@@ -30,14 +30,18 @@ def shift(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, tor
     move, not the logits (as transformers' ForCausalLMLoss does): a slice of the logits would be
     copied once more before the fp32 copy and its gradient zero-filled, on every step."""
     vocab = logits.shape[-1]
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
-    return logits.reshape(-1, vocab).float(), targets.reshape(-1)
+    return logits.reshape(-1, vocab).float(), next_tokens(labels).reshape(-1)
+
+
+def next_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """(B, T) -> (B, T): the label position t scores, t + 1's; IGNORE_INDEX at each row's end."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
 def learned_positions(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(labels (B, T)) -> (where (B, T) bool, targets (N,)): the positions whose next token is
     learned and those tokens, in row-major order; `logits[where]` are the rows `shift` keeps."""
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    targets = next_tokens(labels)
     where = targets != IGNORE_INDEX
     return where, targets[where]
 

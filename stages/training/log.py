@@ -101,12 +101,13 @@ class TrainLog:
         if not self.enabled:
             return
         now = time.perf_counter()
-        tokens_per_s = tokens / max(now - self._last, 1e-9)
+        seconds = max(now - self._last, 1e-9)
+        tokens_per_s = tokens / seconds
         mfu = None
         if self.flops_per_token and self.peak_flops:
             skipped = 0 if learned is None else tokens - learned
             flops = tokens * self.flops_per_token - skipped * self.logits_flops_per_token
-            mfu = flops / max(now - self._last, 1e-9) / self.peak_flops
+            mfu = flops / seconds / self.peak_flops
         row = {"step": step, "loss": f"{loss:.6f}", "lr": f"{lr:.6e}",
                "grad_norm": "" if grad_norm is None else f"{grad_norm:.6f}", "tokens": tokens,
                "tokens_per_s": f"{tokens_per_s:.1f}", "mfu": "" if mfu is None else f"{mfu:.5f}",

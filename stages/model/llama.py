@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from stages.model.attention_precision import attention_in_fp32
 from stages.model.config import LlamaConfig
 from stages.model.loss import causal_lm_loss
 from stages.model.rope import RotaryEmbedding
@@ -169,6 +170,9 @@ class Attention(nn.Module):
         # each KV head serves H / K query heads: SDPA's enable_gqa reads the shared heads in place
         # (repeating k and v first cost 18% of attention's forward + backward: bf16, one CPU thread)
         gqa = q.shape[1] != k.shape[1]
+        dtype = q.dtype
+        if attention_in_fp32(q, k.shape[2]):  # faster there than bf16's kernel (stages.model.attention_precision)
+            q, k, v = q.float(), k.float(), v.float()
         dropout = self.attention_dropout if self.training else 0.0
         window = self.sliding_window if self.sliding_window is not None and T > self.sliding_window else None
         if window is None and segments is None and not prefix_len:
@@ -177,7 +181,7 @@ class Attention(nn.Module):
         else:
             mask = attention_mask(T, window, segments, prefix_len, x.device)  # (T, P+T) or (B, 1, T, P+T)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
-        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, H*hd)
+        y = y.to(dtype).transpose(1, 2).reshape(B, T, -1)  # (B, T, H*hd)
         return self.o_proj(y)
 
 

@@ -147,6 +147,26 @@ def test_learned_logits_bench_report_has_its_keys(tmp_path):
         assert c["loss_rel_diff"] < 1e-5, name
 
 
+def test_attention_precision_bench_report_has_its_keys(tmp_path):
+    """bench/attention_precision.py --quick: both kernels timed per shape, the rule's pick beside the
+    faster one, and the rule's pick is what stages.model.attention_precision says for the shape."""
+    from stages.model.attention_precision import CPU_HAS_AMX
+
+    out = tmp_path / "attention_precision.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "attention_precision.py"), "--quick", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    assert "| rule picks |" in proc.stdout
+    result = json.loads(out.read_text())
+    assert result["cpu_has_amx"] == CPU_HAS_AMX
+    assert [(r["head_dim"], r["tokens"]) for r in result["shapes"]] == [(32, 64), (32, 1024)]
+    picks = [r["rule_picks"] for r in result["shapes"]]
+    assert picks == (["bf16", "bf16"] if CPU_HAS_AMX else ["fp32", "bf16"])
+    for r in result["shapes"]:
+        assert r["ms_bf16"] > 0 and r["ms_fp32"] > 0 and r["rule_cost"] >= 1.0
+        assert r["rows"] * r["tokens"] == 4096
+
+
 def test_lazy_build_bench_report_has_its_keys(tmp_path):
     out = tmp_path / "lazy.json"
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "lazy_build.py"), "--flavour", "debug",

@@ -175,6 +175,9 @@ SFT_LAYOUTS = {
                                 gradient_accumulation_steps=1, **DEV_EVAL),
     "tp2": dict(world_size=2, tensor_parallel_degree=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                 **DEV_EVAL),
+    # lm_head's vocabulary stays split: the loss is vocab-parallel, generation gathers the last logits
+    "tp2_vocab_split": dict(world_size=2, tensor_parallel_degree=2, tensor_parallel_output=True,
+                            per_device_train_batch_size=4, gradient_accumulation_steps=2, **DEV_EVAL),
     "pp2_1f1b": dict(world_size=2, pipeline_parallel_degree=2, per_device_train_batch_size=2,
                      gradient_accumulation_steps=4),
 }

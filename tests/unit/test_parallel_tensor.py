@@ -25,6 +25,7 @@ from stages.parallel.tensor import (
     vocab_parallel_causal_lm_loss,
     vocab_parallel_cross_entropy,
 )
+from stages.training.dev_eval import DevEvaluator
 
 VOCAB = 256
 CONFIGS = {  # llama: GQA 4 query / 2 KV heads; qwen2: q/k/v biases and tied embeddings
@@ -166,6 +167,13 @@ def _model_checks(rank: int, world: int, group, flavour: str) -> dict:
     # the model's own loss switches to the vocab-parallel one (what the pretrain stage calls)
     _, own_loss = tpo(ids, labels=labels)
     out["tpo_model_loss"] = _diff(own_loss, loss_d)
+    # evaluation while training: greedy generation gathers the last position's vocab-split logits
+    evaluator = DevEvaluator([], batch_size=2, pad_token_id=0)
+    prompts = [[5, 200, 7, 130], [250, 10, 140]]  # tokens of both vocab halves
+    with torch.no_grad():
+        out["greedy_dense"] = evaluator.greedy(dense, prompts, 10, eos=-1)
+        evaluator.tp_group = group
+        out["greedy_tpo"] = evaluator.greedy(tpo, prompts, 10, eos=-1)
 
     # state dict round trips: names equal, gather == dense, shard(gather) == local
     full = gather_full_state_dict(par, group)
@@ -254,6 +262,18 @@ def test_tensor_parallel_output_with_vocab_parallel_loss(results, flavour):
     assert _max(results, flavour, "tpo_loss") <= 1e-5
     assert _max(results, flavour, "tpo_grad_lm_head") <= 1e-6
     assert _max(results, flavour, "tpo_model_loss") <= 1e-5
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("flavour", list(CONFIGS))
+def test_greedy_generation_with_vocab_split_logits_matches_single_process(results, flavour):
+    """The dev evaluation's gather of the vocab-split logits: the dense model picks tokens of the
+    upper half of the vocabulary, which rank 0's own half does not hold (and rank 1's local argmax
+    would be an index into its half), so generation without the gather would differ."""
+    for per_rank in results:
+        assert per_rank[flavour]["greedy_tpo"] == per_rank[flavour]["greedy_dense"]
+    tokens = [t for row in results[0][flavour]["greedy_dense"] for t in row]
+    assert max(tokens) >= VOCAB // 2
 
 
 @pytest.mark.multiproc

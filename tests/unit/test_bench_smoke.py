@@ -19,12 +19,18 @@ SMALLEST = ["--flavour", "debug", "--steps", "2", "--warmup-steps", "1", "--batc
             "--vocab-size", "512", "--no-compile"]
 
 
-def run_bench(out: Path, *extra: str) -> dict:
-    proc = subprocess.run([sys.executable, str(SCRIPT), *SMALLEST, "--out", str(out), *extra],
+def run_script(name: str, out: Path, *args: str) -> tuple[str, dict]:
+    """Runs bench/<name> with `args` and `--out out`; its printed report and the JSON it wrote."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / name), *args, "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
-    assert "ratio ours/hf" in proc.stdout
-    return json.loads(out.read_text())
+    return proc.stdout, json.loads(out.read_text())
+
+
+def run_bench(out: Path, *extra: str) -> dict:
+    stdout, result = run_script(SCRIPT.name, out, *SMALLEST, *extra)
+    assert "ratio ours/hf" in stdout
+    return result
 
 
 def test_throughput_report_has_its_keys(tmp_path):
@@ -79,14 +85,11 @@ def test_quant_bench_report_has_its_keys(tmp_path):
     """bench/quant.py on the debug flavour: one RTN, one GPTQ and one A8W8 variant beside fp32 and
     bf16, each with timings, weight bytes, a peak RSS from its own process and the targets."""
     out = tmp_path / "quant.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "quant.py"), "--sizes", "debug", "--vocab-size", "512",
-                           "--variants", "wint4,gptq-w4,a8w8", "--repeats", "1", "--warmup", "1",
-                           "--prefill-tokens", "16", "--decode-prompt", "8", "--decode-tokens", "2",
-                           "--calib-samples", "2", "--calib-seq-len", "32", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    assert "| gptq-w4" in proc.stdout
-    result = json.loads(out.read_text())
+    stdout, result = run_script("quant.py", out, "--sizes", "debug", "--vocab-size", "512", "--variants",
+                                "wint4,gptq-w4,a8w8", "--repeats", "1", "--warmup", "1", "--prefill-tokens", "16",
+                                "--decode-prompt", "8", "--decode-tokens", "2", "--calib-samples", "2",
+                                "--calib-seq-len", "32")
+    assert "| gptq-w4" in stdout
     assert {"cpu", "cores", "torch_threads", "torch", "transformers"} <= result["machine"].keys()
     size = result["sizes"]["debug"]
     assert list(size["rows"]) == ["fp32", "bf16", "wint4", "gptq-w4", "a8w8"]
@@ -105,11 +108,8 @@ def test_sft_packing_bench_report_has_its_keys(tmp_path):
     """bench/sft_packing.py --quick: full SFT and LoRA, padded and packed, each with rows per epoch,
     fill, effective tokens/s and losses, and the packed/padded ratio with its target."""
     out = tmp_path / "sft_packing.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "sft_packing.py"), "--quick", "--threads", "1",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    assert "packed/padded" in proc.stdout
-    result = json.loads(out.read_text())
+    stdout, result = run_script("sft_packing.py", out, "--quick", "--threads", "1")
+    assert "packed/padded" in stdout
     assert {"cpu", "cores", "torch_threads", "torch"} <= result["machine"].keys()
     assert result["settings"]["quick"] and result["model"]["flavour"] == "debug"
     assert list(result["methods"]) == ["sft", "lora"]
@@ -132,11 +132,8 @@ def test_learned_logits_bench_report_has_its_keys(tmp_path):
     """bench/learned_logits.py --quick: each case's shape, its learned share as the default data's,
     both ways timed, and the same loss both ways."""
     out = tmp_path / "learned_logits.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "learned_logits.py"), "--quick", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    assert "| speedup |" in proc.stdout
-    result = json.loads(out.read_text())
+    stdout, result = run_script("learned_logits.py", out, "--quick")
+    assert "| speedup |" in stdout
     assert {"cpu", "cores", "torch_threads", "torch"} <= result["machine"].keys()
     assert list(result["cases"]) == ["sft", "lora-shape", "pretrain"]
     shares = {name: c["learned_share"] for name, c in result["cases"].items()}
@@ -153,11 +150,8 @@ def test_attention_precision_bench_report_has_its_keys(tmp_path):
     from stages.model.attention_precision import CPU_HAS_AMX
 
     out = tmp_path / "attention_precision.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "attention_precision.py"), "--quick", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    assert "| rule picks |" in proc.stdout
-    result = json.loads(out.read_text())
+    stdout, result = run_script("attention_precision.py", out, "--quick")
+    assert "| rule picks |" in stdout
     assert result["cpu_has_amx"] == CPU_HAS_AMX
     assert [(r["head_dim"], r["tokens"]) for r in result["shapes"]] == [(32, 64), (32, 1024)]
     picks = [r["rule_picks"] for r in result["shapes"]]
@@ -169,11 +163,8 @@ def test_attention_precision_bench_report_has_its_keys(tmp_path):
 
 def test_lazy_build_bench_report_has_its_keys(tmp_path):
     out = tmp_path / "lazy.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "lazy_build.py"), "--flavour", "debug",
-                           "--layouts", "tp2", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    assert "lazy/eager" in proc.stdout
-    result = json.loads(out.read_text())
+    stdout, result = run_script("lazy_build.py", out, "--flavour", "debug", "--layouts", "tp2")
+    assert "lazy/eager" in stdout
     assert {(r["layout"], r["mode"]) for r in result["rows"]} == {("tp2", "eager"), ("tp2", "lazy")}
     for row in result["rows"]:
         assert row["peak_above_start_bytes"] >= 0 and 0 < row["kept_bytes"] < row["whole_model_bytes"]
@@ -227,12 +218,10 @@ def test_finetune_quality_is_a_sweep_over_seeds(tmp_path):
 @pytest.mark.multiproc
 def test_stop_check_bench_report_has_its_keys(tmp_path):
     out = tmp_path / "stop_check.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "stop_check.py"), "--flavour", "debug", "--steps", "2",
-                           "--checks", "20", "--batch", "2", "--seq", "32", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    assert "stop check (all-reduce of one integer)" in proc.stdout
-    result = json.loads(out.read_text())["result"]
+    stdout, result = run_script("stop_check.py", out, "--flavour", "debug", "--steps", "2", "--checks", "20", "--batch",
+                                "2", "--seq", "32")
+    assert "stop check (all-reduce of one integer)" in stdout
+    result = result["result"]
     assert result["steps"] == 2 and result["checks"] == 20
     assert result["step_median_s"] > 0 and result["check_median_s"] > 0 and result["check_over_step"] > 0
 
@@ -242,12 +231,10 @@ def test_serve_bench_report_has_its_keys(tmp_path, tiny_tokenizer_dir):
 
     model = save_checkpoint(tmp_path / "model", chat_tokenizer(tiny_tokenizer_dir))
     out = tmp_path / "serve.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "serve.py"), "--model", str(model), "--concurrency",
-                           "1,2", "--requests", "1", "--max-tokens", "8", "--repeats", "1", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    assert "generate on a batch, tokens/s" in proc.stdout
-    result = json.loads(out.read_text())["result"]
+    stdout, result = run_script("serve.py", out, "--model", str(model), "--concurrency", "1,2", "--requests", "1",
+                                "--max-tokens", "8", "--repeats", "1")
+    assert "generate on a batch, tokens/s" in stdout
+    result = result["result"]
     assert [v["clients"] for v in result["levels"]] == [1, 2]
     assert [v["requests"] for v in result["levels"]] == [1, 2]
     assert all(v["tokens"] > 0 and v["latency_p95_s"] >= v["latency_p50_s"] > 0 for v in result["levels"])
@@ -258,11 +245,8 @@ def test_serve_bench_report_has_its_keys(tmp_path, tiny_tokenizer_dir):
 def test_gguf_decode_bench_report_has_its_keys(tmp_path):
     pytest.importorskip("llama_cpp")
     out = tmp_path / "gguf_decode.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gguf_decode.py"), "--flavour", "debug", "--repeats",
-                           "1", "--decode-tokens", "4", "--types", "f32,q4_0", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    result = json.loads(out.read_text())
+    _, result = run_script("gguf_decode.py", out, "--flavour", "debug", "--repeats", "1", "--decode-tokens", "4",
+                           "--types", "f32,q4_0")
     assert list(result["runs"]) == ["torch eager f32", "llama.cpp f32", "llama.cpp q4_0"]
     for row in result["runs"].values():
         assert {"tokens_per_s", "ratio_to_torch", "same_prefix", "seconds", "gguf_bytes"} <= row.keys()
@@ -271,11 +255,8 @@ def test_gguf_decode_bench_report_has_its_keys(tmp_path):
 
 def test_deploy_decode_bench_report_has_its_keys(tmp_path):
     out = tmp_path / "deploy_decode.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "deploy_decode.py"), "--flavour", "debug",
-                           "--repeats", "1", "--new-tokens", "4", "--batch-sizes", "1", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    result = json.loads(out.read_text())
+    _, result = run_script("deploy_decode.py", out, "--flavour", "debug", "--repeats", "1", "--new-tokens", "4",
+                           "--batch-sizes", "1")
     rows = result["runs"]["1"]
     assert {"torch", "wint4 (ours)", "onnx fp32", "onnx int8"} <= set(rows)
     assert all(row["decode_tokens_per_s"] > 0 for row in rows.values())

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-MAX_HEAD_DIM = 64
-MAX_KEYS_TIMES_HEAD_DIM = 8192
+from stages.model.attention_shapes import fp32_attention_shape
+
 CPU_HAS_AMX = bool(torch.cpu._is_amx_tile_supported())  # read once: a constant for torch.compile too
 
 
@@ -31,5 +31,4 @@ def attention_in_fp32(q: torch.Tensor, keys: int) -> bool:
     """Whether attention of bf16 queries q (B, H, T, hd) over `keys` keys runs faster in fp32 here."""
     if q.dtype != torch.bfloat16 or q.device.type != "cpu":
         return False
-    head_dim = q.shape[-1]
-    return head_dim <= MAX_HEAD_DIM and keys * head_dim <= MAX_KEYS_TIMES_HEAD_DIM and not CPU_HAS_AMX
+    return fp32_attention_shape(q.shape[-1], keys) and not CPU_HAS_AMX

@@ -45,13 +45,14 @@ against a real run in tests/unit/test_memory_plan.py and bench/memory_plan.py):
   its parameters, with the single-tensor loop of a CPU two of its largest tensor).
 
 Precision follows the section (bf16/fp16 or fp32) on both devices, as the engine runs it; `device`
-changes only what differs between a GPU and a CPU: AdamW's kernels, and ZeRO-Offload (on a CPU the
-"offloaded" state stays in the same memory). Checked against the engine's real peaks within 2% on
-CPU (bench/memory_plan.py, 2 gloo ranks: every ZeRO stage, tp2, pp2, recompute, bf16, LoRA, prefix)
-and on one H100 (`--device cuda`: the 1b flavour, bf16 and fp32, ZeRO 0-3, offload, recompute,
-LoRA). Not modelled: torch.compile, the allocator's fragmentation and the CUDA context (leave
-headroom), the transient of building the whole model on every rank before it is split, and
-evaluation.
+changes only what differs between a GPU and a CPU: AdamW's kernels, ZeRO-Offload (on a CPU the
+"offloaded" state stays in the same memory) and the fp32 copies a bf16 model's attention saves
+where it runs in fp32 on a CPU (`_attention_bytes`). Checked against the engine's real peaks on
+CPU, estimate / measured 0.995-1.063 on 2026-11-28 (bench/memory_plan.py, 2 gloo ranks: every ZeRO
+stage, tp2, pp2, recompute, bf16, LoRA, prefix) and on one H100 (`--device cuda`: the 1b flavour,
+bf16 and fp32, ZeRO 0-3, offload, recompute, LoRA). Not modelled: torch.compile, the allocator's
+fragmentation and the CUDA context (leave headroom), the transient of building the whole model on
+every rank before it is split, and evaluation.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ import math
 from dataclasses import asdict, dataclass
 from itertools import product
 from typing import Any
+
+from stages.model.attention_shapes import fp32_attention_shape
 
 GiB, MiB = 2**30, 2**20
 REDUCE_BUCKET_SIZE = 500_000_000  # elements: DeepSpeed's default reduce_bucket_size (ZeRO-1/2/3)
@@ -393,7 +396,18 @@ def zero_model_states(num_parameters: int, zero_stage: int, data_parallel: int, 
 
 # -- activations ----------------------------------------------------------------------------------
 
-def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter) -> int:
+def _attention_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str) -> int:
+    """Bytes per value of the q, k, v, output and mask SDPA saves: the activations' own, or 4 where
+    a bf16 model's attention runs in fp32 on a CPU (stages.model.attention_precision; counted on
+    AMX CPUs too, which keep bf16, and for transformers models, whose attention is their own: the
+    larger)."""
+    low_precision = lay.param_bytes == 2
+    if device == "cpu" and low_precision and fp32_attention_shape(s.head_dim, lay.seq + ad.prefix):
+        return 4
+    return lay.param_bytes
+
+
+def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str) -> int:
     """Bytes autograd saves in one decoder layer for one micro-batch (see the module docstring).
     With a frozen base a norm's normalised x is not saved (its weight gets no gradient), and a
     projection saves its input only when LoRA trains beside it (plus LoRA's r-wide A x), or
@@ -402,7 +416,9 @@ def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter) -> int:
     a, tp, tokens = lay.param_bytes, lay.tp, lay.micro * lay.seq
     d, f, q = s.hidden, s.intermediate, s.heads * s.head_dim
     kv_len = (lay.seq + ad.prefix) / lay.seq  # prefix keys/values come before the real ones
-    attention = (q * a * (2 + 2 * kv_len) + s.heads * 4) / tp  # q, k, v, output; log-sum-exp
+    sdpa = _attention_bytes(s, lay, ad, device)
+    attention = (q * sdpa * (2 + 2 * kv_len) + s.heads * 4) / tp  # q, k, v, output; log-sum-exp
+    mask = _mask_bytes(lay, ad) * sdpa // a
     # Norms whose output no Linear saves: Qwen3's q/k head norms (RoPE follows) and GLM-4's norms of
     # each sub-block's output (the residual add follows); widths summed
     unread_norms = (q + s.kv_heads * s.head_dim) / tp * s.qk_norm + 2 * d * s.sandwich_norms
@@ -410,7 +426,7 @@ def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter) -> int:
         norms = 2 * d * (4 + 2 * a)  # fp32 input, normalised x, output (the next Linear's input)
         norms += unread_norms * (4 + a)  # fp32 input, normalised x
         mlp_saved = (2 if s.gpt_blocks else 4) * f * a / tp  # GELU: up, gelu(up); SwiGLU: gate, silu, up, product
-        return int(tokens * (norms + attention + mlp_saved)) + _mask_bytes(lay, ad)
+        return int(tokens * (norms + attention + mlp_saved)) + mask
     layer_projections = frozenset(s.projections)
     targets = ad.targets & layer_projections
     reads = targets if lay.zero < 3 else layer_projections  # projections that save their input
@@ -419,7 +435,7 @@ def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter) -> int:
                                             ("mlp", ("gate_proj", "up_proj", "gate_up_proj"))))
     norms = d * (2 * 4 + a * norm_outputs) + unread_norms * 4  # fp32 inputs; an output a projection saves
     mlp = (3 + ("mlp.down_proj" in reads)) * f * a / tp  # gate, silu(gate), up; down's input
-    return int(tokens * (norms + attention + mlp + len(targets) * ad.rank * a)) + _mask_bytes(lay, ad)
+    return int(tokens * (norms + attention + mlp + len(targets) * ad.rank * a)) + mask
 
 
 def _mask_bytes(lay: _Layout, ad: _Adapter) -> int:
@@ -458,14 +474,14 @@ def _in_flight(lay: _Layout, rank: int) -> int:
     return min(warmup + 1, m * lay.vpp)
 
 
-def _activation_bytes(s: _Shape, lay: _Layout, rank: int, ad: _Adapter) -> tuple[int, int, int]:
+def _activation_bytes(s: _Shape, lay: _Layout, rank: int, ad: _Adapter, device: str) -> tuple[int, int, int]:
     """(saved, loss, rebuilt) activations of pipeline rank `rank` at its busiest moment (the most
     micro-batches in flight): what its layers and the final norm keep saved (with recompute only
     each layer's input), the loss's tensors on top when its backward starts (last stage only), and
     with recompute the one layer rebuilt at a time once the loss's tensors are gone."""
     chunks, mine = lay.pp * lay.vpp, _chunks_of(lay, rank)
     per_chunk = max(_chunk_layers(s.layers, chunks)[c] for c in mine)
-    layer = _layer_activation_bytes(s, lay, ad)
+    layer = _layer_activation_bytes(s, lay, ad, device)
     kept = lay.micro * lay.seq * s.hidden * lay.param_bytes if lay.recompute else layer
     saved = _in_flight(lay, rank) * per_chunk * kept
     norm, loss = _head_bytes(s, lay, ad, keeps_logits=lay.pp > 1) if chunks - 1 in mine else (0, 0)
@@ -554,7 +570,7 @@ def _rank_phases(s: _Shape, lay: _Layout, rank: int, ad: _Adapter, device: str,
     # ZeRO-2 (and ZeRO-1 without accumulation) allocates it at the first gradient, when the loss's
     # tensors are gone: the "layers" moment, which with recompute also rebuilds one layer.
     held = (h.whole if lay.accum > 1 else 0) if zero < 2 else h.part
-    saved, loss, rebuilt = _activation_bytes(s, lay, rank, ad)
+    saved, loss, rebuilt = _activation_bytes(s, lay, rank, ad, device)
     early_bucket = h.bucket if zero == 1 and lay.accum > 1 else 0
     first_grad = s.vocab * s.hidden // lay.tp * lay.param_bytes if ad.full else 0  # lm_head's
     late_bucket = h.bucket if zero in (1, 2) else 0

@@ -228,6 +228,20 @@ def test_recompute_keeps_one_input_per_layer():
     assert kept.activations - inputs < full.activations / 10
 
 
+@pytest.mark.parametrize("max_length, fp32_attention", [(256, True), (1024, False)])
+def test_a_bf16_cpu_plan_counts_attention_in_fp32_where_the_model_runs_it(max_length, fp32_attention):
+    """tiny's heads (head dim 32): at 256 tokens its bf16 attention runs in fp32 on a CPU
+    (stages.model.attention_precision), so SDPA saves q, k, v and its output in fp32, 2 bytes more
+    per value than on a GPU; at 1,024 tokens it stays in bf16 on both."""
+    section = pretrain_section("tiny", vocab_size=4096, bf16=True, per_device_train_batch_size=2,
+                               max_length=max_length)
+    cpu, gpu = (estimate_phases(FLAVOURS["tiny"], section, vocab_size=4096, device=device)["backward"]
+                for device in ("cpu", "cuda"))
+    q_width, layers, tokens = 256, 4, 2 * max_length
+    copies = layers * tokens * q_width * 4 * 2  # q, k, v, output: 2 more bytes each
+    assert cpu.activations - gpu.activations == (copies if fp32_attention else 0)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"trained": "everything"}, "trained="), ({"trained": "lora"}, "lora_rank"),
     ({"trained": "prefix"}, "num_prefix_tokens"), ({"device": "tpu"}, "device="),

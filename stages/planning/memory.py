@@ -398,11 +398,10 @@ def zero_model_states(num_parameters: int, zero_stage: int, data_parallel: int, 
 
 def _attention_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str) -> int:
     """Bytes per value of the q, k, v, output and mask SDPA saves: the activations' own, or 4 where
-    a bf16 model's attention runs in fp32 on a CPU (stages.model.attention_precision; counted on
-    AMX CPUs too, which keep bf16, and for transformers models, whose attention is their own: the
-    larger)."""
-    low_precision = lay.param_bytes == 2
-    if device == "cpu" and low_precision and fp32_attention_shape(s.head_dim, lay.seq + ad.prefix):
+    a bf16 model's attention runs in fp32 on a CPU (stages.model.attention_precision). Counted
+    wherever 2-byte activations have those shapes on a CPU, the larger figure: also on AMX CPUs,
+    which keep bf16, for fp16 and for transformers models, whose attention is their own."""
+    if device == "cpu" and lay.param_bytes == 2 and fp32_attention_shape(s.head_dim, lay.seq + ad.prefix):
         return 4
     return lay.param_bytes
 

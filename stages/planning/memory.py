@@ -417,7 +417,7 @@ def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str) 
     kv_len = (lay.seq + ad.prefix) / lay.seq  # prefix keys/values come before the real ones
     sdpa = _attention_bytes(s, lay, ad, device)
     attention = (q * sdpa * (2 + 2 * kv_len) + s.heads * 4) / tp  # q, k, v, output; log-sum-exp
-    mask = _mask_bytes(lay, ad) * sdpa // a
+    mask = _mask_bytes(lay, ad, sdpa)
     # Norms whose output no Linear saves: Qwen3's q/k head norms (RoPE follows) and GLM-4's norms of
     # each sub-block's output (the residual add follows); widths summed
     unread_norms = (q + s.kv_heads * s.head_dim) / tp * s.qk_norm + 2 * d * s.sandwich_norms
@@ -437,13 +437,13 @@ def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str) 
     return int(tokens * (norms + attention + mlp + len(targets) * ad.rank * a)) + mask
 
 
-def _mask_bytes(lay: _Layout, ad: _Adapter) -> int:
-    """The attention mask SDPA keeps when the causal fast path is off, in the activations' dtype
-    (it turns the boolean mask into an additive one): (B, 1, T, T) for packed rows, (T, P + T)
-    with a prefix."""
+def _mask_bytes(lay: _Layout, ad: _Adapter, value_bytes: int) -> int:
+    """The attention mask SDPA keeps when the causal fast path is off, in the dtype attention runs
+    in (`value_bytes`; it turns the boolean mask into an additive one): (B, 1, T, T) for packed
+    rows, (T, P + T) with a prefix."""
     if lay.packing:
-        return lay.micro * lay.seq * (lay.seq + ad.prefix) * lay.param_bytes
-    return lay.seq * (lay.seq + ad.prefix) * lay.param_bytes if ad.prefix else 0
+        return lay.micro * lay.seq * (lay.seq + ad.prefix) * value_bytes
+    return lay.seq * (lay.seq + ad.prefix) * value_bytes if ad.prefix else 0
 
 
 def _head_bytes(s: _Shape, lay: _Layout, ad: _Adapter, keeps_logits: bool) -> tuple[int, int]:

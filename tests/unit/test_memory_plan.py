@@ -237,7 +237,8 @@ def test_a_bf16_cpu_plan_counts_attention_in_fp32_where_the_model_runs_it(max_le
                                max_length=max_length)
     cpu, gpu = (estimate_phases(FLAVOURS["tiny"], section, vocab_size=4096, device=device)["backward"]
                 for device in ("cpu", "cuda"))
-    q_width, layers, tokens = 256, 4, 2 * max_length
+    tiny, tokens = FLAVOURS["tiny"], 2 * max_length
+    q_width, layers = tiny["hidden_size"], tiny["num_hidden_layers"]  # 8 heads x head dim 32
     copies = layers * tokens * q_width * 4 * 2  # q, k, v, output: 2 more bytes each
     assert cpu.activations - gpu.activations == (copies if fp32_attention else 0)
 

@@ -68,8 +68,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave
     rd = cos.shape[-1]
     if rd == x.shape[-1]:
         return x * cos + rotate(x) * sin
-    x_rot, x_pass = x[..., :rd], x[..., rd:]
-    return torch.cat((x_rot * cos + rotate(x_rot) * sin, x_pass), dim=-1)
+    x_rot = x[..., :rd]
+    # written into x's layout (a torch.cat would be contiguous): SDPA's CPU output follows q's layout,
+    # and in x's (B, T, heads, hd) one o_proj reads without a copy
+    out = torch.empty_like(x)
+    out[..., :rd] = x_rot * cos + rotate(x_rot) * sin
+    out[..., rd:] = x[..., rd:]
+    return out
 
 
 def segment_ids(position_ids: torch.Tensor) -> torch.Tensor:

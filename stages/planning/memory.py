@@ -19,10 +19,12 @@ against a real run in tests/unit/test_memory_plan.py and bench/memory_plan.py):
   Gradients are held whole across the micro-batches of an accumulation (none, stage1) or as the
   reduced partition (stage2, stage3). A frozen base (LoRA, prefix) has parameters only.
 - Activations, per micro-batch and decoder layer, are the tensors autograd saves in
-  `stages.model.llama`: each RMSNorm its fp32 input, the normalised x and its output (what the next
-  Linear saves; Qwen3's q/k head norms and GLM-4's norms after each sub-block feed no Linear),
-  SDPA's q, k and v (k, v repeated to every query head under GQA), output and
-  log-sum-exp, SwiGLU's gate, silu(gate), up and their product; with a frozen base only what the
+  `stages.model.llama`: each RMSNorm its fp32 input and 1/rms, the normalised x and its output (what
+  the next Linear saves; Qwen3's q/k head norms and GLM-4's norms after each sub-block feed no
+  Linear), SDPA's q, k and v (under GQA: the KV heads' own on a CPU, repeated to every query head
+  on a GPU, as measured), output and log-sum-exp (and
+  o_proj's input where attention ran in fp32 and its output was cast back), SwiGLU's gate,
+  silu(gate), up and their product; with a frozen base only what the
   input gradients and the adapter need (under ZeRO-3 every projection's input: DeepSpeed swaps in
   a linear that saves it). With recompute a layer keeps only its input, and one layer
   is rebuilt at a time. Tensor parallelism splits the attention and MLP parts, not the norms (no
@@ -48,7 +50,7 @@ Precision follows the section (bf16/fp16 or fp32) on both devices, as the engine
 changes only what differs between a GPU and a CPU: AdamW's kernels, ZeRO-Offload (on a CPU the
 "offloaded" state stays in the same memory) and the fp32 copies a bf16 model's attention saves
 where it runs in fp32 on a CPU (`_attention_bytes`). Checked against the engine's real peaks on
-CPU, estimate / measured 0.995-1.063 on 2026-11-28 (bench/memory_plan.py, 2 gloo ranks: every ZeRO
+CPU, estimate / measured 0.990-1.034 on 2026-11-28 (bench/memory_plan.py, 2 gloo ranks: every ZeRO
 stage, tp2, pp2, recompute, bf16, LoRA, prefix) and on one H100 (`--device cuda`: the 1b flavour,
 bf16 and fp32, ZeRO 0-3, offload, recompute, LoRA). Not modelled: torch.compile, the allocator's
 fragmentation and the CUDA context (leave headroom), the transient of building the whole model on
@@ -413,28 +415,34 @@ def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str) 
     always under ZeRO-3, whose memory-efficient linear (it replaces torch.nn.functional.linear)
     saves its input whatever trains."""
     a, tp, tokens = lay.param_bytes, lay.tp, lay.micro * lay.seq
-    d, f, q = s.hidden, s.intermediate, s.heads * s.head_dim
+    d, f, q, kv = s.hidden, s.intermediate, s.heads * s.head_dim, s.kv_heads * s.head_dim
     kv_len = (lay.seq + ad.prefix) / lay.seq  # prefix keys/values come before the real ones
     sdpa = _attention_bytes(s, lay, ad, device)
-    attention = (q * sdpa * (2 + 2 * kv_len) + s.heads * 4) / tp  # q, k, v, output; log-sum-exp
+    # q, output; k, v; log-sum-exp. Under GQA a CPU's flash kernel saves k and v of the KV heads (it
+    # reads them in place); on the H100 measured they were as wide as q (bench/README, memory_plan)
+    kv_saved = kv if device == "cpu" else q
+    attention = (2 * q * sdpa + 2 * kv_saved * kv_len * sdpa + s.heads * 4) / tp
     mask = _mask_bytes(lay, ad, sdpa)
     # Norms whose output no Linear saves: Qwen3's q/k head norms (RoPE follows) and GLM-4's norms of
     # each sub-block's output (the residual add follows); widths summed
-    unread_norms = (q + s.kv_heads * s.head_dim) / tp * s.qk_norm + 2 * d * s.sandwich_norms
+    unread_norms = (q + kv) / tp * s.qk_norm + 2 * d * s.sandwich_norms
+    rms = 4 * (2 + 2 * s.sandwich_norms + (s.heads + s.kv_heads) / tp * s.qk_norm)  # each norm's fp32 1/rms
+    layer_projections = frozenset(s.projections)
+    targets = ad.targets & layer_projections
+    reads = layer_projections if ad.full or lay.zero == 3 else targets  # projections that save their input
+    if sdpa != a and "self_attn.o_proj" in reads:  # o_proj's input: the output cast back, not SDPA's own
+        attention += q * a / tp
     if ad.full:
         norms = 2 * d * (4 + 2 * a)  # fp32 input, normalised x, output (the next Linear's input)
         norms += unread_norms * (4 + a)  # fp32 input, normalised x
         mlp_saved = (2 if s.gpt_blocks else 4) * f * a / tp  # GELU: up, gelu(up); SwiGLU: gate, silu, up, product
-        return int(tokens * (norms + attention + mlp_saved)) + mask
-    layer_projections = frozenset(s.projections)
-    targets = ad.targets & layer_projections
-    reads = targets if lay.zero < 3 else layer_projections  # projections that save their input
+        return int(tokens * (norms + rms + attention + mlp_saved)) + mask
     norm_outputs = sum(any(f"{part}.{leaf}" in reads for leaf in leaves)
                        for part, leaves in (("self_attn", ("q_proj", "k_proj", "v_proj")),
                                             ("mlp", ("gate_proj", "up_proj", "gate_up_proj"))))
     norms = d * (2 * 4 + a * norm_outputs) + unread_norms * 4  # fp32 inputs; an output a projection saves
     mlp = (3 + ("mlp.down_proj" in reads)) * f * a / tp  # gate, silu(gate), up; down's input
-    return int(tokens * (norms + attention + mlp + len(targets) * ad.rank * a)) + mask
+    return int(tokens * (norms + rms + attention + mlp + len(targets) * ad.rank * a)) + mask
 
 
 def _mask_bytes(lay: _Layout, ad: _Adapter, value_bytes: int) -> int:

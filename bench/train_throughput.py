@@ -54,8 +54,7 @@ from stages.training.flops import flops_per_token, peak_matmul_flops  # noqa: E4
 from stages.model import build_model, config_for_flavour  # noqa: E402
 from stages.model.config import LlamaConfig  # noqa: E402
 from stages.training.allocator import keep_freed_host_memory  # noqa: E402
-from stages.training.deepspeed_engine import adamw  # noqa: E402
-from stages.training.deepspeed_engine import deepspeed_config  # noqa: E402
+from stages.training.deepspeed_engine import adamw, deepspeed_config  # noqa: E402
 from stages.training.distributed import (  # noqa: E402
     WORLD_VARIABLES,
     finish_distributed,

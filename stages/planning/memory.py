@@ -22,12 +22,11 @@ against a real run in tests/unit/test_memory_plan.py and bench/memory_plan.py):
   `stages.model.llama`: each RMSNorm its fp32 input and 1/rms, the normalised x and its output (what
   the next Linear saves; Qwen3's q/k head norms and GLM-4's norms after each sub-block feed no
   Linear), SDPA's q, k and v (under GQA: the KV heads' own on a CPU, repeated to every query head
-  on a GPU, as measured), output and log-sum-exp (and
-  o_proj's input where attention ran in fp32 and its output was cast back), SwiGLU's gate,
-  silu(gate), up and their product; with a frozen base only what the
-  input gradients and the adapter need (under ZeRO-3 every projection's input: DeepSpeed swaps in
-  a linear that saves it). With recompute a layer keeps only its input, and one layer
-  is rebuilt at a time. Tensor parallelism splits the attention and MLP parts, not the norms (no
+  on a GPU, as measured), output and log-sum-exp (and o_proj's input where attention ran in fp32
+  and its output was cast back), SwiGLU's gate, silu(gate), up and their product; with a frozen
+  base only what the input gradients and the adapter need (under ZeRO-3 every projection's input:
+  DeepSpeed swaps in a linear that saves it). With recompute a layer keeps only its input, and one
+  layer is rebuilt at a time. Tensor parallelism splits the attention and MLP parts, not the norms (no
   sequence parallelism). The loss: logits (gathered over the vocabulary unless
   tensor_parallel_output), their fp32 copy and log-softmax, then three fp32 (tokens x vocab)
   tensors when backward starts.

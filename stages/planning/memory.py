@@ -42,13 +42,12 @@ against a real run in tests/unit/test_memory_plan.py and bench/memory_plan.py):
 - Four moments of a step can peak (`estimate_phases`): the loss's backward starting with every
   activation saved; backward reaching the layers (the bucket allocated, a layer rebuilt under
   recompute); the reduction of the gradients; the optimizer step (the fp32 gradient copies the
-  wrappers make, and AdamW's temporaries: with the foreach kernels of a GPU one fp32 copy of all
-  its parameters, with the single-tensor loop of a CPU two of its largest tensor).
+  wrappers make; the fused AdamW of `stages.training.deepspeed_engine.adamw` needs no temporaries).
 
 Precision follows the section (bf16/fp16 or fp32) on both devices, as the engine runs it; `device`
-changes only what differs between a GPU and a CPU: AdamW's kernels, ZeRO-Offload (on a CPU the
-"offloaded" state stays in the same memory) and the fp32 copies a bf16 model's attention saves
-where it runs in fp32 on a CPU (`_attention_bytes`). Checked against the engine's real peaks on
+changes only what differs between a GPU and a CPU: ZeRO-Offload (on a CPU the "offloaded" state
+stays in the same memory), the fp32 copies a bf16 model's attention saves where it runs in fp32 on
+a CPU (`_attention_bytes`) and the width of k and v SDPA saves under GQA. Checked against the engine's real peaks on
 CPU, estimate / measured 0.990-1.034 on 2026-11-28 (bench/memory_plan.py, 2 gloo ranks: every ZeRO
 stage, tp2, pp2, recompute, bf16, LoRA, prefix) and on one H100 (`--device cuda`: the 1b flavour,
 bf16 and fp32, ZeRO 0-3, offload, recompute, LoRA). Not modelled: torch.compile, the allocator's
@@ -506,16 +505,6 @@ def _pipeline_buffers(s: _Shape, lay: _Layout, rank: int) -> int:
     return lay.accum * hidden * sum((c > 0) + (c < chunks - 1) for c in _chunks_of(lay, rank))
 
 
-def _optimizer_step_bytes(opt_tensors: list[int], lay: _Layout, device: str) -> int:
-    """AdamW's temporaries: the foreach kernels (GPU) take sqrt(v) of every parameter at once; the
-    single-tensor loop (CPU) holds two temporaries of one tensor."""
-    if not opt_tensors:
-        return 0
-    if device == "cpu" or lay.offload:
-        return 2 * 4 * max(opt_tensors)
-    return 4 * sum(opt_tensors)
-
-
 @dataclass(frozen=True)
 class _Held:
     """What a rank holds through a step (bytes), and what its moments are built from."""
@@ -595,15 +584,13 @@ def _rank_phases(s: _Shape, lay: _Layout, rank: int, ad: _Adapter, device: str,
 
     # step: without ZeRO the mixed-precision wrapper copies every gradient to fp32 beside the
     # low-precision ones; ZeRO converts its partition to fp32 and frees the low-precision one
-    # before AdamW runs; AdamW's temporaries on top
+    # before AdamW runs. The fused AdamW updates in place: no temporaries.
     if zero == 0:
-        adam = _optimizer_step_bytes(list(h.trained), lay, device)
-        phases.append(at("step", h.whole, 0, (4 * sum(h.trained) if mixed else 0) + adam))
+        phases.append(at("step", h.whole, 0, 4 * sum(h.trained) if mixed else 0))
     elif offload:  # the fp32 gradients and AdamW are on the host
         phases.append(at("step", 0, 0, 0))
     else:
-        adam = _optimizer_step_bytes([h.shard], lay, device)
-        phases.append(at("step", 4 * h.shard, 0, max(adam, h.part if mixed else 0)))
+        phases.append(at("step", 4 * h.shard, 0, h.part if mixed else 0))
     return {e.phase: e for e in phases}
 
 

@@ -20,16 +20,16 @@ against a real run in tests/unit/test_memory_plan.py and bench/memory_plan.py):
   reduced partition (stage2, stage3). A frozen base (LoRA, prefix) has parameters only.
 - Activations, per micro-batch and decoder layer, are the tensors autograd saves in
   `stages.model.llama`: each RMSNorm its fp32 input and 1/rms, the normalised x and its output (what
-  the next Linear saves; Qwen3's q/k head norms and GLM-4's norms after each sub-block feed no
-  Linear), SDPA's q, k and v (under GQA: the KV heads' own on a CPU, repeated to every query head
-  on a GPU, as measured), output and log-sum-exp (and o_proj's input where attention ran in fp32
-  and its output was cast back), SwiGLU's gate, silu(gate), up and their product; with a frozen
-  base only what the input gradients and the adapter need (under ZeRO-3 every projection's input:
-  DeepSpeed swaps in a linear that saves it). With recompute a layer keeps only its input, and one
-  layer is rebuilt at a time. Tensor parallelism splits the attention and MLP parts, not the norms (no
-  sequence parallelism). The loss: logits (gathered over the vocabulary unless
-  tensor_parallel_output), their fp32 copy and log-softmax, then three fp32 (tokens x vocab)
-  tensors when backward starts.
+  the next Linear saves; GPT-2's LayerNorm its input, mean and 1/std and its output; Qwen3's q/k
+  head norms and GLM-4's norms after each sub-block feed no Linear), SDPA's q, k and v (under GQA:
+  the KV heads' own on a CPU, repeated to every query head on a GPU, as measured), output and
+  log-sum-exp (and o_proj's input where attention ran in fp32 and its output was cast back),
+  SwiGLU's gate, silu(gate), up and their product; with a frozen base only what the input gradients
+  and the adapter need (under ZeRO-3 every projection's input: DeepSpeed swaps in a linear that
+  saves it). With recompute a layer keeps only its input, and one layer is rebuilt at a time. Tensor
+  parallelism splits the attention and MLP parts, not the norms (no sequence parallelism). The loss:
+  logits (gathered over the vocabulary unless tensor_parallel_output), their fp32 copy and
+  log-softmax, then three fp32 (tokens x vocab) tensors when backward starts.
 - Pipeline parallelism (1F1B, interleaved 1F1B as torch.distributed.pipelining schedules them):
   rank r holds min(m, pp - r) micro-batches in flight (interleaved: its warm-up + 1 chunk
   micro-batches), the last stage keeps its logits until their backward, and every stage keeps one
@@ -424,23 +424,26 @@ def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str) 
     # Norms whose output no Linear saves: Qwen3's q/k head norms (RoPE follows) and GLM-4's norms of
     # each sub-block's output (the residual add follows); widths summed
     unread_norms = (q + kv) / tp * s.qk_norm + 2 * d * s.sandwich_norms
-    rms = 4 * (2 + 2 * s.sandwich_norms + (s.heads + s.kv_heads) / tp * s.qk_norm)  # each norm's fp32 1/rms
+    # each RMSNorm's fp32 1/rms; GPT-2's LayerNorm keeps mean and 1/std in the activations' dtype
+    rms_norms = 2 + 2 * s.sandwich_norms + (s.heads + s.kv_heads) / tp * s.qk_norm
+    stats = 2 * 2 * a if s.gpt_blocks else 4 * rms_norms
     layer_projections = frozenset(s.projections)
     targets = ad.targets & layer_projections
     reads = layer_projections if ad.full or lay.zero == 3 else targets  # projections that save their input
     if sdpa != a and "self_attn.o_proj" in reads:  # o_proj's input: the output cast back, not SDPA's own
         attention += q * a / tp
     if ad.full:
-        norms = 2 * d * (4 + 2 * a)  # fp32 input, normalised x, output (the next Linear's input)
+        # RMSNorm: fp32 input, normalised x, output (the next Linear's input); LayerNorm: input, output
+        norms = 2 * d * (2 * a if s.gpt_blocks else 4 + 2 * a)
         norms += unread_norms * (4 + a)  # fp32 input, normalised x
         mlp_saved = (2 if s.gpt_blocks else 4) * f * a / tp  # GELU: up, gelu(up); SwiGLU: gate, silu, up, product
-        return int(tokens * (norms + rms + attention + mlp_saved)) + mask
+        return int(tokens * (norms + stats + attention + mlp_saved)) + mask
     norm_outputs = sum(any(f"{part}.{leaf}" in reads for leaf in leaves)
                        for part, leaves in (("self_attn", ("q_proj", "k_proj", "v_proj")),
                                             ("mlp", ("gate_proj", "up_proj", "gate_up_proj"))))
     norms = d * (2 * 4 + a * norm_outputs) + unread_norms * 4  # fp32 inputs; an output a projection saves
     mlp = (3 + ("mlp.down_proj" in reads)) * f * a / tp  # gate, silu(gate), up; down's input
-    return int(tokens * (norms + rms + attention + mlp + len(targets) * ad.rank * a)) + mask
+    return int(tokens * (norms + stats + attention + mlp + len(targets) * ad.rank * a)) + mask
 
 
 def _mask_bytes(lay: _Layout, ad: _Adapter, value_bytes: int) -> int:

@@ -228,17 +228,20 @@ def test_recompute_keeps_one_input_per_layer():
     assert kept.activations - inputs < full.activations / 10
 
 
-def _saved_bytes_of_one_layer(arch: dict, dtype_name: str, tokens: int) -> int:
-    """Bytes of the distinct storages autograd saves in one forward of our decoder layer 0 (built
-    from `arch`, one row of `tokens`), its input included, its weights and the shared cos / sin not."""
+def _saved_bytes_of_one_layer(config: LlamaConfig, dtype_name: str, tokens: int) -> int:
+    """Bytes of the distinct storages autograd saves in one forward of our decoder layer 0 (one row
+    of `tokens`), its input included, its weights and the shared cos / sin not."""
     import torch
 
     dtype = getattr(torch, dtype_name)
-    model = build_model(LlamaConfig.from_hf_dict({**arch, "vocab_size": 512}), seed=0).to(dtype)
+    model = build_model(config, seed=0).to(dtype)
     layer = model.model.layers["0"]
-    x = torch.randn(1, tokens, arch["hidden_size"], dtype=dtype, requires_grad=True)
-    cos, sin = (t.detach() for t in model.rotary_emb(tokens, x.device, dtype))
-    skip = {t.untyped_storage().data_ptr() for t in (cos, sin, *layer.parameters())}
+    x = torch.randn(1, tokens, config.hidden_size, dtype=dtype, requires_grad=True)
+    cos = sin = None  # GPT-2: learned positions, nothing to rotate
+    if model.rotary_emb is not None:
+        cos, sin = (t.detach() for t in model.rotary_emb(tokens, x.device, dtype))
+    shared = [*layer.parameters(), *(t for t in (cos, sin) if t is not None)]
+    skip = {t.untyped_storage().data_ptr() for t in shared}
     saved = {}
 
     def pack(t):
@@ -259,23 +262,33 @@ GLM4 = dict(model_type="glm4", hidden_size=128, intermediate_size=352, num_hidde
             num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0, partial_rotary_factor=0.5)
 
 
-@pytest.mark.parametrize("arch", [FLAVOURS["tiny"], TINY_MHA, QWEN3, GLM4], ids=["tiny", "tiny_mha", "qwen3", "glm4"])
+# (architecture, read as a flavour's fields or as a config.json)
+LAYER_CASES = {"tiny": (FLAVOURS["tiny"], "flavour"), "tiny_mha": (TINY_MHA, "flavour"),
+               "qwen3": (QWEN3, "config.json"), "glm4": (GLM4, "config.json"),
+               "gpt_tiny": (FLAVOURS["gpt-tiny"], "flavour")}
+
+
+@pytest.mark.parametrize("case", list(LAYER_CASES))
 @pytest.mark.parametrize("dtype, tokens", [("float32", 256), ("bfloat16", 256), ("bfloat16", 1024)])
-def test_a_layers_activations_on_a_cpu_are_the_bytes_autograd_saves(arch, dtype, tokens):
+def test_a_layers_activations_on_a_cpu_are_the_bytes_autograd_saves(case, dtype, tokens):
     """Full training, one micro-batch: the CPU plan's bytes per decoder layer (the activation
     difference between 2 layers and 1) equal what our layer saves, to the byte: k and v of the KV
     heads only under GQA (tiny: 4 KV heads for 8 query heads), each norm's 1/rms, Qwen3's head
-    norms, GLM-4's extra norms; in bf16 at 256 tokens the fp32 copies attention runs on here
-    (stages.model.attention_precision) and o_proj's bf16 input, at 1,024 tokens bf16 throughout."""
+    norms, GLM-4's extra norms, GPT-2's LayerNorm and fused qkv; in bf16 at 256 tokens the fp32
+    copies attention runs on here (stages.model.attention_precision) and o_proj's bf16 input, at
+    1,024 tokens bf16 throughout."""
     from stages.model.attention_precision import CPU_HAS_AMX
 
     if dtype == "bfloat16" and tokens == 256 and CPU_HAS_AMX:
         pytest.skip("bf16 attention stays bf16 on AMX CPUs; the plan counts the fp32 copies (the larger figure)")
+    arch, kind = LAYER_CASES[case]
     section = pretrain_section("tiny", vocab_size=512, bf16=dtype == "bfloat16", per_device_train_batch_size=1,
                                max_length=tokens)
     planned = [estimate_phases({**arch, "num_hidden_layers": n}, section, vocab_size=512, device="cpu")["backward"]
                for n in (1, 2)]
-    assert planned[1].activations - planned[0].activations == _saved_bytes_of_one_layer(arch, dtype, tokens)
+    config = (LlamaConfig(vocab_size=512, **arch) if kind == "flavour"
+              else LlamaConfig.from_hf_dict({**arch, "vocab_size": 512}))
+    assert planned[1].activations - planned[0].activations == _saved_bytes_of_one_layer(config, dtype, tokens)
 
 
 @pytest.mark.parametrize("kwargs, message", [

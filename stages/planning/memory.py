@@ -46,13 +46,13 @@ against a real run in tests/unit/test_memory_plan.py and bench/memory_plan.py):
 
 Precision follows the section (bf16/fp16 or fp32) on both devices, as the engine runs it; `device`
 changes only what differs between a GPU and a CPU: ZeRO-Offload (on a CPU the "offloaded" state
-stays in the same memory), the fp32 copies a bf16 model's attention saves where it runs in fp32 on
-a CPU (`_attention_bytes`) and the width of k and v SDPA saves under GQA. Checked against the engine's real peaks on
-CPU, estimate / measured 0.990-1.034 on 2026-11-28 (bench/memory_plan.py, 2 gloo ranks: every ZeRO
-stage, tp2, pp2, recompute, bf16, LoRA, prefix) and on one H100 (`--device cuda`: the 1b flavour,
-bf16 and fp32, ZeRO 0-3, offload, recompute, LoRA). Not modelled: torch.compile, the allocator's
-fragmentation and the CUDA context (leave headroom), the transient of building the whole model on
-every rank before it is split, and evaluation.
+stays in the same memory), the fp32 copies a bf16 model's attention saves where it runs in fp32 on a
+CPU (`_attention_bytes`) and the width of k and v SDPA saves under GQA. Checked against the engine's
+real peaks on CPU, estimate / measured 0.990-1.034 on 2026-11-28 (bench/memory_plan.py, 2 gloo
+ranks: every ZeRO stage, tp2, pp2, recompute, bf16, LoRA, prefix) and on one H100 (`--device cuda`:
+the 1b flavour, bf16 and fp32, ZeRO 0-3, offload, recompute, LoRA). Not modelled: torch.compile, the
+allocator's fragmentation and the CUDA context (leave headroom), the transient of building the whole
+model on every rank before it is split, and evaluation.
 """
 
 from __future__ import annotations

@@ -255,17 +255,15 @@ def _saved_bytes_of_one_layer(config: LlamaConfig, dtype_name: str, tokens: int)
     return sum(saved.values())
 
 
-TINY_MHA = {**FLAVOURS["tiny"], "num_key_value_heads": FLAVOURS["tiny"]["num_attention_heads"]}
 QWEN3 = dict(model_type="qwen3", hidden_size=128, intermediate_size=352, num_hidden_layers=1, num_attention_heads=4,
              num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True)
 GLM4 = dict(model_type="glm4", hidden_size=128, intermediate_size=352, num_hidden_layers=1, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, rope_theta=10000.0, partial_rotary_factor=0.5)
 
 
-# (architecture, read as a flavour's fields or as a config.json)
-LAYER_CASES = {"tiny": (FLAVOURS["tiny"], "flavour"), "tiny_mha": (TINY_MHA, "flavour"),
-               "qwen3": (QWEN3, "config.json"), "glm4": (GLM4, "config.json"),
-               "gpt_tiny": (FLAVOURS["gpt-tiny"], "flavour")}
+# a flavour with field overrides, or a config.json
+LAYER_CASES = {"tiny": ("tiny", {}), "tiny_mha": ("tiny", {"num_key_value_heads": 8}), "qwen3": QWEN3,
+               "glm4": GLM4, "gpt_tiny": ("gpt-tiny", {})}
 
 
 @pytest.mark.parametrize("case", list(LAYER_CASES))
@@ -281,13 +279,16 @@ def test_a_layers_activations_on_a_cpu_are_the_bytes_autograd_saves(case, dtype,
 
     if dtype == "bfloat16" and tokens == 256 and CPU_HAS_AMX:
         pytest.skip("bf16 attention stays bf16 on AMX CPUs; the plan counts the fp32 copies (the larger figure)")
-    arch, kind = LAYER_CASES[case]
+    if isinstance(LAYER_CASES[case], tuple):
+        flavour, overrides = LAYER_CASES[case]
+        arch, config = {**FLAVOURS[flavour], **overrides}, config_for_flavour(flavour, 512, **overrides)
+    else:
+        arch = LAYER_CASES[case]
+        config = LlamaConfig.from_hf_dict({**arch, "vocab_size": 512})
     section = pretrain_section("tiny", vocab_size=512, bf16=dtype == "bfloat16", per_device_train_batch_size=1,
                                max_length=tokens)
     planned = [estimate_phases({**arch, "num_hidden_layers": n}, section, vocab_size=512, device="cpu")["backward"]
                for n in (1, 2)]
-    config = (LlamaConfig(vocab_size=512, **arch) if kind == "flavour"
-              else LlamaConfig.from_hf_dict({**arch, "vocab_size": 512}))
     assert planned[1].activations - planned[0].activations == _saved_bytes_of_one_layer(config, dtype, tokens)
 
 

@@ -41,7 +41,8 @@ against a real run in tests/unit/test_memory_plan.py and bench/memory_plan.py):
   it gathered in forward for their reuse in backward (up to 1e9 elements).
 - Four moments of a step can peak (`estimate_phases`): the loss's backward starting with every
   activation saved; backward reaching the layers (the bucket allocated, a layer rebuilt under
-  recompute); the reduction of the gradients; the optimizer step (the fp32 gradient copies the
+  recompute); the reduction of the gradients (under mixed precision with an fp32 copy of the
+  bucket being summed: the engine sums gradients in fp32); the optimizer step (the fp32 gradient copies the
   wrappers make; the fused AdamW of `stages.training.deepspeed_engine.adamw` needs no temporaries).
 
 Precision follows the section (bf16/fp16 or fp32) on both devices, as the engine runs it; `device`
@@ -576,14 +577,16 @@ def _rank_phases(s: _Shape, lay: _Layout, rank: int, ad: _Adapter, device: str,
               at("layers", held + first_grad, saved + rebuilt, late_bucket + h.gathered)]
 
     # reduce: none all-reduces a flat copy of the whole gradients; stage1 reduces them through the
-    # bucket into the partition; stage2/3 reduce-scatter the last bucket's content (a flat copy)
+    # bucket into the partition; stage2/3 reduce-scatter the last bucket's content (a flat copy).
+    # Mixed precision sums in fp32 (communication_data_type): an fp32 copy of the flat bucket.
+    fp32_sum = 4 * min(sum(h.trained), REDUCE_BUCKET_SIZE) if mixed else 0
     if zero == 0:
-        phases.append(at("reduce", h.whole, 0, h.whole))
+        phases.append(at("reduce", h.whole, 0, h.whole + fp32_sum))
     elif zero == 1:
-        phases.append(at("reduce", h.whole + h.part, 0, h.bucket))
+        phases.append(at("reduce", h.whole + h.part, 0, h.bucket + fp32_sum))
     else:
         flat = min(sum(h.trained), REDUCE_BUCKET_SIZE) * lay.param_bytes
-        phases.append(at("reduce", h.part, 0, late_bucket + h.gathered + 2 * flat))
+        phases.append(at("reduce", h.part, 0, late_bucket + h.gathered + 2 * flat + fp32_sum))
 
     # step: without ZeRO the mixed-precision wrapper copies every gradient to fp32 beside the
     # low-precision ones; ZeRO converts its partition to fp32 and frees the low-precision one

@@ -321,7 +321,7 @@ def restore_training_state(engine, access: OptimizerAccess, names: dict[str, str
             access.set(param, key, shard_tensor(full, dim, tp_rank, tp, partition_chunks(param))
                        if dim is not None and tp > 1 else full)
     restore_scheduler(scheduler, state)
-    for holder in (engine.optimizer, getattr(engine.optimizer, "loss_scaler", None)):
+    for holder in _scaler_holders(engine.optimizer):
         for attr, value in state["loss_scaler"].items():
             if holder is not None and hasattr(holder, attr):
                 current = getattr(holder, attr)
@@ -338,10 +338,16 @@ def restore_training_state(engine, access: OptimizerAccess, names: dict[str, str
 _SCALER_ATTRS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
 
 
+def _scaler_holders(optimizer) -> tuple:
+    """Where DeepSpeed keeps fp16's loss-scaler state: the ZeRO optimizers in a `loss_scaler`,
+    FP16_UnfusedOptimizer (fp16 without ZeRO) in its `loss_scale_config`."""
+    return (optimizer, getattr(optimizer, "loss_scaler", None), getattr(optimizer, "loss_scale_config", None))
+
+
 def engine_state(engine, scheduler) -> dict[str, Any]:
     """The JSON part of the training state DeepSpeed and the scheduler keep."""
     scaler = {}
-    for holder in (engine.optimizer, getattr(engine.optimizer, "loss_scaler", None)):
+    for holder in _scaler_holders(engine.optimizer):
         for attr in _SCALER_ATTRS:
             value = getattr(holder, attr, None) if holder is not None else None
             if isinstance(value, (int, float)) and not isinstance(value, bool):

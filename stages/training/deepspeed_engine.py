@@ -1,5 +1,15 @@
 """DeepSpeed over a parallelized module: its JSON config from a training section (ZeRO stage,
-offload, mixed precision, batch sizes) and the engine with torch AdamW and the LR schedule."""
+offload, mixed precision, batch sizes) and the engine with torch AdamW and the LR schedule.
+
+One mixed-precision recipe in every layout (docs/parallel.md, "Mixed precision"), ZeRO's: the model
+and its gradients are bf16/fp16; gradients are summed over data parallel in fp32; the optimizer
+updates fp32 master weights with fp32 Adam moments. ZeRO 1/2/3 do this inside DeepSpeed's ZeRO
+optimizer; without ZeRO (one process, plain data parallel, TP, PP) DeepSpeed wraps torch AdamW in
+its FP16_UnfusedOptimizer, whose construction takes one optimizer step on zero gradients that
+`forget_initial_step` undoes, and whose fp16 loss scale the training step applies itself
+(`loss_scale`). Within one step the micro-batches' gradients add up in the model's
+dtype in every layout (DeepSpeed's default; its fp32 accumulation, `grad_accum_dtype`, exists for
+ZeRO-1 and its own pipeline engine only, and raises NotImplementedError without ZeRO)."""
 
 from __future__ import annotations
 
@@ -22,6 +32,8 @@ def deepspeed_config(section: Mapping[str, Any], data_parallel: int, pipeline: b
     With `pipeline`, DeepSpeed sees one batch of micro x accum per step: the pipeline schedule,
     not DeepSpeed, cuts it into the micro-batches."""
     micro = section["per_device_train_batch_size"]
+    zero = ZERO_STAGES[section["sharding"]]
+    bf16 = bool(resolved_bf16(section)["bf16"])  # auto: decided for this machine
     accum = section["gradient_accumulation_steps"]
     if pipeline:
         micro, accum = micro * accum, 1
@@ -30,11 +42,15 @@ def deepspeed_config(section: Mapping[str, Any], data_parallel: int, pipeline: b
         "gradient_accumulation_steps": accum,
         "train_batch_size": micro * accum * data_parallel,
         "gradient_clipping": section["max_grad_norm"],
-        "zero_optimization": {"stage": ZERO_STAGES[section["sharding"]],
+        "zero_optimization": {"stage": zero,
                               **({"offload_optimizer": {"device": "cpu"}} if section["sharding_offload"] else {})},
         "zero_force_ds_cpu_optimizer": False,  # offload runs our torch AdamW on the CPU copy
         "zero_allow_untested_optimizer": True,  # torch AdamW runs on CPU; DeepSpeed's fused Adam is CUDA-only
-        "bf16": {"enabled": bool(resolved_bf16(section)["bf16"])},  # auto: decided for this machine
+        "bf16": {"enabled": bf16},
+        # Gradients are summed over data parallel in fp32 (DeepSpeed's default is the model's dtype).
+        # Over 2 ranks the two are bit-identical: a + b of two bf16 numbers is exact in fp32 and
+        # rounded once either way.
+        "communication_data_type": "fp32",
         # dynamic loss scaling from 2^16, halved on overflow (the step is skipped), doubled after
         # 1000 clean steps; DeepSpeed keeps fp32 master weights in the optimizer
         "fp16": {"enabled": bool(section["fp16"]), "loss_scale": 0, "initial_scale_power": 16},
@@ -63,17 +79,52 @@ def build_engine(module: torch.nn.Module, section: Mapping[str, Any], topology: 
     optimizer = adamw(trained, section)
     scheduler = build_scheduler(optimizer, section)
     ds_config = deepspeed_config(section, topology.get_data_parallel_world_size(), pipeline=pipeline)
+    zero_off = ZERO_STAGES[section["sharding"]] == 0
+    if zero_off:  # clipped by `clip` below
+        ds_config["gradient_clipping"] = 0.0
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=topology)
+    forget_initial_step(engine.optimizer)
     # Without ZeRO, DeepSpeed clips but does not keep the norm: clip here (same maths, with the
     # topology's model-parallel reduction) so train_log.csv has grad_norm for every layout.
     clip = None
-    if ZERO_STAGES[section["sharding"]] == 0:
-        ds_config["gradient_clipping"] = 0.0
+    if zero_off:
         max_norm = section["max_grad_norm"] or float("inf")
 
         def clip_and_measure(m: torch.nn.Module) -> float:
-            return float(clip_grad_norm_([p for p in m.parameters() if p.requires_grad], max_norm, mpu=topology))
+            scale = loss_scale(engine)  # fp16: the gradients are still multiplied by the loss scale
+            params = [p for p in m.parameters() if p.requires_grad]
+            return float(clip_grad_norm_(params, max_norm * scale, mpu=topology)) / scale
 
         clip = clip_and_measure
-    engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=topology)
     return engine, scheduler, OptimizerAccess(engine), clip
+
+
+def loss_scale(engine) -> float:
+    """What the loss handed to `engine.backward` must be multiplied by: the dynamic loss scale of
+    DeepSpeed's FP16_UnfusedOptimizer (fp16 without ZeRO), else 1. DeepSpeed 0.19.8's
+    engine.backward scales the loss for its ZeRO optimizers only, while this one divides the
+    gradients by the scale in its step: fp16 gradients without ZeRO came out 2^16 times too small
+    (Adam's eps then damped every update: 8.6% above the fp32 loss after 10 steps, issue 50), and
+    its overflow check looked at unscaled gradients."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    wrapper = engine.optimizer
+    if isinstance(wrapper, FP16_UnfusedOptimizer) and wrapper.loss_scale_config.use_grad_scaling:
+        return float(wrapper.loss_scale)
+    return 1.0
+
+
+def forget_initial_step(wrapper) -> None:
+    """Undo the optimizer step that DeepSpeed's FP16_UnfusedOptimizer (bf16/fp16 without ZeRO) takes on
+    zero gradients when it is built, to create Adam's state. That step counts: the first real update
+    got step 2's bias correction (0.74x the update ZeRO and fp32 make, with betas 0.9/0.95) and
+    AdamW's decay had shrunk the fp32 masters once, so bf16 runs on this optimizer lagged the ZeRO
+    and fp32 curves by ~1% (issue 50). Adam's state is dropped (torch creates it at the first real
+    step) and the masters are copied back from the model's weights."""
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    if not isinstance(wrapper, FP16_UnfusedOptimizer):
+        return
+    wrapper.optimizer.state.clear()
+    wrapper.refresh_fp32_params()

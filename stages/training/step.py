@@ -14,6 +14,7 @@ from stages.model.loss import learned_positions, token_loss
 from stages.parallel.mappings import collective_device
 from stages.parallel.pipeline import PipelineRunner
 from stages.parallel.tensor import vocab_parallel_cross_entropy
+from stages.training.deepspeed_engine import loss_scale
 
 
 def token_sum_loss(engine, ids: torch.Tensor, labels: torch.Tensor, tp_group,
@@ -42,7 +43,9 @@ def train_step(engine, runner: PipelineRunner | None, batches: list[tuple[torch.
     the step loss is their mean, and the shares of the data-parallel ranks add up to it.
 
     DeepSpeed divides gradients by gradient_accumulation_steps (engine.backward) and by dp (its
-    data-parallel average), so each micro-batch's summed loss is scaled by accum x dp / num_tokens.
+    data-parallel average), so each micro-batch's summed loss is scaled by accum x dp / num_tokens
+    (and by fp16's loss scale without ZeRO, which DeepSpeed's backward leaves to its caller:
+    `stages.training.deepspeed_engine.loss_scale`).
     With a pipeline the schedule runs the micro-batches (normalised by num_tokens / dp) and
     DeepSpeed's reduction and step are called explicitly. `clip`, when given, clips and measures
     the gradients just before the update (ZeRO off).
@@ -63,7 +66,7 @@ def train_step(engine, runner: PipelineRunner | None, batches: list[tuple[torch.
     for i, (ids, labels, *packed) in enumerate(batches):
         position_ids = packed[0].to(engine.device) if packed else None  # a packed micro-batch
         loss_sum = token_sum_loss(engine, ids.to(engine.device), labels.to(engine.device), tp_group, position_ids)
-        engine.backward(loss_sum * (accum * dp / num_tokens))
+        engine.backward(loss_sum * (accum * dp / num_tokens * loss_scale(engine)))
         if clip and i == accum - 1:
             grad_norm = clip(engine.module)
         engine.step()  # DeepSpeed applies the optimizer only at the accumulation boundary

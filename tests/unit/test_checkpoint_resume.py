@@ -160,6 +160,9 @@ MIXED = {  # DeepSpeed keeps the fp32 masters in two different places here: FP16
     "bf16_tp2": (2, dict(world_size=2, tensor_parallel_degree=2, bf16=True, per_device_train_batch_size=4,
                          gradient_accumulation_steps=2)),
     "fp16_stage1x2": (2, dict(world_size=2, sharding="stage1", fp16=True, per_device_train_batch_size=4)),
+    # fp16 without ZeRO: the loss scale lives in FP16_UnfusedOptimizer's loss_scale_config
+    "fp16_one_process": (1, dict(world_size=1, sharding="none", fp16=True, per_device_train_batch_size=4,
+                                 gradient_accumulation_steps=2)),
 }
 
 
@@ -212,3 +215,21 @@ def test_every_skipped_checkpoint_is_logged_with_its_path_and_reason(tmp_path, c
                          f"skipping checkpoint {unmarked}: no {COMPLETE} (the save did not finish)"]
     assert lines[2].startswith(f"skipping checkpoint {corrupt}: {corrupt / 'model.safetensors'}") and "sha256" in lines[2]
     assert lines[3:] == lines[1:3] and not interrupted.exists()  # the second find: the partial save is gone
+
+
+def test_fp16_loss_scale_without_zero_is_in_the_training_state():
+    """FP16_UnfusedOptimizer (fp16 without ZeRO) keeps its dynamic loss scale in `loss_scale_config`,
+    not in a `loss_scaler` as ZeRO does; the training state (saved with a checkpoint, restored
+    through the same holders) carries it, so a resumed run does not restart from 2^16."""
+    from types import SimpleNamespace
+
+    from stages.training.checkpointing import engine_state
+
+    def engine(scale: float, it: int, overflow: int):
+        config = SimpleNamespace(cur_scale=scale, cur_iter=it, last_overflow_iter=overflow)
+        return SimpleNamespace(optimizer=SimpleNamespace(loss_scale_config=config), global_steps=it,
+                               global_samples=8 * it, skipped_steps=1)
+
+    scheduler = SimpleNamespace(state_dict=lambda: {})
+    state = engine_state(engine(32768.0, 7, 4), scheduler)
+    assert state["loss_scaler"] == {"cur_scale": 32768.0, "cur_iter": 7, "last_overflow_iter": 4}

@@ -1,9 +1,10 @@
 """LoRA and prefix tuning in parallel layouts (LoRA tp2 and dp2 x ZeRO-2, prefix dp2 x ZeRO-1 and
-tp2, a prefix projection under dp2 x ZeRO-3) on the training engine (real torchrun, gloo; the five
+tp2, a prefix projection under dp2 x ZeRO-3) on the training engine (real torchrun, gloo; the
 layouts one after another in one torchrun) follow the one-process run of the same engine: same
 adapter init, same global batch of 8 examples per step, fp32, loss curve within 1e-5 relative; the
 tp2 LoRA adapter is peft's whole-tensor adapter (equal to the one-process adapter within 1e-5) and,
-merged, gives the unmerged model's logits."""
+merged, gives the unmerged model's logits. In bf16, one-process LoRA (ZeRO off) and dp2 x ZeRO-1
+follow the fp32 curve within BF16_RTOL."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import peft
 import pytest
 import torch
 from safetensors.torch import load_file
+from pretrain_fixtures import BF16_RTOL
 from runs_in_one_world import start_world
 from sft_fixtures import finetune_section, train_losses, write_toy_data
 from transformers import AutoModelForCausalLM
@@ -20,6 +22,7 @@ from stages import finetune, merge
 pytestmark = pytest.mark.multiproc
 
 RECIPE = {"lora": ("lora", dict(learning_rate=1e-2, lora_rank=4, target_modules="all-linear")),
+          "lora_bf16": ("lora", dict(learning_rate=1e-2, lora_rank=4, target_modules="all-linear", bf16=True)),
           "prefix": ("prefix", dict(learning_rate=1e-1, num_prefix_tokens=4)),
           "prefix_projection": ("prefix", dict(learning_rate=1e-2, num_prefix_tokens=4, prefix_projection=True,
                                                prefix_projection_hidden_size=16))}
@@ -27,6 +30,7 @@ LAYOUTS = {  # name -> (recipe, layout)
     "lora_tp2": ("lora", dict(world_size=2, tensor_parallel_degree=2, per_device_train_batch_size=4,
                               gradient_accumulation_steps=2)),
     "lora_dp2_zero2": ("lora", dict(world_size=2, sharding="stage2", per_device_train_batch_size=4)),
+    "lora_bf16_dp2_zero1": ("lora_bf16", dict(world_size=2, sharding="stage1", per_device_train_batch_size=4)),
     "prefix_dp2": ("prefix", dict(world_size=2, sharding="stage1", per_device_train_batch_size=4)),
     "prefix_tp2": ("prefix", dict(world_size=2, tensor_parallel_degree=2, per_device_train_batch_size=4,
                                   gradient_accumulation_steps=2)),
@@ -67,7 +71,7 @@ def runs(tmp_path_factory, debug_model_dir, data_dir):
     return {name: world.out(name) for name in LAYOUTS}
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [name for name, (recipe, _) in LAYOUTS.items() if not recipe.endswith("bf16")])
 def test_layout_follows_the_one_process_curve(name, runs, references):
     recipe = LAYOUTS[name][0]
     curve, reference = train_losses(runs[name]), train_losses(references[recipe])
@@ -78,6 +82,14 @@ def test_layout_follows_the_one_process_curve(name, runs, references):
     for key in ours:  # whole tensors under peft's names, whatever the layout
         assert ours[key].shape == theirs[key].shape
         assert torch.allclose(ours[key], theirs[key], atol=1e-5, rtol=1e-4), key
+
+
+def test_bf16_lora_keeps_fp32_masters_in_one_process_and_under_zero(runs, references):
+    """A one-rank bf16 LoRA job (ZeRO off) and a two-rank ZeRO-1 one run one recipe: fp32 masters
+    and Adam moments, gradients summed in fp32; both follow the fp32 curve within BF16_RTOL."""
+    fp32, one = train_losses(references["lora"]), train_losses(references["lora_bf16"])
+    assert one == pytest.approx(fp32, rel=BF16_RTOL)
+    assert train_losses(runs["lora_bf16_dp2_zero1"]) == pytest.approx(one, rel=BF16_RTOL)
 
 
 def test_tp2_adapter_merges_to_the_unmerged_logits(runs, debug_model_dir, tmp_path):

@@ -3,6 +3,7 @@
 The schema is the one source of truth for defaults. `check_config` runs when Snakemake parses the
 workflow, before any job starts: it names an unknown key together with the closest valid one,
 reports a wrong type with the key's full path, and fills every missing key with its default.
+Every message names the key path; stages/config_sources.py finds the file and line that set it.
 Kept free of torch so that parsing the workflow stays fast.
 """
 
@@ -18,32 +19,26 @@ from typing import Any
 import jsonschema
 import yaml
 
+from stages.config_sources import ConfigSyntaxError, config_keys, display_path, located, yaml_error
 from stages.errors import ConfigError, InputError, run_cli
 
 SCHEMA_PATH = Path(__file__).resolve().parent.parent / "workflow" / "schemas" / "config.schema.yaml"
 
 
 def load_yaml(path: str | Path) -> Any:
-    """A config file's content; a YAML syntax error is a ConfigError naming `file:line:column`
+    """A config file's content; a YAML syntax error is a ConfigSyntaxError naming `file:line:column`
     (Snakemake's own loader reports only that the file is not valid YAML)."""
     try:
         return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark or e.context_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        context = ""
-        if e.context and e.context_mark and e.context_mark is not mark:
-            context = f" ({e.context} at line {e.context_mark.line + 1}, column {e.context_mark.column + 1})"
-        raise ConfigError(f"{where}: {e.problem or e.context}{context}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: {e}") from None
+        raise ConfigSyntaxError(yaml_error(path, e)) from None
 
 
 def check_yaml_syntax(*paths: str | Path) -> None:
-    """`load_yaml` each of `paths` that exists (ConfigError with file:line:column on a syntax error)."""
+    """`load_yaml` each of `paths` that exists (ConfigSyntaxError with file:line:column)."""
     for path in paths:
         if Path(path).is_file():
-            load_yaml(Path(path).absolute())
+            load_yaml(display_path(path))
 
 
 def load_schema(path: str | Path = SCHEMA_PATH) -> dict[str, Any]:
@@ -546,8 +541,7 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Check config files without Snakemake: YAML syntax (file:line:column), then the merged config
-    as the workflow checks it. Snakemake reads --configfile files before the workflow's code runs
-    and reports a syntax error in them without its line; this names it."""
+    as the workflow checks it (sweeps expanded), each mistake at the file and line that set it."""
     import argparse
     import sys
 
@@ -555,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("configfiles", nargs="+", help="config files, merged in order as Snakemake's --configfile")
     args = parser.parse_args(argv)
     from stages.data.validate import check_data_section
+    from stages.sweeps import expand
 
     merged: dict[str, Any] = {}
     try:
@@ -563,10 +558,10 @@ def main(argv: list[str] | None = None) -> int:
             if not isinstance(content, dict):
                 raise ConfigError(f"{path}: a config file is a mapping (experiments: ...), not {type(content).__name__}")
             merged = merge(merged, content)
-        for name, exp in check_config(merged)["experiments"].items():
+        for name, exp in check_config(expand(merged)[0])["experiments"].items():
             check_data_section(exp["data"], name, Path.cwd())  # as the workflow does, relative to the cwd
-    except ValueError as e:  # ConfigError, DataConfigError
-        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+    except ValueError as e:  # ConfigError, DataConfigError: at the file and line, as the workflow says it
+        print(located(e, config_keys([], args.configfiles, None)), file=sys.stderr)
         return 1
     print(f"{', '.join(args.configfiles)}: valid ({', '.join(merged['experiments'])})")
     return 0

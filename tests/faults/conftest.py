@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -66,6 +67,12 @@ class Ran:
     def output(self) -> str:
         return self.stdout + self.stderr
 
+    @property
+    def traceback(self) -> bool:
+        """Whether it printed a Python traceback (or a frame of one, as Snakemake prints them)."""
+        return ("Traceback (most recent call last)" in self.output
+                or re.search(r'^\s*File "', self.output, re.M) is not None)
+
     def describe(self) -> str:
         """The command and the tail of its output, for an assertion message."""
         return f"$ {' '.join(self.args)}\n(exit {self.returncode})\n{self.output[-4000:]}"
@@ -107,8 +114,21 @@ def run_snakemake() -> Callable[..., Ran]:
     your own), as `snakemake` is run from the repository root."""
 
     def run(workdir: str | os.PathLike, *args: str, timeout: float = 1800) -> Ran:
-        cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(workdir),
+        cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "workflow" / "Snakefile"), "--directory", str(workdir),
                "--configfile", str(ROOT / "config" / "config.yaml"), *args]
         return run_command(cmd, ROOT, timeout)
+
+    return run
+
+
+@pytest.fixture
+def run_workflow() -> Callable[..., Ran]:
+    """`run_workflow(cwd, *args)`: `snakemake -s <repository>/workflow/Snakefile *args` run in `cwd`,
+    as a user runs the workflow from a directory of their own: relative --configfile paths and
+    targets resolve there, and nothing else is added to the command line."""
+
+    def run(cwd: str | os.PathLike, *args: str, timeout: float = 300) -> Ran:
+        return run_command([sys.executable, "-m", "snakemake", "-s", str(ROOT / "workflow" / "Snakefile"), *args],
+                           cwd, timeout)
 
     return run

@@ -1,7 +1,8 @@
 """Config faults, as a user meets them: each case is a bad config (or a target path) given to a real
 `snakemake -n` on this repository's workflow in a temporary working directory. Snakemake must stop
 while it parses the workflow or builds the DAG, with a message naming the key path (or the file and
-line), and leave the working directory's results/ untouched."""
+line), and leave the working directory's results/ untouched. The second test runs the command as
+the user types it and checks the one line it prints: `my.yaml:7: config key ...`, no traceback."""
 
 from __future__ import annotations
 
@@ -85,10 +86,12 @@ CASES = {
                                          "experiments:\n  llama:\n    model: {flavour: tiny\n    data: {}\n"),
                                      r"config/config\.yaml:4:9: expected ',' or '\}', but got ':' \(while parsing a "
                                      r"flow mapping at line 3, column 12\)"),
-    # A --configfile is read by Snakemake before the workflow's code: its own message, without the line
-    # (`python -m stages.config FILE` names it: tests/unit/test_config.py).
+    # A --configfile is read by Snakemake before the workflow's code; the workflow profile checks it
+    # first (stages/config_sources.py): file:line:column.
     "yaml-syntax-configfile": ("experiments:\n  x:\n    model: {flavour: debug\n    data: {}\n",
-                               "results/x/quant_eval.json", None, r"Config file is not valid JSON or YAML"),
+                               "results/x/quant_eval.json", None,
+                               r"bad\.yaml:4:9: expected ',' or '\}', but got ':' \(while parsing a flow mapping at "
+                               r"line 3, column 12\)"),
 }
 
 
@@ -107,7 +110,7 @@ def test_a_config_fault_stops_snakemake_at_parse_time(case, tmp_path, snapshot):
     if setup:
         setup(tmp_path)
     before = snapshot(results)
-    cmd = [sys.executable, "-m", "snakemake", "-n", "-s", str(ROOT / "Snakefile"), "--directory", str(tmp_path)]
+    cmd = [sys.executable, "-m", "snakemake", "-n", "-s", str(ROOT / "workflow" / "Snakefile"), "--directory", str(tmp_path)]
     if text is not None:
         (tmp_path / "bad.yaml").write_text(text)
         cmd += ["--configfile", str(DEFAULT_CONFIG), str(tmp_path / "bad.yaml")]
@@ -119,3 +122,71 @@ def test_a_config_fault_stops_snakemake_at_parse_time(case, tmp_path, snapshot):
     assert "This was a dry-run" not in output and "Job stats" not in output, output[-3000:]
     assert re.search(expected, output), f"{case}: {expected!r} not in\n{output[-3000:]}"
     assert snapshot(results) == before
+
+
+# The file and line. Run as the user runs it, from their own directory with relative paths
+# (`snakemake -n <target> --configfile config/config.yaml my.yaml`): every mistake is one line that
+# starts with `file:line:` (the last file that sets the key) and no traceback follows.
+# id -> ({file name: text} in --configfile order after config/config.yaml, the words after them, expected (regex))
+WHERE = {
+    "unknown-key": ({"my.yaml": "# my experiment\nexperiments:\n  x:\n    model: {flavour: debug}\n    finetune:\n"
+                                "      lora:\n        lora_rnak: 4\n"}, [],
+                    r"my\.yaml:7: config key 'experiments\.x\.finetune\.lora\.lora_rnak' is unknown; did you mean "
+                    r"'lora_rank'\?"),
+    "unknown-top-level-key": ({"my.yaml": "experiments: {x: {}}\nsweps: {}\n"}, [],
+                              r"my\.yaml:2: config key 'sweps' is unknown; did you mean 'sweeps'\?"),
+    "wrong-type": ({"my.yaml": "experiments:\n  x:\n    pretrain:\n      max_steps: ten\n"}, [],
+                   r"my\.yaml:4: config key 'experiments\.x\.pretrain\.max_steps': 'ten' is not of type 'integer'"),
+    "out-of-range": ({"my.yaml": "experiments:\n  x:\n    finetune:\n      lora: {lora_rank: 0}\n"}, [],
+                     r"my\.yaml:4: config key 'experiments\.x\.finetune\.lora\.lora_rank': 0 is less than the "
+                     r"minimum of 1"),
+    "not-in-enum": ({"my.yaml": "experiments:\n  x:\n    pretrain:\n      sharding: stage4\n"}, [],
+                    r"my\.yaml:4: config key 'experiments\.x\.pretrain\.sharding': 'stage4' is not one of "
+                    r"\['none', 'stage1', 'stage2', 'stage3'\]"),
+    # set in two files: the last one is in force, and named (whichever of the two holds the bad value)
+    "last-file-bad": ({"a.yaml": "experiments:\n  x:\n    pretrain: {max_steps: 5}\n",
+                       "b.yaml": "\nexperiments:\n  x:\n    pretrain: {max_steps: -1}\n"}, [],
+                      r"b\.yaml:4: config key 'experiments\.x\.pretrain\.max_steps': -1 is less than the minimum"),
+    "last-file-conflict": ({"b.yaml": "experiments:\n  x:\n    pretrain: {max_steps: 100}\n",
+                            "a.yaml": "experiments:\n  x:\n    pretrain:\n      max_steps: 5\n"}, [],
+                           r"a\.yaml:4: experiments\.x\.pretrain: warmup_steps=\d+ exceeds max_steps=5"),
+    "relation": ({"my.yaml": "experiments:\n  x:\n    model:\n      flavour: debug\n      num_key_value_heads: 3\n"},
+                 [], r"my\.yaml:5: experiments\.x\.model\.num_key_value_heads=3 does not divide"),
+    "data-path": ({"my.yaml": "experiments:\n  x:\n    data:\n      corpus:\n        - nowhere/*.txt\n"}, [],
+                  r"my\.yaml:5: experiments\.x\.data\.corpus\[0\]: 'nowhere/\*\.txt' .*matches no file"),
+    "sweep-grid-key": ({"my.yaml": "sweeps:\n  rank:\n    base: llama\n    grid:\n"
+                                   "      finetune.lora.lora_rnak: [4, 8]\n"},
+                       [], r"my\.yaml:5: config key 'experiments\.rank\..*\.lora_rnak' is unknown; did you mean "
+                           r"'lora_rank'\?"),
+    "command-line-config": ({"my.yaml": "experiments: {x: {}}\n"}, ["--config", "experiments={'x': {'seed': 1}}"],
+                            r"--config: config key 'experiments\.x\.seed' is unknown"),
+    "yaml-syntax": ({"my.yaml": "experiments:\n  x:\n    model: {flavour: debug\n    data: {}\n"}, [],
+                    r"my\.yaml:4:9: expected ',' or '\}', but got ':'"),
+    "not-a-mapping": ({"my.yaml": "- experiments\n"}, [],
+                      r"my\.yaml: a config file is a mapping of keys \(experiments: \.\.\.\), not seq"),
+    "missing-file": ({}, ["mine.yaml"], r"mine\.yaml: no such config file \(given to --configfile\)"),
+    # `--configfile` takes every word after it: the target is read as a config file
+    "swallowed-target": ({"my.yaml": "experiments: {x: {}}\n"}, ["results/x/quant_eval.json"],
+                         r"results/x/quant_eval\.json was read as a config file \(--configfile takes every word "
+                         r"after it\): put targets before --configfile, or end its list with --"),
+}
+SNAKEMAKE_INFO = ("Using workflow specific profile", "Config file config/config.yaml is extended")
+WHERE_DEFAULT_RUN = {"unknown-key", "wrong-type", "not-in-enum", "last-file-bad", "yaml-syntax", "swallowed-target"}
+
+
+@pytest.mark.parametrize("case", [c if c in WHERE_DEFAULT_RUN else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in WHERE])
+def test_a_config_mistake_names_the_file_and_line_without_a_traceback(case, tmp_path, run_workflow):
+    files, more, expected = WHERE[case]
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.yaml").write_text(DEFAULT_CONFIG.read_text())
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    target = [] if case == "swallowed-target" else ["results/x/quant_eval.json"]
+    ran = run_workflow(tmp_path, "-n", *target, "--configfile", "config/config.yaml", *files, *more)
+    assert ran.returncode == 1, ran.describe()
+    errors = [line for line in ran.output.splitlines() if re.match(expected, line)]
+    assert errors, f"{case}: {expected!r} not at the start of a line in\n{ran.describe()}"
+    assert not ran.traceback and "common.smk" not in ran.output, ran.describe()
+    said = [line for line in ran.output.splitlines() if line.strip() and not line.startswith(SNAKEMAKE_INFO)]
+    assert said == errors[:1], ran.describe()  # one line, and nothing else but Snakemake's own notes

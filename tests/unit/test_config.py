@@ -204,7 +204,7 @@ def test_a_yaml_syntax_error_names_file_line_and_column(tmp_path, capsys):
     with pytest.raises(ConfigError, match=rf"{bad}:4:9"):
         check_yaml_syntax(tmp_path / "absent.yaml", bad)  # an absent file is Snakemake's to report
     assert main([str(ROOT / "config" / "config.yaml"), str(bad)]) == 1
-    assert f"ConfigError: {bad}:4:9: expected" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith(f"{bad}:4:9: expected")
     good = tmp_path / "good.yaml"
     good.write_text("experiments: {x: {model: {flavour: debug}}}\n")
     assert main([str(ROOT / "config" / "config.yaml"), str(good)]) == 0
@@ -233,7 +233,7 @@ def test_parsing_the_workflow_loads_no_torch():
     config check of the shipped config load neither torch nor transformers (1.5 s against 4.2 s)."""
     from light_imports import loaded_by_code
 
-    files = [ROOT / "Snakefile", *sorted((ROOT / "workflow" / "rules").glob("*.smk"))]
+    files = [ROOT / "workflow" / "Snakefile", *sorted((ROOT / "workflow" / "rules").glob("*.smk"))]
     imports = [line.strip() for f in files for line in f.read_text().splitlines()
                if line.startswith(("from stages", "import stages"))]
     assert len(imports) >= 10, imports  # the scan found the workflow's imports

@@ -46,8 +46,9 @@ weights are always
 
 and `dequantize_gptq` computes exactly the values the error feedback used (`GPTQResult.weight`).
 
-The layer-by-layer driver (`quantize_layer_sequential`, `gptq_quantize_model`) runs the calibration
-batches through one decoder block at a time: inside a block the Linears are quantized in the order
+The layer-by-layer step (`quantize_layer_sequential`, `gptq_quantize_model`, on the block driver
+shared with A8W8, `stages.quant.block_calibration`) runs the calibration batches through one decoder
+block at a time: inside a block the Linears are quantized in the order
 the forward pass calls them ("true sequential": q/k/v, then o, then gate/up, then down), each group
 calibrated on inputs produced by the already-quantized earlier ones, and the block's quantized
 output is the input of the next block. Layers fed the same tensor (q/k/v, gate/up) share one Hessian
@@ -65,52 +66,26 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
 
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from stages.quant.layers import LINEAR_TYPES, linear_weight
+from stages.quant.block_calibration import (BlockInput, StopForward, capture_block_inputs,  # noqa: F401 (re-exported)
+                                            quantize_blocks_sequentially, run_block, sequential_groups)
+from stages.quant.gptq_config import SUPPORTED_BITS, GPTQConfig, GPTQResult  # noqa: F401 (re-exported)
+from stages.quant.layers import linear_weight
 from stages.quant.rtn import QuantizedWeight, asymmetric_grid, symmetric_grid
-from stages.stage_logs import Progress
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_BITS = (2, 3, 4, 8)
 # Intra-op threads of the per-column loop (0: leave torch's setting). Its operations touch at most
 # block_size x out elements: an OpenMP fork/join costs about as much as the work, and on a busy machine
 # every one of them waits for a descheduled thread (135m shapes, 2 threads while another process held
 # a core: torch.outer and sub_ 0.8 ms each per column; on 1 thread 0.01-0.04 ms for both). The block
 # updates, Hessians and factorisations keep every thread.
 COLUMN_LOOP_THREADS = 1
-
-
-@dataclass(frozen=True)
-class GPTQConfig:
-    """GPTQ options; defaults are AutoGPTQ's BaseQuantizeConfig (`quantize.gptq` in the config)."""
-
-    bits: int = 4  # 2, 3, 4 or 8
-    group_size: int = 128  # input features per scale / zero point; -1 = one per output row
-    sym: bool = True  # zero point fixed at 2**(bits - 1)
-    desc_act: bool = False  # act-order: quantize columns by descending diag(H)
-    static_groups: bool = False  # group parameters from the original weights, before any update
-    damp_percent: float = 0.01  # fraction of mean(diag(H)) added to the diagonal
-    block_size: int = 128  # columns per lazy batch update
-    true_sequential: bool = True  # calibrate each Linear on the outputs of the already-quantized ones
-
-    def __post_init__(self) -> None:
-        if self.bits not in SUPPORTED_BITS:
-            raise ValueError(f"quantize.bits={self.bits} is not supported by GPTQ; choose one of {SUPPORTED_BITS}")
-        if self.group_size != -1 and self.group_size <= 0:
-            raise ValueError(f"quantize.group_size={self.group_size} must be positive or -1 (per channel)")
-        if not 0.0 < self.damp_percent < 1.0:
-            raise ValueError(f"quantize.damp_percent={self.damp_percent} must lie in (0, 1); 0.01 is usual")
-        if self.block_size <= 0:
-            raise ValueError(f"quantize.block_size={self.block_size} must be positive")
 
 
 class GPTQHessian:
@@ -137,32 +112,6 @@ class GPTQHessian:
         self.hessian.mul_(self.num_rows / total)
         self.hessian.addmm_(rows.t(), rows, alpha=2.0 / total)
         self.num_rows = total
-
-
-@dataclass
-class GPTQResult:
-    """One quantized weight W (out, in), columns in the original order.
-
-    codes:   (out, in) int32 in [0, 2**bits - 1]
-    scales:  (out, G) float32, float16-exact; G = ceil(in / group_size), 1 per channel
-    zeros:   (out, G) int32 in [1, 2**bits - 1]
-    g_idx:   (in,) int32, the group of each input feature
-    perm:    (in,) int64 processing order (perm[j] = the original column quantized j-th), None
-             without desc_act
-    weight:  (out, in) float32, the dequantized weights, = dequantize_gptq(self)
-    loss:    GPTQ's proxy loss, sum_j ||w_j - q_j||^2 / (2 U[j, j]^2), for logging
-    """
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor
-    g_idx: torch.Tensor
-    perm: torch.Tensor | None
-    weight: torch.Tensor
-    bits: int
-    group_size: int
-    sym: bool
-    loss: float = 0.0
 
 
 def group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -364,48 +313,6 @@ def to_quantized_weight(result: GPTQResult) -> QuantizedWeight:
 # ---------------------------------------------------------------- layer-by-layer calibration
 
 
-@dataclass
-class BlockInput:
-    """One calibration batch as a decoder block receives it: the hidden states (B, T, d) and the
-    other arguments of its forward (our Llama: cos, sin; transformers: position_embeddings,
-    attention_mask, ... as keywords)."""
-
-    hidden: torch.Tensor
-    args: tuple = ()
-    kwargs: dict = field(default_factory=dict)
-
-
-class StopForward(Exception):
-    """Raised from a hook to end a forward pass once the inputs it wanted are recorded."""
-
-
-def run_block(block: nn.Module, inp: BlockInput) -> torch.Tensor:
-    """The block's output hidden states (B, T, d) on one captured batch."""
-    out = block(inp.hidden, *inp.args, **inp.kwargs)
-    return out[0] if isinstance(out, tuple) else out  # transformers 4 blocks return a tuple
-
-
-def sequential_groups(block: nn.Module, inp: BlockInput) -> list[list[str]]:
-    """The block's Linear / Conv1D names in the order its forward calls them, grouped by shared
-    input: consecutive layers fed the same tensor (q/k/v, gate/up) form one group."""
-    calls: list[tuple[str, torch.Tensor]] = []
-    hooks = [m.register_forward_hook(lambda mod, args, out, name=name: calls.append((name, args[0])))
-             for name, m in block.named_modules() if isinstance(m, LINEAR_TYPES)]
-    try:
-        with torch.no_grad():
-            run_block(block, inp)
-    finally:
-        for h in hooks:
-            h.remove()
-    groups: list[list[str]] = []
-    for k, (name, x) in enumerate(calls):  # `calls` keeps every input alive: no storage is reused
-        if k and x is calls[k - 1][1]:
-            groups[-1].append(name)
-        else:
-            groups.append([name])
-    return groups
-
-
 @torch.no_grad()
 def quantize_layer_sequential(
     block: nn.Module, inputs: Sequence[BlockInput], config: GPTQConfig,
@@ -488,37 +395,6 @@ def quantize_layer_sequential(
     return [run_block(block, inp) for inp in inputs], results
 
 
-def capture_block_inputs(model: nn.Module, first_block: nn.Module,
-                         calibration: Iterable[torch.Tensor]) -> list[BlockInput]:
-    """Run `model(input_ids)` for each calibration batch up to the first block and keep that
-    block's arguments. A KV cache is dropped: calibration runs the blocks repeatedly."""
-    captured: list[BlockInput] = []
-
-    def grab(mod, args, kwargs):
-        kwargs = dict(kwargs)
-        if args:
-            hidden, args = args[0], tuple(args[1:])
-        else:
-            hidden = kwargs.pop("hidden_states")
-        if "past_key_values" in kwargs:
-            kwargs["past_key_values"] = None
-        if "use_cache" in kwargs:
-            kwargs["use_cache"] = False
-        captured.append(BlockInput(hidden=hidden, args=args, kwargs=kwargs))
-        raise StopForward
-
-    hook = first_block.register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        for ids in calibration:
-            try:
-                model(ids)
-            except StopForward:
-                pass
-    finally:
-        hook.remove()
-    return captured
-
-
 @torch.no_grad()
 def gptq_quantize_model(
     model: nn.Module, blocks: nn.ModuleList | nn.ModuleDict | Mapping[str, nn.Module],
@@ -545,40 +421,3 @@ def gptq_quantize_model(
 
     return quantize_blocks_sequentially(model, blocks, calibration, step, summary, desc="GPTQ", prefix=prefix,
                                         on_block=on_block)
-
-
-@torch.no_grad()
-def quantize_blocks_sequentially(
-    model: nn.Module, blocks: nn.ModuleList | nn.ModuleDict | Mapping[str, nn.Module],
-    calibration: Iterable[torch.Tensor],
-    step: Callable[[nn.Module, list[BlockInput], str], tuple[dict[str, Any], list[torch.Tensor]]],
-    summary: Callable[[dict[str, Any]], str], *, desc: str, prefix: str = "",
-    on_block: Callable[[str, float, dict[str, Any]], None] | None = None,
-) -> dict[str, Any]:
-    """The block-by-block calibration loop of GPTQ and A8W8: the first block's inputs are captured
-    from `calibration`, then each block is quantized by `step(block, inputs, names_prefix)`, which
-    returns its layers' results and the block's outputs on those inputs, the next block's inputs (so
-    each block sees the previous blocks quantized). `on_block(key, seconds, results)` after each
-    block; `summary(results)` ends its log line. The model is left in its training mode."""
-    named = list(blocks.items()) if isinstance(blocks, (nn.ModuleDict, Mapping)) else \
-        [(str(i), b) for i, b in enumerate(blocks)]
-    if not named:
-        raise ValueError("no decoder blocks were given to quantize")
-    was_training = model.training
-    model.eval()
-    inputs = capture_block_inputs(model, named[0][1], calibration)
-    if not inputs:
-        raise ValueError("the calibration set is empty")
-    results: dict[str, Any] = {}
-    dot = f"{prefix}." if prefix else ""
-    progress = Progress(log, f"{desc} blocks", len(named), lines=len(named), min_interval_s=0)  # every block
-    for key, block in named:
-        start = time.perf_counter()
-        block_results, outputs = step(block, inputs, f"{dot}{key}")
-        if on_block is not None:
-            on_block(key, time.perf_counter() - start, block_results)
-        results.update(block_results)
-        inputs = [replace(inp, hidden=out) for inp, out in zip(inputs, outputs)]
-        progress.advance(detail=f"block {key}: {len(block_results)} layers, {summary(block_results)}")
-    model.train(was_training)
-    return results

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from stages.quant.gptq import GPTQResult
+from stages.quant.gptq_config import GPTQResult
 from stages.quant.gptq_format import checkpoint_format_for, dequantize_packed, pack, pack_bits, unpack_bits
 
 __all__ = ["dequantize_packed", "pack_bits", "pack_gptq", "unpack_bits"]

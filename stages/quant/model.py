@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from stages.quant import gptq_format
-from stages.quant.gptq import GPTQConfig, GPTQResult
+from stages.quant.gptq_config import GPTQConfig, GPTQResult
 from stages.quant.rtn import dequantize_weight, quantize_weight, relative_error
 from stages.stage_logs import progress_iter
 

@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from stages.quant.a8w8 import QMAX, A8W8Config, A8W8LayerResult, quantize_weight_int8
-from stages.quant.gptq import BlockInput, StopForward, quantize_blocks_sequentially, run_block, sequential_groups
+from stages.quant.block_calibration import (BlockInput, StopForward, quantize_blocks_sequentially, run_block,
+                                            sequential_groups)
 from stages.quant.layers import LINEAR_TYPES, linear_weight
 
 log = logging.getLogger(__name__)

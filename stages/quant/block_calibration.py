@@ -1,0 +1,129 @@
+"""The block-by-block calibration driver of GPTQ and A8W8 (SmoothQuant): the first decoder block's
+inputs are captured from the calibration batches, then each block is quantized on the outputs of
+the already-quantized blocks before it (`quantize_blocks_sequentially`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from stages.quant.layers import LINEAR_TYPES
+from stages.stage_logs import Progress
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BlockInput:
+    """One calibration batch as a decoder block receives it: the hidden states (B, T, d) and the
+    other arguments of its forward (our Llama: cos, sin; transformers: position_embeddings,
+    attention_mask, ... as keywords)."""
+
+    hidden: torch.Tensor
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+
+
+class StopForward(Exception):
+    """Raised from a hook to end a forward pass once the inputs it wanted are recorded."""
+
+
+def run_block(block: nn.Module, inp: BlockInput) -> torch.Tensor:
+    """The block's output hidden states (B, T, d) on one captured batch."""
+    out = block(inp.hidden, *inp.args, **inp.kwargs)
+    return out[0] if isinstance(out, tuple) else out  # transformers 4 blocks return a tuple
+
+
+def sequential_groups(block: nn.Module, inp: BlockInput) -> list[list[str]]:
+    """The block's Linear / Conv1D names in the order its forward calls them, grouped by shared
+    input: consecutive layers fed the same tensor (q/k/v, gate/up) form one group."""
+    calls: list[tuple[str, torch.Tensor]] = []
+    hooks = [m.register_forward_hook(lambda mod, args, out, name=name: calls.append((name, args[0])))
+             for name, m in block.named_modules() if isinstance(m, LINEAR_TYPES)]
+    try:
+        with torch.no_grad():
+            run_block(block, inp)
+    finally:
+        for h in hooks:
+            h.remove()
+    groups: list[list[str]] = []
+    for k, (name, x) in enumerate(calls):  # `calls` keeps every input alive: no storage is reused
+        if k and x is calls[k - 1][1]:
+            groups[-1].append(name)
+        else:
+            groups.append([name])
+    return groups
+
+
+def capture_block_inputs(model: nn.Module, first_block: nn.Module,
+                         calibration: Iterable[torch.Tensor]) -> list[BlockInput]:
+    """Run `model(input_ids)` for each calibration batch up to the first block and keep that
+    block's arguments. A KV cache is dropped: calibration runs the blocks repeatedly."""
+    captured: list[BlockInput] = []
+
+    def grab(mod, args, kwargs):
+        kwargs = dict(kwargs)
+        if args:
+            hidden, args = args[0], tuple(args[1:])
+        else:
+            hidden = kwargs.pop("hidden_states")
+        if "past_key_values" in kwargs:
+            kwargs["past_key_values"] = None
+        if "use_cache" in kwargs:
+            kwargs["use_cache"] = False
+        captured.append(BlockInput(hidden=hidden, args=args, kwargs=kwargs))
+        raise StopForward
+
+    hook = first_block.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        for ids in calibration:
+            try:
+                model(ids)
+            except StopForward:
+                pass
+    finally:
+        hook.remove()
+    return captured
+
+
+@torch.no_grad()
+def quantize_blocks_sequentially(
+    model: nn.Module, blocks: nn.ModuleList | nn.ModuleDict | Mapping[str, nn.Module],
+    calibration: Iterable[torch.Tensor],
+    step: Callable[[nn.Module, list[BlockInput], str], tuple[dict[str, Any], list[torch.Tensor]]],
+    summary: Callable[[dict[str, Any]], str], *, desc: str, prefix: str = "",
+    on_block: Callable[[str, float, dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """The block-by-block calibration loop of GPTQ and A8W8: the first block's inputs are captured
+    from `calibration`, then each block is quantized by `step(block, inputs, names_prefix)`, which
+    returns its layers' results and the block's outputs on those inputs, the next block's inputs (so
+    each block sees the previous blocks quantized). `on_block(key, seconds, results)` after each
+    block; `summary(results)` ends its log line. The model is left in its training mode."""
+    named = list(blocks.items()) if isinstance(blocks, (nn.ModuleDict, Mapping)) else \
+        [(str(i), b) for i, b in enumerate(blocks)]
+    if not named:
+        raise ValueError("no decoder blocks were given to quantize")
+    was_training = model.training
+    model.eval()
+    inputs = capture_block_inputs(model, named[0][1], calibration)
+    if not inputs:
+        raise ValueError("the calibration set is empty")
+    results: dict[str, Any] = {}
+    dot = f"{prefix}." if prefix else ""
+    progress = Progress(log, f"{desc} blocks", len(named), lines=len(named), min_interval_s=0)  # every block
+    for key, block in named:
+        start = time.perf_counter()
+        block_results, outputs = step(block, inputs, f"{dot}{key}")
+        if on_block is not None:
+            on_block(key, time.perf_counter() - start, block_results)
+        results.update(block_results)
+        inputs = [replace(inp, hidden=out) for inp, out in zip(inputs, outputs)]
+        progress.advance(detail=f"block {key}: {len(block_results)} layers, {summary(block_results)}")
+    model.train(was_training)
+    return results

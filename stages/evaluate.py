@@ -172,10 +172,12 @@ def adapter_base_dir(adapter_dir: Path) -> Path:
                      "set one of them to the base model's directory")
 
 
-def load_variant(model_dir: str | Path, backend: str | None = None) -> tuple[Any, Any, str]:
+def load_variant(model_dir: str | Path, backend: str | None = None,
+                 base_dir: str | Path | None = None) -> tuple[Any, Any, str]:
     """(model in eval mode, tokenizer, kind) for whatever `model_dir` holds (see module docstring).
     `backend` None decides from the directory (model.onnx: onnxruntime); "torch" or
-    "onnxruntime" insists on one and names the other when the directory needs it."""
+    "onnxruntime" insists on one and names the other when the directory needs it. `base_dir`: an
+    adapter's base model, as the workflow passes it (default: `adapter_base_dir`)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise InputError(f"--model {model_dir} is not a directory; pass a stage's output directory")
@@ -197,7 +199,7 @@ def load_variant(model_dir: str | Path, backend: str | None = None) -> tuple[Any
 
         from stages.adapters.peft_files import check_adapter_fits, check_every_adapted_layer_loaded
 
-        base_dir = adapter_base_dir(model_dir)
+        base_dir = Path(base_dir) if base_dir is not None else adapter_base_dir(model_dir)
         check_adapter_dir(model_dir)  # before the base loads: a bad adapter fails fast
         check_adapter_fits(model_dir, base_dir)
         base, _ = _load_full_model(base_dir)
@@ -282,10 +284,12 @@ def generate_greedy(model: torch.nn.Module, prompts: Sequence[list[int]], *, max
 
 # -- the stage -----------------------------------------------------------------------------------
 def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, variant: str,
-        config: Mapping[str, Any] | None = None, src_length: int | None = None) -> dict[str, Any]:
+        config: Mapping[str, Any] | None = None, src_length: int | None = None,
+        base_dir: str | Path | None = None) -> dict[str, Any]:
     """Evaluate `model_dir` on `data_dir`, write the metrics JSON to `out_path` and return it.
     `config`: the `evaluate` section (what it lacks takes the schema's default); `src_length`: the
-    prompt tokens kept, the model's finetune.sft.src_length (default: that key's default)."""
+    prompt tokens kept, the model's finetune.sft.src_length (default: that key's default);
+    `base_dir`: an adapter's base model (default: found from the adapter, `adapter_base_dir`)."""
     t_start = time.perf_counter()
     settings, src_length = eval_settings(config, src_length)
     model_dir, data_dir = Path(model_dir), Path(data_dir)
@@ -294,7 +298,7 @@ def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, varia
     dev_path = data_dir / "sft" / "dev.json"
     if not dev_path.exists():
         raise InputError(f"{dev_path} is missing; --data must be the data dir written by prepare")
-    model, tokenizer, kind = load_variant(model_dir)
+    model, tokenizer, kind = load_variant(model_dir, base_dir=base_dir)
     memory = {"model_bytes": model_bytes(model), "rss_bytes": rss_bytes()}
 
     valid, index = read_split(data_dir, "validation")
@@ -369,12 +373,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--src-length", type=int, default=None,
                         help="prompt tokens kept (left truncation): the model's finetune.sft.src_length "
                              "(default: that key's default)")
+    parser.add_argument("--base", default=None, metavar="DIR",
+                        help="an adapter's base model dir (default: from the adapter's meta.json / adapter_config.json)")
     add_arguments(parser, "evaluate")
     args = parser.parse_args(argv)
     configure_logging()
     config = from_arguments(args, "evaluate", args.config)
     # the prompt length the model was fine-tuned with
-    return run(args.model, args.data, args.out, args.variant, config, args.src_length)
+    return run(args.model, args.data, args.out, args.variant, config, args.src_length, args.base)
 
 
 if __name__ == "__main__":

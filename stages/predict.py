@@ -223,16 +223,17 @@ def summary_path(out_path: str | Path) -> Path:
 
 
 def run(model_dir: str | Path, input_path: str | Path, out_path: str | Path,
-        settings: PredictSettings | None = None) -> dict[str, Any]:
-    """Predict every record of `input_path` with `model_dir`; write the JSON lines to `out_path`
-    and the summary beside it; return the summary."""
+        settings: PredictSettings | None = None, base_dir: str | Path | None = None) -> dict[str, Any]:
+    """Predict every record of `input_path` with `model_dir` (an adapter on `base_dir`, default: the
+    base the adapter names); write the JSON lines to `out_path` and the summary beside it; return
+    the summary."""
     t_start = time.perf_counter()
     settings = settings or PredictSettings()
     model_dir, input_path = Path(model_dir), Path(input_path)
     log_io("predict", reads={"model": model_dir, "records": input_path},
            writes={"predictions": out_path, "summary": summary_path(out_path)}, logger=log)
     rows = read_records(input_path)  # bad input fails before the model loads
-    model, tokenizer, kind = load_variant(model_dir, settings.backend)
+    model, tokenizer, kind = load_variant(model_dir, settings.backend, base_dir)
     load_seconds = time.perf_counter() - t_start
     chat = chat_format(settings.chat_template, tokenizer, model_dir, input_path)
     eos = tokenizer.eos_token_id
@@ -279,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input", required=True,
                         help='SFT JSON lines to predict: {"src": ..., "tgt": ...} (tgt optional)')
     parser.add_argument("--out", required=True, help="predictions to write (JSON lines; the summary goes beside it)")
+    parser.add_argument("--base", default=None, metavar="DIR",
+                        help="an adapter's base model dir (default: from the adapter's meta.json / adapter_config.json)")
     parser.add_argument("--batch-size", type=int, default=DEFAULTS["batch_size"],
                         help="records per generate call (default %(default)s)")
     parser.add_argument("--src-length", type=int, default=DEFAULTS["src_length"],
@@ -307,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     configure_logging()
     settings = PredictSettings(**{key: getattr(args, key) for key in DEFAULTS})
-    return run(args.model, args.input, args.out, settings)
+    return run(args.model, args.input, args.out, settings, args.base)
 
 
 if __name__ == "__main__":

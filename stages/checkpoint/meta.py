@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,9 @@ from stages.checkpoint.atomic import write_json
 from stages.checkpoint.integrity import weight_records
 
 META_NAME = "meta.json"
+# The digest of the code that made the artifact, as the workflow computed it for the job
+# (stages/provenance/code.py; workflow/rules/common.smk puts it in the job's environment).
+CODE_ENV = "LLM_LIFECYCLE_CODE"
 _PACKAGES = ("torch", "transformers", "peft", "deepspeed", "safetensors", "tokenizers", "snakemake", "sacrebleu",
              "rouge-score")
 
@@ -50,6 +54,7 @@ def write_meta(
         "config": config,
         "parent": str(parent) if parent is not None else None,
         "git_commit": git_commit(),
+        "code": os.environ.get(CODE_ENV),  # None when the stage ran outside the workflow
         "packages": package_versions(),
         "seed": seed,
         "metrics": metrics,

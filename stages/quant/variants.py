@@ -28,6 +28,10 @@ from stages.errors import InputError
 
 METHODS = ("rtn", "gptq", "a8w8")
 CALIBRATED_METHODS = ("gptq", "a8w8")  # read the experiment's data for calibration
+# The modules only one method's quantize job runs: editing one reruns that method's variants and not
+# the others' (the workflow's code params, stages/provenance/code.py); rtn is stages.quant.rtn, which
+# every method's packing uses.
+METHOD_MODULES = {"rtn": (), "gptq": ("stages.quant.gptq",), "a8w8": ("stages.quant.smoothquant", "stages.quant.a8w8")}
 
 RTN_KEYS = ("bits", "group_size", "sym")
 GPTQ_KEYS = ("bits", "group_size", "sym", "desc_act", "static_groups", "damp_percent", "true_sequential")

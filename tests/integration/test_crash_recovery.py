@@ -52,7 +52,7 @@ def _setup(workdir: Path) -> Path:
 
 
 def _command(workdir: Path, extra: Path, *args: str) -> list[str]:
-    return [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(workdir),
+    return [sys.executable, "-m", "snakemake", "-s", str(ROOT / "workflow" / "Snakefile"), "--directory", str(workdir),
             "--configfile", str(ROOT / "config" / "config.yaml"), str(extra), *args]
 
 

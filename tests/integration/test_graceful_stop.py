@@ -50,7 +50,7 @@ def _run_and_signal(workdir: Path, extra: Path, at_step: int, rank: str, signum:
     # run, 2026-11-27: three processes with RANK=0)
     env = without_world(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
                         PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(workdir),
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "workflow" / "Snakefile"), "--directory", str(workdir),
            "--configfile", str(ROOT / "config" / "config.yaml"), str(extra), "--cores", "2", "results/stop/pretrain"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 600

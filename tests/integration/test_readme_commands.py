@@ -10,7 +10,7 @@ The convention, in README.md and the pages of docs/:
 - a ```yaml block whose first line is `# <file name>` is a file the guide tells users to write: the
   test writes it before running anything (one name, one content, wherever it is printed).
 
-How a command runs, in a temporary copy of the workflow (Snakefile, workflow/, config/, profiles/):
+How a command runs, in a temporary copy of the workflow (workflow/, config/):
 - `snakemake ...`: as printed plus `-n` (a dry run: the DAG is built, every parse-time check runs);
 - `make <target>`: `make -n <target>` in the repository (the target exists; nothing is executed);
 - `python -m stages.<verb> ...`: as printed; with a placeholder no file can fill (`<fp>`), its
@@ -122,8 +122,7 @@ def write_readme_files(workdir: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("readme")
-    shutil.copy(ROOT / "Snakefile", work / "Snakefile")
-    for name in ("workflow", "config", "profiles"):
+    for name in ("workflow", "config"):
         shutil.copytree(ROOT / name, work / name)
     assert "my.yaml" in write_readme_files(work)
     return work

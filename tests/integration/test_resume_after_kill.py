@@ -37,7 +37,7 @@ def _run_and_kill_at(workdir: Path, extra: Path, step: int) -> int:
     it was killed at. Snakemake itself sees a failed job and exits normally."""
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
                PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--directory", str(workdir),
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "workflow" / "Snakefile"), "--directory", str(workdir),
            "--configfile", str(ROOT / "config" / "config.yaml"), str(extra), "--cores", "2", "results/kill/pretrain"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 600

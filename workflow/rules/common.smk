@@ -13,7 +13,8 @@ from stages.data.validate import check_data_section, check_mix_datasets, mix_fil
 from stages.model.config import FLAVOURS
 from stages.model.rope_types import depends_on_length
 from stages.plan import check_plan
-from stages.quant.variants import BUILTIN_VARIANTS, CALIBRATED_METHODS, spec_method, variant_settings
+from stages.provenance.code import closure, file_digest, fingerprint, source_path
+from stages.quant.variants import BUILTIN_VARIANTS, CALIBRATED_METHODS, METHOD_MODULES, spec_method, variant_settings
 from stages.sweeps import expand as expand_sweeps
 
 # Sweeps (and plain comparisons) first: each sweep's rows become ordinary experiments, members that
@@ -109,9 +110,13 @@ def finetune_section(wildcards):
     return json.dumps(experiment(wildcards)["finetune"][wildcards.method], sort_keys=True)
 
 
+# The user's own files (corpus, SFT data, mixed-in text, a checkpoint to start from, a calibration
+# file) are inputs so that editing one reruns what reads it; they are local(): they live where the
+# user's config says, relative to the working directory, so neither a module prefix nor a storage
+# provider applies to them.
 def finetune_mix_files(wildcards):
     """The text files the method mixes into fine-tuning (mix_datasets; editing one reruns it)."""
-    return mix_files(experiment(wildcards)["finetune"][wildcards.method], Path.cwd())
+    return [local(f) for f in mix_files(experiment(wildcards)["finetune"][wildcards.method], Path.cwd())]
 
 
 def corpus_files(wildcards):
@@ -124,7 +129,7 @@ def corpus_files(wildcards):
     if not sft.startswith("builtin:"):
         files += sorted(glob.glob(f"{sft}/train*.json")) + sorted(glob.glob(f"{sft}/train/*.json"))
         files += sorted(glob.glob(f"{sft}/dev*.json")) + sorted(glob.glob(f"{sft}/dev/*.json"))
-    return files
+    return [local(f) for f in files]
 
 
 def model_variants(wildcards):
@@ -156,22 +161,20 @@ def start_variant(wildcards):
 def base_source_files(wildcards):
     """The starting checkpoint's files (editing one re-imports it)."""
     path = Path(experiment(wildcards)["model"]["model_name_or_path"])
-    return sorted(str(p) for p in path.iterdir() if p.is_file())
+    return [local(str(p)) for p in sorted(path.iterdir()) if p.is_file()]
 
 
 def prepare_inputs(wildcards):
-    """Corpus files, plus the imported checkpoint whose tokenizer prepare uses."""
-    inputs = corpus_files(wildcards)
+    """Corpus files, plus the imported checkpoint whose tokenizer prepare uses (`base`). Used with unpack()."""
+    inputs = {"corpus": corpus_files(wildcards)}
     if experiment(wildcards)["model"]["model_name_or_path"]:
-        inputs.append(f"results/{wildcards.experiment}/base")
+        inputs["base"] = f"results/{wildcards.experiment}/base"
     return inputs
 
 
-def tokenizer_flag(wildcards):
-    """`--tokenizer results/<name>/base` for an experiment with a starting checkpoint, else nothing."""
-    if experiment(wildcards)["model"]["model_name_or_path"]:
-        return f"--tokenizer results/{wildcards.experiment}/base"
-    return ""
+def tokenizer_flag(wildcards, input):
+    """`--tokenizer <base>` for an experiment with a starting checkpoint, else nothing."""
+    return f"--tokenizer {input.base}" if "base" in input.keys() else ""
 
 
 def pretrain_inputs(wildcards):
@@ -210,10 +213,9 @@ def plan_job_params(wildcards):
                        "cluster": cluster}, sort_keys=True)
 
 
-def init_flag(wildcards):
-    if experiment(wildcards)["model"]["model_name_or_path"]:
-        return f"--init results/{wildcards.experiment}/base"
-    return ""
+def init_flag(wildcards, input):
+    """`--init <base>` for continued pretraining of a starting checkpoint, else nothing."""
+    return f"--init {input.init}" if "init" in input.keys() else ""
 
 
 def quant_source_dir(wildcards):
@@ -240,7 +242,7 @@ def quantize_input(wildcards):
         inputs["data"] = f"results/{wildcards.experiment}/data"
         source = quant["calibration"]["source"]
         if source not in ("corpus", "sft"):
-            inputs["calibration"] = source  # editing the file reruns the variant
+            inputs["calibration"] = local(source)  # editing the file reruns the variant
     return inputs
 
 
@@ -251,11 +253,9 @@ def quantize_section(wildcards):
     return json.dumps(variant_settings(wildcards.variant, experiment(wildcards)["quantize"]), sort_keys=True)
 
 
-def quantize_data_flag(wildcards):
-    """`--data results/<name>/data` for a calibrated variant (gptq, a8w8), else nothing."""
-    if spec_method(wildcards.variant, experiment(wildcards)["quantize"]) in CALIBRATED_METHODS:
-        return f"--data results/{wildcards.experiment}/data"
-    return ""
+def quantize_data_flag(wildcards, input):
+    """`--data <data>` for a calibrated variant (gptq, a8w8), else nothing."""
+    return f"--data {input.data}" if "data" in input.keys() else ""
 
 
 def onnx_variants(wildcards):
@@ -295,13 +295,24 @@ def variant_dir(wildcards):
 
 
 def variant_inputs(wildcards):
-    """What evaluating a variant needs: its dir, plus the base model for adapter dirs."""
+    """What evaluating a variant needs: its dir (`model`; for onnx-int8 the export dir, int8/ is
+    inside it), plus the base model for adapter dirs (`base`). Used with unpack()."""
     if wildcards.variant in onnx_variants(wildcards):
-        return [f"results/{wildcards.experiment}/export"]  # int8/ is inside it
-    inputs = [variant_dir(wildcards)]
+        return {"model": f"results/{wildcards.experiment}/export"}
+    inputs = {"model": variant_dir(wildcards)}
     if wildcards.variant in ("lora", "prefix"):
-        inputs.append(finetune_base(wildcards))
+        inputs["base"] = finetune_base(wildcards)
     return inputs
+
+
+def variant_model(wildcards, input):
+    """The directory the variant's model is in, within its declared input."""
+    return f"{input.model}/int8" if wildcards.variant in onnx_variants(wildcards) else input.model
+
+
+def base_flag(wildcards, input):
+    """`--base <dir>` for an adapter variant, else nothing."""
+    return f"--base {input.base}" if "base" in input.keys() else ""
 
 
 def shared_artifact(wildcards):
@@ -317,6 +328,32 @@ def comparison_inputs(wildcards):
     if any(metric.endswith("_ratio") for metric in spec["metrics"]):
         files += [f"results/{m}/eval/{spec['starts'][m]}.json" for m in spec["members"]]
     return list(dict.fromkeys(files))
+
+
+def training_dirs(wildcards):
+    """The training stages' output dirs (each holds its train_log.csv)."""
+    start = ["pretrain"] if pretrain_enabled(experiment(wildcards)) else []
+    return [f"results/{wildcards.experiment}/{stage}" for stage in start + FINETUNE_METHODS]
+
+
+def report_benchmarks(wildcards):
+    """The benchmark TSV of every job the experiment runs itself (a sweep member's data and starting
+    model are its shared upstream's), for the report's stage timings."""
+    exp, name = experiment(wildcards), wildcards.experiment
+    jobs = []
+    if name not in SHARED_UPSTREAM:
+        jobs.append("prepare")
+        if exp["model"]["model_name_or_path"]:
+            jobs.append("import_base")
+        if pretrain_enabled(exp):
+            jobs += ["plan_pretrain", "pretrain"] + (["merge_tp"] if sharded_output(exp["pretrain"]) else [])
+    jobs += ["plan"] + [f"plan_finetune_{m}" for m in FINETUNE_METHODS] + [f"finetune_{m}" for m in FINETUNE_METHODS]
+    jobs += ["merge_lora"] + [f"quantize_{v}" for v in quant_variants(wildcards)] + ["export"]
+    jobs += [f"deploy_gguf-{t}" for t in exp["deploy"]["gguf"]]
+    jobs += [f"deploy_compressed-tensors-{v}" for v in exp["deploy"]["compressed_tensors"]]
+    variants = model_variants(wildcards) + quant_variants(wildcards) + onnx_variants(wildcards)
+    jobs += [f"evaluate_{v}" for v in variants]
+    return [f"results/{name}/benchmarks/{job}.tsv" for job in jobs]
 
 
 def all_eval_files(wildcards):
@@ -354,3 +391,35 @@ def cluster_resources(name):
         return value
 
     return {key: value_of(key) for key in _RESOURCE_KEYS}
+
+
+# The code of each rule is one of its params (stages/provenance/code.py), one entry per source file
+# of its stage module and every `stages` module that imports, transitively, "code <file> <sha256[:12]>",
+# so that an edited file reruns the jobs whose code reaches it (the dry run's reason names the file) and
+# `code`, the digest of them all, which the job records in meta.json (LLM_LIFECYCLE_CODE).
+def code_params(*modules, exclude=None):
+    """Params (spread with ** into a rule's params) for a rule running `modules`. `exclude(wildcards)`
+    names modules one job does not run (a quantize job runs only its own method's module), so that
+    editing one of them reruns only the jobs that run it."""
+    everything = closure(modules)
+
+    def job_modules(wildcards):
+        return closure(modules, exclude(wildcards)) if exclude else everything
+
+    def entry(module):
+        text = f"code {source_path(module)} {file_digest(module)}"
+        return text if exclude is None else (lambda wildcards: text if module in job_modules(wildcards) else "")
+
+    params = {f"code_{m.replace('.', '_')}": entry(m) for m in everything}
+    params["code"] = fingerprint(everything) if exclude is None else (lambda w: fingerprint(job_modules(w)))
+    return params
+
+
+def other_methods_modules(wildcards):
+    """The quantize modules of the methods other than this variant's (not run by its job)."""
+    method = spec_method(wildcards.variant, experiment(wildcards)["quantize"])
+    return [m for other, modules in METHOD_MODULES.items() if other != method for m in modules]
+
+
+# Put before `python -m stages.<verb>` in a rule's shell: the job's code digest, recorded in meta.json.
+CODE_ENV = "LLM_LIFECYCLE_CODE={params.code}"

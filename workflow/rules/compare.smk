@@ -14,8 +14,9 @@ rule compare:
         "results/{comparison}/logs/compare.log",
     params:
         spec=lambda wildcards: json.dumps(COMPARISONS[wildcards.comparison], sort_keys=True),
+        **code_params("stages.compare"),
     localrule: True
-    conda:
-        "../../environment.yml"
+    # results/ is the output's grandparent: the members' evaluations are inputs there
     shell:
-        "python -m stages.compare --spec {params.spec:q} --out-dir results/{wildcards.comparison} > {log} 2>&1"
+        "LLM_LIFECYCLE_CODE={params.code} python -m stages.compare --spec {params.spec:q} "
+        "--out-dir \"$(dirname {output.csv:q})\" --results \"$(dirname \"$(dirname {output.csv:q})\")\" > {log} 2>&1"

@@ -18,12 +18,11 @@ rule deploy_gguf:
         "results/{experiment}/benchmarks/deploy_gguf-{gguf_type}.tsv"
     params:
         config=section("deploy"),
+        **code_params("stages.deploy"),
     resources:
         **cluster_resources("deploy"),
-    conda:
-        "../../environment.yml"
     shell:
-        "python -m stages.deploy gguf --model {input.model} --type {wildcards.gguf_type} --data {input.data} "
+        "LLM_LIFECYCLE_CODE={params.code} python -m stages.deploy gguf --model {input.model} --type {wildcards.gguf_type} --data {input.data} "
         "--out {output} --config {params.config:q} > {log} 2>&1"
 
 
@@ -39,12 +38,11 @@ rule deploy_compressed_tensors:
         "results/{experiment}/benchmarks/deploy_compressed-tensors-{variant}.tsv"
     params:
         config=section("deploy"),
+        **code_params("stages.deploy"),
     resources:
         **cluster_resources("deploy"),
-    conda:
-        "../../environment.yml"
     shell:
-        "python -m stages.deploy compressed-tensors --model {input.model} --data {input.data} --out {output} "
+        "LLM_LIFECYCLE_CODE={params.code} python -m stages.deploy compressed-tensors --model {input.model} --data {input.data} --out {output} "
         "--config {params.config:q} > {log} 2>&1"
 
 
@@ -56,10 +54,11 @@ rule deploy_manifest:
         "results/{experiment}/deploy/manifest.json",
     log:
         "results/{experiment}/logs/deploy_manifest.log",
-    resources:
-        **cluster_resources("deploy"),
-    conda:
-        "../../environment.yml"
+    params:
+        **code_params("stages.deploy"),
+    localrule: True  # reads a few meta.json files
+    # the experiment dir is the output's grandparent: export/ and deploy/*/ are inputs, so they are
+    # there under a module prefix and in a storage provider's local copies alike
     shell:
-        "python -m stages.deploy manifest --experiment-dir results/{wildcards.experiment} --out {output} "
-        "> {log} 2>&1"
+        "LLM_LIFECYCLE_CODE={params.code} python -m stages.deploy manifest "
+        "--experiment-dir \"$(dirname \"$(dirname {output:q})\")\" --out {output} > {log} 2>&1"

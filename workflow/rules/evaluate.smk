@@ -1,7 +1,7 @@
 # Perplexity, exact match, BLEU-4, ROUGE-L, size and generation speed of one variant.
 rule evaluate:
     input:
-        model=variant_inputs,
+        unpack(variant_inputs),
         data="results/{experiment}/data",
     output:
         "results/{experiment}/eval/{variant}.json",
@@ -12,13 +12,13 @@ rule evaluate:
     params:
         config=section("evaluate"),
         src_length=value("finetune", "sft", "src_length"),
-        model_dir=variant_dir,
+        model_dir=variant_model,
+        base=base_flag,
+        **code_params("stages.evaluate"),
     threads: 1
     resources:
         **cluster_resources("evaluate"),
-    conda:
-        "../../environment.yml"
     shell:
-        "python -m stages.evaluate --model {params.model_dir} --data {input.data} --out {output} "
-        "--variant {wildcards.variant} --config {params.config:q} --src-length {params.src_length} "
-        "> {log} 2>&1"
+        "LLM_LIFECYCLE_CODE={params.code} python -m stages.evaluate --model {params.model_dir} {params.base} "
+        "--data {input.data} --out {output} --variant {wildcards.variant} --config {params.config:q} "
+        "--src-length {params.src_length} > {log} 2>&1"

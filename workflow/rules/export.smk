@@ -10,9 +10,8 @@ rule export:
         "results/{experiment}/benchmarks/export.tsv"
     params:
         config=section("export"),
+        **code_params("stages.export"),
     resources:
         **cluster_resources("export"),
-    conda:
-        "../../environment.yml"
     shell:
-        "python -m stages.export --model {input} --out {output} --config {params.config:q} > {log} 2>&1"
+        "LLM_LIFECYCLE_CODE={params.code} python -m stages.export --model {input} --out {output} --config {params.config:q} > {log} 2>&1"

@@ -2,6 +2,7 @@
 # results/{experiment}/base) on the src/tgt data, all on the distributed training engine in the
 # layout of their finetune.<method> section. stages.launch starts the ranks (torchrun here, or the
 # module itself for one rank; srun inside a SLURM job); nodes, tasks and memory come from the experiment's plan.
+# Checkpoints go to checkpoints/<method>/ beside the output, as pretraining's (pretrain.smk says why).
 rule finetune:
     input:
         model=finetune_base,
@@ -16,14 +17,13 @@ rule finetune:
         "results/{experiment}/benchmarks/finetune_{method}.tsv"
     params:
         config=finetune_section,
-        checkpoints=lambda wildcards: f"results/{wildcards.experiment}/checkpoints/{wildcards.method}",
+        **code_params("stages.launch", "stages.finetune"),
     threads: 1
     priority: finetune_priority
     resources:
         **cluster_resources("finetune"),
-    conda:
-        "../../environment.yml"
     shell:
-        "python -m stages.launch --nproc {resources.tasks} --nodes {resources.nodes} -- "
-        "stages.finetune --method {wildcards.method} --model {input.model} --data {input.data} --out {output} "
-        "--config {params.config:q} --checkpoints {params.checkpoints} --plan {input.plan} > {log} 2>&1"
+        "LLM_LIFECYCLE_CODE={params.code} python -m stages.launch --nproc {resources.tasks} --nodes {resources.nodes} "
+        "-- stages.finetune --method {wildcards.method} --model {input.model} --data {input.data} --out {output} "
+        "--config {params.config:q} --checkpoints \"$(dirname {output:q})/checkpoints/{wildcards.method}\" "
+        "--plan {input.plan} > {log} 2>&1"

@@ -9,9 +9,9 @@ rule merge_lora:
         "results/{experiment}/logs/merge_lora.log",
     benchmark:
         "results/{experiment}/benchmarks/merge_lora.tsv"
+    params:
+        **code_params("stages.merge"),
     resources:
         **cluster_resources("merge_lora"),
-    conda:
-        "../../environment.yml"
     shell:
-        "python -m stages.merge --adapter {input.adapter} --base {input.base} --out {output} > {log} 2>&1"
+        "LLM_LIFECYCLE_CODE={params.code} python -m stages.merge --adapter {input.adapter} --base {input.base} --out {output} > {log} 2>&1"

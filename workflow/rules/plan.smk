@@ -17,13 +17,11 @@ rule plan_job:
         "results/{experiment}/benchmarks/plan_{job}.tsv"
     params:
         experiment=plan_job_params,
+        **code_params("stages.plan"),
     threads: 1
-    resources:
-        **cluster_resources("plan"),
-    conda:
-        "../../environment.yml"
+    localrule: True  # one JSON file in a second: not worth a cluster job
     shell:
-        "python -m stages.plan --experiment {wildcards.experiment} --experiment-json {params.experiment:q} "
+        "LLM_LIFECYCLE_CODE={params.code} python -m stages.plan --experiment {wildcards.experiment} --experiment-json {params.experiment:q} "
         "--job {wildcards.job} --out {output} > {log} 2>&1"
 
 
@@ -36,11 +34,9 @@ rule plan:
         "results/{experiment}/benchmarks/plan.tsv"
     params:
         experiment=plan_params,
+        **code_params("stages.plan"),
     threads: 1
-    resources:
-        **cluster_resources("plan"),
-    conda:
-        "../../environment.yml"
+    localrule: True
     shell:
-        "python -m stages.plan --experiment {wildcards.experiment} --experiment-json {params.experiment:q} "
+        "LLM_LIFECYCLE_CODE={params.code} python -m stages.plan --experiment {wildcards.experiment} --experiment-json {params.experiment:q} "
         "--out {output} > {log} 2>&1"

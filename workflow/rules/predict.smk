@@ -9,7 +9,7 @@ from stages.serving.generation_settings import settings_flags
 
 rule predict:
     input:
-        model=variant_inputs,
+        unpack(variant_inputs),
         data="results/{experiment}/data",
     output:
         predictions="results/{experiment}/predictions/{variant}.jsonl",
@@ -20,12 +20,12 @@ rule predict:
         "results/{experiment}/benchmarks/predict_{variant}.tsv"
     params:
         flags=lambda wildcards: settings_flags(experiment(wildcards)["predict"]),
-        model_dir=variant_dir,
+        model_dir=variant_model,
+        base=base_flag,
+        **code_params("stages.predict"),
     threads: 1
     resources:
         **cluster_resources("predict"),
-    conda:
-        "../../environment.yml"
     shell:
-        "python -m stages.predict --model {params.model_dir} --input {input.data}/sft/dev.json "
-        "--out {output.predictions} {params.flags} > {log} 2>&1"
+        "LLM_LIFECYCLE_CODE={params.code} python -m stages.predict --model {params.model_dir} {params.base} "
+        "--input {input.data}/sft/dev.json --out {output.predictions} {params.flags} > {log} 2>&1"

@@ -2,7 +2,7 @@
 # checkpoint's own tokenizer is used (no tokenizer is trained).
 rule prepare:
     input:
-        prepare_inputs,
+        unpack(prepare_inputs),
     output:
         directory("results/{experiment}/data"),
     wildcard_constraints:
@@ -14,12 +14,12 @@ rule prepare:
     params:
         config=section("data"),
         tokenizer=tokenizer_flag,
+        **code_params("stages.prepare"),
     resources:
         **cluster_resources("prepare"),
-    conda:
-        "../../environment.yml"
     shell:
-        "python -m stages.prepare --out {output} --config {params.config:q} {params.tokenizer} > {log} 2>&1"
+        "LLM_LIFECYCLE_CODE={params.code} python -m stages.prepare --out {output} --config {params.config:q} "
+        "{params.tokenizer} > {log} 2>&1"
 
 
 # A local pretrained checkpoint (model.model_name_or_path), checked and copied into the experiment:
@@ -37,18 +37,21 @@ rule import_base:
         "results/{experiment}/benchmarks/import_base.tsv"
     params:
         source=value("model", "model_name_or_path"),
+        **code_params("stages.import_base"),
     threads: 1
     resources:
         **cluster_resources("import_base"),
-    conda:
-        "../../environment.yml"
     shell:
-        "python -m stages.import_base --source {params.source:q} --out {output} > {log} 2>&1"
+        "LLM_LIFECYCLE_CODE={params.code} python -m stages.import_base --source {params.source:q} --out {output} "
+        "> {log} 2>&1"
 
 
-# A sweep member's data and starting model (results/<member>/{data,pretrain,base}) are links to its
+# A sweep member's data and starting model (results/<member>/{data,pretrain,base}) are copies of its
 # shared upstream experiment's, made once for every member with the same model, data and
-# pretraining sections (stages/sweeps.py).
+# pretraining sections (stages/sweeps.py). Hard links where the file system allows (artifacts are
+# never changed in place: a rerun replaces the whole directory), a plain copy otherwise; not a
+# symlink, which a storage provider cannot hold and a module prefix would break. The copy's
+# .snakemake_timestamp (Snakemake's mark of a directory's time) is its own file, not a link.
 rule share_upstream:
     input:
         shared_artifact,
@@ -59,10 +62,7 @@ rule share_upstream:
         artifact="data|pretrain|base",
     log:
         "results/{experiment}/logs/share_{artifact}.log",
-    params:
-        target=lambda wildcards: f"../{SHARED_UPSTREAM[wildcards.experiment]}/{wildcards.artifact}",
     localrule: True
-    conda:
-        "../../environment.yml"
     shell:
-        "ln -sfn {params.target:q} {output:q} > {log} 2>&1"
+        "((cp -al {input:q} {output:q} 2>/dev/null || (rm -rf {output:q} && cp -a {input:q} {output:q})) "
+        "&& rm -f {output:q}/.snakemake_timestamp) > {log} 2>&1"  # Snakemake's own mark: not shared

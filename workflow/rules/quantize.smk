@@ -12,10 +12,9 @@ rule quantize:
     params:
         config=quantize_section,
         data=quantize_data_flag,
+        **code_params("stages.quantize", exclude=other_methods_modules),
     resources:
         **cluster_resources("quantize"),
-    conda:
-        "../../environment.yml"
     shell:
-        "python -m stages.quantize --source {input.source} --out {output} --variant {wildcards.variant} "
+        "LLM_LIFECYCLE_CODE={params.code} python -m stages.quantize --source {input.source} --out {output} --variant {wildcards.variant} "
         "{params.data} --config {params.config:q} > {log} 2>&1"

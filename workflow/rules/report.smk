@@ -6,6 +6,8 @@ rule report:
         export="results/{experiment}/export",
         deploy="results/{experiment}/deploy/manifest.json",
         plan="results/{experiment}/plan.json",  # recorded with the results
+        training=training_dirs,  # their train_log.csv: the training plot
+        benchmarks=report_benchmarks,  # the stage timings table and plot
     output:
         quant_eval=report("results/{experiment}/quant_eval.json", caption="../report/quant_eval.rst",
                           category="{experiment}", subcategory="Tables", labels={"file": "quant_eval.json"}),
@@ -38,12 +40,13 @@ rule report:
         start=start_variant,
         quantize=section("quantize"),
         figures_dir=subpath(output.training, parent=True),
+        **code_params("stages.report"),
     resources:
         **cluster_resources("report"),
-    conda:
-        "../../environment.yml"
+    # the experiment dir is quant_eval.json's: eval/, benchmarks/ and the training dirs are inputs, so
+    # they are there under a module prefix and in a storage provider's local copies alike
     shell:
-        "python -m stages.report --experiment-dir results/{wildcards.experiment} "
+        "LLM_LIFECYCLE_CODE={params.code} python -m stages.report --experiment-dir \"$(dirname {output.quant_eval:q})\" "
         "--source {params.source} --start {params.start} --variants {params.variants} --csv {output.csv} --md {output.md} "
         "--quant-eval {output.quant_eval} --figures-dir {params.figures_dir} --quantize-config {params.quantize:q} "
         "--deploy-manifest {input.deploy} "

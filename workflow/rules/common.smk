@@ -396,7 +396,7 @@ def cluster_resources(name):
 # The code of each rule is one of its params (stages/provenance/code.py), one entry per source file
 # of its stage module and every `stages` module that imports, transitively, "code <file> <sha256[:12]>",
 # so that an edited file reruns the jobs whose code reaches it (the dry run's reason names the file) and
-# `code`, the digest of them all, which the job records in meta.json (LLM_LIFECYCLE_CODE).
+# `code`, the digest of them all, which each rule's shell puts in LLM_LIFECYCLE_CODE for meta.json.
 def code_params(*modules, exclude=None):
     """Params (spread with ** into a rule's params) for a rule running `modules`. `exclude(wildcards)`
     names modules one job does not run (a quantize job runs only its own method's module), so that
@@ -419,7 +419,3 @@ def other_methods_modules(wildcards):
     """The quantize modules of the methods other than this variant's (not run by its job)."""
     method = spec_method(wildcards.variant, experiment(wildcards)["quantize"])
     return [m for other, modules in METHOD_MODULES.items() if other != method for m in modules]
-
-
-# Put before `python -m stages.<verb>` in a rule's shell: the job's code digest, recorded in meta.json.
-CODE_ENV = "LLM_LIFECYCLE_CODE={params.code}"

@@ -9,7 +9,9 @@ computes this while it is parsed, in milliseconds and without importing torch.
 
 The lazy packages (`stages.model`, `stages.quant`, `stages.adapters`) load a name's module on first
 use from their `_HOMES` table: `from stages.quant import load_quantized` reaches `stages.quant.loader`
-and no other module of the package."""
+and no other module of the package. The package imports itself by absolute names only (`from stages.x
+import y`); relative imports are not read. Not counted: what a module reads that is not Python (the
+config schema reaches the jobs through their params, which are compared anyway)."""
 
 from __future__ import annotations
 

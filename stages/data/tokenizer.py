@@ -7,9 +7,13 @@ directory holds tokenizer.json, tokenizer_config.json and special_tokens_map.jso
 Choices, and why:
 - Byte-level: every string encodes (no unknown token) and decoding returns the exact bytes, so
   `decode(encode(x)) == x` for any text; no normaliser, no added prefix space.
-- No post-processor: encoding never inserts bos/eos by itself. Callers add them explicitly
-  (`stages.data.sft` puts bos before prompts, `stages.data.corpus` puts eos after documents), so
-  `tok(x)` and `tok(x, add_special_tokens=False)` give the same ids and nothing is doubled.
+- Encoding with special tokens puts bos in front, as the plain training format does
+  (`[bos] src tgt [eos]`, `stages.data.sft`): `tok(src)` gives the ids the model was trained to
+  answer, for anyone who loads the shipped files (transformers; llama.cpp through GGUF's
+  `add_bos_token`; onnxruntime-genai, whose `encode` adds special tokens only when asked). A post-processor in tokenizer.json does it (transformers 5 reads
+  `add_bos_token` in tokenizer_config.json for its Llama classes only; it is written too, for
+  readers that go by it). The stages encode with `add_special_tokens=False` and place bos/eos
+  themselves (`stages.data.corpus` puts eos after documents), so nothing is doubled.
 - `clean_up_tokenization_spaces=False`: the clean-up would rewrite " ." to "." and break the
   round trip.
 """
@@ -23,7 +27,7 @@ from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from stages.checkpoint.atomic import write_json
 from stages.errors import InputError
@@ -69,7 +73,15 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenize
             raise TokenizerError(f"{token!r} got id {tok.token_to_id(token)}, the contract needs {expected_id}")
     log.info("trained byte-level BPE: %d tokens (asked for %d) in %.1f s", tok.get_vocab_size(), vocab_size,
              time.perf_counter() - start)
+    tok.post_processor = bos_post_processor()
     return _wrap(tok)
+
+
+def bos_post_processor() -> processors.TemplateProcessing:
+    """[bos] before the text (and before the first of a pair): the plain format's prompt."""
+    bos_id = SPECIAL_TOKENS.index(BOS_TOKEN)
+    return processors.TemplateProcessing(single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A $B:1",
+                                         special_tokens=[(BOS_TOKEN, bos_id)])
 
 
 def _wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
@@ -82,7 +94,8 @@ def _wrap(tok: Tokenizer) -> PreTrainedTokenizerFast:
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: str | os.PathLike) -> Path:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `out_dir`."""
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into `out_dir`
+    (a tokenizer of `train_tokenizer`: encoding with special tokens adds bos)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer.backend_tokenizer.save(str(out_dir / "tokenizer.json"))
@@ -94,7 +107,7 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: str | os.PathLik
         "tokenizer_class": "PreTrainedTokenizerFast",
         **specials,
         "clean_up_tokenization_spaces": False,
-        "add_bos_token": False,
+        "add_bos_token": True,  # what the post-processor in tokenizer.json does
         "add_eos_token": False,
     })
     write_json(out_dir / "special_tokens_map.json", specials)

@@ -35,6 +35,22 @@ def save_tiny_tokenizer(out: Path) -> Path:
     return out
 
 
+def save_prepared_tokenizer(out: Path) -> Path:
+    """`save_tiny_tokenizer` as the prepare stage writes its own tokenizer: encoding with special
+    tokens puts `<s>` in front (`stages.data.tokenizer.bos_post_processor`, `add_bos_token: true`)."""
+    import json
+
+    from stages.data.tokenizer import bos_post_processor
+
+    save_tiny_tokenizer(out)
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    tok.post_processor = bos_post_processor()
+    tok.save(str(out / "tokenizer.json"))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True, "add_eos_token": False}))
+    return out
+
+
 # ChatML, as SmolLM2 / Qwen2 ship it (without their default system prompt).
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")

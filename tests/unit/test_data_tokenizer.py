@@ -48,11 +48,12 @@ def test_round_trip(trained, text):
     assert trained.decode(ids) == text
 
 
-def test_no_special_tokens_added_implicitly(trained):
+def test_encoding_with_special_tokens_adds_the_bos_of_the_training_format(trained):
     text = "hello world"
-    assert trained(text).input_ids == trained(text, add_special_tokens=False).input_ids
-    ids = [1] + trained(text).input_ids + [2]
-    assert trained.decode(ids, skip_special_tokens=True) == text
+    bare = trained(text, add_special_tokens=False).input_ids
+    assert trained(text).input_ids == [1] + bare  # [bos] src, as stages.data.sft trains it
+    assert trained(text, "and more").input_ids[:1] == [1] and trained(text, "and more").input_ids.count(1) == 1
+    assert trained.decode(trained(text).input_ids + [2], skip_special_tokens=True) == text
 
 
 def test_save_writes_hf_layout_and_autotokenizer_loads(trained, tmp_path):
@@ -96,3 +97,18 @@ def test_vocab_too_small_is_an_error():
 def test_load_missing_dir_names_the_file(tmp_path):
     with pytest.raises(TokenizerError, match=r"tokenizer.json is missing.*prepare"):
         load_tokenizer(tmp_path / "nope")
+
+
+@pytest.mark.parametrize("src", ["hello world", "colour: red; size: big", "def f(x):\n    return x"])
+def test_the_saved_files_encode_prompt_text_as_the_predictor_does(trained, tmp_path, src):
+    """A user of the shipped files (transformers' AutoTokenizer, called on the prompt text) gets the
+    ids the project's predictor and evaluation feed the model: `[bos] src`, the plain format."""
+    from stages.data.sft import SftRecord, encode_prompt
+
+    save_tokenizer(trained, tmp_path / "tok")
+    users = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
+    ours = encode_prompt(load_tokenizer(tmp_path / "tok"), SftRecord(src=[src], tgt=[""]), src_length=1 << 20)
+    assert users(src).input_ids == ours
+    assert ours[0] == users.bos_token_id == 1
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    assert config["add_bos_token"] is True and config["add_eos_token"] is False

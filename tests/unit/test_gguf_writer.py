@@ -438,3 +438,16 @@ def test_llama_cpp_tokenizes_like_the_source(pre, tokenizer, tmp_path):
     for text in TEXTS:
         assert llm.tokenize(text.encode(), add_bos=False, special=True) == \
             source(text, add_special_tokens=False)["input_ids"], text
+
+
+def test_the_prepared_tokenizer_has_llama_cpp_add_its_bos(tmp_path):
+    """The tokenizer prepare writes adds bos when encoding (the plain format's `[bos] src`): the
+    GGUF says so (`tokenizer.ggml.add_bos_token`), so llama.cpp's `tokenize(text)` gives the
+    trained prompt; an imported tokenizer that adds nothing keeps add_bos_token false (above)."""
+    from checkpoint_fixtures import save_prepared_tokenizer
+
+    from stages.deployment.gguf_tokenizer import gguf_tokenizer
+
+    tokenizer_dir = save_prepared_tokenizer(tmp_path / "tok")
+    vocab = gguf_tokenizer(tokenizer_dir, len(AutoTokenizer.from_pretrained(tokenizer_dir)))
+    assert vocab.add_bos and not vocab.add_eos and vocab.special_ids["bos"] == 1

@@ -77,3 +77,37 @@ def test_a_config_our_model_reads_differently_fails_the_parity_check(llama, tmp_
 def test_cli(llama, tmp_path):
     metrics = import_base.main(["--source", str(llama), "--out", str(tmp_path / "b"), "--no-parity-check"])
     assert "max_rel_logit_diff" not in metrics and (tmp_path / "b" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("adds_bos", [False, True])
+def test_an_imported_tokenizer_keeps_its_own_special_tokens(tmp_path, tiny_tokenizer_dir, adds_bos):
+    """The files of an imported checkpoint are carried as they are: a ChatML tokenizer without bos
+    adds nothing, one whose post-processor adds bos keeps adding it (unlike ours, neither is given
+    or stripped of a bos). Either way its users' ids are the predictor's: the chat template's prompt,
+    or `[bos] src` in the plain format."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from stages.data.sft import SftRecord, encode_prompt
+    from stages.data.tokenizer import load_model_tokenizer
+
+    source = chat_tokenizer(tiny_tokenizer_dir, chat_template=not adds_bos)
+    if adds_bos:  # a Llama-like tokenizer: bos `<s>`, added by its post-processor
+        source.bos_token = "<s>"
+        source.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", source.convert_tokens_to_ids("<s>"))])
+    src = save_checkpoint(tmp_path / "src", source)
+    import_base.run(src, tmp_path / "base", check_parity=False)
+    theirs, users = AutoTokenizer.from_pretrained(src), AutoTokenizer.from_pretrained(tmp_path / "base")
+    ours = load_model_tokenizer(tmp_path / "base")
+    text = "colour: red; size: big"
+    assert users(text).input_ids == theirs(text).input_ids
+    record = SftRecord(src=[text], tgt=[""])
+    if adds_bos:
+        assert users(text).input_ids == encode_prompt(ours, record, 1 << 20) == [1] + users(
+            text, add_special_tokens=False).input_ids
+    else:
+        prompt = users.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        prompt = prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt
+        assert prompt == encode_prompt(ours, record, 1 << 20, chat=True)
+        assert users(text).input_ids == users(text, add_special_tokens=False).input_ids

@@ -178,6 +178,70 @@ def test_onnxruntime_genai_generates_the_same_tokens(exported, tiny_tokenizer_di
         assert got == want
 
 
+@pytest.fixture(scope="module")
+def exported_with_bos(tmp_path_factory):
+    """(model dir, export dir): the debug Llama of `exported` with the tokenizer as prepare writes
+    it (encoding adds bos), exported without the INT8 variant."""
+    from checkpoint_fixtures import save_prepared_tokenizer
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("onnx_bos")
+    tokenizer_dir = save_prepared_tokenizer(root / "tokenizer")
+    config = config_for_flavour("debug", vocab_size=len(AutoTokenizer.from_pretrained(tokenizer_dir)), bos_token_id=1,
+                                eos_token_id=2, pad_token_id=0, initializer_range=0.2)
+    with atomic_dir(root / "model") as tmp:
+        save_pretrained(build_model(config, seed=0), tmp, tokenizer_dir=tokenizer_dir)
+    export.run(root / "model", root / "onnx", {"int8": False})
+    return root / "model", root / "onnx"
+
+
+def test_onnxruntime_genai_answers_prompt_text_as_the_predictor(exported_with_bos, tmp_path):
+    """onnxruntime-genai as its users call it (the export's own tokenizer encodes the prompt text,
+    the generator continues it) generates the project's predictions token for token. Its `encode`
+    adds no special tokens unless asked (since 0.8: chat templates carry their bos as text); asked,
+    it applies tokenizer.json's post-processor and the prompt is `[bos] src`, as trained
+    (docs/deployment.md). Tokens, not text, are compared: this random model's answers are byte
+    soup, which onnxruntime-extensions and transformers decode differently."""
+    og = pytest.importorskip("onnxruntime_genai")
+    model_dir, onnx_dir = exported_with_bos
+    torch_model, hf_tokenizer, _ = load_variant(model_dir, "torch")
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    prompts = [predict.encode_prompt(hf_tokenizer, row.record, 64) for row in predict.read_records(path)]
+    settings = predict.PredictSettings(batch_size=4, src_length=64, max_length=128, max_new_tokens=NEW_TOKENS)
+    ours = [g.tokens for g in predict.generate_batched(torch_model, prompts, settings, eos_token_id=2, pad_token_id=0)]
+    model = og.Model(str(onnx_dir))
+    tokenizer = og.Tokenizer(model)
+    bare = [int(t) for t in tokenizer.encode(RECORDS[0]["src"])]
+    tokenizer.update_options(add_special_tokens="true")
+    assert [int(t) for t in tokenizer.encode(RECORDS[0]["src"])] == [1] + bare
+    for record, prompt, want in zip(RECORDS, prompts, ours):
+        from_text = [int(t) for t in tokenizer.encode(record["src"])]
+        assert from_text == prompt
+        # genai_config.json names eos: onnxruntime-genai stops there and leaves it out of the sequence
+        assert genai_greedy(og, model, from_text, NEW_TOKENS) == (want[:-1] if want[-1:] == [2] else want)
+
+
+def test_transformers_answers_prompt_text_as_the_predictor(exported_with_bos, tmp_path):
+    """transformers as its users call it, `tokenizer(text)` then `generate`, on the shipped model
+    directory gives the project's predictions (bos included by the shipped tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir, _ = exported_with_bos
+    path = tmp_path / "records.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    predict.main(["--model", str(model_dir), "--input", str(path), "--out", str(tmp_path / "torch.jsonl"),
+                  "--max-new-tokens", str(NEW_TOKENS), "--chat-template", "false"])
+    ours = [json.loads(line)["output"] for line in (tmp_path / "torch.jsonl").read_text().splitlines()]
+    tokenizer, model = AutoTokenizer.from_pretrained(model_dir), AutoModelForCausalLM.from_pretrained(model_dir)
+    theirs = []
+    for record in RECORDS:
+        inputs = tokenizer(record["src"], return_tensors="pt")
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+        theirs.append(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+    assert theirs == ours
+
+
 def test_dynamic_rope_is_the_one_rope_type_the_cache_graph_refuses():
     """`dynamic` rotates a position by an angle that changes as the sequence grows; the cache graph
     (keys rotated once) refuses it, and the workflow reads the same rule (no onnx-int8 for it)."""

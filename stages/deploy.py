@@ -39,6 +39,7 @@ from stages import settings
 from stages.checkpoint.atomic import atomic_dir, write_json
 from stages.checkpoint.meta import write_meta
 from stages.checkpoint.weights import check_model_dir
+from stages.data.corpus import read_index
 from stages.deployment import checks
 from stages.errors import run_cli
 from stages.sections import DeploySettings
@@ -94,9 +95,11 @@ def gguf(model_dir: str | Path, file_type: str, data_dir: str | Path, out_dir: s
             raise ValueError(f"{what}: its tokenizer encodes {len(mismatches)} probe string(s) differently from "
                              f"{model_dir}'s, first {mismatches[0]!r}: the GGUF vocabulary or pre-tokenizer "
                              f"({metrics['pre_tokenizer']}) does not describe the source's tokenizer")
+        chat = read_index(data_dir).get("sft_format") == "chat_template"
+        prompts = checks.report_prompt_text(checks.prompt_text_mismatches(source_tok, gguf_tok, chat), what)
         check = {"runtime": f"transformers {transformers.__version__} GGUF loader", **found.as_dict(),
                  "min_top1_agreement": min_top1, "tokenizer_probes": len(checks.TOKENIZER_PROBES),
-                 "tokenizer_mismatches": 0, "tokenizer_split_set_from_pre_name": repaired}
+                 "tokenizer_mismatches": 0, "tokenizer_split_set_from_pre_name": repaired, **prompts}
         metrics = {**metrics, "format": "gguf", "file": name, "size_bytes": (tmp / name).stat().st_size,
                    "check": check}
         write_meta(tmp, stage="deploy", config={"format": "gguf", "type": file_type, **section.as_dict()},

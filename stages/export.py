@@ -278,6 +278,26 @@ def _token_ids(model_dir: Path) -> dict[str, int | None]:
     return {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id}
 
 
+def _prompt_text_check(model_dir: Path, out_dir: Path) -> dict[str, Any]:
+    """`checks.prompt_text_mismatches` of the tokenizer written to `out_dir`, read as transformers'
+    users read it, against the predictor's prompts from `model_dir`'s (chat template when it has
+    one, as the predictor decides without a data directory); the metrics are None without a
+    tokenizer that loads."""
+    from transformers import AutoTokenizer
+
+    from stages.data.sft import uses_chat_template
+    from stages.deployment import checks
+
+    try:
+        project = load_model_tokenizer(model_dir)
+    except Exception as e:  # noqa: BLE001 - no tokenizer: nothing a user could encode text with
+        log.info("%s: no tokenizer, no prompt-text check (%s)", model_dir, e)
+        return {"prompt_texts": None, "prompt_text_mismatches": None, "first_prompt_text_mismatch": None}
+    users = AutoTokenizer.from_pretrained(out_dir, local_files_only=True)
+    mismatches = checks.prompt_text_mismatches(project, users, uses_chat_template(project, True))
+    return checks.report_prompt_text(mismatches, f"{out_dir}'s tokenizer read by transformers")
+
+
 def _write_genai(out_dir: Path, config: LlamaConfig, model_dir: Path) -> bool:
     """genai_config.json with the tokenizer's token ids; False (and a warning) when no eos is known."""
     try:
@@ -345,6 +365,7 @@ def run(model_dir: str | Path, out_dir: str | Path, config: Mapping[str, Any] | 
         generation = check_generation(target, onnx_path, probes[0], rtol) if target.cached else None
         steps.advance(detail="onnxruntime agrees with torch on the probes; next: genai_config, tokenizer, int8")
         copy_tokenizer(model_dir, tmp)
+        prompts = _prompt_text_check(model_dir, tmp)
         genai = target.cached and _write_genai(tmp, target.config, model_dir)
         metrics = {
             "torch_model": target.torch_model,
@@ -363,6 +384,7 @@ def run(model_dir: str | Path, out_dir: str | Path, config: Mapping[str, Any] | 
             "onnx_size_bytes": sum(f.stat().st_size for f in onnx_files(tmp)),
             "external_data": any(f.name != ONNX_NAME for f in onnx_files(tmp)),
             "ort_latency_ms": latency,
+            **prompts,
         }
         if config.int8 and target.cached:
             metrics |= write_int8(target, tmp, probes[0], config.int8_block_size, external)

@@ -12,7 +12,11 @@ positions where the model has a real preference, not near-ties of random tokens:
     rel_err        = max |got - want| / max |want|          over every logit of the probe
 
 Tokenizers are compared on strings that break careless conversions (numerals, runs of spaces,
-newlines and tabs, accents, CJK, emoji): the same ids or the check fails naming the string.
+newlines and tabs, accents, CJK, emoji): the same ids or the check fails naming the string. The
+same strings as prompts (`prompt_text_mismatches`): the artifact's tokenizer called on the text as
+its users call it (`tokenizer(text)`, or the chat template with the generation prompt) against the
+ids the predictor feeds (`stages.data.sft.encode_prompt`); the logit checks start from ids, so only
+this one sees a prompt that loses the bos the model was trained with.
 """
 
 from __future__ import annotations
@@ -93,6 +97,39 @@ def tokenizer_mismatches(want, got, texts: tuple[str, ...] = TOKENIZER_PROBES) -
     """The probe strings two tokenizers encode differently (ids without special tokens)."""
     return [text for text in texts
             if want.encode(text, add_special_tokens=False) != got.encode(text, add_special_tokens=False)]
+
+
+def users_prompt_ids(tokenizer, text: str, chat: bool) -> list[int]:
+    """The ids a runtime's user gets for the prompt `text`: `tokenizer(text)` (special tokens as the
+    tokenizer adds them), or with `chat` the chat template of one user turn and the generation prompt."""
+    if not chat:
+        return list(tokenizer(text)["input_ids"])
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def prompt_text_mismatches(project_tokenizer, users_tokenizer, chat: bool,
+                           texts: tuple[str, ...] = TOKENIZER_PROBES) -> list[str]:
+    """The prompt texts for which `users_tokenizer` (the artifact's, as its runtime reads it) gives
+    other ids than the predictor feeds the model (`encode_prompt` with `project_tokenizer`)."""
+    from stages.data.sft import SftRecord, encode_prompt
+
+    return [text for text in texts if users_prompt_ids(users_tokenizer, text, chat)
+            != encode_prompt(project_tokenizer, SftRecord(src=[text], tgt=[""]), 1 << 30, chat)]
+
+
+def report_prompt_text(mismatches: list[str], what: str) -> dict[str, int | str | None]:
+    """Metrics of `prompt_text_mismatches`, with a warning when a prompt text loses its training
+    format (an imported tokenizer that adds no bos under the plain format does: its users must add it)."""
+    import logging
+
+    if mismatches:
+        logging.getLogger(__name__).warning(
+            "%s: %d of %d prompt texts encode differently from the predictor's prompts (first %r): its users "
+            "must add the special tokens the model was trained with themselves", what, len(mismatches),
+            len(TOKENIZER_PROBES), mismatches[0])
+    return {"prompt_texts": len(TOKENIZER_PROBES), "prompt_text_mismatches": len(mismatches),
+            "first_prompt_text_mismatch": mismatches[0] if mismatches else None}
 
 
 def require(agreement_: Agreement, min_top1: float, what: str, setting: str, max_rel_err: float | None = None) -> None:

@@ -118,3 +118,24 @@ def test_a_deploy_section_the_formats_cannot_serve_is_refused_when_the_config_is
            "deploy": {"compressed_tensors": deployed}}
     with pytest.raises(ConfigError, match=f"experiments\\.x\\.deploy\\.compressed_tensors: {message}"):
         check_config({"experiments": {"x": exp}})
+
+
+def test_the_gguf_check_starts_from_prompt_text(debug_model_dir, data_dir, tmp_path, caplog):
+    """The check encodes prompt text as the GGUF's users get it (transformers' GGUF tokenizer, special
+    tokens as the file says) against the predictor's prompt ids: the prepared tokenizer's file adds
+    the bos (no mismatch); a tokenizer that adds nothing under the plain format loses it on every
+    prompt, which the metrics and a warning say."""
+    import shutil
+
+    from checkpoint_fixtures import save_prepared_tokenizer
+
+    prepared = tmp_path / "prepared"
+    shutil.copytree(debug_model_dir, prepared)
+    save_prepared_tokenizer(prepared)  # the same vocabulary, adding bos as prepare's tokenizer does
+    check = deploy.gguf(prepared, "f32", data_dir, tmp_path / "a")["check"]
+    assert check["prompt_texts"] == len(checks.TOKENIZER_PROBES) and check["prompt_text_mismatches"] == 0
+    with caplog.at_level("WARNING"):
+        check = deploy.gguf(debug_model_dir, "f32", data_dir, tmp_path / "b")["check"]
+    assert check["prompt_text_mismatches"] == len(checks.TOKENIZER_PROBES)
+    assert check["first_prompt_text_mismatch"] == checks.TOKENIZER_PROBES[0]
+    assert "must add the special tokens the model was trained with" in caplog.text

@@ -242,6 +242,20 @@ def test_transformers_answers_prompt_text_as_the_predictor(exported_with_bos, tm
     assert theirs == ours
 
 
+def test_the_export_check_starts_from_prompt_text(exported, exported_with_bos):
+    """The export encodes prompt text as transformers' users do with the directory's tokenizer and
+    compares with the predictor's prompts: none differs with the prepared tokenizer; the tiny test
+    tokenizer, which adds no bos, loses it on every one (reported, not refused: an imported
+    tokenizer keeps its own behaviour)."""
+    from stages.deployment.checks import TOKENIZER_PROBES
+
+    _, onnx_dir = exported_with_bos
+    metrics = json.loads((onnx_dir / "meta.json").read_text())["metrics"]
+    assert metrics["prompt_texts"] == len(TOKENIZER_PROBES) and metrics["prompt_text_mismatches"] == 0
+    _, metrics = exported
+    assert metrics["prompt_text_mismatches"] == len(TOKENIZER_PROBES)
+
+
 def test_dynamic_rope_is_the_one_rope_type_the_cache_graph_refuses():
     """`dynamic` rotates a position by an angle that changes as the sequence grows; the cache graph
     (keys rotated once) refuses it, and the workflow reads the same rule (no onnx-int8 for it)."""

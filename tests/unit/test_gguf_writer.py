@@ -451,3 +451,26 @@ def test_the_prepared_tokenizer_has_llama_cpp_add_its_bos(tmp_path):
     tokenizer_dir = save_prepared_tokenizer(tmp_path / "tok")
     vocab = gguf_tokenizer(tokenizer_dir, len(AutoTokenizer.from_pretrained(tokenizer_dir)))
     assert vocab.add_bos and not vocab.add_eos and vocab.special_ids["bos"] == 1
+
+
+@pytest.mark.slow
+def test_llama_cpp_answers_prompt_text_as_the_predictor(debug_model_dir, tmp_path):
+    """llama.cpp as its users call it on the f32 GGUF of a model with the tokenizer prepare writes:
+    `tokenize(text)` (bos as the file says) is the predictor's prompt, and the greedy tokens from it
+    are the predictor's model's (the torch model of the same directory)."""
+    import shutil
+
+    from checkpoint_fixtures import save_prepared_tokenizer
+
+    from stages.data.sft import SftRecord, encode_prompt
+
+    base = tmp_path / "base"
+    shutil.copytree(debug_model_dir, base)
+    save_prepared_tokenizer(base)
+    write_gguf(base, tmp_path / "m.gguf", "f32")
+    llm = _llama(tmp_path / "m.gguf", type_k=0, type_v=0)
+    ours, model = load_model_tokenizer(base), AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    for text in ("what colour is the apple?", "sky", "def main(argv): return 0"):
+        prompt = encode_prompt(ours, SftRecord(src=[text], tgt=[""]), 1 << 20)
+        assert llm.tokenize(text.encode()) == prompt, text
+        assert _greedy_llama_cpp(llm, prompt, 8)[0] == _greedy_torch(model, prompt, 8)[0], text

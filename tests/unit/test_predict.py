@@ -246,3 +246,34 @@ def test_config_section_becomes_the_command_line_flags():
     schema = {k: v["default"] for k, v in section.items()}
     assert {k: v for k, v in predict.DEFAULTS.items() if k not in ("chat_template", "backend")} == schema \
         == generation_settings.SECTION_DEFAULTS
+
+
+def test_peft_users_answer_prompt_text_as_the_predictor(debug_model_dir, tmp_path):
+    """A LoRA adapter as peft's users run it: the base from transformers, `PeftModel.from_pretrained`,
+    the adapter directory's tokenizer called on the prompt text, `generate`; with the tokenizer as
+    prepare writes it (bos added), the answers are the predictor's."""
+    import shutil
+
+    import peft
+    from checkpoint_fixtures import save_prepared_tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = tmp_path / "base"
+    shutil.copytree(debug_model_dir, base)
+    save_prepared_tokenizer(base)
+    adapter = _adapter(base, tmp_path / "lora", peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM"))
+    texts = [r["src"] for r in RECORDS if isinstance(r["src"], str)]  # one-round prompts: what a user types
+    records = _write_jsonl(tmp_path / "records.jsonl", [{"src": text} for text in texts])
+    predict.main(["--model", str(adapter), "--input", str(records), "--out", str(tmp_path / "ours.jsonl"),
+                  "--max-new-tokens", "12", "--chat-template", "false"])
+    ours = [json.loads(line)["output"] for line in (tmp_path / "ours.jsonl").read_text().splitlines()]
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).eval()
+    tokenizer = AutoTokenizer.from_pretrained(adapter)
+    theirs = []
+    for text in texts:
+        inputs = tokenizer(text, return_tensors="pt")
+        assert inputs["input_ids"][0, 0] == tokenizer.bos_token_id
+        out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+        theirs.append(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+    assert theirs == ours

@@ -306,3 +306,26 @@ def test_stage_gptq_output_loads_in_both_runtimes(stage_gptq_dir):
     # float32 TorchLinear forms W in float16: equal to our loader with W rounded the same way
     _round_quantized_weights(ref, _quantized_names(path))
     torch.testing.assert_close(_logits(_transformers(path, backend="torch"), ids), _logits(ref, ids))
+
+
+def test_gptqmodel_users_encode_prompt_text_as_the_predictor(debug_model_dir, tmp_path):
+    """GPTQModel as its users call it on a variant quantized from a model with the tokenizer prepare
+    writes: `GPTQModel.load(dir)` brings the directory's tokenizer, and `generate(text)` continues
+    the predictor's prompt ids (`[bos] src`) of the text. Its fp16 greedy tokens are not compared with
+    ours: quantized logits near-tie on this random model (TOP1 above)."""
+    from checkpoint_fixtures import save_prepared_tokenizer
+
+    from stages.data.sft import SftRecord, encode_prompt
+    from stages.data.tokenizer import load_model_tokenizer
+
+    base = tmp_path / "base"
+    shutil.copytree(debug_model_dir, base)
+    save_prepared_tokenizer(base)
+    quantize.run(base, tmp_path / "wint8", "wint8", GROUP)
+    loaded = gptqmodel.GPTQModel.load(str(tmp_path / "wint8"), device="cpu", dtype=torch.float16)
+    ours = load_model_tokenizer(tmp_path / "wint8")
+    for text in ("what colour is the apple?", "sky", "def main(argv): return 0"):
+        prompt = encode_prompt(ours, SftRecord(src=[text], tgt=[""]), 1 << 20)
+        assert prompt[0] == ours.bos_token_id and loaded.tokenizer(text)["input_ids"] == prompt
+        out = loaded.generate(text, max_new_tokens=4, do_sample=False)
+        assert out[0, :len(prompt)].tolist() == prompt and out.shape[1] > len(prompt)

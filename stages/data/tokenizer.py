@@ -10,10 +10,11 @@ Choices, and why:
 - Encoding with special tokens puts bos in front, as the plain training format does
   (`[bos] src tgt [eos]`, `stages.data.sft`): `tok(src)` gives the ids the model was trained to
   answer, for anyone who loads the shipped files (transformers; llama.cpp through GGUF's
-  `add_bos_token`; onnxruntime-genai, whose `encode` adds special tokens only when asked). A post-processor in tokenizer.json does it (transformers 5 reads
-  `add_bos_token` in tokenizer_config.json for its Llama classes only; it is written too, for
-  readers that go by it). The stages encode with `add_special_tokens=False` and place bos/eos
-  themselves (`stages.data.corpus` puts eos after documents), so nothing is doubled.
+  `add_bos_token`; onnxruntime-genai, whose `encode` adds special tokens only when asked). A
+  post-processor in tokenizer.json does it (transformers 5 reads `add_bos_token` in
+  tokenizer_config.json for its Llama classes only; it is written too, for readers that go by
+  it). The stages encode with `add_special_tokens=False` and place bos/eos themselves
+  (`stages.data.corpus` puts eos after documents), so nothing is doubled.
 - `clean_up_tokenization_spaces=False`: the clean-up would rewrite " ." to "." and break the
   round trip.
 """

@@ -139,6 +139,20 @@ def test_bf16_autocast_runs(tmp_path, debug_model_dir, data_dir):
     assert torch.isfinite(torch.tensor(metrics["final_loss"]))
 
 
+def test_bf16_full_sft_in_one_process_follows_its_fp32_curve(tmp_path, debug_model_dir, data_dir):
+    """A one-rank SFT job (ZeRO off) in bf16 keeps fp32 master weights and Adam's step count right
+    (stages.training.deepspeed_engine.forget_initial_step): its curve is the fp32 one within
+    BF16_RTOL (pretrain_fixtures: why that tolerance)."""
+    from pretrain_fixtures import BF16_RTOL
+
+    curves = {}
+    for name, bf16 in (("fp32", False), ("bf16", True)):
+        finetune.run("sft", debug_model_dir, data_dir, tmp_path / name,
+                     finetune_section("sft", max_steps=6, warmup_steps=1, bf16=bf16))
+        curves[name] = train_losses(tmp_path / name)
+    assert curves["bf16"] == pytest.approx(curves["fp32"], rel=BF16_RTOL)
+
+
 def test_bad_target_module_is_a_clear_error_and_writes_nothing(tmp_path, debug_model_dir, data_dir):
     with pytest.raises(ValueError, match=r"target_modules names \['attn_proj'\].*choose from"):
         finetune.run("lora", debug_model_dir, data_dir, tmp_path / "out",

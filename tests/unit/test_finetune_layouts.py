@@ -3,8 +3,8 @@ tp2, a prefix projection under dp2 x ZeRO-3) on the training engine (real torchr
 layouts one after another in one torchrun) follow the one-process run of the same engine: same
 adapter init, same global batch of 8 examples per step, fp32, loss curve within 1e-5 relative; the
 tp2 LoRA adapter is peft's whole-tensor adapter (equal to the one-process adapter within 1e-5) and,
-merged, gives the unmerged model's logits. In bf16, one-process LoRA (ZeRO off) and dp2 x ZeRO-1
-follow the fp32 curve within BF16_RTOL."""
+merged, gives the unmerged model's logits. In bf16, one-process LoRA (ZeRO off) and dp2 x ZeRO-1,
+and one-process prefix tuning, follow the fp32 curve within BF16_RTOL."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ pytestmark = pytest.mark.multiproc
 RECIPE = {"lora": ("lora", dict(learning_rate=1e-2, lora_rank=4, target_modules="all-linear")),
           "lora_bf16": ("lora", dict(learning_rate=1e-2, lora_rank=4, target_modules="all-linear", bf16=True)),
           "prefix": ("prefix", dict(learning_rate=1e-1, num_prefix_tokens=4)),
+          "prefix_bf16": ("prefix", dict(learning_rate=1e-1, num_prefix_tokens=4, bf16=True)),
           "prefix_projection": ("prefix", dict(learning_rate=1e-2, num_prefix_tokens=4, prefix_projection=True,
                                                prefix_projection_hidden_size=16))}
 LAYOUTS = {  # name -> (recipe, layout)
@@ -90,6 +91,10 @@ def test_bf16_lora_keeps_fp32_masters_in_one_process_and_under_zero(runs, refere
     fp32, one = train_losses(references["lora"]), train_losses(references["lora_bf16"])
     assert one == pytest.approx(fp32, rel=BF16_RTOL)
     assert train_losses(runs["lora_bf16_dp2_zero1"]) == pytest.approx(one, rel=BF16_RTOL)
+
+
+def test_bf16_prefix_tuning_in_one_process_follows_its_fp32_curve(references):
+    assert train_losses(references["prefix_bf16"]) == pytest.approx(train_losses(references["prefix"]), rel=BF16_RTOL)
 
 
 def test_tp2_adapter_merges_to_the_unmerged_logits(runs, debug_model_dir, tmp_path):

@@ -114,6 +114,8 @@ def prompt_text_mismatches(project_tokenizer, users_tokenizer, chat: bool,
     other ids than the predictor feeds the model (`encode_prompt` with `project_tokenizer`)."""
     from stages.data.sft import SftRecord, encode_prompt
 
+    if chat and not getattr(users_tokenizer, "chat_template", None):
+        return list(texts)  # the artifact lost the chat template: its users cannot render the prompt
     return [text for text in texts if users_prompt_ids(users_tokenizer, text, chat)
             != encode_prompt(project_tokenizer, SftRecord(src=[text], tgt=[""]), 1 << 30, chat)]
 

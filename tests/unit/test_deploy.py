@@ -139,3 +139,14 @@ def test_the_gguf_check_starts_from_prompt_text(debug_model_dir, data_dir, tmp_p
     assert check["prompt_text_mismatches"] == len(checks.TOKENIZER_PROBES)
     assert check["first_prompt_text_mismatch"] == checks.TOKENIZER_PROBES[0]
     assert "must add the special tokens the model was trained with" in caplog.text
+
+
+def test_the_prompt_text_check_under_a_chat_template(tiny_tokenizer_dir):
+    """Chat format: the users' prompt is the chat template's rendering (equal here); an artifact
+    whose tokenizer lost the template mismatches on every prompt instead of failing to render."""
+    from checkpoint_fixtures import chat_tokenizer
+
+    tokenizer = chat_tokenizer(tiny_tokenizer_dir)
+    assert checks.prompt_text_mismatches(tokenizer, tokenizer, chat=True) == []
+    bare = chat_tokenizer(tiny_tokenizer_dir, chat_template=False)
+    assert checks.prompt_text_mismatches(tokenizer, bare, chat=True) == list(checks.TOKENIZER_PROBES)

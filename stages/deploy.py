@@ -115,6 +115,7 @@ def compressed_tensors(a8w8_dir: str | Path, data_dir: str | Path, out_dir: str 
     import compressed_tensors as ct_package
     import transformers
 
+    from stages.data.tokenizer import load_model_tokenizer
     from stages.deployment.compressed_tensors import write_compressed_tensors
     from stages.quant import load_quantized
 
@@ -131,8 +132,13 @@ def compressed_tensors(a8w8_dir: str | Path, data_dir: str | Path, out_dir: str 
         found = checks.agreement(want, checks.logits_of(_transformers_model(tmp, use_safetensors=True), windows))
         checks.require(found, min_top1, f"{out_dir} read by transformers with compressed-tensors",
                        "deploy.min_top1_agreement.compressed_tensors")
+        users_tok = transformers.AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+        chat = read_index(data_dir).get("sft_format") == "chat_template"
+        prompts = checks.report_prompt_text(checks.prompt_text_mismatches(load_model_tokenizer(a8w8_dir), users_tok,
+                                                                          chat), f"{out_dir} read by transformers")
         check = {"runtime": f"transformers {transformers.__version__}, compressed-tensors {ct_package.__version__}",
-                 "against": "our A8W8 loader (int8 kernels)", **found.as_dict(), "min_top1_agreement": min_top1}
+                 "against": "our A8W8 loader (int8 kernels)", **found.as_dict(), "min_top1_agreement": min_top1,
+                 **prompts}
         metrics = {**metrics, "check": check}
         write_meta(tmp, stage="deploy", config={"format": "compressed-tensors", **section.as_dict()},
                    parent=a8w8_dir, seed=None, metrics=metrics)
@@ -152,7 +158,8 @@ def manifest(experiment_dir: str | Path, out_path: str | Path) -> dict[str, Any]
                              "size_bytes": m["onnx_size_bytes"], "genai_config": m.get("genai_config"),
                              "check": {"runtime": "onnxruntime", "top1_agreement": m["top1_agreement"],
                                        "rel_err": m["rel_err"], "generation_tokens_compared":
-                                       m.get("generation_tokens_compared")}}
+                                       m.get("generation_tokens_compared"),
+                                       "prompt_text_mismatches": m.get("prompt_text_mismatches")}}
         if m.get("int8_onnx_size_bytes"):
             artifacts["onnx-int8"] = {"path": str(export / "int8" / "model.onnx"), "format": "onnx",
                                       "kv_cache": True, "size_bytes": m["int8_onnx_size_bytes"],

@@ -333,5 +333,6 @@ def test_the_deploy_stage_checks_the_export_against_our_loader_before_publishing
     metrics = deploy.compressed_tensors(a8w8_dir, bigram[1], tmp_path / "ct")
     check = metrics["check"]
     assert check["top1_agreement"] >= TOP1 and "compressed-tensors" in check["runtime"], check
+    assert check["prompt_texts"] > 0 and check["prompt_text_mismatches"] is not None  # from text: test_deploy.py
     assert json.loads((tmp_path / "ct" / "meta.json").read_text())["metrics"]["check"] == check
     assert metrics["folded_norms"] > 0 and (tmp_path / "ct" / "config.json").exists()

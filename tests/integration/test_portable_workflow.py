@@ -139,10 +139,11 @@ def s3_server(tmp_path):
 
 def test_results_in_s3(module_run, s3_server, tmp_path):
     endpoint, client = s3_server
-    run_snakemake(tmp_path, "--configfile", str(ROOT / "config" / "config.yaml"), str(DEBUG_CONFIG),
-                  "--default-storage-provider", "s3", "--default-storage-prefix", "s3://llm",
+    # the target first: each --storage-s3-* option takes every word after it (tagged values)
+    run_snakemake(tmp_path, "results/ci/quant_eval.json", "--configfile", str(ROOT / "config" / "config.yaml"),
+                  str(DEBUG_CONFIG), "--default-storage-provider", "s3", "--default-storage-prefix", "s3://llm",
                   "--storage-s3-endpoint-url", endpoint, "--storage-s3-access-key", "test",
-                  "--storage-s3-secret-key", "test", "results/ci/quant_eval.json")
+                  "--storage-s3-secret-key", "test")
     keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket="llm")
             for o in page.get("Contents", [])]
     for artifact in ARTIFACTS:

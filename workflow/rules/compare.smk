@@ -14,9 +14,11 @@ rule compare:
         "results/{comparison}/logs/compare.log",
     params:
         spec=lambda wildcards: json.dumps(COMPARISONS[wildcards.comparison], sort_keys=True),
+        # results/ (under a module prefix or a storage provider's local copies too): the output's
+        # path before the comparison's name; the members' evaluations are inputs there
+        results=lambda wildcards, output: output.csv.removesuffix(f"{wildcards.comparison}/compare.csv"),
         **code_params("stages.compare"),
     localrule: True
-    # results/ is the output's grandparent: the members' evaluations are inputs there
     shell:
         "LLM_LIFECYCLE_CODE={params.code} python -m stages.compare --spec {params.spec:q} "
-        "--out-dir \"$(dirname {output.csv:q})\" --results \"$(dirname \"$(dirname {output.csv:q})\")\" > {log} 2>&1"
+        "--out-dir \"$(dirname {output.csv:q})\" --results {params.results:q} > {log} 2>&1"

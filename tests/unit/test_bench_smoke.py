@@ -262,3 +262,30 @@ def test_deploy_decode_bench_report_has_its_keys(tmp_path):
     assert all(row["decode_tokens_per_s"] > 0 for row in rows.values())
     assert result["ratios"]["onnx int8/torch b1"] == rows["onnx int8"]["decode_tokens_per_s"] / rows["torch"][
         "decode_tokens_per_s"]
+
+
+def test_from_text_bench_report_has_its_keys(tmp_path, debug_model_dir):
+    """bench/from_text.py on the debug model with the prepared tokenizer and a GGUF of it: every
+    runtime with special tokens gives the project's prompt ids; without them, none does."""
+    import shutil
+
+    from checkpoint_fixtures import save_prepared_tokenizer
+
+    from stages.data.sft import SftRecord, write_sft_file
+    from stages.deployment.gguf_writer import write_gguf
+
+    model = tmp_path / "model"
+    shutil.copytree(debug_model_dir, model)
+    save_prepared_tokenizer(model)
+    write_sft_file(tmp_path / "data" / "sft" / "dev.json",
+                   [SftRecord(src=["sky"], tgt=["blue"]), SftRecord(src=["the colour of grass is"], tgt=["green"])])
+    write_gguf(model, tmp_path / "m.gguf", "f32")
+    out = tmp_path / "from_text.json"
+    stdout, result = run_script("from_text.py", out, "--model", str(model), "--data", str(tmp_path / "data"),
+                                "--gguf", str(tmp_path / "m.gguf"), "--max-new-tokens", "4")
+    assert "same answers" in stdout and result["records"] == 2
+    rows = result["runtimes"]
+    assert set(rows) == {"project (encode_prompt)", "transformers", "GGUF (transformers)", "transformers, no special "
+                         "tokens", "GGUF (transformers), no special tokens"}
+    assert rows["transformers"]["same_prompt_ids"] == rows["GGUF (transformers)"]["same_prompt_ids"] == 2
+    assert rows["transformers, no special tokens"]["same_prompt_ids"] == 0

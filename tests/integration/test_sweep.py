@@ -10,7 +10,7 @@ import json
 import pandas as pd
 import pytest
 import yaml
-from workflow_helpers import DEBUG_CONFIG, planned_jobs, snakemake
+from workflow_helpers import DEBUG_CONFIG, planned_jobs, snakemake, weights_sha256
 
 pytestmark = pytest.mark.slow
 
@@ -39,10 +39,14 @@ def test_a_sweep_pretrains_once_per_seed_compares_and_runs_only_what_a_new_value
     assert table["ppl_ratio"].between(0.2, 5).all() and table["exact_match"].between(0, 1).all()
     md = (results / "sweeps" / "rank" / "compare.md").read_text()
     assert md.count("| rank.lora_rank-") == 4 and "## Over seeds" in md
-    # the ranks of one seed fine-tuned the same pretrained model; the seeds their own
-    pretrained = {m: (results / m / "pretrain").resolve() for m in members}
+    # the ranks of one seed fine-tuned the same pretrained model (a copy of the shared one, hard-linked
+    # on one file system: no symlink a storage provider could not hold); the seeds their own
+    pretrained = {m: weights_sha256(results / m / "pretrain") for m in members}
     assert pretrained["rank.lora_rank-4.seed-1"] == pretrained["rank.lora_rank-16.seed-1"]
     assert pretrained["rank.lora_rank-4.seed-1"] != pretrained["rank.lora_rank-4.seed-2"]
+    assert not (results / "rank.lora_rank-4.seed-1" / "pretrain").is_symlink()
+    weights = sorted((results / "rank.lora_rank-4.seed-1" / "pretrain").glob("*.safetensors"))
+    assert weights and all(w.stat().st_nlink == 3 for w in weights)  # the shared upstream's and two members'
     adapters = {m: yaml.safe_load((results / m / "lora" / "adapter_config.json").read_text())["r"] for m in members}
     assert adapters == {m: int(m.split("-")[1].split(".")[0]) for m in members}
 

@@ -40,18 +40,28 @@ def run_block(block: nn.Module, inp: BlockInput) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out  # transformers 4 blocks return a tuple
 
 
-def sequential_groups(block: nn.Module, inp: BlockInput) -> list[list[str]]:
-    """The block's Linear / Conv1D names in the order its forward calls them, grouped by shared
-    input: consecutive layers fed the same tensor (q/k/v, gate/up) form one group."""
-    calls: list[tuple[str, torch.Tensor]] = []
-    hooks = [m.register_forward_hook(lambda mod, args, out, name=name: calls.append((name, args[0])))
-             for name, m in block.named_modules() if isinstance(m, LINEAR_TYPES)]
+def run_with_hooks(block: nn.Module, inp: BlockInput, hooks: list) -> None:
+    """One forward of the block on a captured batch, without gradients; `hooks` (the handles of
+    forward hooks that record what they see) are removed afterwards, whatever happens."""
     try:
         with torch.no_grad():
             run_block(block, inp)
     finally:
         for h in hooks:
             h.remove()
+
+
+def linear_inputs_hooks(block: nn.Module, calls: list[tuple[str, torch.Tensor]]) -> list:
+    """Forward hooks appending (name, input) to `calls` for each Linear / Conv1D the block calls."""
+    return [m.register_forward_hook(lambda mod, args, out, name=name: calls.append((name, args[0])))
+            for name, m in block.named_modules() if isinstance(m, LINEAR_TYPES)]
+
+
+def sequential_groups(block: nn.Module, inp: BlockInput) -> list[list[str]]:
+    """The block's Linear / Conv1D names in the order its forward calls them, grouped by shared
+    input: consecutive layers fed the same tensor (q/k/v, gate/up) form one group."""
+    calls: list[tuple[str, torch.Tensor]] = []
+    run_with_hooks(block, inp, linear_inputs_hooks(block, calls))
     groups: list[list[str]] = []
     for k, (name, x) in enumerate(calls):  # `calls` keeps every input alive: no storage is reused
         if k and x is calls[k - 1][1]:

@@ -34,9 +34,10 @@ import torch
 from torch import nn
 
 from stages.quant.a8w8 import QMAX, A8W8Config, A8W8LayerResult, quantize_weight_int8
-from stages.quant.block_calibration import (BlockInput, StopForward, quantize_blocks_sequentially, run_block,
+from stages.quant.block_calibration import (BlockInput, StopForward, linear_inputs_hooks,
+                                            quantize_blocks_sequentially, run_block, run_with_hooks,
                                             sequential_groups)
-from stages.quant.layers import LINEAR_TYPES, linear_weight
+from stages.quant.layers import linear_weight
 
 log = logging.getLogger(__name__)
 
@@ -109,14 +110,7 @@ def norm_fed_linears(block: nn.Module, inp: BlockInput) -> set[str]:
     linear_inputs: list[tuple[str, torch.Tensor]] = []
     hooks = [m.register_forward_hook(lambda mod, args, out: norm_outputs.append(out))
              for m in block.modules() if "Norm" in type(m).__name__]
-    hooks += [m.register_forward_hook(lambda mod, args, out, name=name: linear_inputs.append((name, args[0])))
-              for name, m in block.named_modules() if isinstance(m, LINEAR_TYPES)]
-    try:
-        with torch.no_grad():
-            run_block(block, inp)
-    finally:
-        for h in hooks:
-            h.remove()
+    run_with_hooks(block, inp, hooks + linear_inputs_hooks(block, linear_inputs))
     return {name for name, x in linear_inputs if any(x is out for out in norm_outputs)}
 
 

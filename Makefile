@@ -45,6 +45,10 @@ $(TEST_STAMP): $(STAMP)
 	$(VENV)/bin/python -m pip install --quiet --no-deps gptqmodel==7.6.0 optimum==2.3.0 \
 	    logbar==0.4.15 tokenicer==0.0.14 device-smi==0.5.7 defuser==0.0.28 threadpoolctl==3.8.0 \
 	    pillow==13.0.0 pypcre==0.6.4
+# llama.cpp for the tests that run our GGUF files in it (bench/llama_cpp_runtime.py): a prebuilt wheel
+# of its C library. --no-deps: it pins transformers<5 and huggingface-hub<0.29 for helpers we do not
+# call. 0.3.1: its newer wheels link GCC 14's libstdc++ and fail to load on Debian 12 (GCC 12).
+	$(VENV)/bin/python -m pip install --quiet --no-deps llama-cpp-cffi==0.3.1
 	touch $(TEST_STAMP)
 
 demo: $(STAMP)

@@ -22,7 +22,6 @@ Prints a table and writes JSON (default bench/out/deploy_decode.json).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import tempfile
@@ -33,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))  # gguf_decode's llama.cpp decoder
 
+from bench.llama_cpp_runtime import installed as llama_cpp_installed  # noqa: E402
 from bench.common import csv_list, finish, machine_info  # noqa: E402
 
 DEFAULT_OUT = ROOT / "bench" / "out" / "deploy_decode.json"
@@ -137,8 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         vocab = torch_model.config.vocab_size
         runs = {int(b): measure(models, vocab, int(b), args.prompt_tokens, args.new_tokens, args.repeats)
                 for b in csv_list(args.batch_sizes)}
-        if importlib.util.find_spec("llama_cpp") is None:  # built from source: bench/README.md
-            print("llama-cpp-python is not installed: no llama.cpp rows", file=sys.stderr)
+        if not llama_cpp_installed():  # bench/llama_cpp_runtime.py
+            print("neither llama-cpp-python nor llama-cpp-cffi is installed: no llama.cpp rows", file=sys.stderr)
         else:
             files = {t: tmp / f"model-{t}.gguf" for t in GGUF_TYPES}
             for t, path in files.items():
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             if 1 in runs:
                 runs[1].update(measure_llama_cpp(files, vocab, args.prompt_tokens, args.new_tokens, args.repeats))
     result = {
-        "machine": machine_info("transformers", "onnxruntime", "llama_cpp_python"),
+        "machine": machine_info("transformers", "onnxruntime", "llama_cpp_python", "llama_cpp_cffi"),
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "export_seconds": export_s,
         "export_metrics": {k: metrics[k] for k in ("rel_err", "top1_agreement", "int8_top1_agreement",

@@ -4,8 +4,10 @@ The project's evaluation feeds the model `stages.data.sft.encode_prompt` ids (`[
 plain format). A user of a shipped artifact types the text: transformers' `tokenizer(src)` then
 `generate`; onnxruntime-genai's `Tokenizer.encode(src)` then its generator (with its default, no
 special tokens, and with `update_options(add_special_tokens="true")`); transformers' GGUF loader on
-a GGUF file (its tokenizer adds what `tokenizer.ggml.add_bos_token` says; llama.cpp reads the same
-key). Each also runs without special tokens, which is what the shipped tokenizer gave before issue 50.
+a GGUF file (its tokenizer adds what `tokenizer.ggml.add_bos_token` says); llama.cpp itself on the
+same file (`tokenize(text)`, which adds the bos as that key says, then greedy tokens through its KV
+cache; bench/llama_cpp_runtime.py, where a binding is installed). Each also runs without special
+tokens, which is what the shipped tokenizer gave before issue 50.
 Per runtime: exact match against the references, answers equal to the project's, prompt ids equal
 to the project's, over the first `--records` dev records, greedy, `--max-new-tokens`.
 
@@ -72,6 +74,32 @@ def genai_runtime(export_dir: Path, special: bool) -> Callable[[str, int], tuple
     return answer
 
 
+def llama_cpp_binding() -> str | None:
+    from bench.llama_cpp_runtime import LlamaCppUnavailable, binding
+
+    try:
+        return binding()
+    except LlamaCppUnavailable:
+        return None
+
+
+def llama_cpp_runtime(gguf: Path, special: bool) -> Callable[[str, int], tuple[list[int], str]]:
+    """(prompt ids, answer) of llama.cpp on a GGUF file, from the text; stops at the file's eos."""
+    from bench.llama_cpp_runtime import open_gguf
+    from transformers import AutoTokenizer
+
+    llm = open_gguf(gguf, n_ctx=512)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)  # the file's vocabulary, to decode
+
+    def answer(text: str, new_tokens: int) -> tuple[list[int], str]:
+        prompt = llm.tokenize(text, add_bos=special)
+        tokens, _ = llm.greedy(prompt, new_tokens)
+        if tokenizer.eos_token_id in tokens:
+            tokens = tokens[:tokens.index(tokenizer.eos_token_id)]
+        return prompt, tokenizer.decode(tokens, skip_special_tokens=True)
+    return answer
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, required=True, help="the float model the project evaluates")
@@ -100,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             runtimes[f"onnxruntime-genai{tag}"] = lambda s=special: genai_runtime(args.export, s)
         if args.gguf:
             runtimes[f"GGUF (transformers){tag}"] = lambda s=special: hf_runtime(args.gguf.parent, args.gguf.name, s)
+            if llama_cpp_binding():
+                runtimes[f"GGUF (llama.cpp){tag}"] = lambda s=special: llama_cpp_runtime(args.gguf, s)
     rows: dict[str, Any] = {"project (encode_prompt)": {"exact_match": exact_match(project, references),
                                                           "same_answers": len(records),
                                                           "same_prompt_ids": len(records)}}
@@ -110,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         rows[name] = {"exact_match": exact_match(answers, references),
                       "same_answers": sum(a == b for a, b in zip(answers, project)),
                       "same_prompt_ids": sum(ids == p for (ids, _), p in zip(results, prompts))}
-    result = {"machine": machine_info("transformers", "onnxruntime-genai"), "model": str(args.model),
+    result = {"machine": machine_info("transformers", "onnxruntime-genai", "llama_cpp_python", "llama_cpp_cffi"),
+              "llama_cpp_binding": llama_cpp_binding(), "model": str(args.model),
               "records": len(records), "max_new_tokens": args.max_new_tokens, "runtimes": rows}
 
     def report(r: dict[str, Any]) -> str:

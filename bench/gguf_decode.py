@@ -1,4 +1,4 @@
-"""GGUF decode speed: llama.cpp (llama-cpp-python) at batch 1 on our f32 / q8_0 / q4_0 files against
+"""GGUF decode speed: llama.cpp (bench/llama_cpp_runtime.py: llama-cpp-python or llama-cpp-cffi) at batch 1 on our f32 / q8_0 / q4_0 files against
 torch eager on the same checkpoint, in the same run.
 
 The checkpoint is `--model DIR` (any Hugging Face-layout Llama/Mistral/Qwen2 directory with a
@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a file from anywhere: `stages` is the repo's package
 
 from bench.common import csv_list, finish, machine_info  # noqa: E402
+from bench.llama_cpp_runtime import binding  # noqa: E402
 from stages.checkpoint.atomic import atomic_dir  # noqa: E402
 from stages.checkpoint.hf import save_pretrained  # noqa: E402
 from stages.data.tokenizer import load_model_tokenizer  # noqa: E402
@@ -85,20 +86,17 @@ def torch_decoder(model_dir: Path) -> Decoder:
 
 
 def llama_cpp_decoder(gguf_path: Path, threads: int, n_ctx: int) -> Decoder:
-    from llama_cpp import Llama
+    from bench.llama_cpp_runtime import open_gguf
 
-    llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads,
-                n_threads_batch=threads, logits_all=True, verbose=False)
+    llm = open_gguf(gguf_path, n_ctx=n_ctx, threads=threads)
 
     def decode(prompt: list[int], n: int) -> tuple[list[int], float]:
         llm.reset()
-        llm.eval(prompt)
-        token, tokens = int(np.argmax(llm.scores[llm.n_tokens - 1])), []
+        token, tokens = int(llm.logits(prompt).argmax()), []
         start = time.perf_counter()
         for _ in range(n):
             tokens.append(token)
-            llm.eval([token])
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            token = int(llm.logits([token]).argmax())
         return tokens, time.perf_counter() - start
 
     return decode
@@ -132,7 +130,8 @@ def bench(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     base = rows["torch eager f32"]["tokens_per_s"]
     for row in rows.values():
         row["ratio_to_torch"] = row["tokens_per_s"] / base
-    return {"machine": machine_info("transformers", "llama_cpp_python", "gguf", threads=args.threads),
+    return {"machine": machine_info("transformers", "llama_cpp_python", "llama_cpp_cffi", "gguf", threads=args.threads,
+                                llama_cpp_binding=binding()),
             "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
             "model": str(model_dir), "write_metrics": files, "runs": rows}
 

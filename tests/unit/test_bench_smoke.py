@@ -243,7 +243,10 @@ def test_serve_bench_report_has_its_keys(tmp_path, tiny_tokenizer_dir):
 
 
 def test_gguf_decode_bench_report_has_its_keys(tmp_path):
-    pytest.importorskip("llama_cpp")
+    from bench.llama_cpp_runtime import installed
+
+    if not installed():
+        pytest.skip("neither llama-cpp-python nor llama-cpp-cffi is installed")
     out = tmp_path / "gguf_decode.json"
     _, result = run_script("gguf_decode.py", out, "--flavour", "debug", "--repeats", "1", "--decode-tokens", "4",
                            "--types", "f32,q4_0")

@@ -11,18 +11,25 @@ from __future__ import annotations
 
 import copy
 import difflib
-import functools
 import os
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import yaml
 
+from stages.checkpoint.source import FAMILIES, ModelSourceError, family_of, read_source_config
 from stages.config_sources import ConfigSyntaxError, config_keys, display_path, located, yaml_error
+from stages.data.validate import check_data_section
+from stages.deployment.gguf_types import GGUF_MODEL_TYPES
 from stages.errors import ConfigError, InputError, run_cli
+from stages.model import gpt2_layout
+from stages.model.config import FLAVOURS, LlamaConfig, config_for_flavour
+from stages.quant.variants import resolve_variant
+from stages.schema import SCHEMA_PATH, resolve_ref  # noqa: F401 (their users import them from here too)
+from stages.schema import check_keys, fill_defaults, load_schema, validate
+from stages.sweeps import expand
+from stages.training import capabilities  # torch-free until asked about the device
 
-SCHEMA_PATH = Path(__file__).resolve().parent.parent / "workflow" / "schemas" / "config.schema.yaml"
 
 
 def load_yaml(path: str | Path) -> Any:
@@ -39,76 +46,6 @@ def check_yaml_syntax(*paths: str | Path) -> None:
     for path in paths:
         if Path(path).is_file():
             load_yaml(display_path(path))
-
-
-def load_schema(path: str | Path = SCHEMA_PATH) -> dict[str, Any]:
-    """The config schema (a fresh copy; parsed once per process, with libyaml where PyYAML has it)."""
-    return copy.deepcopy(_parsed_schema(str(Path(path).resolve()), Path(path).stat().st_mtime_ns))
-
-
-@functools.lru_cache(maxsize=4)
-def _parsed_schema(path: str, mtime_ns: int) -> dict[str, Any]:
-    return yaml.load(Path(path).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-
-
-def resolve_ref(node: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
-    ref = node.get("$ref")
-    if ref:
-        target: Any = root
-        for part in ref.removeprefix("#/").split("/"):
-            target = target[part]
-        return target
-    return node
-
-
-def check_keys(instance: Any, schema: dict[str, Any], root: dict[str, Any], path: list[str]) -> None:
-    """Reject unknown keys (with a suggestion) and recurse into known ones."""
-    schema = resolve_ref(schema, root)
-    if not isinstance(instance, dict) or schema.get("type") != "object":
-        return
-    props = schema.get("properties", {})
-    extra = schema.get("additionalProperties", True)
-    for key, value in instance.items():
-        if key in props:
-            check_keys(value, props[key], root, path + [str(key)])
-        elif isinstance(extra, dict):
-            check_keys(value, extra, root, path + [str(key)])
-        elif extra is False:
-            where = ".".join(path) or "the top level"
-            close = difflib.get_close_matches(str(key), list(props), n=1, cutoff=0.5)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(
-                f"config key {'.'.join(path + [str(key)])!r} is unknown{hint} "
-                f"(valid keys in {where}: {', '.join(sorted(props))})"
-            )
-
-
-def fill_defaults(instance: Any, schema: dict[str, Any], root: dict[str, Any]) -> None:
-    """Insert a deep copy of each missing property's default, then recurse."""
-    schema = resolve_ref(schema, root)
-    if not isinstance(instance, dict):
-        return
-    props = schema.get("properties", {})
-    for key, sub in props.items():
-        if key not in instance and "default" in sub:
-            instance[key] = copy.deepcopy(sub["default"])
-        if key in instance:
-            fill_defaults(instance[key], sub, root)
-    extra = schema.get("additionalProperties")
-    if isinstance(extra, dict):
-        for key, value in instance.items():
-            if key not in props:
-                fill_defaults(value, extra, root)
-
-
-def validate(instance: Any, schema: dict[str, Any], where: list[str] | None = None) -> None:
-    """ConfigError for the first value `instance` breaks `schema` (types, enums, ranges), naming
-    its key path below `where`; `schema` carries `$defs` for its references."""
-    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(instance), key=lambda e: list(e.absolute_path))
-    if errors:
-        e = errors[0]
-        key = ".".join([*(where or []), *(str(p) for p in e.absolute_path)]) or "the top level"
-        raise ConfigError(f"config key {key!r}: {e.message}")
 
 
 def _check_warmup(key: str, section: dict[str, Any]) -> None:
@@ -149,7 +86,6 @@ ARCH_OVERRIDES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_
 
 def architecture(model_section: dict[str, Any]) -> dict[str, Any]:
     """The flavour's architecture fields with the section's non-null overrides applied."""
-    from stages.model.config import FLAVOURS
 
     arch = dict(FLAVOURS[model_section["flavour"]])
     arch.update({k: model_section[k] for k in ARCH_OVERRIDES if model_section.get(k) is not None})
@@ -161,7 +97,6 @@ def _check_architecture(name: str, exp: dict[str, Any]) -> None:
     """The relations our model enforces when it is built (stages/model/config.py), checked for a
     random-init flavour with its overrides, so that a bad head count stops Snakemake with the key
     instead of failing inside the pretrain job."""
-    from stages.model.config import config_for_flavour
 
     model = exp["model"]
     arch = architecture(model)
@@ -195,7 +130,6 @@ def _check_quantize(name: str, exp: dict[str, Any]) -> None:
     each group-wise variant fits the flavour's layer widths: round-to-nearest groups must tile every
     input width, GPTQ groups (a narrower last group is allowed) must not exceed one. Pretrained
     checkpoints are checked again by the quantize stage, which knows their real shapes."""
-    from stages.quant.variants import resolve_variant
 
     quant = exp["quantize"]
     key = f"experiments.{name}.quantize"
@@ -225,9 +159,6 @@ def _check_deploy(name: str, exp: dict[str, Any], source: dict[str, Any] | None)
     """deploy.gguf needs a model the GGUF writer takes (the starting checkpoint's or the flavour's
     model_type); each deploy.compressed_tensors entry is an A8W8 variant of quantize.variants without
     the shift, which the compressed-tensors format cannot express."""
-    from stages.deployment.gguf_types import GGUF_MODEL_TYPES
-    from stages.model.config import FLAVOURS
-    from stages.quant.variants import resolve_variant
 
     if exp["deploy"]["gguf"]:
         model_type = (source or FLAVOURS[exp["model"]["flavour"]]).get("model_type", "llama")
@@ -323,7 +254,6 @@ def _check_finetune(key: str, method: str, sec: dict[str, Any], source: dict[str
         raise ConfigError(f"{key}: metric_for_best_model={sec['metric_for_best_model']} is measured on "
                           "generations: set eval_with_do_generation: true, or use eval_loss")
     if sec["packing"] and source is not None:
-        from stages.checkpoint.source import FAMILIES, family_of
 
         family = family_of(source)
         if not (family.full_training_on_ours if method == "sft" else family.ours):
@@ -357,7 +287,6 @@ def _check_model_source(name: str, exp: dict[str, Any]) -> dict[str, Any] | None
     supported architecture, safetensors weights and a tokenizer; and the experiment's other keys
     agree with it (no pretraining without weights to start from, a quantize source that exists).
     Returns its config.json (None without a starting checkpoint)."""
-    from stages.checkpoint.source import FAMILIES, ModelSourceError, family_of, read_source_config
 
     path = exp["model"]["model_name_or_path"]
     key = f"experiments.{name}.model.model_name_or_path"
@@ -379,7 +308,6 @@ def _check_model_source(name: str, exp: dict[str, Any]) -> dict[str, Any] | None
                           f"continued pretraining runs on the project's own model ({pretrainable}); "
                           "fine-tune it directly (pretrain.enabled: null)")
     if family.full_training_on_ours:  # our model must honour every field, or refuse it now (imports torch)
-        from stages.model.config import LlamaConfig
 
         try:
             LlamaConfig.from_hf_dict(source, source=f"{path}/config.json")
@@ -397,10 +325,9 @@ def _check_device(key: str, sec: dict[str, Any]) -> None:
     LLM_LIFECYCLE_DEVICE_CHECK=0 (a SLURM login node without the compute nodes' GPU)."""
     if os.environ.get("LLM_LIFECYCLE_DEVICE_CHECK", "1") == "0" or not (sec["fp16"] or sec["bf16"] is True):
         return
-    from stages.training.capabilities import bf16_unsupported_reason, fp16_unsupported_reason  # imports torch
 
-    for flag, reason in (("fp16", sec["fp16"] and fp16_unsupported_reason()),
-                         ("bf16", sec["bf16"] is True and bf16_unsupported_reason())):
+    for flag, reason in (("fp16", sec["fp16"] and capabilities.fp16_unsupported_reason()),
+                         ("bf16", sec["bf16"] is True and capabilities.bf16_unsupported_reason())):
         if reason:
             raise ConfigError(f"{key}.{flag}=true: {reason}")
 
@@ -461,8 +388,6 @@ def _check_layout_for_source(key: str, sec: dict[str, Any], source: dict[str, An
     """Tensor/pipeline parallelism needs our own model (every stage of the families it implements,
     pretraining and full SFT also for GPT-2) and degrees that divide the checkpoint's real head
     counts and layers."""
-    from stages.checkpoint.source import FAMILIES, family_of
-    from stages.model import gpt2_layout
 
     tp, pp = sec["tensor_parallel_degree"], sec["pipeline_parallel_degree"]
     if tp == 1 and pp == 1:
@@ -548,8 +473,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m stages.config", description=main.__doc__)
     parser.add_argument("configfiles", nargs="+", help="config files, merged in order as Snakemake's --configfile")
     args = parser.parse_args(argv)
-    from stages.data.validate import check_data_section
-    from stages.sweeps import expand
 
     merged: dict[str, Any] = {}
     try:

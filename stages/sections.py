@@ -2,7 +2,7 @@
 
 The fields are the section's keys in workflow/schemas/config.schema.yaml with their types and no
 defaults: `Section.of(section)` completes what it is given with the schema's defaults
-(`stages.settings.complete`), checks it there (ConfigError naming the key), and only then builds
+(`stages.schema.complete`), checks it there (ConfigError naming the key), and only then builds
 the object, so the schema stays the one source of defaults and of the rules on values.
 `tests/unit/test_sections.py` keeps the fields and their types equal to the schema's.
 
@@ -24,14 +24,14 @@ import functools
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar, TypeVar
 
-from stages import settings
+from stages import schema
 
 S = TypeVar("S", bound="Section")
 
 
 @dataclasses.dataclass(frozen=True)
 class Section(Mapping[str, Any]):
-    """Base of the typed sections; SECTION names the section (a key of stages.settings.SECTIONS)."""
+    """Base of the typed sections; SECTION names the section (a key of stages.schema.SECTIONS)."""
 
     SECTION: ClassVar[str] = ""
 
@@ -40,7 +40,7 @@ class Section(Mapping[str, Any]):
         """`section` completed with the schema's defaults and checked (ConfigError naming the key)."""
         if type(section) is cls:
             return section  # type: ignore[return-value]
-        return cls(**settings.complete(section, cls.SECTION))  # complete() copies what it is given
+        return cls(**schema.complete(section, cls.SECTION))  # complete() copies what it is given
 
     def replace(self: S, **changes: Any) -> S:
         """A copy with `changes`, checked against the schema like the original."""
@@ -58,7 +58,7 @@ class Section(Mapping[str, Any]):
 
     def __getitem__(self, key: str) -> Any:
         if key not in _field_names(type(self)):
-            raise KeyError(f"{key!r} is not a {settings.key_of(self.SECTION)} setting")
+            raise KeyError(f"{key!r} is not a {schema.key_of(self.SECTION)} setting")
         return getattr(self, key)
 
     def __iter__(self) -> Iterator[str]:
@@ -237,7 +237,7 @@ class ClusterSettings(Section):
     runtime_minutes: dict[str, Any]
 
 
-# section name (stages.settings.SECTIONS) -> its class; `predict` is stages.predict.PredictSettings
+# section name (stages.schema.SECTIONS) -> its class; `predict` is stages.predict.PredictSettings
 BY_NAME: dict[str, type[Section]] = {cls.SECTION: cls for cls in (
     ModelSettings, DataSettings, PretrainSettings, SftSettings, LoraSettings, PrefixSettings,
     QuantizeSettings, ExportSettings, DeploySettings, EvaluateSettings, ClusterSettings)}

@@ -1,77 +1,25 @@
-"""One experiment section's settings, with the defaults of workflow/schemas/config.schema.yaml.
-
-The schema is the one source of defaults. Snakemake fills them when it parses the workflow
-(`stages.config.check_config`); a stage's `run()` called from Python, a bench or a test completes
-the section it is given with `complete(section, name)`, so it trains with the same settings as
-under Snakemake. `add_arguments` lists a section's settings on a stage's command line (`--help`
-shows each with its default and description) and `from_arguments` lays the ones given over the
-section passed as `--config`. Torch-free.
-
-    complete({"max_steps": 20}, "lora")   # every other finetune.lora key at its default
+"""A section's settings on a stage's command line, with the defaults of
+workflow/schemas/config.schema.yaml. `add_arguments` lists a section's settings as `--<setting>`
+options (`--help` shows each with its default and description) and `from_arguments` lays the ones
+given over the section passed as `--config`, completed with the schema's defaults
+(`stages.schema.complete`) and built as its typed section (`stages.sections`). The schema access
+that other modules use (`complete`, `defaults`, `section_schema`, `key_of`, `SECTIONS`) lives in
+`stages.schema` and is importable from here too. Torch-free.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import functools
 import json
-from collections.abc import Mapping
 from typing import Any
 
-
 from stages.errors import ConfigError
+from stages.schema import SECTIONS, complete, defaults, key_of, resolve_ref, section_schema
+from stages.schema import root as _root
+from stages.sections import BY_NAME
 
-# section name -> its path below an experiment (finetune methods are one level deeper)
-SECTIONS: dict[str, tuple[str, ...]] = {
-    "model": ("model",), "data": ("data",), "pretrain": ("pretrain",), "sft": ("finetune", "sft"),
-    "lora": ("finetune", "lora"), "prefix": ("finetune", "prefix"), "predict": ("predict",),
-    "quantize": ("quantize",), "export": ("export",), "deploy": ("deploy",), "evaluate": ("evaluate",),
-    "cluster": ("cluster",),
-}
-
-
-@functools.lru_cache(maxsize=None)
-def _root() -> dict[str, Any]:
-    from stages.config import load_schema
-
-    return load_schema()
-
-
-def key_of(name: str) -> str:
-    """The section's config key below an experiment: `finetune.lora`, `pretrain`, ..."""
-    return ".".join(SECTIONS[name])
-
-
-def section_schema(name: str) -> dict[str, Any]:
-    """The schema of section `name` (see SECTIONS), its `$ref`s resolved against the root."""
-    if name not in SECTIONS:
-        raise ConfigError(f"no config section {name!r}; sections: {', '.join(SECTIONS)}")
-    from stages.config import resolve_ref
-
-    root = _root()
-    node = resolve_ref(root["$defs"]["experiment"], root)
-    for part in SECTIONS[name]:
-        node = resolve_ref(node["properties"][part], root)
-    return node
-
-
-def defaults(name: str) -> dict[str, Any]:
-    """Every setting of section `name` at its schema default (a fresh copy)."""
-    return complete({}, name)
-
-
-def complete(section: Mapping[str, Any] | None, name: str) -> dict[str, Any]:
-    """`section` with every missing setting at its schema default, checked against the schema:
-    an unknown key (with the closest valid one) or a wrong value is a ConfigError naming the key."""
-    from stages.config import check_keys, fill_defaults, validate
-
-    root, schema = _root(), section_schema(name)
-    section = copy.deepcopy(dict(section or {}))
-    check_keys(section, schema, root, [key_of(name)])
-    fill_defaults(section, schema, root)
-    validate(section, {**schema, "$defs": root.get("$defs", {})}, [key_of(name)])
-    return section
+__all__ = ["SECTIONS", "add_arguments", "complete", "defaults", "from_arguments", "given_settings", "key_of",
+           "section_schema"]
 
 
 def _argument_type(prop: dict[str, Any]):
@@ -106,8 +54,6 @@ def add_arguments(parser: argparse.ArgumentParser, *names: str, group: str | Non
     methods, whose settings mostly coincide), in a group of its own; `--help` shows each one's
     description and default (per section where they differ). An option given overrides the value
     in `--config`; `from_arguments` refuses one the chosen section lacks."""
-    from stages.config import resolve_ref
-
     root = _root()
     keys = [", ".join(f"`{key_of(n)}`" for n in names)]
     box = parser.add_argument_group(
@@ -160,8 +106,6 @@ def from_arguments(args: argparse.Namespace, name: str, config: str | None = Non
         key = dest.removeprefix("setting.")
         if dest.startswith("setting.") and key in own:
             section[key] = value
-    from stages.sections import BY_NAME
-
     # `predict` has its own dataclass with a non-config switch (stages.predict.PredictSettings)
     return BY_NAME[name].of(section) if name in BY_NAME else complete(section, name)
 

@@ -33,7 +33,7 @@ import json
 import re
 from typing import Any
 
-from stages.config import ConfigError
+from stages.errors import ConfigError
 
 SEED_KEY = "seed"
 # what `seed` sets: every seed of the chain (as bench/finetune_quality.py always did)

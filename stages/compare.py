@@ -26,7 +26,7 @@ import pandas as pd
 
 from stages.checkpoint.atomic import atomic_file
 from stages.errors import InputError, run_cli
-from stages.report import markdown_table
+from stages.reporting.markdown import markdown_table
 from stages.reporting.tables import fmt_float, is_number
 from stages.stage_logs import configure_logging, log_io
 from stages.sweeps import SEED_KEY

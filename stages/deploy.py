@@ -41,6 +41,7 @@ from stages.checkpoint.meta import write_meta
 from stages.checkpoint.weights import check_model_dir
 from stages.data.corpus import read_index
 from stages.deployment import checks
+from stages.deployment.gguf_writer import write_gguf
 from stages.errors import run_cli
 from stages.sections import DeploySettings
 from stages.stage_logs import configure_logging, log_io
@@ -69,7 +70,6 @@ def gguf(model_dir: str | Path, file_type: str, data_dir: str | Path, out_dir: s
 
     from stages.checkpoint.gguf import repair_pre_tokenizer
     from stages.data.tokenizer import load_model_tokenizer
-    from stages.deployment.gguf_writer import write_gguf
 
     section = DeploySettings.of(config)
     model_dir, out_dir = Path(model_dir), Path(out_dir)

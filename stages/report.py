@@ -60,7 +60,6 @@ import argparse
 import importlib.metadata
 import json
 import logging
-import math
 import os
 import platform
 import subprocess
@@ -73,6 +72,7 @@ import pandas as pd
 from stages.checkpoint.atomic import atomic_file, write_json
 from stages.errors import InputError, run_cli
 from stages.reporting import tables
+from stages.reporting.markdown import markdown_table
 from stages.reporting.tables import is_number
 from stages.stage_logs import configure_logging, log_io
 
@@ -246,25 +246,6 @@ def _summary_markdown(summary: dict[str, Any]) -> list[str]:
 
 
 # -- markdown ------------------------------------------------------------------------------------
-def _cell(v: Any) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return ""
-    if isinstance(v, float):
-        # iterrows widens int columns to float; byte and token counts should still read as integers.
-        return str(int(v)) if v.is_integer() and abs(v) < 1e15 else f"{v:.4g}"
-    return str(v).replace("|", "\\|").replace("\n", " ")
-
-
-def markdown_table(df: pd.DataFrame) -> str:
-    """A GitHub markdown table of `df` with its index as the first column (pandas' to_markdown
-    needs `tabulate`, which the environment does not carry)."""
-    header = [df.index.name or ""] + [str(c) for c in df.columns]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for idx, row in df.iterrows():
-        lines.append("| " + " | ".join([_cell(idx)] + [_cell(v) for v in row.tolist()]) + " |")
-    return "\n".join(lines)
-
-
 def variant_order(evals: dict[str, dict[str, Any]], reference: str, source: str, variants: Sequence[str]) -> list[str]:
     """The report's row order: the starting model, the fine-tuned variants in chain order, the
     quantization source, its quantized variants, then anything else evaluated (sorted)."""

@@ -33,6 +33,7 @@ import torch
 from stages.checkpoint.atomic import write_json
 from stages.checkpoint.integrity import sha256_file, verify
 from stages.checkpoint.weights import open_safetensors, read_tensor
+from stages.model.gpt2_layout import from_hf, hf_name
 from stages.parallel.tensor import join_shards
 
 log = logging.getLogger(__name__)
@@ -182,7 +183,6 @@ class StateReader:
         """Whether `get(key)` finds the tensor (our model's name, in either layout)."""
         if key in self.tensors:
             return True
-        from stages.model.gpt2_layout import hf_name
 
         try:
             return self.index.get("hf_layout") == "gpt2" and hf_name(key) in self.tensors
@@ -192,7 +192,6 @@ class StateReader:
     def _get_gpt2(self, key: str) -> torch.Tensor:
         """Our model's tensor `key` from a unified checkpoint written in GPT-2's names and Conv1D
         layout (`stages.model.gpt2_layout`; its optimizer moments keep our names)."""
-        from stages.model.gpt2_layout import from_hf, hf_name
 
         try:
             theirs = hf_name(key)

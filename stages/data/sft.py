@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from stages.checkpoint.atomic import atomic_file
 from stages.data.files import json_lines
 from stages.errors import InputError
 from stages.model.labels import IGNORE_INDEX
@@ -64,7 +65,6 @@ def read_sft_file(path: str | Path) -> list[SftRecord]:
 
 def write_sft_file(path: str | Path, records: Sequence[SftRecord]) -> None:
     """Write records as JSON lines (single-round records as plain strings)."""
-    from stages.checkpoint.atomic import atomic_file
 
     with atomic_file(path) as f:
         for r in records:

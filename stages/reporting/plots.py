@@ -16,22 +16,17 @@ import csv
 from pathlib import Path
 from typing import Any, Sequence
 
+import matplotlib
 import pandas as pd
+
+matplotlib.use("Agg")  # files only, never a window; before pyplot is imported
+import matplotlib.pyplot as plt  # noqa: E402
 
 from stages.checkpoint.atomic import atomic_file
 from stages.reporting.tables import MB, is_number
 
 TRAINING_STAGES = ("pretrain", "sft", "lora", "prefix")
 SMOOTHING_STEPS = 20  # moving-average window of the training loss curve
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, never a window
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def read_train_log(path: str | Path) -> pd.DataFrame:
@@ -59,7 +54,7 @@ def _save(fig, out: str | Path) -> None:
     with atomic_file(out, mode="wb") as f:
         # no timestamp in the PNG: the same numbers give the same file
         fig.savefig(f, format="png", dpi=110, bbox_inches="tight", metadata={"Software": None})
-    _pyplot().close(fig)
+    plt.close(fig)
 
 
 def _empty(fig_ax, text: str) -> None:
@@ -68,7 +63,6 @@ def _empty(fig_ax, text: str) -> None:
 
 
 def plot_training(logs: dict[str, pd.DataFrame], out: str | Path, experiment: str) -> None:
-    plt = _pyplot()
     stages = list(logs) or ["none"]
     fig, axes = plt.subplots(2, len(stages), figsize=(4.2 * len(stages), 6), squeeze=False,
                              gridspec_kw={"height_ratios": [3, 1.4]}, sharex="col")
@@ -117,7 +111,6 @@ def plot_quantization(evals: dict[str, dict[str, Any]], variants: Sequence[str],
                       experiment: str, marked: Sequence[str] = ()) -> None:
     """`variants`: the float source and its quantized variants, in display order; `marked` (the
     source) drawn in red."""
-    plt = _pyplot()
     shown = [v for v in variants if v in evals and is_number(evals[v].get("size_bytes"))]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     panels = (("ppl", "corpus perplexity (lower is better)"), ("exact_match", "dev exact match"))
@@ -144,7 +137,6 @@ def plot_quantization(evals: dict[str, dict[str, Any]], variants: Sequence[str],
 
 
 def plot_stages(timings: pd.DataFrame, out: str | Path, experiment: str) -> None:
-    plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.6 + 0.28 * max(len(timings), 3)))
     if len(timings):
         ordered = timings.sort_values("s")

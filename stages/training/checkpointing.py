@@ -65,6 +65,7 @@ from stages.checkpoint.store import (
     write_hf_index,
 )
 from stages.checkpoint.weights import open_safetensors
+from stages.model.gpt2_layout import hf_name, to_hf
 from stages.parallel.mappings import collective_device
 from stages.parallel.tensor import join_shards, partition_chunks, partition_dim, shard_tensor
 from stages.parallel.topology import Topology
@@ -207,7 +208,6 @@ class RankPart:
 def _to_hf_layout(part: RankPart) -> None:
     """GPT-2's names and Conv1D weights for a unified part's model tensors, in place (the optimizer's
     moments keep our names and layout: no library reads them)."""
-    from stages.model.gpt2_layout import hf_name, to_hf
 
     model_files = {file for file in part.files if file.startswith("model")}
     part.files = {file: to_hf(tensors) if file in model_files else tensors for file, tensors in part.files.items()}

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 
 import torch
 
+from stages.cluster.rendezvous import derived_port, first_host
 from stages.training.launcher_watch import exit_with_launcher
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,6 @@ def init_distributed() -> None:
     exit_with_launcher()  # torchrun's ranks have a session of their own: die with torchrun, not after it
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:  # one task of `srun`
-        from stages.cluster.rendezvous import derived_port, first_host
 
         # stages.launch sets MASTER_ADDR/PORT (a port free for this job); a bare srun derives them
         os.environ.update(RANK=os.environ["SLURM_PROCID"], LOCAL_RANK=os.environ["SLURM_LOCALID"],

@@ -21,14 +21,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from stages.checkpoint.source import FAMILIES
+
 log = logging.getLogger(__name__)
 
 
 # -- which families may be split --------------------------------------------------------------------
 def own_families() -> tuple[str, ...]:
     """config.json `model_type`s our model implements (sorted)."""
-    from stages.checkpoint.source import FAMILIES
-
     return tuple(sorted({f.model_type for f in FAMILIES.values() if f.ours}))
 
 

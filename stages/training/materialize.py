@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from stages.model import LlamaConfig, LlamaForCausalLM, build_model
+from stages.model.gpt2_layout import from_hf, our_name
 from stages.parallel.tensor import partition_chunks, partition_dim, shard_tensor
 
 
@@ -119,7 +120,6 @@ class CheckpointWeights(WeightSource):
     def _our_name(self, key: str) -> str | None:
         if not self.gpt2:
             return key
-        from stages.model.gpt2_layout import our_name
 
         try:
             return our_name(key)
@@ -128,7 +128,6 @@ class CheckpointWeights(WeightSource):
 
     def tensors(self, names: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
         from stages.checkpoint.weights import open_safetensors, read_tensor
-        from stages.model.gpt2_layout import from_hf
 
         by_file: dict[Path, list[str]] = {}
         for name in sorted(names):

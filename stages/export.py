@@ -86,6 +86,7 @@ from stages.deployment.onnx_files import (GENAI_CONFIG, INT8_DIR, ONNX_NAME, exp
 from stages.deployment.onnx_generate import OnnxDecoder, greedy_generate
 from stages.deployment.onnx_int8 import int8_quality, quantize_int8
 from stages.errors import InputError, run_cli
+from stages.metrics.logit_agreement import LogitAgreement, logit_agreement
 from stages.sections import ExportSettings
 from stages.model.config import LlamaConfig
 from stages.stage_logs import Progress, configure_logging, log_io
@@ -190,29 +191,15 @@ def export_onnx(model: torch.nn.Module, path: Path, opset_version: int, vocab_si
                                 external_data=external_data)
 
 
-@dataclass
-class LogitAgreement:
-    """How closely one set of logits (onnxruntime's) follows another (torch's)."""
-
-    max_abs_diff: float  # max |got - want| over every position and vocabulary entry
-    logit_scale: float  # max |want|
-    rel_err: float  # max_abs_diff / logit_scale
-    top1_agreement: float  # share of positions whose argmax over the vocabulary agrees
-    positions: int
-
-
 def compare_logits(got: list[np.ndarray], want: list[np.ndarray]) -> LogitAgreement:
-    """Compare pairs of (..., vocab) logits; nan anywhere makes max_abs_diff and rel_err nan."""
+    """Compare pairs of (..., vocab) logits, onnxruntime's against torch's, over all of them
+    (`stages.metrics.logit_agreement`); nan in onnxruntime's makes max_abs_diff and rel_err nan."""
     for g, w in zip(got, want, strict=True):
         if g.shape != w.shape:
             raise ValueError(f"onnxruntime logits have shape {g.shape}, torch {w.shape}")
-    # np.max, not max(): it propagates nan whatever the order
-    max_diff = float(np.max([np.abs(g.astype(np.float64) - w).max() for g, w in zip(got, want)]))
-    scale = float(np.max([np.abs(w).max() for w in want]))
-    agree = sum(int((g.argmax(-1) == w.argmax(-1)).sum()) for g, w in zip(got, want))
-    positions = sum(w[..., 0].size for w in want)
-    rel = max_diff / scale if scale > 0 else (0.0 if max_diff == 0 else float("inf"))
-    return LogitAgreement(max_diff, scale, rel, agree / positions, positions)
+    # every position of every pair, (positions, vocab); float64 differences the float32 logits without rounding
+    return logit_agreement(np.concatenate([w.reshape(-1, w.shape[-1]) for w in want]),
+                           np.concatenate([g.reshape(-1, g.shape[-1]) for g in got]).astype(np.float64))
 
 
 def check_agreement(agreement: LogitAgreement, rtol: float, min_top1_agreement: float) -> None:

@@ -42,6 +42,7 @@ from stages.checkpoint.tokenizer_files import copy_tokenizer
 from stages.checkpoint.weights import check_model_dir, read_header
 from stages.data.tokenizer import load_model_tokenizer
 from stages.errors import run_cli
+from stages.metrics.logit_agreement import logit_agreement
 from stages.stage_logs import configure_logging, log_io
 
 log = logging.getLogger(__name__)
@@ -64,11 +65,9 @@ def our_model_parity(model_dir: Path, vocab_size: int) -> dict[str, float]:
     want = theirs(input_ids=ids).logits.float()
     del theirs
     ours = load_pretrained(model_dir).eval()
-    got = ours(ids).float()
-    diff = float((got - want).abs().max())
-    scale = float(want.abs().max())
-    return {"max_abs_logit_diff": diff, "max_rel_logit_diff": diff / max(scale, 1e-12),
-            "top1_agreement": float((got.argmax(-1) == want.argmax(-1)).float().mean())}
+    found = logit_agreement(want, ours(ids).float())
+    return {"max_abs_logit_diff": found.max_abs_diff, "max_rel_logit_diff": found.rel_err,
+            "top1_agreement": found.top1_agreement}
 
 
 def run(source: str | Path, out_dir: str | Path, check_parity: bool = True) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from stages.checkpoint.meta import META_NAME, write_meta
 from stages.checkpoint.store import INDEX, SHARDED
 from stages.checkpoint.weights import check_adapter_dir, check_model_dir
 from stages.errors import InputError, run_cli
+from stages.metrics.logit_agreement import logit_error
 from stages.stage_logs import configure_logging, log_io
 
 log = logging.getLogger(__name__)
@@ -130,9 +131,7 @@ def run(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | Non
     before = logits_of(model, ids)
     merged = model.merge_and_unload()
     after = logits_of(merged, ids)
-    diff = float((before - after).abs().max())
-    scale = float(before.abs().max())
-    rel_err = diff / scale if scale > 0 else diff
+    diff, scale, rel_err = logit_error(before, after)
     if not rel_err <= rtol:  # also catches NaN
         raise MergeMismatchError(f"merging {adapter_dir} into {base_dir} changed the probe logits by "
                                  f"max |diff|={diff:.3e}, {rel_err:.3e} of the logit scale {scale:.3e} > "

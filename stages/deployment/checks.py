@@ -9,7 +9,7 @@ positions where the model has a real preference, not near-ties of random tokens:
                      agreeing: a position where the source itself prefers its token over the
                      artifact's by at most TIE_RTOL of the logit scale (such a flip is rounding on a
                      tie, not quantization error; strict_top1_agreement and near_ties report both)
-    rel_err        = max |got - want| / max |want|          over every logit of the probe
+    rel_err        = max |got - want| / max |want|  over every logit of the probe (stages.metrics.logit_agreement)
 
 Tokenizers are compared on strings that break careless conversions (numerals, runs of spaces,
 newlines and tabs, accents, CJK, emoji): the same ids or the check fails naming the string. The
@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from stages.data.corpus import load_split
+from stages.metrics.logit_agreement import logit_agreement, share, top1_matches
 from stages.metrics.perplexity import validation_windows
 
 # Strings on which byte-level BPE conversions go wrong: digits split one by one or in groups of
@@ -82,14 +83,13 @@ def agreement(want: torch.Tensor, got: torch.Tensor, tie_rtol: float = TIE_RTOL)
     if want.shape != got.shape:
         raise ValueError(f"logits of shape {tuple(got.shape)} against {tuple(want.shape)}: the artifact's "
                          "vocabulary or sequence handling differs from the source's")
-    diff = (got - want).abs().max().item()
-    scale = want.abs().max().item() or 1.0
+    found = logit_agreement(want, got)
     want_top, got_top = want.argmax(-1), got.argmax(-1)
-    same = got_top == want_top
+    same = top1_matches(want, got)
     lead = (want.gather(-1, want_top[..., None]) - want.gather(-1, got_top[..., None]))[..., 0]  # >= 0
-    ties = ~same & (lead <= tie_rtol * scale)
-    return Agreement(top1_agreement=(same | ties).float().mean().item(), rel_err=diff / scale, max_abs_diff=diff,
-                     positions=int(want.shape[:-1].numel()), strict_top1_agreement=same.float().mean().item(),
+    ties = ~same & (lead <= tie_rtol * found.logit_scale)
+    return Agreement(top1_agreement=share(same | ties), rel_err=found.rel_err, max_abs_diff=found.max_abs_diff,
+                     positions=found.positions, strict_top1_agreement=found.top1_agreement,
                      near_ties=int(ties.sum()))
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from stages.deployment.onnx_generate import OnnxDecoder, greedy_generate
+from stages.metrics.logit_agreement import top1_agreement
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +83,8 @@ def int8_quality(float_decoder: OnnxDecoder, int8_decoder: OnnxDecoder, sequence
     """The INT8 graph against the float one (see module docstring): scores on `sequences` (B, L)
     where `sequence_mask` is 1, greedy generation (no eos: every row runs `max_new_tokens`) from
     the left-padded `prompts`."""
-    real = sequence_mask.astype(bool)
-    same = float_decoder.logits(sequences, sequence_mask).argmax(-1) == int8_decoder.logits(
-        sequences, sequence_mask).argmax(-1)
-    top1 = float(same[real].mean())
+    top1 = top1_agreement(float_decoder.logits(sequences, sequence_mask), int8_decoder.logits(sequences, sequence_mask),
+                          where=sequence_mask.astype(bool))
     ppl_float = perplexity(float_decoder, sequences, sequence_mask)
     ppl_int8 = perplexity(int8_decoder, sequences, sequence_mask)
     width = prompts.shape[1]

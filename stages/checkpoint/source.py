@@ -9,43 +9,16 @@ refused, with the conversion to run), and a tokenizer.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from stages.errors import InputError
+from stages.model.registry import BY_ARCHITECTURE, Family
 
 
-@dataclass(frozen=True)
-class Family:
-    name: str  # what the README's support table calls it
-    model_type: str  # config.json's model_type
-    ours: bool  # every stage runs our model: every parallel layout; else transformers' model, data parallel + ZeRO
-    # (continued) pretraining and full SFT run our model, in every layout, even where not `ours`
-    # (adapters and the later stages then use transformers' model)
-    trains_ours: bool = False
-
-    @property
-    def full_training_on_ours(self) -> bool:
-        return self.ours or self.trains_ours
-
-
-# config.json `architectures[0]` -> family. Every family: full SFT, LoRA, prefix tuning, merge,
-# quantization, export and evaluation (tests/unit/test_families.py).
-FAMILIES: dict[str, Family] = {
-    "LlamaForCausalLM": Family("Llama", "llama", True),
-    "Qwen2ForCausalLM": Family("Qwen2", "qwen2", True),
-    "MistralForCausalLM": Family("Mistral", "mistral", True),
-    "Qwen3ForCausalLM": Family("Qwen3", "qwen3", True),
-    "GlmForCausalLM": Family("GLM", "glm", True),
-    "Glm4ForCausalLM": Family("GLM-4", "glm4", True),
-    # GPT-2 pretrains and fully fine-tunes on our model (stages.model.gpt2_layout); LoRA, prefix tuning
-    # and the later stages use transformers' GPT2LMHeadModel
-    "GPT2LMHeadModel": Family("GPT-2", "gpt2", False, trains_ours=True),
-    "OPTForCausalLM": Family("OPT", "opt", False),
-    "BloomForCausalLM": Family("Bloom", "bloom", False),
-    "GPTNeoXForCausalLM": Family("GPT-NeoX", "gpt_neox", False),
-}
+# config.json `architectures[0]` -> family (stages/model/registry.py). Every family: full SFT, LoRA,
+# prefix tuning, merge, quantization, export and evaluation (tests/unit/test_families.py).
+FAMILIES: dict[str, Family] = dict(BY_ARCHITECTURE)
 # Seed families that exist only as remote code (a modeling file inside the checkpoint, config.json's
 # `auto_map`), which this pipeline never runs, and the native transformers class that succeeds them.
 REMOTE_CODE_ONLY = {

@@ -35,13 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from stages.model import gpt2_layout
+from stages.model.registry import FAMILIES, Family, family, model_types
 from stages.model.rope_types import check_rope_scaling, rope_type
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM",
-                 "gpt2": "GPT2LMHeadModel"}
+ARCHITECTURES = {f.model_type: f.architecture for f in FAMILIES if f.ours or f.trains_ours}
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 ROPE_LAYOUTS = ("rope_scaling", "rope_parameters")  # transformers 4, transformers 5
 ACTIVATIONS = ("silu", "swish")  # both are SiLU in transformers' ACT2FN
@@ -50,41 +49,12 @@ ACTIVATIONS = ("silu", "swish")  # both are SiLU in transformers' ACT2FN
 GELU_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
 LAYER_TYPES = {"full_attention": False, "attention": False, "sliding_attention": True}  # -> slides?
 
-# transformers 5.23's defaults for the keys a config.json may omit, per family (the config classes'
-# field defaults; tests/unit/test_model_config_fidelity.py checks them against transformers).
-FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=None, head_dim=None, max_position_embeddings=2048,
-                  rms_norm_eps=1e-6, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",
-                  attention_dropout=0.0, attention_bias=False, mlp_bias=False),
-    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=32, head_dim=None, max_position_embeddings=32768,
-                  rms_norm_eps=1e-6, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",
-                  attention_dropout=0.0, use_sliding_window=False, sliding_window=4096, max_window_layers=28,
-                  layer_types=None),
-    "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                    num_attention_heads=32, num_key_value_heads=8, head_dim=None, max_position_embeddings=131072,
-                    rms_norm_eps=1e-6, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",
-                    attention_dropout=0.0, sliding_window=4096),
-    "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
-                  num_attention_heads=32, num_key_value_heads=32, head_dim=128, max_position_embeddings=32768,
-                  rms_norm_eps=1e-6, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",
-                  attention_dropout=0.0, attention_bias=False, use_sliding_window=False, sliding_window=4096,
-                  max_window_layers=28, layer_types=None),
-    "glm": dict(vocab_size=151552, hidden_size=4096, intermediate_size=13696, num_hidden_layers=40,
-                num_attention_heads=32, num_key_value_heads=2, head_dim=128, max_position_embeddings=131072,
-                rms_norm_eps=1.5625e-07, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",
-                attention_dropout=0.0, attention_bias=True),
-    "glm4": dict(vocab_size=151552, hidden_size=4096, intermediate_size=13696, num_hidden_layers=40,
-                 num_attention_heads=32, num_key_value_heads=2, head_dim=128, max_position_embeddings=131072,
-                 rms_norm_eps=1.5625e-07, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",
-                 attention_dropout=0.0, attention_bias=True),
-}
+# transformers' defaults for the keys a config.json may omit, per family of ours (stages/model/registry.py)
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {f.model_type: dict(f.hf_defaults) for f in FAMILIES if f.hf_defaults}
 # The share of each head's dimensions RoPE rotates, when config.json does not say: GLM's config
 # classes default to half (transformers 5 writes it into rope_parameters, 4 at the top level).
-PARTIAL_ROTARY_DEFAULTS = {"glm": 0.5, "glm4": 0.5}
-WINDOWED_PER_LAYER = ("qwen2", "qwen3")  # use_sliding_window + max_window_layers / layer_types
-GLM_FAMILIES = ("glm", "glm4")
+PARTIAL_ROTARY_DEFAULTS = {f.model_type: f.partial_rotary_factor for f in FAMILIES if f.partial_rotary_factor}
+WINDOWED_PER_LAYER = model_types(windows="per_layer")  # use_sliding_window + max_window_layers / layer_types
 # Honoured keys of each family: its defaults above, the RoPE keys and the special token ids.
 # (Qwen2's config class has no head_dim, but its modeling reads one when config.json has it.)
 _ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
@@ -252,41 +222,46 @@ class LlamaConfig:
 
     # -- what the model builds --------------------------------------------------------------------
     @property
+    def family(self) -> Family:
+        """The family's entry in stages/model/registry.py: the switches below read it."""
+        return family(self.model_type)
+
+    @property
     def qkv_bias(self) -> bool:
         """Bias on q_proj, k_proj and v_proj (GPT-2: on the fused qkv_proj)."""
-        return self.attention_bias and self.model_type != "mistral"
+        return {"always": True, "never": False}.get(self.family.qkv_bias, self.attention_bias)
 
     @property
     def o_proj_bias(self) -> bool:
         """Bias on o_proj: transformers' Llama, Qwen3 and GPT-2 put attention_bias on o_proj too,
         Qwen2 and GLM never do."""
-        return self.attention_bias and self.model_type in ("llama", "qwen3", "gpt2")
+        return self.attention_bias and self.family.o_proj_bias
 
     @property
     def gpt2_blocks(self) -> bool:
         """GPT-2: learned absolute positions (no RoPE), LayerNorm with bias, a GELU MLP without gate
         (up_proj, down_proj), q/k/v fused in `qkv_proj` ([q; k; v] rows); see stages.model.gpt2_layout."""
-        return self.model_type == "gpt2"
+        return self.family.gpt2_blocks
 
     @property
     def qk_norm(self) -> bool:
         """Qwen3: an RMSNorm over head_dim on every query and key head, before RoPE."""
-        return self.model_type == "qwen3"
+        return self.family.qk_norm
 
     @property
     def fused_gate_up(self) -> bool:
         """GLM: one `gate_up_proj` whose output is [gate; up] (2 x intermediate_size rows)."""
-        return self.model_type in GLM_FAMILIES
+        return self.family.fused_gate_up
 
     @property
     def sandwich_norms(self) -> bool:
         """GLM-4: `post_self_attn_layernorm` and `post_mlp_layernorm` on each sub-block's output."""
-        return self.model_type == "glm4"
+        return self.family.sandwich_norms
 
     @property
     def rope_interleaved(self) -> bool:
         """GLM rotates pairs of adjacent dimensions (0,1), (2,3), ...; Llama pairs i with i + d/2."""
-        return self.model_type in GLM_FAMILIES
+        return self.family.rope_interleaved
 
     @property
     def rotary_dim(self) -> int:
@@ -297,9 +272,9 @@ class LlamaConfig:
         """Per layer, the sliding-window length in tokens (the query and the window-1 tokens before
         it), or None for full causal attention, as transformers' class of `model_type` decides."""
         n = self.num_hidden_layers
-        if self.model_type == "mistral":
+        if self.family.windows == "every_layer":
             return [self.sliding_window] * n
-        if self.model_type in WINDOWED_PER_LAYER:
+        if self.family.windows == "per_layer":
             window = self._layer_window()
             if self.layer_types is not None:
                 return [window if LAYER_TYPES[t] else None for t in self.layer_types]

@@ -1,6 +1,6 @@
 """Which model trains a family on the training engine, and what the engine does differently for it.
 
-The families our Llama implements (`stages.checkpoint.source.FAMILIES` marks them `ours`: Llama,
+The families our Llama implements (`stages/model/registry.py` marks them `ours`: Llama,
 Qwen2, Mistral, Qwen3, GLM, GLM-4) train through our model in every layout: data parallel, ZeRO
 1/2/3, tensor and pipeline parallelism; GPT-2 too for full training (pretraining, full SFT:
 `Family.trains_ours`, `load_causal_lm(..., families="all")`), its adapters on transformers' model.
@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from stages.checkpoint.source import FAMILIES
+from stages.model.registry import model_types
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 # -- which families may be split --------------------------------------------------------------------
 def own_families() -> tuple[str, ...]:
     """config.json `model_type`s our model implements (sorted)."""
-    return tuple(sorted({f.model_type for f in FAMILIES.values() if f.ours}))
+    return tuple(sorted(model_types(ours=True)))
 
 
 def supports_model_parallel(model_type: str) -> bool:
@@ -77,7 +77,7 @@ def load_causal_lm(model_dir: str | Path, lazy: bool = False, families: str = "o
     do not match it. With `lazy`, our model comes on the meta device, to be filled with each rank's
     slice by the engine (`stages.training.materialize`); a transformers model is always whole.
     `families="all"` (full training: pretraining, full SFT) also takes GPT-2 into our model
-    (`stages.checkpoint.source.Family.trains_ours`)."""
+    (`stages.model.registry.Family.trains_ours`)."""
     from stages.checkpoint.hf import load_config, load_pretrained
     from stages.training.materialize import lazy_pretrained
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from stages import schema
 from stages.errors import InputError
 
 METHODS = ("rtn", "gptq", "a8w8")
@@ -33,21 +34,17 @@ CALIBRATED_METHODS = ("gptq", "a8w8")  # read the experiment's data for calibrat
 # every method's packing uses.
 METHOD_MODULES = {"rtn": (), "gptq": ("stages.quant.gptq",), "a8w8": ("stages.quant.smoothquant", "stages.quant.a8w8")}
 
-RTN_KEYS = ("bits", "group_size", "sym")
-GPTQ_KEYS = ("bits", "group_size", "sym", "desc_act", "static_groups", "damp_percent", "true_sequential")
-A8W8_KEYS = ("activation", "smooth", "smooth_alpha", "smooth_search", "smooth_alpha_grid", "shift",
-             "smooth_all_linears", "shift_all_linears")
-METHOD_KEYS = {"rtn": RTN_KEYS, "gptq": GPTQ_KEYS, "a8w8": A8W8_KEYS}
-# Each method's defaults: the schema's `quantize.gptq` / `quantize.a8w8` defaults and GPTQConfig's /
-# A8W8Config's (a test holds them equal). group_size None: `quantize.group_size`.
+# Each method's defaults: rtn's here (no config section of its own), gptq's and a8w8's the schema's
+# `quantize.gptq` / `quantize.a8w8` (GPTQConfig's and A8W8Config's equal them: a test holds them so).
+# group_size None: `quantize.group_size`.
+_SECTION = schema.defaults("quantize")
 METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
     "rtn": {"bits": 4, "group_size": None, "sym": False},
-    "gptq": {"bits": 4, "group_size": None, "sym": True, "desc_act": False, "static_groups": False,
-             "damp_percent": 0.01, "true_sequential": True},
-    "a8w8": {"activation": "dynamic", "smooth": False, "smooth_alpha": 0.5, "smooth_search": False,
-             "smooth_alpha_grid": [0.3, 0.4, 0.5, 0.6, 0.7, 0.8], "shift": False, "smooth_all_linears": False,
-             "shift_all_linears": False},
+    "gptq": _SECTION["gptq"],
+    "a8w8": _SECTION["a8w8"],
 }
+METHOD_KEYS = {method: tuple(defaults) for method, defaults in METHOD_DEFAULTS.items()}
+RTN_KEYS, GPTQ_KEYS, A8W8_KEYS = METHOD_KEYS["rtn"], METHOD_KEYS["gptq"], METHOD_KEYS["a8w8"]
 
 # Built-in names. The w<bits>g<group> names follow GPTQModel / Hugging Face model cards; wint8 /
 # wint4 / a8w8 follow PaddleNLP's quant types. Group sizes left out come from quantize.group_size.

@@ -58,9 +58,8 @@ demo: $(STAMP)
 # Two pytest workers (pytest-xdist), a file's tests on one worker: the suite's own multi-process
 # tests and Snakemake runs already fill the cores part of the time; more workers on 2 cores only
 # contend. PYTEST_WORKERS=1 runs it in one process. Files go out in collection order
-# (--no-loadscope-reorder): xdist otherwise sends files with many tests first, which left the
-# whole-DAG files (few tests, minutes each) to the end; 2026-11-27, 2 cores: 867.6 and 851.6 s
-# of pytest vs 898.3 and 879.1 s.
+# (--no-loadscope-reorder): xdist otherwise sends files with many tests first, which leaves the
+# whole-DAG files (few tests, minutes each) to the end, one worker idle while the other runs them.
 PYTEST_WORKERS ?= 2
 
 test: $(TEST_STAMP)

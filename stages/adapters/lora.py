@@ -6,7 +6,7 @@ this module maps our config names (PaddleNLP's `lora_rank`) to peft's and checks
 up front, because peft's own error for a misspelt module is raised deep inside `get_peft_model`
 and does not list what the model actually has.
 
-`target_modules` is either
+`target_modules` is either (the rule itself: `stages.adapters.targets`)
   * "all-linear": peft's choice of every Linear / Conv1D except the output layer, i.e. the
     Linears of the decoder blocks in every family (Llama q,k,v,o,gate,up,down; GPT-2 c_attn,
     c_proj, c_fc; OPT q,k,v,out_proj, fc1, fc2; Bloom / GPT-NeoX query_key_value, dense,
@@ -24,9 +24,9 @@ import peft
 import torch
 from transformers.pytorch_utils import Conv1D
 
+from stages.adapters.targets import ALL_LINEAR, matches
 from stages.sections import LoraSettings
 
-ALL_LINEAR = "all-linear"
 LINEAR_TYPES = (torch.nn.Linear, Conv1D)
 
 
@@ -38,10 +38,6 @@ def lora_modules(model: torch.nn.Module) -> list[str]:
     """Sorted leaf names (the last dotted part) of every `nn.Linear` / `Conv1D` in `model`: what
     `target_modules` may name, e.g. ['down_proj', 'gate_proj', 'k_proj', 'lm_head', ...]."""
     return sorted({name.rsplit(".", 1)[-1] for name in _linear_names(model)})
-
-
-def _matches(name: str, target: str) -> bool:
-    return name == target or name.endswith(f".{target}")
 
 
 def check_target_modules(model: torch.nn.Module, target_modules: str | list[str]) -> None:
@@ -56,7 +52,7 @@ def check_target_modules(model: torch.nn.Module, target_modules: str | list[str]
         raise ValueError(f"finetune.lora.target_modules is empty; name at least one linear layer, "
                          f"e.g. [q_proj, v_proj], or use {ALL_LINEAR!r}")
     names = _linear_names(model)
-    unknown = [t for t in target_modules if not any(_matches(n, t) for n in names)]
+    unknown = [t for t in target_modules if not any(matches(n, t) for n in names)]
     if unknown:
         raise ValueError(
             f"finetune.lora.target_modules names {unknown}, which match no linear layer of "
@@ -69,7 +65,7 @@ def targets_conv1d(model: torch.nn.Module, target_modules: str | list[str]) -> b
     convs = [n for n, m in _linear_names(model).items() if isinstance(m, Conv1D)]
     if target_modules == ALL_LINEAR:
         return bool(convs)
-    return any(_matches(n, t) for n in convs for t in target_modules)
+    return any(matches(n, t) for n in convs for t in target_modules)
 
 
 def build_lora_config(section: LoraSettings, fan_in_fan_out: bool = False) -> peft.LoraConfig:

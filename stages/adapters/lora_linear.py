@@ -21,12 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stages.adapters.lora import ALL_LINEAR, _matches
+from stages.adapters.targets import selected
 from stages.sections import LoraSettings
 
-# What "all-linear" selects in our model: every projection of the decoder blocks, as peft's
-# "all-linear" does for transformers' Llama (never lm_head); GLM has one gate_up_proj for gate and up.
-LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."
 
 
@@ -57,13 +54,6 @@ def lora_linear(base: nn.Linear, rank: int, alpha: float, dropout: float) -> Lor
     layer.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
     layer.lora_scaling = alpha / rank
     return layer
-
-
-def selected(name: str, target_modules: str | list[str]) -> bool:
-    """Whether the Linear named `name` gets LoRA under `target_modules` (peft's matching rule)."""
-    if target_modules == ALL_LINEAR:
-        return name.rsplit(".", 1)[-1] in LLAMA_LINEARS and ".layers." in f".{name}"
-    return any(_matches(name, t) for t in target_modules)
 
 
 def add_lora(model: nn.Module, section: LoraSettings) -> list[str]:

@@ -63,6 +63,7 @@ from dataclasses import asdict, dataclass
 from itertools import product
 from typing import Any
 
+from stages.adapters.targets import ALL_LINEAR, selected
 from stages.model.attention_shapes import fp32_attention_shape
 
 GiB, MiB = 2**30, 2**20
@@ -205,17 +206,16 @@ class _Adapter:
 
 def _adapter(trained: str, lora_rank: int | None, num_prefix_tokens: int | None,
              section: dict[str, Any]) -> _Adapter:
-    """The adapter of a training rule; LoRA's targets from the section's `target_modules` with
-    peft's rule (a name matches a module whose dotted name equals it or ends with "." + it)."""
+    """The adapter of a training rule; LoRA's targets: the projections the section's
+    `target_modules` selects in a decoder layer (`stages.adapters.targets`)."""
     if trained not in ("full", "lora", "prefix"):
         raise ValueError(f"trained={trained!r}: expected 'full', 'lora' or 'prefix'")
     if trained == "lora":
         if not lora_rank:
             raise ValueError("trained='lora' needs lora_rank")
-        wanted = section.get("target_modules", "all-linear")
+        wanted = section.get("target_modules", ALL_LINEAR)
         names = dict.fromkeys(PROJECTIONS + FUSED_PROJECTIONS + GPT2_PROJECTIONS)  # _Shape.projections picks
-        targets = frozenset(names if wanted == "all-linear" else
-                            (p for p in names if any(f"layers.0.{p}".endswith(f".{t}") for t in wanted)))
+        targets = frozenset(p for p in names if selected(f"model.layers.0.{p}", wanted))
         return _Adapter("lora", rank=lora_rank, targets=targets)
     if trained == "prefix":
         if not num_prefix_tokens:

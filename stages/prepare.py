@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -112,12 +113,48 @@ def run(out_dir: str | os.PathLike, data: Mapping[str, Any] | None = None, *,
     """
     t0 = time.perf_counter()
     data = DataSettings.of(data)
-    corpus = data.corpus
     config = {**data.as_dict(), "tokenizer": str(tokenizer_dir) if tokenizer_dir else None}
-    log_io(STAGE, reads={"corpus": corpus, "SFT records": data.sft, "tokenizer": tokenizer_dir},
+    log_io(STAGE, reads={"corpus": data.corpus, "SFT records": data.sft, "tokenizer": tokenizer_dir},
            writes={"tokenizer, train/validation tokens, sft/train.json, sft/dev.json": out_dir}, logger=log)
-    # Read and check every input first: nothing is written unless all of it is usable. Paths are
-    # resolved before any file is read so that a typo fails at once, not after a long corpus read.
+    inputs = read_inputs(data, base_dir)  # every input checked before anything is written
+    if tokenizer_dir is None:
+        # The SFT train texts join the tokenizer's training text so that task words become tokens;
+        # dev texts stay out so that evaluation sees only what training saw.
+        tokenizer = train_tokenizer(inputs.docs + inputs.train_only + _sft_texts(inputs.sft_train), data.vocab_size)
+        vocab_size = len(tokenizer)
+    else:  # a starting checkpoint: its own tokenizer, its embedding's vocabulary
+        tokenizer, vocab_size = model_tokenizer(tokenizer_dir)
+    splits = split_documents(encode_documents(tokenizer, inputs.docs), data.validation_fraction, data.seed)
+    splits["train"] += encode_documents(tokenizer, inputs.train_only)
+    with atomic_dir(out_dir) as tmp:
+        if tokenizer_dir is None:
+            save_tokenizer(tokenizer, tmp / "tokenizer")
+        else:
+            copy_tokenizer(tokenizer_dir, tmp / "tokenizer")
+        identity = {"tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+                    "tokenizer_source": str(tokenizer_dir) if tokenizer_dir else "trained by prepare",
+                    "sft_format": "chat_template" if uses_chat_template(tokenizer, data.chat_template) else "plain"}
+        metrics = write_data(tmp, tokenizer, vocab_size, splits, inputs, identity)
+        write_meta(tmp, stage=STAGE, config=config, parent=None, seed=data.seed, metrics=metrics)
+    log.info("prepare wrote %s in %.1f s: %s", out_dir, time.perf_counter() - t0, metrics)
+    return metrics
+
+
+@dataclass
+class Inputs:
+    """What prepare reads: the SFT records and the corpus documents (`train_only`: training text
+    that stays out of the validation split, builtin:records)."""
+
+    sft_train: list[SftRecord]
+    sft_dev: list[SftRecord]
+    docs: list[str]
+    train_only: list[str]
+
+
+def read_inputs(data: DataSettings, base_dir: str | os.PathLike | None) -> Inputs:
+    """Every input of the data section, read and checked. Paths are resolved before any file is read
+    so that a typo fails at once, not after a long corpus read."""
+    corpus = data.corpus
     resolve_corpus(corpus, base_dir)
     resolve_sft(data.sft, base_dir)
     sft_train, sft_dev = load_sft(data.sft, data.num_sft_train, data.num_sft_dev, data.seed, base_dir)
@@ -130,45 +167,29 @@ def run(out_dir: str | os.PathLike, data: Mapping[str, Any] | None = None, *,
     if train_only and not docs:
         raise CorpusError(f"data.corpus: {corpus} has only builtin:records, which is training text only; "
                           "add general text (files or builtin:pydoc) for the validation split")
+    return Inputs(sft_train, sft_dev, docs, train_only)
 
-    if tokenizer_dir is None:
-        # The SFT train texts join the tokenizer's training text so that task words become tokens;
-        # dev texts stay out so that evaluation sees only what training saw.
-        tokenizer = train_tokenizer(docs + train_only + _sft_texts(sft_train), data.vocab_size)
-        actual_vocab = len(tokenizer)
-    else:  # a starting checkpoint: its own tokenizer, its embedding's vocabulary
-        tokenizer, actual_vocab = model_tokenizer(tokenizer_dir)
-    chat = uses_chat_template(tokenizer, data.chat_template)
-    splits = split_documents(encode_documents(tokenizer, docs), data.validation_fraction, data.seed)
-    splits["train"] += encode_documents(tokenizer, train_only)
+
+def write_data(out: Path, tokenizer, vocab_size: int, splits: dict[str, list], inputs: Inputs,
+               identity: dict[str, Any]) -> dict[str, Any]:
+    """The token files, index.json and the SFT files in `out`; returns the data's metrics."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-    with atomic_dir(out_dir) as tmp:
-        if tokenizer_dir is None:
-            save_tokenizer(tokenizer, tmp / "tokenizer")
-        else:
-            copy_tokenizer(tokenizer_dir, tmp / "tokenizer")
-        identity = {"tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
-                    "tokenizer_source": str(tokenizer_dir) if tokenizer_dir else "trained by prepare",
-                    "sft_format": "chat_template" if chat else "plain"}
-        index = write_token_files(tmp, splits, vocab_size=actual_vocab, bos_id=tokenizer.bos_token_id,
-                                  eos_id=tokenizer.eos_token_id, pad_id=pad, extra=identity)
-        write_sft_file(tmp / "sft" / "train.json", sft_train)
-        write_sft_file(tmp / "sft" / "dev.json", sft_dev)
-        train_tokens = TokenFile.open(tmp, "train").tokens  # re-read: also checks what was written
-        all_docs = splits["train"] + splits["validation"]
-        metrics = {
-            "vocab_size": actual_vocab,
-            **{f"num_documents_{s}": index["splits"][s]["num_documents"] for s in ("train", "validation")},
-            **{f"num_tokens_{s}": index["splits"][s]["num_tokens"] for s in ("train", "validation")},
-            "num_sft_train": len(sft_train),
-            "num_sft_dev": len(sft_dev),
-            "train_unigram_entropy_bits": round(unigram_entropy_bits(train_tokens, actual_vocab), 6),
-            "chars_per_token": round(sum(map(len, docs + train_only)) / sum(map(len, all_docs)), 4),
-        }
-        del train_tokens  # release the memmap before the directory is renamed
-        write_meta(tmp, stage=STAGE, config=config, parent=None, seed=data.seed, metrics=metrics)
-    log.info("prepare wrote %s in %.1f s: %s", out_dir, time.perf_counter() - t0, metrics)
+    index = write_token_files(out, splits, vocab_size=vocab_size, bos_id=tokenizer.bos_token_id,
+                              eos_id=tokenizer.eos_token_id, pad_id=pad, extra=identity)
+    write_sft_file(out / "sft" / "train.json", inputs.sft_train)
+    write_sft_file(out / "sft" / "dev.json", inputs.sft_dev)
+    train_tokens = TokenFile.open(out, "train").tokens  # re-read: also checks what was written
+    all_docs = splits["train"] + splits["validation"]
+    metrics = {
+        "vocab_size": vocab_size,
+        **{f"num_documents_{s}": index["splits"][s]["num_documents"] for s in ("train", "validation")},
+        **{f"num_tokens_{s}": index["splits"][s]["num_tokens"] for s in ("train", "validation")},
+        "num_sft_train": len(inputs.sft_train),
+        "num_sft_dev": len(inputs.sft_dev),
+        "train_unigram_entropy_bits": round(unigram_entropy_bits(train_tokens, vocab_size), 6),
+        "chars_per_token": round(sum(map(len, inputs.docs + inputs.train_only)) / sum(map(len, all_docs)), 4),
+    }
+    del train_tokens  # release the memmap before the directory is renamed
     return metrics
 
 

@@ -62,7 +62,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -156,15 +156,29 @@ def _calibration_reads(calibration: CalibrationSettings | None, data_dir: str | 
     return {"calibration records": calibration.source}
 
 
-def _block_timer() -> tuple[dict[str, float], Any]:
-    seconds: dict[str, float] = {}
-    return seconds, lambda key, s, _: seconds.__setitem__(key, s)
+def _calibrate(quantize_model: Callable[..., dict[str, Any]], config: Any, source_dir: Path, data_dir: Path | None,
+               calibration: CalibrationSettings, state: dict[str, torch.Tensor], weights: dict[str, torch.Tensor],
+               ) -> tuple[dict[str, Any], dict[str, Any], dict[str, float]]:
+    """Quantize the float model in `source_dir` block by block with `quantize_model` (GPTQ's or
+    A8W8's driver) and its `config` on the calibration set: (its results by layer name, the
+    calibration description, the timing metrics)."""
+    model, blocks_path, batches, calibration_info = _calibrated_model(
+        source_dir, data_dir, calibration, weights, sum(t.numel() for t in state.values()))
+    seconds: dict[str, float] = {}  # block -> wall time
+    start = time.perf_counter()
+    results = quantize_model(model, model.get_submodule(blocks_path), batches, config, prefix=blocks_path,
+                             on_block=lambda key, s, _: seconds.__setitem__(key, s))
+    timing = {"quantize_seconds": time.perf_counter() - start,
+              "seconds_per_decoder_layer": sum(seconds.values()) / len(seconds),
+              "max_seconds_per_decoder_layer": max(seconds.values())}
+    return results, calibration_info, timing
 
 
-def _timing(seconds: dict[str, float], elapsed: float) -> dict[str, float]:
-    return {"quantize_seconds": elapsed,
-            "seconds_per_decoder_layer": sum(seconds.values()) / len(seconds),
-            "max_seconds_per_decoder_layer": max(seconds.values())}
+def _mean_and_worst(values: dict[str, float], what: str) -> dict[str, Any]:
+    """mean_<what>, max_<what> and max_<what>_layer of the layers' `values` ({layer: value})."""
+    worst = max(values, key=values.get)
+    return {f"mean_{what}": sum(values.values()) / len(values), f"max_{what}": values[worst],
+            f"max_{what}_layer": worst}
 
 
 def _gptq(spec: VariantSpec, source_dir: Path, data_dir: Path | None, state: dict[str, torch.Tensor],
@@ -175,26 +189,17 @@ def _gptq(spec: VariantSpec, source_dir: Path, data_dir: Path | None, state: dic
     config = gptq_config(spec.settings, spec.settings["group_size"])
     weights = layer_weights(state, layers)
     check_shapes(weights, config.bits, config.group_size, ragged_groups=True)
-    model, blocks_path, batches, calibration_info = _calibrated_model(
-        source_dir, data_dir, calibration, weights, sum(t.numel() for t in state.values()))
-    seconds, on_block = _block_timer()
-    start = time.perf_counter()
-    results = gptq_quantize_model(model, model.get_submodule(blocks_path), batches, config,
-                                  prefix=blocks_path, on_block=on_block)
-    elapsed = time.perf_counter() - start
+    results, calibration_info, timing = _calibrate(gptq_quantize_model, config, source_dir, data_dir, calibration,
+                                                   state, weights)
     qcfg = quantization_config(config.bits, config.group_size, config)
     packed, errors = pack_gptq_model(state, layers, results, qcfg["format"])
-    losses = {name: r.loss for name, r in results.items()}
-    worst = max(losses, key=losses.get)
     metrics = {
         "bits": config.bits,
         "group_size": config.group_size,
         "gptq": {k: getattr(config, k) for k in GPTQ_KEYS if k not in ("bits", "group_size")},
         "calibration": calibration_info,
-        "mean_gptq_loss": sum(losses.values()) / len(losses),
-        "max_gptq_loss": losses[worst],
-        "max_gptq_loss_layer": worst,
-        **_timing(seconds, elapsed),
+        **_mean_and_worst({name: r.loss for name, r in results.items()}, "gptq_loss"),
+        **timing,
     }
     return packed, errors, qcfg, metrics
 
@@ -213,27 +218,17 @@ def _a8w8(spec: VariantSpec, source_dir: Path, data_dir: Path | None, state: dic
         config = A8W8Config(**settings)
     except ValueError as e:
         raise InputError(f"quantize variant {spec.name}: {e}") from None
-    weights = layer_weights(state, layers)
-    model, blocks_path, batches, calibration_info = _calibrated_model(
-        source_dir, data_dir, calibration, weights, sum(t.numel() for t in state.values()))
-    seconds, on_block = _block_timer()
-    start = time.perf_counter()
-    results = a8w8_quantize_model(model, model.get_submodule(blocks_path), batches, config,
-                                  prefix=blocks_path, on_block=on_block)
-    elapsed = time.perf_counter() - start
+    results, calibration_info, timing = _calibrate(a8w8_quantize_model, config, source_dir, data_dir, calibration,
+                                                   state, layer_weights(state, layers))
     packed, errors = pack_a8w8(state, layers, results)
-    mse = {name: r.output_mse for name, r in results.items()}
-    worst = max(mse, key=mse.get)
     metrics = {
         "bits": 8,
         "group_size": -1,
         "a8w8": settings,
         "calibration": calibration_info,
-        "mean_output_mse": sum(mse.values()) / len(mse),
-        "max_output_mse": mse[worst],
-        "max_output_mse_layer": worst,
+        **_mean_and_worst({name: r.output_mse for name, r in results.items()}, "output_mse"),
         "smooth_alphas": {name: r.alpha for name, r in results.items() if r.smooth_scale is not None},
-        **_timing(seconds, elapsed),
+        **timing,
     }
     return packed, errors, a8w8_quantization_config(config), metrics
 
@@ -298,7 +293,6 @@ def run(source_dir: str | Path, out_dir: str | Path, variant: str, group_size: i
             shutil.copy2(source_dir / "generation_config.json", tmp / "generation_config.json")
         copy_tokenizer(source_dir, tmp)
         size, source_size = _weights_bytes(tmp), _weights_bytes(source_dir)
-        worst = max(errors, key=errors.get)
         bits, group = extra.pop("bits"), extra.pop("group_size")
         if spec.method == "a8w8":
             in_features = min(w.shape[1] for w in layer_weights(state, layers).values())
@@ -319,9 +313,7 @@ def run(source_dir: str | Path, out_dir: str | Path, variant: str, group_size: i
             "size_bytes": size,
             "source_size_bytes": source_size,
             "compression_ratio": source_size / size,
-            "mean_rel_weight_error": sum(errors.values()) / len(errors),
-            "max_rel_weight_error": errors[worst],
-            "max_rel_weight_error_layer": worst,
+            **_mean_and_worst(errors, "rel_weight_error"),
             **extra,
         }
         write_meta(tmp, stage="quantize", config={**variant_settings(variant, section), "variant": variant},

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -40,12 +41,19 @@ def run_block(block: nn.Module, inp: BlockInput) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out  # transformers 4 blocks return a tuple
 
 
-def run_with_hooks(block: nn.Module, inp: BlockInput, hooks: list) -> None:
-    """One forward of the block on a captured batch, without gradients; `hooks` (the handles of
-    forward hooks that record what they see) are removed afterwards, whatever happens."""
+def forward_batches(block: nn.Module, inputs: Iterable[BlockInput], hooks: list,
+                    before_batch: Callable[[], None] | None = None) -> None:
+    """The block's forward on each captured batch, without gradients, for what the forward hooks
+    `hooks` (their handles) record; a hook ends a forward early by raising StopForward once it has
+    what it needs. `before_batch()` runs before each batch. The hooks are removed afterwards,
+    whatever happens."""
     try:
         with torch.no_grad():
-            run_block(block, inp)
+            for inp in inputs:
+                if before_batch is not None:
+                    before_batch()
+                with suppress(StopForward):
+                    run_block(block, inp)
     finally:
         for h in hooks:
             h.remove()
@@ -61,7 +69,7 @@ def sequential_groups(block: nn.Module, inp: BlockInput) -> list[list[str]]:
     """The block's Linear / Conv1D names in the order its forward calls them, grouped by shared
     input: consecutive layers fed the same tensor (q/k/v, gate/up) form one group."""
     calls: list[tuple[str, torch.Tensor]] = []
-    run_with_hooks(block, inp, linear_inputs_hooks(block, calls))
+    forward_batches(block, [inp], linear_inputs_hooks(block, calls))
     groups: list[list[str]] = []
     for k, (name, x) in enumerate(calls):  # `calls` keeps every input alive: no storage is reused
         if k and x is calls[k - 1][1]:
@@ -93,10 +101,8 @@ def capture_block_inputs(model: nn.Module, first_block: nn.Module,
     hook = first_block.register_forward_pre_hook(grab, with_kwargs=True)
     try:
         for ids in calibration:
-            try:
+            with suppress(StopForward):
                 model(ids)
-            except StopForward:
-                pass
     finally:
         hook.remove()
     return captured

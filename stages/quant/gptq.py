@@ -73,7 +73,8 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from stages.quant.block_calibration import (BlockInput, StopForward, capture_block_inputs,  # noqa: F401 (re-exported)
-                                            quantize_blocks_sequentially, run_block, sequential_groups)
+                                            forward_batches, quantize_blocks_sequentially, run_block,
+                                            sequential_groups)
 from stages.quant.gptq_config import SUPPORTED_BITS, GPTQConfig, GPTQResult  # noqa: F401 (re-exported)
 from stages.quant.layers import linear_weight
 from stages.quant.rtn import QuantizedWeight, asymmetric_grid, symmetric_grid
@@ -357,19 +358,13 @@ def quantize_layer_sequential(
             if len(seen) == len(group):  # the rest of the block cannot change these inputs
                 raise StopForward
 
+        def new_batch():  # what `record` keeps of one batch
+            seen.clear()
+            batch_inputs.clear()
+
         hooks = [modules[name].register_forward_hook(lambda mod, args, out, name=name: record(mod, args, out, name))
                  for name in group]
-        try:
-            for inp in inputs:
-                seen.clear()
-                batch_inputs.clear()
-                try:
-                    run_block(block, inp)
-                except StopForward:
-                    pass
-        finally:
-            for h in hooks:
-                h.remove()
+        forward_batches(block, inputs, hooks, before_batch=new_batch)
         batch_inputs.clear()
         missing = [name for name in group if name not in leader]
         if missing:

@@ -34,9 +34,8 @@ import torch
 from torch import nn
 
 from stages.quant.a8w8 import QMAX, A8W8Config, A8W8LayerResult, quantize_weight_int8
-from stages.quant.block_calibration import (BlockInput, StopForward, linear_inputs_hooks,
-                                            quantize_blocks_sequentially, run_block, run_with_hooks,
-                                            sequential_groups)
+from stages.quant.block_calibration import (BlockInput, StopForward, forward_batches, linear_inputs_hooks,
+                                            quantize_blocks_sequentially, run_block, sequential_groups)
 from stages.quant.layers import linear_weight
 
 log = logging.getLogger(__name__)
@@ -110,7 +109,7 @@ def norm_fed_linears(block: nn.Module, inp: BlockInput) -> set[str]:
     linear_inputs: list[tuple[str, torch.Tensor]] = []
     hooks = [m.register_forward_hook(lambda mod, args, out: norm_outputs.append(out))
              for m in block.modules() if "Norm" in type(m).__name__]
-    run_with_hooks(block, inp, hooks + linear_inputs_hooks(block, linear_inputs))
+    forward_batches(block, [inp], hooks + linear_inputs_hooks(block, linear_inputs))
     return {name for name, x in linear_inputs if any(x is out for out in norm_outputs)}
 
 
@@ -123,15 +122,7 @@ def _group_inputs(block: nn.Module, first: nn.Module, inputs: Sequence[BlockInpu
         rows.append(args[0].detach().reshape(-1, args[0].shape[-1]).float())
         raise StopForward
 
-    hook = first.register_forward_hook(grab)
-    try:
-        for inp in inputs:
-            try:
-                run_block(block, inp)
-            except StopForward:
-                pass
-    finally:
-        hook.remove()
+    forward_batches(block, inputs, [first.register_forward_hook(grab)])
     return torch.cat(rows) if rows else torch.empty(0)
 
 

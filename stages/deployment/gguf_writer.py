@@ -90,7 +90,7 @@ def gguf_arch(config: LlamaConfig) -> str:
         raise ValueError(f"layer {short[0][0]} has sliding_window={short[0][1]} < max_position_embeddings="
                          f"{context}; llama.cpp's {config.model_type} attends to the whole context, so it "
                          "would compute other outputs on long inputs")
-    arch = "qwen2" if config.model_type == "qwen2" else "llama"
+    arch = config.family.gguf_arch
     kind = rope_type(config.rope_scaling)
     if kind not in ("default", "linear", "llama3") or (kind == "llama3" and arch != "llama"):
         raise ValueError(f"rope_type={kind!r} on model_type={config.model_type!r} is not written to GGUF; "

@@ -36,11 +36,13 @@ from typing import Any
 import torch
 
 from stages.errors import InputError
+from stages.model.registry import model_types
 
 # model_type of families whose decoder blocks use these names and whose norms compute g * x_hat
 # (Gemma's (1 + g) would need another fold; GPT-2 / OPT / NeoX name their layers otherwise).
-FOLD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "glm", "glm4")
-FUSED_GATE_UP_FAMILIES = ("glm", "glm4")  # mlp.gate_up_proj, its rows [gate; up], for gate_proj and up_proj
+# (stages/model/registry.py: `smooth_fold`)
+FOLD_FAMILIES = model_types(smooth_fold=True)
+FUSED_GATE_UP_FAMILIES = model_types(fused_gate_up=True)  # mlp.gate_up_proj, rows [gate; up], for gate_proj and up_proj
 NORM_CONSUMERS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
                   "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
 FUSED_NORM_CONSUMERS = {**NORM_CONSUMERS, "post_attention_layernorm": ("mlp.gate_up_proj",)}

@@ -65,6 +65,7 @@ from typing import Any
 
 from stages.adapters.targets import ALL_LINEAR, selected
 from stages.model.attention_shapes import fp32_attention_shape
+from stages.model.registry import BY_MODEL_TYPE, Family
 
 GiB, MiB = 2**30, 2**20
 REDUCE_BUCKET_SIZE = 500_000_000  # elements: DeepSpeed's default reduce_bucket_size (ZeRO-1/2/3)
@@ -80,15 +81,9 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
                "mlp.up_proj", "mlp.down_proj")
 FUSED_PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                      "mlp.gate_up_proj", "mlp.down_proj")
-# Per family (config.json's model_type), what the blocks add to Llama's (stages.model.config:
-# LlamaConfig.qkv_bias, o_proj_bias, qk_norm, fused_gate_up, sandwich_norms); a config.json that
-# omits attention_bias or head_dim takes its family's default (FAMILY_DEFAULTS there).
-QKV_BIAS_ALWAYS = ("qwen2",)  # q/k/v bias whatever attention_bias says
-NO_ATTENTION_BIAS = ("mistral",)
-O_BIAS_FAMILIES = ("llama", "qwen3")  # attention_bias also on o_proj
-QK_NORM_FAMILIES = ("qwen3",)  # an RMSNorm over head_dim on every query and key head
-FUSED_GATE_UP_FAMILIES = ("glm", "glm4")
-SANDWICH_NORM_FAMILIES = ("glm4",)  # a norm after attention and after the MLP, before each residual add
+# What each family's blocks add to Llama's (q/k/v and o_proj bias, q/k norm, fused gate_up, sandwich
+# norms) is its entry in stages/model/registry.py, as LlamaConfig reads it; a config.json that omits
+# attention_bias or head_dim takes its family's default there.
 # GPT-2 on our model (stages.model.gpt2_layout): one fused [q; k; v] projection, a GELU MLP without
 # gate, biases everywhere, LayerNorm (weight and bias), learned positions
 GPT2_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.up_proj", "mlp.down_proj")
@@ -228,8 +223,6 @@ def _adapter(trained: str, lora_rank: int | None, num_prefix_tokens: int | None,
 def _shape(arch: dict[str, Any], vocab_size: int) -> _Shape:
     """Read a flavour's fields (`stages.config.architecture`) or a checkpoint's config.json; the keys
     it omits take the family's defaults, as our config reader does."""
-    from stages.model.config import FAMILY_DEFAULTS  # torch-free
-
     model_type = arch.get("model_type", "llama")
     if model_type in GPT_LIKE_KEYS:
         return _gpt_like_shape(arch, vocab_size, model_type)
@@ -238,16 +231,17 @@ def _shape(arch: dict[str, Any], vocab_size: int) -> _Shape:
     if missing:
         raise ValueError(f"the memory model needs {missing} in the architecture (Llama-family config fields)")
     heads = arch["num_attention_heads"]
-    defaults = FAMILY_DEFAULTS.get(model_type, {})
-    bias = bool(arch.get("attention_bias", defaults.get("attention_bias"))) and model_type not in NO_ATTENTION_BIAS
+    family = BY_MODEL_TYPE.get(model_type) or Family(model_type, model_type, "", ours=False)  # no switches
+    defaults = family.hf_defaults
+    bias = bool(arch.get("attention_bias", defaults.get("attention_bias")))
     return _Shape(hidden=arch["hidden_size"], intermediate=arch["intermediate_size"],
                   layers=arch["num_hidden_layers"], heads=heads, kv_heads=arch.get("num_key_value_heads") or heads,
                   head_dim=arch.get("head_dim", defaults.get("head_dim")) or arch["hidden_size"] // heads,
                   vocab=vocab_size, tied=bool(arch.get("tie_word_embeddings")),
-                  qkv_bias=model_type in QKV_BIAS_ALWAYS or bias, o_bias=bias and model_type in O_BIAS_FAMILIES,
-                  mlp_bias=bool(arch.get("mlp_bias")), qk_norm=model_type in QK_NORM_FAMILIES,
-                  fused_gate_up=model_type in FUSED_GATE_UP_FAMILIES,
-                  sandwich_norms=model_type in SANDWICH_NORM_FAMILIES)
+                  qkv_bias={"always": True, "never": False}.get(family.qkv_bias, bias),
+                  o_bias=bias and family.o_proj_bias,
+                  mlp_bias=bool(arch.get("mlp_bias")), qk_norm=family.qk_norm, fused_gate_up=family.fused_gate_up,
+                  sandwich_norms=family.sandwich_norms)
 
 
 def _gpt_like_shape(arch: dict[str, Any], vocab_size: int, model_type: str) -> _Shape:

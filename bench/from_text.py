@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT))  # run as a file from anywhere: `stages` is the re
 
 from bench.common import finish, machine_info  # noqa: E402
 from stages.data.sft import encode_prompt, read_sft_file, target_text  # noqa: E402
-from stages.evaluate import generate_greedy, load_variant  # noqa: E402
+from stages.inference.generation import generate_greedy  # noqa: E402
+from stages.inference.loading import load_variant  # noqa: E402
 from stages.metrics.text import exact_match  # noqa: E402
 
 

@@ -69,7 +69,7 @@ class Direct:
         (cycled), left-padded as the server pads."""
         import torch
 
-        from stages.predict import left_padded
+        from stages.inference.generation import left_padded
 
         served = self.served
         ids, mask = left_padded([self.prompts[i % len(self.prompts)] for i in range(count)], served.pad_token_id)

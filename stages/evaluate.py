@@ -3,7 +3,7 @@
 `python -m stages.evaluate --model DIR --data DIR --out FILE --variant NAME --config JSON
  [--src-length N]`
 
-What is loaded depends on what `--model` holds:
+What is loaded depends on what `--model` holds (`stages.inference.loading.load_variant`):
   * `adapter_config.json`            -> peft adapter: base from `meta.json`'s `parent` (else
                                         adapter_config's `base_model_name_or_path`), then
                                         `peft.PeftModel.from_pretrained(base, dir)`
@@ -80,7 +80,6 @@ checks that batched and one-by-one generations agree for a prefix adapter.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import time
 from collections.abc import Mapping
@@ -91,17 +90,18 @@ import numpy as np
 import torch
 
 from stages.checkpoint.atomic import write_json
-from stages.checkpoint.weights import check_adapter_dir, check_model_dir
-from stages.data.sft import encode_example, encode_prompt, read_sft_file, target_text
-from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
+from stages.data.sft import SftRecord, encode_example, encode_prompt, read_sft_file, target_text
+from stages.data.sft_format import data_chat_format, format_name
 from stages.errors import InputError, run_cli
+# generate_greedy and adapter_base_dir are imported for those who import them from here (bench, tests)
+from stages.inference.generation import generate_greedy, pad_or_eos
+from stages.inference.loading import adapter_base_dir, load_variant, read_json
 from stages.metrics.perplexity import model_perplexity, target_perplexity, unigram_perplexity, validation_windows
 from stages.metrics.speed import model_bytes, rss_bytes, speed_metrics
 from stages.metrics.text import corpus_bleu, exact_match, metric_implementations, rouge_l
 from stages.sections import EvaluateSettings, SftSettings
-from stages.serving.generation_settings import BACKENDS
 from stages.settings import add_arguments, from_arguments
-from stages.stage_logs import Progress, configure_logging, log_io
+from stages.stage_logs import configure_logging, log_io
 
 log = logging.getLogger(__name__)
 
@@ -121,113 +121,14 @@ def eval_settings(config: Mapping[str, Any] | None, src_length: int | None = Non
     return EvaluateSettings.of(config), src_length
 
 
-# -- loading -------------------------------------------------------------------------------------
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise InputError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); re-run the stage "
-                         "that wrote it") from None
-
-
-def _load_full_model(model_dir: Path) -> tuple[torch.nn.Module, str]:
-    """A complete (non-adapter) model: quantized dirs via stages.quant, others via transformers."""
-    config_path = model_dir / "config.json"
-    if not config_path.exists():
-        raise InputError(f"{config_path} is missing: {model_dir} is neither an HF model dir nor a peft "
-                         "adapter dir (no adapter_config.json); pass a directory written by a stage")
-    if "quantization_config" in _read_json(config_path):
-        # Imported lazily: plain evaluations must not depend on the quantization code.
-        from stages.quant import load_quantized
-
-        return load_quantized(model_dir), "quantized"  # its weights go through check_model_dir too
-    from transformers import AutoModelForCausalLM
-
-    check_model_dir(model_dir)  # sha256 against meta.json, no pickle, whole safetensors
-    model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, local_files_only=True, trust_remote_code=False, use_safetensors=True)
-    return model, "hf"
-
-
-def adapter_base_dir(adapter_dir: Path) -> Path:
-    """Where the base model of a peft adapter lives.
-
-    Candidates, in order: meta.json's `parent`, then adapter_config.json's
-    `base_model_name_or_path`; each as written (relative to the working directory, the repo root
-    under Snakemake), then as a sibling of the adapter dir with the same name (so an experiment
-    directory that was moved still resolves).
-    """
-    names = []
-    if (adapter_dir / "meta.json").exists():
-        names.append(_read_json(adapter_dir / "meta.json").get("parent"))
-    names.append(_read_json(adapter_dir / "adapter_config.json").get("base_model_name_or_path"))
-    tried = []
-    for name in filter(None, names):
-        for candidate in (Path(name), adapter_dir.parent / Path(name).name):
-            if (candidate / "config.json").exists():
-                return candidate
-            tried.append(str(candidate))
-    raise InputError(f"cannot find the base model of adapter {adapter_dir}: tried {tried or 'nothing'} "
-                     "(from meta.json 'parent' and adapter_config.json 'base_model_name_or_path'); "
-                     "set one of them to the base model's directory")
-
-
-def load_variant(model_dir: str | Path, backend: str | None = None,
-                 base_dir: str | Path | None = None) -> tuple[Any, Any, str]:
-    """(model in eval mode, tokenizer, kind) for whatever `model_dir` holds (see module docstring).
-    `backend` None decides from the directory (model.onnx: onnxruntime); "torch" or
-    "onnxruntime" insists on one and names the other when the directory needs it. `base_dir`: an
-    adapter's base model, as the workflow passes it (default: `adapter_base_dir`)."""
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise InputError(f"--model {model_dir} is not a directory; pass a stage's output directory")
-    if backend not in (None, *BACKENDS):
-        raise InputError(f"backend={backend!r}; valid: {', '.join(BACKENDS)}")
-    from stages.deployment.onnx_model import OnnxCausalLM, is_onnx_dir
-
-    onnx = is_onnx_dir(model_dir)
-    if backend == "onnxruntime" and not onnx:
-        raise InputError(f"--backend onnxruntime needs an exported directory with model.onnx (stages.export); "
-                         f"{model_dir} has none")
-    if backend == "torch" and onnx:
-        raise InputError(f"{model_dir} holds an ONNX model (model.onnx); run it with --backend onnxruntime")
-    if onnx:
-        model, kind = OnnxCausalLM(model_dir), "onnx"
-        log.info("loaded ONNX model %s on onnxruntime", model_dir)
-    elif (model_dir / "adapter_config.json").exists():
-        import peft
-
-        from stages.adapters.peft_files import check_adapter_fits, check_every_adapted_layer_loaded
-
-        base_dir = Path(base_dir) if base_dir is not None else adapter_base_dir(model_dir)
-        check_adapter_dir(model_dir)  # before the base loads: a bad adapter fails fast
-        check_adapter_fits(model_dir, base_dir)
-        base, _ = _load_full_model(base_dir)
-        model, kind = peft.PeftModel.from_pretrained(base, model_dir, is_trainable=False), "adapter"
-        check_every_adapted_layer_loaded(model, model_dir)
-        log.info("loaded adapter %s on base %s", model_dir, base_dir)
-    else:
-        model, kind = _load_full_model(model_dir)
-    if not (model_dir / "tokenizer.json").exists() and not (model_dir / "tokenizer_config.json").exists():
-        raise InputError(f"{model_dir} holds no tokenizer files (tokenizer.json); every model and adapter "
-                         "dir must carry its tokenizer (stages.checkpoint.hf.copy_tokenizer)")
-    tokenizer = load_model_tokenizer(model_dir)
-    return model.eval(), tokenizer, kind
-
-
-def weight_bytes(model_dir: str | Path) -> int:
-    """Bytes of the weight files directly in `model_dir` (an adapter dir holds only the adapter)."""
-    files = {f for pattern in _WEIGHT_PATTERNS for f in Path(model_dir).glob(pattern) if f.is_file()}
-    return sum(f.stat().st_size for f in files)
-
-
+# -- inputs --------------------------------------------------------------------------------------
 def read_split(data_dir: str | Path, split: str) -> tuple[np.ndarray, dict[str, Any]]:
     """(memory-mapped token ids of `split`, index.json) from a prepare data dir."""
     data_dir = Path(data_dir)
     index_path = data_dir / "index.json"
     if not index_path.exists():
         raise InputError(f"{index_path} is missing; --data must be the data dir written by prepare")
-    index = _read_json(index_path)
+    index = read_json(index_path)
     if split not in index.get("splits", {}):
         raise InputError(f"{index_path} has no split {split!r} (splits: {sorted(index.get('splits', {}))})")
     path = data_dir / index["splits"][split]["tokens"]
@@ -235,6 +136,26 @@ def read_split(data_dir: str | Path, split: str) -> tuple[np.ndarray, dict[str, 
         raise InputError(f"{path} is missing although {index_path} lists it; re-run prepare")
     tokens = np.memmap(path, dtype=np.dtype(index["dtype"]).newbyteorder("<"), mode="r")
     return tokens, index
+
+
+def _dev_path(data_dir: Path) -> Path:
+    dev_path = data_dir / "sft" / "dev.json"
+    if not dev_path.exists():
+        raise InputError(f"{dev_path} is missing; --data must be the data dir written by prepare")
+    return dev_path
+
+
+def _eos(tokenizer, model_dir: Path) -> int:
+    if tokenizer.eos_token_id is None:
+        raise InputError(f"the tokenizer in {model_dir} has no eos token; generation cannot stop")
+    return tokenizer.eos_token_id
+
+
+# -- what the variant is -------------------------------------------------------------------------
+def weight_bytes(model_dir: str | Path) -> int:
+    """Bytes of the weight files directly in `model_dir` (an adapter dir holds only the adapter)."""
+    files = {f for pattern in _WEIGHT_PATTERNS for f in Path(model_dir).glob(pattern) if f.is_file()}
+    return sum(f.stat().st_size for f in files)
 
 
 def _kernel_counts(model: torch.nn.Module) -> dict[str, int]:
@@ -248,38 +169,51 @@ def _kernel_counts(model: torch.nn.Module) -> dict[str, int]:
 def _quantization_meta(model_dir: Path) -> dict[str, Any] | None:
     """The quantize stage's metrics from the variant's meta.json (None without one)."""
     path = model_dir / "meta.json"
-    return _read_json(path).get("metrics") if path.exists() else None
+    return read_json(path).get("metrics") if path.exists() else None
 
 
-# -- generation ----------------------------------------------------------------------------------
-@torch.no_grad()
-def generate_greedy(model: torch.nn.Module, prompts: Sequence[list[int]], *, max_new_tokens: int,
-                    eos_token_id: int, pad_token_id: int, batch_size: int) -> list[list[int]]:
-    """Greedy continuations of `prompts` (new tokens only, cut after the first eos, eos kept).
+# -- the measurements ----------------------------------------------------------------------------
+def _validation_perplexity(model, valid: np.ndarray, train: np.ndarray, vocab_size: int,
+                           settings: EvaluateSettings) -> dict[str, Any]:
+    """ppl, unigram_ppl, ppl_tokens, ppl_windows on windows of the validation split."""
+    windows = validation_windows(valid, settings.ppl_max_length, settings.ppl_max_windows)
+    ppl, ppl_tokens = model_perplexity(model, windows, batch_size=settings.per_device_eval_batch_size)
+    unigram = unigram_perplexity(train, windows[:, 1:], vocab_size)
+    return {"ppl": ppl, "unigram_ppl": unigram, "ppl_tokens": ppl_tokens, "ppl_windows": len(windows)}
 
-    Prompts are grouped by length (fewer pad tokens) and left-padded so every row's last real
-    token sits at the end, where generation continues; results come back in the input order.
-    """
-    device = next(model.parameters()).device
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    outputs: list[list[int]] = [[] for _ in prompts]
-    progress = Progress(log, "generation on dev examples", len(prompts))
-    for start in range(0, len(order), batch_size):
-        rows = order[start:start + batch_size]
-        width = max(len(prompts[i]) for i in rows)
-        ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)  # (B, T)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, i in enumerate(rows):
-            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[r, width - len(prompts[i]):] = 1
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                             max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                             eos_token_id=eos_token_id, pad_token_id=pad_token_id)
-        for r, i in enumerate(rows):
-            new = out[r, width:].tolist()
-            outputs[i] = new[:new.index(eos_token_id) + 1] if eos_token_id in new else new
-        progress.advance(len(rows))
-    return outputs
+
+def _dev_metrics(model, tokenizer, records: list[SftRecord], chat: bool, src_length: int, eos: int,
+                 settings: EvaluateSettings) -> tuple[dict[str, Any], list[dict[str, str]]]:
+    """(dev_ppl ... gen_tokens_per_s, samples): the dev answers' perplexity, then greedy generation
+    on the dev prompts scored against the references."""
+    pad = pad_or_eos(tokenizer)
+    batch_size = settings.per_device_eval_batch_size
+    answers = [encode_example(tokenizer, r, src_length, src_length + settings.max_new_tokens,
+                              chat) for r in records]
+    dev_ppl, dev_ppl_tokens = target_perplexity(model, answers, pad, batch_size)
+    prompts = [encode_prompt(tokenizer, r, src_length, chat) for r in records]
+    t_gen = time.perf_counter()
+    generated = generate_greedy(model, prompts, max_new_tokens=settings.max_new_tokens, eos_token_id=eos,
+                                pad_token_id=pad, batch_size=batch_size)
+    gen_seconds = time.perf_counter() - t_gen
+    predictions = [tokenizer.decode(g, skip_special_tokens=True) for g in generated]
+    references = [target_text(r) for r in records]
+    gen_tokens = sum(len(g) for g in generated)
+    metrics = {
+        "dev_ppl": dev_ppl,
+        "dev_ppl_tokens": dev_ppl_tokens,
+        "exact_match": exact_match(predictions, references),
+        "bleu4": corpus_bleu(predictions, references, smooth=True),
+        "rouge_l": rouge_l(predictions, references),
+        "metric_implementations": metric_implementations(),
+        "num_dev_examples": len(records),
+        "gen_tokens": gen_tokens,
+        "gen_seconds": gen_seconds,
+        "gen_tokens_per_s": gen_tokens / gen_seconds if gen_seconds > 0 else 0.0,
+    }
+    samples = [{"src": r.src[-1], "reference": ref, "prediction": pred}
+               for r, ref, pred in zip(records[:_NUM_SAMPLES], references, predictions)]
+    return metrics, samples
 
 
 # -- the stage -----------------------------------------------------------------------------------
@@ -295,57 +229,22 @@ def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, varia
     model_dir, data_dir = Path(model_dir), Path(data_dir)
     log_io("evaluate", reads={"model": model_dir, "validation and train tokens, sft/dev.json": data_dir},
            writes={"metrics": out_path}, logger=log)
-    dev_path = data_dir / "sft" / "dev.json"
-    if not dev_path.exists():
-        raise InputError(f"{dev_path} is missing; --data must be the data dir written by prepare")
+    dev_path = _dev_path(data_dir)
     model, tokenizer, kind = load_variant(model_dir, base_dir=base_dir)
     memory = {"model_bytes": model_bytes(model), "rss_bytes": rss_bytes()}
 
     valid, index = read_split(data_dir, "validation")
-    check_same_tokenizer(tokenizer, model_dir, index, data_dir)
-    chat = index.get("sft_format") == "chat_template"
+    chat = data_chat_format(tokenizer, model_dir, data_dir)  # checks the tokenizer against the data's
     train, _ = read_split(data_dir, "train")
-    windows = validation_windows(valid, settings.ppl_max_length, settings.ppl_max_windows)
-    ppl, ppl_tokens = model_perplexity(model, windows, batch_size=settings.per_device_eval_batch_size)
-    unigram = unigram_perplexity(train, windows[:, 1:], index["vocab_size"])
-
+    perplexity = _validation_perplexity(model, valid, train, index["vocab_size"], settings)
     records = read_sft_file(dev_path)[:settings.num_dev_examples]
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise InputError(f"the tokenizer in {model_dir} has no eos token; generation cannot stop")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    answers = [encode_example(tokenizer, r, src_length, src_length + settings.max_new_tokens,
-                              chat) for r in records]
-    dev_ppl, dev_ppl_tokens = target_perplexity(model, answers, pad, settings.per_device_eval_batch_size)
-    prompts = [encode_prompt(tokenizer, r, src_length, chat) for r in records]
-    t_gen = time.perf_counter()
-    generated = generate_greedy(model, prompts, max_new_tokens=settings.max_new_tokens, eos_token_id=eos,
-                                pad_token_id=pad, batch_size=settings.per_device_eval_batch_size)
-    gen_seconds = time.perf_counter() - t_gen
-    predictions = [tokenizer.decode(g, skip_special_tokens=True) for g in generated]
-    references = [target_text(r) for r in records]
-    gen_tokens = sum(len(g) for g in generated)
+    dev, samples = _dev_metrics(model, tokenizer, records, chat, src_length, _eos(tokenizer, model_dir), settings)
     speed = speed_metrics(model, index["vocab_size"], settings)
 
     metrics = {
-        "variant": variant,
-        "model_dir": str(model_dir),
-        "kind": kind,
-        "sft_format": "chat_template" if chat else "plain",
-        "ppl": ppl,
-        "unigram_ppl": unigram,
-        "ppl_tokens": ppl_tokens,
-        "ppl_windows": len(windows),
-        "dev_ppl": dev_ppl,
-        "dev_ppl_tokens": dev_ppl_tokens,
-        "exact_match": exact_match(predictions, references),
-        "bleu4": corpus_bleu(predictions, references, smooth=True),
-        "rouge_l": rouge_l(predictions, references),
-        "metric_implementations": metric_implementations(),
-        "num_dev_examples": len(records),
-        "gen_tokens": gen_tokens,
-        "gen_seconds": gen_seconds,
-        "gen_tokens_per_s": gen_tokens / gen_seconds if gen_seconds > 0 else 0.0,
+        "variant": variant, "model_dir": str(model_dir), "kind": kind, "sft_format": format_name(chat),
+        **perplexity,
+        **dev,
         "size_bytes": weight_bytes(model_dir),
         "num_parameters": sum(p.numel() for p in model.parameters()),
         **memory,
@@ -354,12 +253,12 @@ def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, varia
         "quantization": _quantization_meta(model_dir) if kind == "quantized" else None,
         "eval_seconds": time.perf_counter() - t_start,
         "settings": {"src_length": src_length, **settings},
-        "samples": [{"src": r.src[-1], "reference": ref, "prediction": pred}
-                    for r, ref, pred in zip(records[:_NUM_SAMPLES], references, predictions)],
+        "samples": samples,
     }
     write_json(out_path, metrics)
     log.info("%s: ppl %.2f (unigram %.2f), exact_match %.3f, bleu4 %.3f, rouge_l %.3f -> %s", variant,
-             ppl, unigram, metrics["exact_match"], metrics["bleu4"], metrics["rouge_l"], out_path)
+             metrics["ppl"], metrics["unigram_ppl"], metrics["exact_match"], metrics["bleu4"], metrics["rouge_l"],
+             out_path)
     return metrics
 
 

@@ -38,10 +38,10 @@ from stages.adapters import ADAPTER_METHODS
 from stages.adapters.trainable import count_parameters
 from stages.checkpoint.integrity import sha256_file
 from stages.config import check_finetune_section
-from stages.data.corpus import read_index
 from stages.data.mix_sources import load_mix_sources
 from stages.data.sft import encode_example, read_sft_file
-from stages.data.tokenizer import check_same_tokenizer, load_model_tokenizer
+from stages.data.sft_format import data_chat_format
+from stages.data.tokenizer import load_model_tokenizer
 from stages.errors import InputError, run_cli
 from stages.metrics.text import metric_implementations
 from stages.model import LlamaForCausalLM
@@ -158,20 +158,6 @@ def pad_id(tokenizer) -> int:
     raise InputError("the tokenizer has neither a pad nor an eos token; set pad_token in tokenizer_config.json")
 
 
-def sft_format(tokenizer, model_dir: Path, data_dir: Path) -> bool:
-    """Whether SFT records are rendered with the chat template, as prepare decided for this data
-    (index.json's `sft_format`); first checks that the model's tokenizer is the data's. A data dir
-    with SFT files but no index.json (not written by prepare) is read in the plain format."""
-    if not (data_dir / "index.json").exists():
-        log.warning("%s has no index.json (not written by prepare): plain SFT format, tokenizer not checked", data_dir)
-        return False
-    index = read_index(data_dir)
-    check_same_tokenizer(tokenizer, model_dir, index, data_dir)
-    chat = index.get("sft_format") == "chat_template"
-    log.info("SFT format: %s", "the tokenizer's chat template" if chat else "plain (bos src tgt eos)")
-    return chat
-
-
 def prefix_init_ids(config: SftSettings, examples: Sequence[Example]) -> list[int] | None:
     """With `prefix_init: tokens`, the first num_prefix_tokens tokens of the training examples
     (in file order, one after the other): real text of the task, whose KV cache starts the prefix."""
@@ -272,7 +258,7 @@ def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str |
     init_distributed()
     set_seed(config.seed)
     tokenizer = load_model_tokenizer(model_dir)
-    chat = sft_format(tokenizer, model_dir, data_dir)
+    chat = data_chat_format(tokenizer, model_dir, data_dir)  # as prepare rendered the records
     pad = pad_id(tokenizer)
     examples = load_examples(train_path, tokenizer, config.src_length, config.max_length, chat)
     dev = dev_records = None

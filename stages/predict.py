@@ -7,12 +7,12 @@ PaddleNLP's llm/predictor.py, on transformers' `generate` with the KV cache.
  [--top-k 0] [--top-p 1.0] [--temperature 1.0] [--seed 42] [--chat-template auto|true|false]
  [--backend torch|onnxruntime]`
 
-`--model` is anything `stages.evaluate.load_variant` loads: a full HF dir (pretrain, sft,
-lora-merged, base), a peft adapter dir (LoRA or prefix tuning; the base found by
-`stages.evaluate.adapter_base_dir`) or a quantized dir (quant/<variant>, on its low-bit kernels);
-with `--backend onnxruntime`, an export directory (model.onnx with its KV cache, or its int8/),
-run by `stages.deployment.onnx_model.OnnxCausalLM` with the same batching, padding, budgets and
-eos handling (greedy only).
+`--model` is anything `stages.inference.loading.load_variant` loads: a full HF dir (pretrain,
+sft, lora-merged, base), a peft adapter dir (LoRA or prefix tuning; the base found by
+`adapter_base_dir` there) or a quantized dir (quant/<variant>, on its low-bit kernels); with
+`--backend onnxruntime`, an export directory (model.onnx with its KV cache, or its int8/), run by
+`stages.deployment.onnx_model.OnnxCausalLM` with the same batching, padding, budgets and eos
+handling (greedy only).
 Local files only, safetensors only, never `trust_remote_code`.
 
 Input: JSON lines `{"src": str or [str], "tgt": str or [str]}` (`stages.data.sft`); `tgt` is
@@ -62,18 +62,18 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
 
 from stages.checkpoint.atomic import atomic_file, write_json
-from stages.data.corpus import read_index
 from stages.data.files import json_lines
-from stages.data.sft import SftRecord, encode_prompt, parse_record, uses_chat_template
-from stages.data.tokenizer import check_same_tokenizer
+from stages.data.sft import SftRecord, encode_prompt, parse_record
+from stages.data.sft_format import format_name, prompt_format
 from stages.errors import InputError, run_cli
-from stages.evaluate import load_variant  # one loader for every kind of model dir
+# token_budgets is imported for the tests that use it from here
+from stages.inference.generation import Generation, generate_batched, pad_or_eos, token_budgets
+from stages.inference.loading import load_variant  # one loader for every kind of model dir
 from stages.serving.generation_settings import (BACKENDS, CHAT_TEMPLATE_CHOICES, DECODE_STRATEGIES, DEFAULTS,
                                                PredictSettings)
-from stages.stage_logs import Progress, configure_logging, log_io
+from stages.stage_logs import configure_logging, log_io
 
 log = logging.getLogger(__name__)
 
@@ -113,26 +113,6 @@ def read_records(path: str | Path) -> list[InputRecord]:
     return rows
 
 
-def prompt_format(choice: str, tokenizer, model_dir: str | Path, data_dir: Path | None) -> bool:
-    """Whether prompts are rendered with the tokenizer's chat template: `choice` true or false as
-    asked; auto: the sft_format prepare recorded in `data_dir`'s index.json (as evaluate and
-    finetune follow it) when there is such a data dir, else whether the tokenizer has a template.
-    The predictor and the server (stages.serving.served_model) both decide here."""
-    has_template = uses_chat_template(tokenizer, True)
-    if choice == "false":
-        return False
-    if choice == "true":
-        if not has_template:
-            raise InputError(f"--chat-template true but the tokenizer in {model_dir} has no chat template; "
-                             "use --chat-template false (plain bos + text prompts)")
-        return True
-    if data_dir is None:
-        return has_template
-    index = read_index(data_dir)
-    check_same_tokenizer(tokenizer, model_dir, index, data_dir)
-    return index.get("sft_format") == "chat_template"
-
-
 def chat_format(choice: str, tokenizer, model_dir: str | Path, input_path: str | Path) -> bool:
     """prompt_format for an input file: its data dir is the one it lies in (`<data>/sft/<file>`)."""
     input_path = Path(input_path)
@@ -141,87 +121,52 @@ def chat_format(choice: str, tokenizer, model_dir: str | Path, input_path: str |
     return prompt_format(choice, tokenizer, model_dir, data_dir if inside else None)
 
 
-def left_padded(prompts: Sequence[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, attention mask), both (B, T) with T the longest prompt: each prompt at the right end
-    of its row, where generation continues; the mask hides the pads."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)  # (B, T)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)  # (B, T)
-    for r, p in enumerate(prompts):
-        ids[r, width - len(p):] = torch.tensor(p)
-        mask[r, width - len(p):] = 1
-    return ids, mask
+def _prompts(rows: list[InputRecord], tokenizer, src_length: int, chat: bool) -> list[list[int]]:
+    """Each record's prompt ids (`encode_prompt`); InputError naming the line of an empty one."""
+    prompts = []
+    for row in rows:
+        ids = encode_prompt(tokenizer, row.record, src_length, chat)
+        if not ids:
+            raise InputError(f"{row.where}: the record encodes to an empty prompt (empty 'src' and the tokenizer "
+                             "has no bos token); give it some text")
+        prompts.append(ids)
+    return prompts
 
 
-# -- generation ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Generation:
-    tokens: list[int]  # new tokens, cut after the first eos (eos kept)
-    batch: int  # index of the batch (in generation order)
-    batch_seconds: float  # wall seconds of that batch's generate call
+def _warn_past_position_limit(model, max_length: int) -> None:
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if limit is not None and max_length > limit:
+        log.warning("max_length=%d exceeds the model's max_position_embeddings=%d", max_length, limit)
 
 
-def token_budgets(prompts: Sequence[list[int]], max_length: int, max_new_tokens: int | None) -> list[int]:
-    """New tokens each prompt may get: max_length - len(prompt), capped by max_new_tokens."""
-    cap = max_new_tokens if max_new_tokens is not None else max_length
-    return [max(0, min(cap, max_length - len(p))) for p in prompts]
-
-
-class RowLimits(StoppingCriteria):
-    """Ends row r once it holds `width + budgets[r]` tokens: per row, so that a short prompt's
-    budget does not depend on the longest prompt of its batch."""
-
-    def __init__(self, width: int, budgets: Sequence[int]):
-        self.limits = torch.tensor([width + b for b in budgets])  # (B,)
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.BoolTensor:
-        return input_ids.shape[1] >= self.limits.to(input_ids.device)  # (B,)
-
-
-@torch.no_grad()
-def generate_batched(model: torch.nn.Module, prompts: Sequence[list[int]], settings: PredictSettings, *,
-                     eos_token_id: int, pad_token_id: int) -> list[Generation]:
-    """Continuations of `prompts` in input order, `settings.batch_size` at a time.
-
-    Prompts are sorted by length (longest first, fewer pad tokens) and left-padded so every row's
-    last real token is at the end, where generation continues; the attention mask hides the pads.
-    Sampling is seeded once, before the first batch."""
-    device = next(model.parameters()).device
-    budgets = token_budgets(prompts, settings.max_length, settings.max_new_tokens)
-    if settings.decode_strategy == "sampling":
-        decode = dict(do_sample=True, top_k=settings.top_k, top_p=settings.top_p, temperature=settings.temperature)
-        torch.manual_seed(settings.seed)
-    else:
-        decode = dict(do_sample=False)
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-    results: list[Generation | None] = [None] * len(prompts)
-    progress = Progress(log, "predicted records", len(prompts))
-    num_batches = -(-len(prompts) // settings.batch_size)
-    for batch, start in enumerate(range(0, len(order), settings.batch_size)):
-        rows = order[start:start + settings.batch_size]
-        ids, mask = left_padded([prompts[i] for i in rows], pad_token_id)  # (B, T) each
-        width = ids.shape[1]
-        row_budgets = [budgets[i] for i in rows]
-        t0 = time.perf_counter()
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=True,
-                             max_new_tokens=max(row_budgets), num_beams=1, eos_token_id=eos_token_id,
-                             pad_token_id=pad_token_id, stopping_criteria=StoppingCriteriaList(
-                                 [RowLimits(width, row_budgets)]), **decode)  # (B, T + new)
-        seconds = time.perf_counter() - t0
-        for r, i in enumerate(rows):
-            new = out[r, width:width + budgets[i]].tolist()
-            new = new[:new.index(eos_token_id) + 1] if eos_token_id in new else new
-            results[i] = Generation(tokens=new, batch=batch, batch_seconds=seconds)
-        progress.advance(len(rows), detail=f"{batch + 1} of {num_batches} batches")
-    return results  # type: ignore[return-value]
-
-
-# -- the stage -----------------------------------------------------------------------------------
+# -- output --------------------------------------------------------------------------------------
 def summary_path(out_path: str | Path) -> Path:
     """`<out>.summary.json` beside the predictions (the .jsonl suffix replaced)."""
     return Path(out_path).with_suffix(".summary.json")
 
 
+def _write_predictions(out_path: str | Path, rows: list[InputRecord], prompts: list[list[int]],
+                       generations: list[Generation], tokenizer) -> None:
+    """One JSON line per record, in input order (the module docstring's Output)."""
+    with atomic_file(out_path) as f:
+        for row, prompt, g in zip(rows, prompts, generations):
+            line = {**row.fields, "output": tokenizer.decode(g.tokens, skip_special_tokens=True),
+                    "output_tokens": len(g.tokens), "prompt_tokens": len(prompt), "batch": g.batch,
+                    "batch_seconds": g.batch_seconds}
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+
+
+def _generation_summary(prompts: list[list[int]], generations: list[Generation]) -> dict[str, Any]:
+    """num_batches, prompt_tokens, generated_tokens, generate_seconds, tokens_per_s."""
+    batch_seconds = {g.batch: g.batch_seconds for g in generations}
+    generated = sum(len(g.tokens) for g in generations)
+    seconds = sum(batch_seconds.values())
+    return {"num_batches": len(batch_seconds), "prompt_tokens": sum(len(p) for p in prompts),
+            "generated_tokens": generated, "generate_seconds": seconds,
+            "tokens_per_s": generated / seconds if seconds > 0 else 0.0}
+
+
+# -- the stage -----------------------------------------------------------------------------------
 def run(model_dir: str | Path, input_path: str | Path, out_path: str | Path,
         settings: PredictSettings | None = None, base_dir: str | Path | None = None) -> dict[str, Any]:
     """Predict every record of `input_path` with `model_dir` (an adapter on `base_dir`, default: the
@@ -236,41 +181,23 @@ def run(model_dir: str | Path, input_path: str | Path, out_path: str | Path,
     model, tokenizer, kind = load_variant(model_dir, settings.backend, base_dir)
     load_seconds = time.perf_counter() - t_start
     chat = chat_format(settings.chat_template, tokenizer, model_dir, input_path)
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    prompts = []
-    for row in rows:
-        ids = encode_prompt(tokenizer, row.record, settings.src_length, chat)
-        if not ids:
-            raise InputError(f"{row.where}: the record encodes to an empty prompt (empty 'src' and the tokenizer "
-                             "has no bos token); give it some text")
-        prompts.append(ids)
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    if limit is not None and settings.max_length > limit:
-        log.warning("max_length=%d exceeds the model's max_position_embeddings=%d", settings.max_length, limit)
+    prompts = _prompts(rows, tokenizer, settings.src_length, chat)
+    _warn_past_position_limit(model, settings.max_length)
 
-    generations = generate_batched(model, prompts, settings, eos_token_id=eos, pad_token_id=pad)
-    with atomic_file(out_path) as f:
-        for row, prompt, g in zip(rows, prompts, generations):
-            line = {**row.fields, "output": tokenizer.decode(g.tokens, skip_special_tokens=True),
-                    "output_tokens": len(g.tokens), "prompt_tokens": len(prompt), "batch": g.batch,
-                    "batch_seconds": g.batch_seconds}
-            f.write(json.dumps(line, ensure_ascii=False) + "\n")
-    batch_seconds = {g.batch: g.batch_seconds for g in generations}
-    generated = sum(len(g.tokens) for g in generations)
-    seconds = sum(batch_seconds.values())
+    generations = generate_batched(model, prompts, settings, eos_token_id=tokenizer.eos_token_id,
+                                   pad_token_id=pad_or_eos(tokenizer))
+    _write_predictions(out_path, rows, prompts, generations, tokenizer)
+    generated = _generation_summary(prompts, generations)
     summary = {
         "model_dir": str(model_dir), "kind": kind, "input": str(input_path), "output": str(out_path),
-        "sft_format": "chat_template" if chat else "plain",
-        "num_records": len(rows), "num_batches": len(batch_seconds),
-        "prompt_tokens": sum(len(p) for p in prompts), "generated_tokens": generated,
-        "generate_seconds": seconds, "tokens_per_s": generated / seconds if seconds > 0 else 0.0,
+        "sft_format": format_name(chat), "num_records": len(rows), **generated,
         "load_seconds": load_seconds, "total_seconds": time.perf_counter() - t_start,
         "torch_threads": torch.get_num_threads(), "settings": asdict(settings),
     }
     write_json(summary_path(out_path), summary)
-    log.info("predict: %d records, %d tokens in %.2f s (%.1f tokens/s, batch_size %d) -> %s", len(rows), generated,
-             seconds, summary["tokens_per_s"], settings.batch_size, out_path)
+    log.info("predict: %d records, %d tokens in %.2f s (%.1f tokens/s, batch_size %d) -> %s", len(rows),
+             generated["generated_tokens"], generated["generate_seconds"], generated["tokens_per_s"],
+             settings.batch_size, out_path)
     return summary
 
 

@@ -4,8 +4,8 @@
  [--served-model-name NAME] [--max-length N] [--max-batch-size 8] [--max-queue 16]
  [--chat-template auto|true|false]`
 
-`--model` is anything stages.predict answers with (`stages.evaluate.load_variant`): a full model
-(pretrain, sft, lora-merged, an imported base), a LoRA or prefix adapter (on its base), or a
+`--model` is anything stages.predict answers with (`stages.inference.loading.load_variant`): a full
+model (pretrain, sft, lora-merged, an imported base), a LoRA or prefix adapter (on its base), or a
 quantized dir (quant/<variant>, on its low-bit kernels). Local files only, safetensors only,
 never `trust_remote_code`.
 

@@ -8,10 +8,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from stages.errors import InputError
+from stages.inference import BACKENDS
 from stages.settings import complete as complete_section
 from stages.settings import defaults as section_defaults
 
-BACKENDS = ("torch", "onnxruntime")  # which runtime runs a model directory
 DECODE_STRATEGIES = ("greedy_search", "sampling")
 CHAT_TEMPLATE_CHOICES = ("auto", "true", "false")
 

@@ -28,7 +28,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from stages.errors import InputError
-from stages.predict import left_padded
+from stages.inference.generation import left_padded
 from stages.serving.text_stream import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, TextStream
 
 log = logging.getLogger(__name__)

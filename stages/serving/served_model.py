@@ -1,5 +1,5 @@
-"""The model a server answers with: any directory stages.evaluate.load_variant loads, its tokenizer,
-its prompt format and its context window.
+"""The model a server answers with: any directory stages.inference.loading.load_variant loads, its
+tokenizer, its prompt format and its context window.
 
 Prompts are stages.predict's, so a greedy answer here is the predictor's answer for the same
 record: a chat request's messages become an SftRecord (user turns = src, assistant turns = tgt,
@@ -24,9 +24,10 @@ from typing import Any
 import torch
 
 from stages.data.sft import SftRecord, encode_prompt
+from stages.data.sft_format import prompt_format
 from stages.errors import InputError
-from stages.evaluate import load_variant
-from stages.predict import prompt_format
+from stages.inference.generation import pad_or_eos
+from stages.inference.loading import load_variant
 from stages.serving.openai_api import Request, RequestError
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,7 @@ class ServedModel:
 
     @property
     def pad_token_id(self) -> int:
-        pad = self.tokenizer.pad_token_id
-        return pad if pad is not None else self.tokenizer.eos_token_id
+        return pad_or_eos(self.tokenizer)
 
     def prompt_ids(self, request: Request) -> list[int]:
         """The ids the answer continues; RequestError (400) when the context cannot hold them."""

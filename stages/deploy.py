@@ -40,11 +40,13 @@ from stages.checkpoint.atomic import atomic_dir, write_json
 from stages.checkpoint.meta import write_meta
 from stages.checkpoint.weights import check_model_dir
 from stages.data.corpus import read_index
+from stages.data.sft_format import recorded_chat_format
 from stages.deployment import checks
 from stages.deployment.gguf_writer import write_gguf
 from stages.errors import run_cli
 from stages.sections import DeploySettings
 from stages.stage_logs import configure_logging, log_io
+from stages.data.tokenizer import load_model_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,6 @@ def gguf(model_dir: str | Path, file_type: str, data_dir: str | Path, out_dir: s
     import transformers
 
     from stages.checkpoint.gguf import repair_pre_tokenizer
-    from stages.data.tokenizer import load_model_tokenizer
 
     section = DeploySettings.of(config)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
@@ -95,7 +96,7 @@ def gguf(model_dir: str | Path, file_type: str, data_dir: str | Path, out_dir: s
             raise ValueError(f"{what}: its tokenizer encodes {len(mismatches)} probe string(s) differently from "
                              f"{model_dir}'s, first {mismatches[0]!r}: the GGUF vocabulary or pre-tokenizer "
                              f"({metrics['pre_tokenizer']}) does not describe the source's tokenizer")
-        chat = read_index(data_dir).get("sft_format") == "chat_template"
+        chat = recorded_chat_format(read_index(data_dir))
         prompts = checks.report_prompt_text(checks.prompt_text_mismatches(source_tok, gguf_tok, chat), what)
         check = {"runtime": f"transformers {transformers.__version__} GGUF loader", **found.as_dict(),
                  "min_top1_agreement": min_top1, "tokenizer_probes": len(checks.TOKENIZER_PROBES),
@@ -115,7 +116,6 @@ def compressed_tensors(a8w8_dir: str | Path, data_dir: str | Path, out_dir: str 
     import compressed_tensors as ct_package
     import transformers
 
-    from stages.data.tokenizer import load_model_tokenizer
     from stages.deployment.compressed_tensors import write_compressed_tensors
     from stages.quant import load_quantized
 
@@ -133,7 +133,7 @@ def compressed_tensors(a8w8_dir: str | Path, data_dir: str | Path, out_dir: str 
         checks.require(found, min_top1, f"{out_dir} read by transformers with compressed-tensors",
                        "deploy.min_top1_agreement.compressed_tensors")
         users_tok = transformers.AutoTokenizer.from_pretrained(tmp, local_files_only=True)
-        chat = read_index(data_dir).get("sft_format") == "chat_template"
+        chat = recorded_chat_format(read_index(data_dir))
         prompts = checks.report_prompt_text(checks.prompt_text_mismatches(load_model_tokenizer(a8w8_dir), users_tok,
                                                                           chat), f"{out_dir} read by transformers")
         check = {"runtime": f"transformers {transformers.__version__}, compressed-tensors {ct_package.__version__}",

@@ -90,6 +90,8 @@ from stages.metrics.logit_agreement import LogitAgreement, logit_agreement
 from stages.sections import ExportSettings
 from stages.model.config import LlamaConfig
 from stages.stage_logs import Progress, configure_logging, log_io
+from stages.data.sft import uses_chat_template
+from stages.deployment import checks
 
 log = logging.getLogger(__name__)
 
@@ -272,8 +274,6 @@ def _prompt_text_check(model_dir: Path, out_dir: Path) -> dict[str, Any]:
     tokenizer that loads."""
     from transformers import AutoTokenizer
 
-    from stages.data.sft import uses_chat_template
-    from stages.deployment import checks
 
     try:
         project = load_model_tokenizer(model_dir)

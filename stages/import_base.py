@@ -34,6 +34,7 @@ from typing import Any, Sequence
 
 import torch
 
+from stages.checkpoint import hf
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.integrity import sha256_file
 from stages.checkpoint.meta import write_meta
@@ -57,14 +58,13 @@ def our_model_parity(model_dir: Path, vocab_size: int) -> dict[str, float]:
     """Logits of our Llama against transformers' on a seeded probe, both fp32 from `model_dir`."""
     from transformers import AutoModelForCausalLM
 
-    from stages.checkpoint.hf import load_pretrained
 
     ids = torch.randint(0, vocab_size, PROBE_SHAPE, generator=torch.Generator().manual_seed(0))
     theirs = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True,
                                                   trust_remote_code=False, use_safetensors=True).eval()
     want = theirs(input_ids=ids).logits.float()
     del theirs
-    ours = load_pretrained(model_dir).eval()
+    ours = hf.load_pretrained(model_dir).eval()
     found = logit_agreement(want, ours(ids).float())
     return {"max_abs_logit_diff": found.max_abs_diff, "max_rel_logit_diff": found.rel_err,
             "top1_agreement": found.top1_agreement}

@@ -34,7 +34,6 @@ import transformers
 
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import copy_tokenizer
-from stages import merge_tp
 from stages.adapters.peft_files import check_adapter_fits, check_every_adapted_layer_loaded
 from stages.checkpoint.meta import META_NAME, write_meta
 from stages.checkpoint.store import INDEX, SHARDED
@@ -42,6 +41,7 @@ from stages.checkpoint.weights import check_adapter_dir, check_model_dir
 from stages.errors import InputError, run_cli
 from stages.metrics.logit_agreement import logit_error
 from stages.stage_logs import configure_logging, log_io
+from stages.training.shard_merge import merge as merge_shards
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ def run(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | Non
     with tempfile.TemporaryDirectory(prefix="merge-tp-") as joined:
         if is_sharded(base_dir):  # tensor/pipeline slices: joined into whole tensors first
             log.info("%s holds tensor/pipeline-parallel slices: joining them with merge_tp first", base_dir)
-            merge_tp.merge(base_dir, Path(joined) / "base")
+            merge_shards(base_dir, Path(joined) / "base")
             load_dir = Path(joined) / "base"
         else:
             check_model_dir(base_dir)

@@ -82,6 +82,10 @@ from stages.quant.model import check_shapes, layer_weights, pack_gptq_model
 from stages.quant.variants import BUILTIN_VARIANTS, GPTQ_KEYS, VariantSpec, resolve_variant, variant_settings
 from stages.sections import QuantizeSettings
 from stages.stage_logs import configure_logging, log_io
+from stages.quant.a8w8 import A8W8Config, a8w8_quantization_config, pack_a8w8
+from stages.quant.smoothquant import a8w8_quantize_model
+from stages.training.families import load_causal_lm
+from stages.data.tokenizer import load_model_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +118,6 @@ def gptq_config(section: dict[str, Any] | None, group_size: int) -> GPTQConfig:
 
 def _float_model_blocks(source_dir: Path) -> tuple[torch.nn.Module, str]:
     """The float model of `source_dir` in eval mode and the dotted path of its decoder blocks."""
-    from stages.training.families import load_causal_lm
-
     model = load_causal_lm(source_dir).float().eval()
     # transformers' models: found by type; ours keeps its blocks in model.layers (a ModuleDict)
     blocks = decoder_blocks(model) if isinstance(model, transformers.PreTrainedModel) else "model.layers"
@@ -130,7 +132,6 @@ def _calibrated_model(source_dir: Path, data_dir: Path | None, calibration: Cali
     is loaded."""
     tokenizer = None
     if calibration.source != "corpus":
-        from stages.data.tokenizer import load_model_tokenizer
 
         tokenizer = load_model_tokenizer(source_dir)
     ids, info = calibration_ids(calibration, data_dir, tokenizer, source_dir)  # (n, seq_len)
@@ -208,9 +209,6 @@ def _a8w8(spec: VariantSpec, source_dir: Path, data_dir: Path | None, state: dic
           layers: dict[str, bool], calibration: CalibrationSettings,
           ) -> tuple[dict, dict, dict[str, Any], dict[str, Any]]:
     """A8W8 (with SmoothQuant / shift as the spec says) of the float model in `source_dir`."""
-    from stages.quant.a8w8 import A8W8Config, a8w8_quantization_config, pack_a8w8
-    from stages.quant.smoothquant import a8w8_quantize_model
-
     settings = dict(spec.settings)
     if "smooth_alpha_grid" in settings:
         settings["smooth_alpha_grid"] = tuple(settings["smooth_alpha_grid"])

@@ -29,6 +29,7 @@ from stages.adapters.prefix_kv import PEFT_KEY, prefix_names, projected_table, t
 from stages.checkpoint.integrity import write_tensors
 from stages.errors import InputError
 from stages.sections import FINETUNE
+from stages.checkpoint.weights import model_weight_files, read_header
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -90,8 +91,6 @@ def check_adapter_fits(adapter_dir: str | Path, base_dir: str | Path) -> None:
     `load_state_dict`, or silent garbage for a prefix."""
     import json
 
-    from stages.checkpoint.weights import model_weight_files, read_header
-    from stages.errors import InputError
 
     adapter_dir, base_dir = Path(adapter_dir), Path(base_dir)
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
@@ -137,8 +136,6 @@ def check_every_adapted_layer_loaded(model: peft.PeftModel, adapter_dir: str | P
     its LoRA tensors in the adapter file. peft leaves a layer the file lacks at its initialisation
     (B = 0: no update at all) with only a warning, so an evaluation would score, and a merge would
     write, a model without that layer's training; this raises InputError naming the layers instead."""
-    from stages.checkpoint.weights import read_header
-
     if not isinstance(model.peft_config.get("default"), peft.LoraConfig):
         return
     saved = {adapted_module(key) for key in read_header(Path(adapter_dir) / ADAPTER_WEIGHTS) if ".lora_" in key}

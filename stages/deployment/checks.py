@@ -30,6 +30,7 @@ import torch
 from stages.data.corpus import load_split
 from stages.metrics.logit_agreement import logit_agreement, share, top1_matches
 from stages.metrics.perplexity import validation_windows
+from stages.data.sft import SftRecord, encode_prompt
 
 # Strings on which byte-level BPE conversions go wrong: digits split one by one or in groups of
 # three, runs of spaces kept or merged, newlines and tabs, non-ASCII letters, CJK and emoji bytes.
@@ -112,8 +113,6 @@ def prompt_text_mismatches(project_tokenizer, users_tokenizer, chat: bool,
                            texts: tuple[str, ...] = TOKENIZER_PROBES) -> list[str]:
     """The prompt texts for which `users_tokenizer` (the artifact's, as its runtime reads it) gives
     other ids than the predictor feeds the model (`encode_prompt` with `project_tokenizer`)."""
-    from stages.data.sft import SftRecord, encode_prompt
-
     if chat and not getattr(users_tokenizer, "chat_template", None):
         return list(texts)  # the artifact lost the chat template: its users cannot render the prompt
     return [text for text in texts if users_prompt_ids(users_tokenizer, text, chat)

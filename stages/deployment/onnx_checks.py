@@ -36,7 +36,8 @@ class GenerationAgreement:
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, mask) (B, T): each prompt at the right end of its row (stages.predict.left_padded)."""
+    """(ids, mask) (B, T): each prompt at the right end of its row; the numpy twin of
+    stages.inference.generation.left_padded (inference reads ONNX through this package)."""
     width = max(len(p) for p in prompts)
     ids = np.full((len(prompts), width), pad_token_id, dtype=np.int64)
     mask = np.zeros((len(prompts), width), dtype=np.int64)

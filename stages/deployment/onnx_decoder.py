@@ -38,6 +38,7 @@ from stages.model.config import LlamaConfig
 from stages.model.llama import Attention, LlamaForCausalLM
 from stages.model.rope import angles
 from stages.model.rope_types import depends_on_length
+from stages.deployment.onnx_files import export_with_fallback
 
 log = logging.getLogger(__name__)
 
@@ -168,8 +169,6 @@ def example_inputs(config: LlamaConfig, shape: tuple[int, int, int] = _EXAMPLE, 
 
 def export_decoder(decoder: CachedDecoder, path: Path, opset_version: int, external_data: bool) -> str:
     """Write `path` from `decoder`; returns the exporter that succeeded ("dynamo" or "torchscript")."""
-    from stages.deployment.onnx_files import export_with_fallback
-
     example = example_inputs(decoder.model.config)
     n = decoder.num_layers
     names = dict(input_names=[*INPUT_NAMES, *past_names(n)], output_names=["logits", *present_names(n)],

@@ -27,8 +27,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from stages.data.corpus import INDEX_NAME, TokenFile, read_index
+from stages.data.corpus import TokenFile
 from stages.data.sft import SftDataError, SftRecord, encode_example, read_sft_file
+from stages.data.sft_format import data_chat_format, format_name
 from stages.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -106,19 +107,6 @@ def _how_many(num_samples: int, available: int, where: str) -> int:
     return min(num_samples, available)
 
 
-def data_sft_format(tokenizer, model_dir: str | Path, data_dir: str | Path | None) -> bool:
-    """Whether SFT records are rendered with the chat template, as prepare decided for this data
-    (index.json's `sft_format`, after checking that the model's tokenizer is the data's); plain
-    without a prepared data dir, as finetune reads such a dir."""
-    from stages.data.tokenizer import check_same_tokenizer
-
-    if data_dir is None or not (Path(data_dir) / INDEX_NAME).exists():
-        return False
-    index = read_index(data_dir)
-    check_same_tokenizer(tokenizer, model_dir, index, data_dir)
-    return index.get("sft_format") == "chat_template"
-
-
 def calibration_ids(settings: CalibrationSettings, data_dir: str | Path | None, tokenizer=None,
                     model_dir: str | Path | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
     """The calibration ids (n, seq_len) int64 and their description for meta.json.
@@ -140,13 +128,13 @@ def calibration_ids(settings: CalibrationSettings, data_dir: str | Path | None, 
             what = "run the prepare stage first" if s.source == "sft" else \
                 "use corpus, sft or the path of a JSON-lines file of {\"src\": ..., \"tgt\": ...} records"
             raise CalibrationError(f"{KEY}.source={s.source}: {path} is not a file; {what}")
-        chat = data_sft_format(tokenizer, model_dir, data_dir)
+        chat = data_chat_format(tokenizer, model_dir, data_dir)
         try:
             records = read_sft_file(path)
         except SftDataError as e:  # e.g. an empty file: say which key brought it in
             raise CalibrationError(f"{KEY}.source={s.source}: {e}") from None
         ids = sft_windows(records, tokenizer, s.num_samples, s.seq_len, s.seed, chat, where=s.source)
-        info["sft_format"] = "chat_template" if chat else "plain"
+        info["sft_format"] = format_name(chat)
     info.update(num_windows=ids.shape[0], num_tokens=ids.numel())
     log.info("calibration: %d windows of %d tokens from %s", ids.shape[0], s.seq_len, s.source)
     return ids, info

@@ -1,9 +1,4 @@
-"""Evaluation metrics: text overlap (exact match, BLEU-4, ROUGE-L) and perplexity."""
-
-from stages.metrics.perplexity import (
-    model_perplexity, unigram_perplexity, validation_windows, window_starts,
-)
-from stages.metrics.text import corpus_bleu, exact_match, rouge_l
-
-__all__ = ["corpus_bleu", "exact_match", "model_perplexity", "rouge_l", "unigram_perplexity",
-           "validation_windows", "window_starts"]
+"""Measurements: text overlap (exact match, BLEU-4, ROUGE-L: text.py), perplexity (perplexity.py),
+logit agreement between two runtimes (logit_agreement.py), inference speed and memory (speed.py),
+and what of a run is a measurement of the machine (measured.py). Import the module you need: the
+package itself loads nothing, so its torch-free modules stay torch-free."""

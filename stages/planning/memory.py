@@ -63,6 +63,7 @@ from dataclasses import asdict, dataclass
 from itertools import product
 from typing import Any
 
+from stages import schema
 from stages.adapters.targets import ALL_LINEAR, selected
 from stages.model.attention_shapes import fp32_attention_shape
 from stages.model.registry import BY_MODEL_TYPE, Family
@@ -101,9 +102,11 @@ GPT_LIKE_KEYS: dict[str, dict[str, tuple[str, Any]]] = {
 # nearest_fitting_layout's order of preference: the knobs it turns, cheapest first.
 PREFERENCE = ("sharding", "recompute", "tensor_parallel_degree", "pipeline_parallel_degree",
               "sharding_offload", "per_device_train_batch_size")
-# The schema's defaults of the layout keys a section may leave out.
-LAYOUT_DEFAULTS = {"sharding": "none", "recompute": False, "tensor_parallel_degree": 1, "pipeline_parallel_degree": 1,
-                   "virtual_pp_degree": 1, "sharding_offload": False}
+# The layout keys a section given to the planner may leave out: the fine-tuning sections' schema
+# defaults (one device, no sharding; pretraining's default sharding is stage1, which check_config fills).
+LAYOUT_DEFAULTS = {key: schema.defaults("sft")[key] for key in ("sharding", "recompute", "tensor_parallel_degree",
+                                                                 "pipeline_parallel_degree", "virtual_pp_degree",
+                                                                 "sharding_offload")}
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,8 @@ from stages.errors import InputError, run_cli
 from stages.inference.generation import generate_greedy, pad_or_eos
 from stages.inference.loading import adapter_base_dir, load_variant, read_json
 from stages.metrics.perplexity import model_perplexity, target_perplexity, unigram_perplexity, validation_windows
-from stages.metrics.speed import model_bytes, rss_bytes, speed_metrics
+from stages.metrics.host_memory import rss_bytes
+from stages.metrics.speed import model_bytes, speed_metrics
 from stages.metrics.text import corpus_bleu, exact_match, metric_implementations, rouge_l
 from stages.sections import EvaluateSettings, SftSettings
 from stages.settings import add_arguments, from_arguments

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -82,17 +81,6 @@ def model_bytes(model: torch.nn.Module) -> int:
         storage = t.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
-
-
-def rss_bytes() -> int | None:
-    """This process's resident set size (Linux /proc/self/status VmRSS), None elsewhere."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def max_positions(model: torch.nn.Module) -> int | None:

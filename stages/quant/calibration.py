@@ -31,6 +31,7 @@ from stages.data.corpus import TokenFile
 from stages.data.sft import SftDataError, SftRecord, encode_example, read_sft_file
 from stages.data.sft_format import data_chat_format, format_name
 from stages.errors import InputError
+from stages.metrics.host_memory import available_memory_bytes
 
 log = logging.getLogger(__name__)
 
@@ -138,17 +139,6 @@ def calibration_ids(settings: CalibrationSettings, data_dir: str | Path | None, 
     info.update(num_windows=ids.shape[0], num_tokens=ids.numel())
     log.info("calibration: %d windows of %d tokens from %s", ids.shape[0], s.seq_len, s.source)
     return ids, info
-
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (Linux), None where it cannot be read."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def calibration_memory_bytes(num_parameters: int, widths: list[tuple[int, int]], num_windows: int,

@@ -111,6 +111,23 @@ def run(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | Non
            logger=log)
     check_adapter_dir(adapter_dir)  # sha256 against meta.json, no pickle, a whole safetensors file
     refuse_quantized(base_dir, adapter_dir)
+    model = _adapted_model(adapter_dir, base_dir)
+    merged_modules = sum(1 for m in model.modules() if isinstance(m, peft.tuners.lora.LoraLayer))
+    merged, diff, scale, rel_err = _merge_checked(model, adapter_dir, base_dir, rtol)
+
+    metrics = {"max_abs_logit_diff": diff, "logit_scale": scale, "rel_err": rel_err, "rtol": rtol,
+               "lora_rank": adapter_config.get("r"), "lora_alpha": adapter_config.get("lora_alpha"),
+               "merged_modules": merged_modules,
+               "total_params": sum(p.numel() for p in merged.parameters())}
+    _write_merged(merged, out_dir, adapter_dir, base_dir, rtol, metrics)
+    log.info("merged %d LoRA modules of %s into %s: max |logit diff| %.2e (%.2e of the logit scale)",
+             merged_modules, adapter_dir, base_dir, diff, rel_err)
+    return metrics
+
+
+def _adapted_model(adapter_dir: Path, base_dir: Path) -> peft.PeftModel:
+    """The float base with the adapter attached (unmerged, eval mode). A base of tensor/pipeline
+    slices is joined into whole tensors first; every weight file is checked before it is read."""
     with tempfile.TemporaryDirectory(prefix="merge-tp-") as joined:
         if is_sharded(base_dir):  # tensor/pipeline slices: joined into whole tensors first
             log.info("%s holds tensor/pipeline-parallel slices: joining them with merge_tp first", base_dir)
@@ -125,9 +142,15 @@ def run(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | Non
     model = peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=False)
     check_every_adapted_layer_loaded(model, adapter_dir)
     model.eval()
-    merged_modules = sum(1 for m in model.modules() if isinstance(m, peft.tuners.lora.LoraLayer))
+    return model
 
-    ids = probe_batch(base.config.vocab_size)
+
+def _merge_checked(model: peft.PeftModel, adapter_dir: Path, base_dir: Path, rtol: float
+                   ) -> tuple[torch.nn.Module, float, float, float]:
+    """(merged model, max |logit diff|, logit scale, rel_err) of `model.merge_and_unload()`, its
+    probe logits checked against the adapter's; MergeMismatchError beyond `rtol` or with a
+    `lora_` weight left."""
+    ids = probe_batch(model.get_base_model().config.vocab_size)
     before = logits_of(model, ids)
     merged = model.merge_and_unload()
     after = logits_of(merged, ids)
@@ -139,11 +162,12 @@ def run(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | Non
     leftovers = [n for n, _ in merged.named_parameters() if "lora_" in n]
     if leftovers:
         raise MergeMismatchError(f"merge_and_unload left LoRA weights {leftovers[:3]} in the model")
+    return merged, diff, scale, rel_err
 
-    metrics = {"max_abs_logit_diff": diff, "logit_scale": scale, "rel_err": rel_err, "rtol": rtol,
-               "lora_rank": adapter_config.get("r"), "lora_alpha": adapter_config.get("lora_alpha"),
-               "merged_modules": merged_modules,
-               "total_params": sum(p.numel() for p in merged.parameters())}
+
+def _write_merged(merged: torch.nn.Module, out_dir: str | Path, adapter_dir: Path, base_dir: Path, rtol: float,
+                  metrics: dict[str, Any]) -> None:
+    """`out_dir`, atomically: the merged model, the tokenizer finetune used and meta.json."""
     with atomic_dir(out_dir) as tmp:
         merged.save_pretrained(tmp, safe_serialization=True)  # also writes generation_config.json
         # The adapter dir carries the tokenizer finetune used; fall back to the base's.
@@ -151,9 +175,6 @@ def run(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | Non
         copy_tokenizer(tokenizer_src, tmp)
         write_meta(tmp, stage="merge", config={"base": str(base_dir), "rtol": rtol},
                    parent=adapter_dir, seed=None, metrics=metrics)
-    log.info("merged %d LoRA modules of %s into %s: max |logit diff| %.2e (%.2e of the logit scale)",
-             merged_modules, adapter_dir, base_dir, diff, rel_err)
-    return metrics
 
 
 def is_sharded(model_dir: Path) -> bool:

@@ -3,12 +3,15 @@ with a prefix and its own config, and with its results on a storage provider (th
 node-local scratch as `--local-storage-prefix`, and S3 on a moto server on 127.0.0.1). The module and
 S3 runs build the whole debug DAG (an undeclared path in any rule fails under a prefix and in a
 bucket); the fs run builds data, pretraining and SFT, and resumes pretraining from its scratch. The
-weights in storage equal the module run's, a run on the local file system."""
+weights in storage equal the module run's, a run on the local file system, and the S3 run, a second
+run of the whole DAG from scratch, writes every artifact as the module run did, byte for byte apart
+from the measurements of the machine's speed and memory and the paths (tests/integration/rerun_identity.py)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -17,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from rerun_identity import differing_artifacts
 from workflow_helpers import DEBUG_CONFIG, ROOT
 
 pytestmark = pytest.mark.slow
@@ -156,3 +160,30 @@ def test_results_in_s3(module_run, s3_server, tmp_path):
                  for key in keys if key.endswith(".safetensors")
                  and Path(key).parent.as_posix().removeprefix("results/ci/") in WEIGHT_DIRS}
     assert sha256s(in_bucket) == local_weights(module_run / "llm" / "results" / "ci")
+    # every artifact: a second run of the DAG from scratch writes the same bytes (rerun_identity.py)
+    bucket = tmp_path / "bucket" / "results"
+    for key in keys:
+        (bucket.parent / key).parent.mkdir(parents=True, exist_ok=True)
+        (bucket.parent / key).write_bytes(client.get_object(Bucket="llm", Key=key)["Body"].read())
+    assert differing_artifacts(comparable_tree(module_run / "llm" / "results", tmp_path / "module"),
+                               comparable_tree(bucket, tmp_path / "s3")) == []
+
+
+_PATH = re.compile(r"[^\s\"',|()]*(?<![\w.-])results/")
+
+
+def comparable_tree(results: Path, out: Path) -> Path:
+    """A copy of a results tree with the paths its text files record (the module's llm/ prefix, the
+    storage plugin's local copies under .snakemake/storage/) cut to results/..., and without the
+    training checkpoints (a storage run keeps them on its local scratch, not in the bucket)."""
+    for path in sorted(results.rglob("*")):
+        relative = path.relative_to(results)
+        if not path.is_file() or relative.parts[1:2] == ("checkpoints",):
+            continue
+        target = out / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix in (".json", ".jsonl", ".csv", ".md", ".txt"):
+            target.write_text(_PATH.sub("results/", path.read_text()))
+        else:
+            target.write_bytes(path.read_bytes())
+    return out

@@ -317,6 +317,70 @@ def write_int8(target: ExportModel, out_dir: Path, probe: torch.Tensor, block_si
     }
 
 
+def _refuse_quantized(model_dir: Path) -> None:
+    """InputError when `model_dir`'s config.json has a quantization_config: export takes float weights."""
+    if (model_dir / "config.json").exists() and "quantization_config" in json.loads(
+            (model_dir / "config.json").read_text()):
+        raise InputError(f"{model_dir} is a quantized checkpoint; export takes the float source model")
+
+
+@dataclass
+class _Checked:
+    """What onnxruntime measured against torch on the probes."""
+
+    probes: list[torch.Tensor]
+    agreement: LogitAgreement
+    latency_ms: float  # mean ms per onnxruntime forward on the longer probe
+    generation: GenerationAgreement | None  # None: no cache graph, no generation check
+
+
+def _check_graph(target: ExportModel, onnx_path: Path, rtol: float, min_top1_agreement: float) -> _Checked:
+    """onnxruntime against torch on the seeded probes: the logits (check_agreement) and, for a cache
+    graph, the greedy generation (check_generation); ValueError with the numbers when they disagree."""
+    probes = probe_batches(target.vocab_size, target.max_positions)
+    agreement, latency = check_onnx(target, onnx_path, probes)
+    check_agreement(agreement, rtol, min_top1_agreement)
+    generation = check_generation(target, onnx_path, probes[0], rtol) if target.cached else None
+    return _Checked(probes, agreement, latency, generation)
+
+
+def _metrics(target: ExportModel, config: ExportSettings, out_dir: Path, exporter: str, checked: _Checked,
+             genai: bool, prompts: dict[str, Any]) -> dict[str, Any]:
+    """meta.json's metrics of the float graph written to `out_dir` (the module docstring lists them)."""
+    generation = checked.generation
+    return {
+        "torch_model": target.torch_model,
+        "kv_cache": target.cached,
+        "genai_config": genai,
+        "exporter": exporter,
+        "opset_version": onnx_opset(out_dir / ONNX_NAME),
+        **{k: v for k, v in asdict(checked.agreement).items() if k != "positions"},
+        "rtol": config.rtol,
+        "min_top1_agreement": config.min_top1_agreement,
+        "probe_shapes": [list(p.shape) for p in checked.probes],
+        "generation_rows": generation.rows if generation else None,
+        "generation_new_tokens": generation.new_tokens if generation else None,
+        "generation_tokens_compared": generation.tokens_compared if generation else None,
+        "generation_near_ties": generation.near_ties if generation else None,
+        "onnx_size_bytes": sum(f.stat().st_size for f in onnx_files(out_dir)),
+        "external_data": any(f.name != ONNX_NAME for f in onnx_files(out_dir)),
+        "ort_latency_ms": checked.latency_ms,
+        **prompts,
+    }
+
+
+def _int8(target: ExportModel, config: ExportSettings, out_dir: Path, probe: torch.Tensor, external: bool,
+          model_dir: Path) -> dict[str, Any]:
+    """With the `int8` setting, `out_dir/int8/` (write_int8) and its metrics; without a cache graph
+    a warning and no metrics."""
+    if config.int8 and target.cached:
+        return write_int8(target, out_dir, probe, config.int8_block_size, external)
+    if config.int8:  # the int8 graph is made of the cache graph
+        log.warning("export.int8: no int8/ for %s: its graph has no KV cache (only the project's Llama "
+                    "family exports one)", model_dir)
+    return {}
+
+
 def run(model_dir: str | Path, out_dir: str | Path, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Export `model_dir` to `out_dir/model.onnx` (+ genai_config.json, tokenizer, meta.json, and
     `int8/` with the `int8` setting), verify it with onnxruntime, return the metrics.
@@ -329,13 +393,10 @@ def run(model_dir: str | Path, out_dir: str | Path, config: Mapping[str, Any] | 
     the probe positions, or (cache graph) generate other tokens than torch beyond a near-tie.
     """
     config = ExportSettings.of(config)
-    opset_version, rtol, min_top1_agreement = config.opset_version, config.rtol, config.min_top1_agreement
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     log_io("export", reads={"float model": model_dir},
            writes={f"{ONNX_NAME}, {GENAI_CONFIG}, tokenizer, meta.json": out_dir}, logger=log)
-    if (model_dir / "config.json").exists() and "quantization_config" in json.loads(
-            (model_dir / "config.json").read_text()):
-        raise InputError(f"{model_dir} is a quantized checkpoint; export takes the float source model")
+    _refuse_quantized(model_dir)
     steps = Progress(log, "export steps", 4, lines=4, min_interval_s=0, eta=False)
     target = load_for_export(model_dir)
     n_bytes = sum(p.numel() * p.element_size() for p in target.module.parameters())
@@ -343,47 +404,21 @@ def run(model_dir: str | Path, out_dir: str | Path, config: Mapping[str, Any] | 
     steps.advance(detail=f"loaded the {target.torch_model} model ({n_bytes / 1e6:.1f} MB); next: the ONNX export")
 
     with atomic_dir(out_dir) as tmp:
-        onnx_path = tmp / ONNX_NAME
-        exporter = export_onnx(target.module, onnx_path, opset_version, target.vocab_size, external)
+        exporter = export_onnx(target.module, tmp / ONNX_NAME, config.opset_version, target.vocab_size, external)
         steps.advance(detail=f"exported {ONNX_NAME} with the {exporter} exporter; next: the onnxruntime check")
-        probes = probe_batches(target.vocab_size, target.max_positions)
-        agreement, latency = check_onnx(target, onnx_path, probes)
-        check_agreement(agreement, rtol, min_top1_agreement)
-        generation = check_generation(target, onnx_path, probes[0], rtol) if target.cached else None
+        checked = _check_graph(target, tmp / ONNX_NAME, config.rtol, config.min_top1_agreement)
         steps.advance(detail="onnxruntime agrees with torch on the probes; next: genai_config, tokenizer, int8")
         copy_tokenizer(model_dir, tmp)
         prompts = _prompt_text_check(model_dir, tmp)
         genai = target.cached and _write_genai(tmp, target.config, model_dir)
-        metrics = {
-            "torch_model": target.torch_model,
-            "kv_cache": target.cached,
-            "genai_config": genai,
-            "exporter": exporter,
-            "opset_version": onnx_opset(onnx_path),
-            **{k: v for k, v in asdict(agreement).items() if k != "positions"},
-            "rtol": rtol,
-            "min_top1_agreement": min_top1_agreement,
-            "probe_shapes": [list(p.shape) for p in probes],
-            "generation_rows": generation.rows if generation else None,
-            "generation_new_tokens": generation.new_tokens if generation else None,
-            "generation_tokens_compared": generation.tokens_compared if generation else None,
-            "generation_near_ties": generation.near_ties if generation else None,
-            "onnx_size_bytes": sum(f.stat().st_size for f in onnx_files(tmp)),
-            "external_data": any(f.name != ONNX_NAME for f in onnx_files(tmp)),
-            "ort_latency_ms": latency,
-            **prompts,
-        }
-        if config.int8 and target.cached:
-            metrics |= write_int8(target, tmp, probes[0], config.int8_block_size, external)
-        elif config.int8:  # the int8 graph is made of the cache graph
-            log.warning("export.int8: no int8/ for %s: its graph has no KV cache (only the project's Llama "
-                        "family exports one)", model_dir)
+        metrics = _metrics(target, config, tmp, exporter, checked, genai, prompts)
+        metrics |= _int8(target, config, tmp, checked.probes[0], external, model_dir)
         steps.advance(detail="wrote the directory; next: meta.json")
         write_meta(tmp, stage="export", config=config, parent=model_dir, seed=None,
                    metrics=metrics)
     log.info("exported %s (%s model, KV cache: %s) with %s exporter: rel. error %.2e, top-1 agreement %.4f, "
-             "%.1f ms per forward", model_dir, target.torch_model, target.cached, exporter, agreement.rel_err,
-             agreement.top1_agreement, latency)
+             "%.1f ms per forward", model_dir, target.torch_model, target.cached, exporter, checked.agreement.rel_err,
+             checked.agreement.top1_agreement, checked.latency_ms)
     return metrics
 
 

@@ -241,6 +241,79 @@ def _rtn(spec: VariantSpec, state: dict[str, torch.Tensor], layers: dict[str, bo
                                   "quantize_seconds": time.perf_counter() - start}
 
 
+def _float_config(source_dir: Path) -> dict[str, Any]:
+    """config.json of the float model in `source_dir`; InputError when it is missing or the model
+    is already quantized."""
+    config_path = source_dir / "config.json"
+    if not config_path.exists():
+        raise InputError(f"{config_path} is missing; --source must be a Hugging Face model directory")
+    hf_config = json.loads(config_path.read_text())
+    if "quantization_config" in hf_config:
+        raise InputError(f"{source_dir} is already quantized; quantize.source must name a float model")
+    return hf_config
+
+
+def _quantize(spec: VariantSpec, variant: str, source_dir: Path, data_dir: str | Path | None,
+              state: dict[str, torch.Tensor], layers: dict[str, bool], calibration: CalibrationSettings | None,
+              ) -> tuple[dict, dict, dict[str, Any], dict[str, Any]]:
+    """(packed state, weight errors, quantization_config, method metrics) of `spec`'s method; a
+    ValueError of shapes the method cannot take becomes an InputError naming the variant."""
+    data = None if data_dir is None else Path(data_dir)
+    try:
+        if spec.method == "rtn":
+            return _rtn(spec, state, layers)
+        if spec.method == "gptq":
+            return _gptq(spec, source_dir, data, state, layers, calibration)
+        return _a8w8(spec, source_dir, data, state, layers, calibration)
+    except ValueError as e:  # shapes the method cannot take: the user's group size or variant
+        if isinstance(e, InputError):
+            raise
+        raise InputError(f"quantize variant {variant} on {source_dir}: {e}") from None
+
+
+def _write_model(out_dir: Path, packed: dict[str, torch.Tensor], hf_config: dict[str, Any], source_dir: Path) -> None:
+    """The quantized weights, config.json, and the source's generation_config.json and tokenizer files."""
+    save_state_dict(packed, out_dir)
+    write_json(out_dir / "config.json", hf_config)
+    if (source_dir / "generation_config.json").exists():
+        shutil.copy2(source_dir / "generation_config.json", out_dir / "generation_config.json")
+    copy_tokenizer(source_dir, out_dir)
+
+
+def _bits_per_weight(method: str, bits: int, group: int, state: dict[str, torch.Tensor],
+                     layers: dict[str, bool]) -> float:
+    """Bits stored per quantized weight: codes plus the scale (and zero) of its row or group."""
+    if method == "a8w8":
+        in_features = min(w.shape[1] for w in layer_weights(state, layers).values())
+        return 8 + 32 / in_features  # one float32 scale per row
+    columns = None if group == -1 else group
+    # per-channel parameters cost ~0 bits per weight on real widths; report the group case
+    # exactly (a narrower last group costs slightly more than this)
+    return bits + ((16 + bits) / columns if columns else 0.0)
+
+
+def _metrics(spec: VariantSpec, variant: str, out_dir: Path, source_dir: Path, state: dict[str, torch.Tensor],
+             layers: dict[str, bool], errors: dict[str, float], extra: dict[str, Any]) -> dict[str, Any]:
+    """meta.json's metrics (the module docstring lists them) of the variant written to `out_dir`;
+    `extra`, the method's own metrics, gives up its bits and group_size to the front."""
+    size, source_size = _weights_bytes(out_dir), _weights_bytes(source_dir)
+    bits, group = extra.pop("bits"), extra.pop("group_size")
+    return {
+        "method": spec.method,
+        "variant": variant,
+        "spec": {"method": spec.method, **spec.settings},
+        "bits": bits,
+        "group_size": group,
+        "bits_per_weight": _bits_per_weight(spec.method, bits, group, state, layers),
+        "num_quantized_layers": len(errors),
+        "size_bytes": size,
+        "source_size_bytes": source_size,
+        "compression_ratio": source_size / size,
+        **_mean_and_worst(errors, "rel_weight_error"),
+        **extra,
+    }
+
+
 def run(source_dir: str | Path, out_dir: str | Path, variant: str, group_size: int | None = None,
         config: Mapping[str, Any] | None = None, data_dir: str | Path | None = None) -> dict[str, Any]:
     """Quantize `source_dir` (HF layout) into `out_dir` as `variant` and return the metrics written
@@ -258,66 +331,24 @@ def run(source_dir: str | Path, out_dir: str | Path, variant: str, group_size: i
     calibration = CalibrationSettings.from_section(section.calibration) if spec.calibrated else None
     log_io("quantize", reads={"float model": source_dir, **_calibration_reads(calibration, data_dir)},
            writes={f"variant {variant}, method {spec.method}": out_dir}, logger=log)
-    config_path = source_dir / "config.json"
-    if not config_path.exists():
-        raise InputError(f"{config_path} is missing; --source must be a Hugging Face model directory")
-    hf_config = json.loads(config_path.read_text())
-    if "quantization_config" in hf_config:
-        raise InputError(f"{source_dir} is already quantized; quantize.source must name a float model")
+    hf_config = _float_config(source_dir)
 
     layers = decoder_linear_layers(meta_model(transformers.AutoConfig.from_pretrained(
         source_dir, local_files_only=True, trust_remote_code=False)))
     # Quantize fully before opening the output: a bad group size fails without touching out_dir.
     # load_state_dict checks the weights first (meta.json's sha256, no pickle, whole safetensors).
     state = load_state_dict(source_dir)
-    data = None if data_dir is None else Path(data_dir)
-    try:
-        if spec.method == "rtn":
-            packed, errors, qcfg, extra = _rtn(spec, state, layers)
-        elif spec.method == "gptq":
-            packed, errors, qcfg, extra = _gptq(spec, source_dir, data, state, layers, calibration)
-        else:
-            packed, errors, qcfg, extra = _a8w8(spec, source_dir, data, state, layers, calibration)
-    except ValueError as e:  # shapes the method cannot take: the user's group size or variant
-        if isinstance(e, InputError):
-            raise
-        raise InputError(f"quantize variant {variant} on {source_dir}: {e}") from None
+    packed, errors, qcfg, extra = _quantize(spec, variant, source_dir, data_dir, state, layers, calibration)
     hf_config["quantization_config"] = qcfg
 
     with atomic_dir(out_dir) as tmp:
-        save_state_dict(packed, tmp)
-        write_json(tmp / "config.json", hf_config)
-        if (source_dir / "generation_config.json").exists():
-            shutil.copy2(source_dir / "generation_config.json", tmp / "generation_config.json")
-        copy_tokenizer(source_dir, tmp)
-        size, source_size = _weights_bytes(tmp), _weights_bytes(source_dir)
-        bits, group = extra.pop("bits"), extra.pop("group_size")
-        if spec.method == "a8w8":
-            in_features = min(w.shape[1] for w in layer_weights(state, layers).values())
-            bits_per_weight = 8 + 32 / in_features  # one float32 scale per row
-        else:
-            columns = None if group == -1 else group
-            # per-channel parameters cost ~0 bits per weight on real widths; report the group case
-            # exactly (a narrower last group costs slightly more than this)
-            bits_per_weight = bits + ((16 + bits) / columns if columns else 0.0)
-        metrics = {
-            "method": spec.method,
-            "variant": variant,
-            "spec": {"method": spec.method, **spec.settings},
-            "bits": bits,
-            "group_size": group,
-            "bits_per_weight": bits_per_weight,
-            "num_quantized_layers": len(errors),
-            "size_bytes": size,
-            "source_size_bytes": source_size,
-            "compression_ratio": source_size / size,
-            **_mean_and_worst(errors, "rel_weight_error"),
-            **extra,
-        }
+        _write_model(tmp, packed, hf_config, source_dir)
+        metrics = _metrics(spec, variant, tmp, source_dir, state, layers, errors, extra)
         write_meta(tmp, stage="quantize", config={**variant_settings(variant, section), "variant": variant},
                    parent=source_dir, seed=None, metrics=metrics)
-    log.info("%s: %.2f MB -> %.2f MB (x%.2f), mean rel. weight error %.4f", variant, source_size / 1e6,
-             size / 1e6, metrics["compression_ratio"], metrics["mean_rel_weight_error"])
+    log.info("%s: %.2f MB -> %.2f MB (x%.2f), mean rel. weight error %.4f", variant,
+             metrics["source_size_bytes"] / 1e6, metrics["size_bytes"] / 1e6, metrics["compression_ratio"],
+             metrics["mean_rel_weight_error"])
     return metrics
 
 

@@ -32,6 +32,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from stages import settings
 from stages.adapters import ADAPTER_METHODS
@@ -234,43 +235,35 @@ def adapter_writer(method: str, config: SftSettings, model: torch.nn.Module, mod
     return write
 
 
-def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str | Path,
-        config: Mapping[str, Any] | None = None, checkpoint_dir: str | Path | None = None) -> dict[str, Any]:
-    """Fine-tune the model in `model_dir` on `data_dir/sft/train.json` with `method` and the
-    validated `finetune.<method>` section `config`, on the training engine in the section's
-    layout; write `out_dir` atomically; return metrics (every rank). With `checkpoint_dir`,
-    checkpoints every `save_steps` steps and resumes as `resume_from_checkpoint` says. Settings
-    missing from `config` take the schema's defaults of `finetune.<method>`."""
-    import torch.distributed as dist
-
-    config = check_section(method, config)
-    model_dir, data_dir = Path(model_dir), Path(data_dir)
-    train_path, dev_path = data_dir / "sft" / "train.json", data_dir / "sft" / "dev.json"
-    log_io(f"finetune-{method}", reads={"base model": model_dir, "SFT records": [train_path, dev_path]},
-           writes={f"{'model' if method == 'sft' else 'adapter'}, train_log.csv, meta.json": out_dir,
-                   "checkpoints, resumed from on a rerun": checkpoint_dir}, logger=log)
+def _check_inputs(model_dir: Path, data_dir: Path, train_path: Path) -> None:
+    """InputError unless prepare's training records and the base model's config.json exist."""
     if not train_path.exists():
         raise InputError(f"--data {data_dir}: {train_path} is missing; run the prepare stage first")
     if not (model_dir / "config.json").exists():
         raise InputError(f"--model {model_dir}: no config.json; expected a Hugging Face model "
                          "directory such as results/<experiment>/pretrain")
-    degrees = parallel_degrees(config)  # bad degrees fail before any process group exists
-    init_distributed()
-    set_seed(config.seed)
-    tokenizer = load_model_tokenizer(model_dir)
-    chat = data_chat_format(tokenizer, model_dir, data_dir)  # as prepare rendered the records
-    pad = pad_id(tokenizer)
-    examples = load_examples(train_path, tokenizer, config.src_length, config.max_length, chat)
-    dev = dev_records = None
-    if dev_path.exists():
-        dev_records = read_sft_file(dev_path)[:config.num_eval_examples or None]
-        dev = encode_examples(dev_records, dev_path, tokenizer, config.src_length, config.max_length, chat)
-    else:
-        log.warning("%s is missing; no evaluation, meta.json gets dev_loss=null", dev_path)
 
-    mix = load_mix_sources(config.mix_datasets, data_dir, tokenizer, f"finetune.{method}.mix_datasets") \
+
+def _dev_set(dev_path: Path, config: SftSettings, tokenizer, chat: bool) -> tuple[list[Example] | None, list | None]:
+    """(encoded dev examples, their records: the first num_eval_examples), or (None, None) with a
+    warning when `dev_path` is missing."""
+    if not dev_path.exists():
+        log.warning("%s is missing; no evaluation, meta.json gets dev_loss=null", dev_path)
+        return None, None
+    dev_records = read_sft_file(dev_path)[:config.num_eval_examples or None]
+    dev = encode_examples(dev_records, dev_path, tokenizer, config.src_length, config.max_length, chat)
+    return dev, dev_records
+
+
+def _mix_sources(method: str, config: SftSettings, data_dir: Path, tokenizer) -> list[np.ndarray]:
+    """The general text of `mix_datasets` as token arrays (`load_mix_sources`); none without `mix_ratio`."""
+    return load_mix_sources(config.mix_datasets, data_dir, tokenizer, f"finetune.{method}.mix_datasets") \
         if config.mix_ratio else []
 
+
+def _training_model(method: str, config: SftSettings, model_dir: Path, examples: Sequence[Example]) -> torch.nn.Module:
+    """The base model of `model_dir` to train: whole for sft, with the method's adapter attached
+    (the base frozen) for lora and prefix. InputError when packing meets transformers' model."""
     # Each rank reads only its slice of the base, unless the prefix starts from the base's own KV
     # cache of real tokens (prefix_init: tokens), which needs the whole model before slicing.
     # Full SFT runs GPT-2 on our model too (every layout, written in GPT-2's layout); adapters of a
@@ -281,26 +274,69 @@ def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str |
         raise InputError(f"finetune.{method}.packing: {model_dir} trains through transformers' "
                          f"{type(model).__name__}, whose attention does not keep packed examples apart; "
                          f"packing needs a family our model implements ({', '.join(own_families())})")
-    if method != "sft":  # seeded above: the adapter's initial weights repeat, the same on every rank
+    if method != "sft":  # seeded before: the adapter's initial weights repeat, the same on every rank
         from stages.adapters import attach_adapter  # peft's import, only for the adapter methods
 
         model = attach_adapter(model, method, config, prefix_init_ids(config, examples))
+    return model
+
+
+def _identity(model_dir: Path, train_path: Path, method: str, mix: Sequence[np.ndarray]) -> dict[str, Any]:
+    """What makes two runs the same run (checkpoints resume only within one): the base, the
+    training records, the method and the general text mixed in."""
+    identity = {"base": model_identity(model_dir), "train": sha256_file(train_path), "method": method}
+    if mix:  # other general text is another run: never resumed from this one's checkpoints
+        identity["mix"] = [hashlib.sha256(np.ascontiguousarray(tokens).tobytes()).hexdigest() for tokens in mix]
+    return identity
+
+
+def _extra_metrics(config: SftSettings, source, degrees, trainable: int, total: int, train_examples: int,
+                   evaluator: DevEvaluator | None) -> dict[str, Any]:
+    """meta.json's metrics of the fine-tuning beside the engine's: parameter counts, examples,
+    the mixing as trained, and what dev_bleu4 and dev_rouge_l are when generation is evaluated."""
+    global_batch = (config.per_device_train_batch_size * config.gradient_accumulation_steps
+                    * degrees.data_parallel_degree * degrees.sharding_parallel_degree)
+    extra_metrics = {"trainable_params": trainable, "total_params": total, "train_examples": train_examples,
+                     **mixing_metrics(config, source, global_batch)}
+    if evaluator is not None and evaluator.generation is not None:  # what dev_bleu4 and dev_rouge_l are
+        extra_metrics["dev_metric_implementations"] = metric_implementations()
+    return extra_metrics
+
+
+def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str | Path,
+        config: Mapping[str, Any] | None = None, checkpoint_dir: str | Path | None = None) -> dict[str, Any]:
+    """Fine-tune the model in `model_dir` on `data_dir/sft/train.json` with `method` and the
+    validated `finetune.<method>` section `config`, on the training engine in the section's
+    layout; write `out_dir` atomically; return metrics (every rank). With `checkpoint_dir`,
+    checkpoints every `save_steps` steps and resumes as `resume_from_checkpoint` says. Settings
+    missing from `config` take the schema's defaults of `finetune.<method>`."""
+    config = check_section(method, config)
+    model_dir, data_dir = Path(model_dir), Path(data_dir)
+    train_path, dev_path = data_dir / "sft" / "train.json", data_dir / "sft" / "dev.json"
+    log_io(f"finetune-{method}", reads={"base model": model_dir, "SFT records": [train_path, dev_path]},
+           writes={f"{'model' if method == 'sft' else 'adapter'}, train_log.csv, meta.json": out_dir,
+                   "checkpoints, resumed from on a rerun": checkpoint_dir}, logger=log)
+    _check_inputs(model_dir, data_dir, train_path)
+    degrees = parallel_degrees(config)  # bad degrees fail before any process group exists
+    init_distributed()
+    set_seed(config.seed)
+    tokenizer = load_model_tokenizer(model_dir)
+    chat = data_chat_format(tokenizer, model_dir, data_dir)  # as prepare rendered the records
+    pad = pad_id(tokenizer)
+    examples = load_examples(train_path, tokenizer, config.src_length, config.max_length, chat)
+    dev, dev_records = _dev_set(dev_path, config, tokenizer, chat)
+    mix = _mix_sources(method, config, data_dir, tokenizer)
+
+    model = _training_model(method, config, model_dir, examples)
     trainable, total = count_parameters(model)
     if dist.get_rank() == 0:
         log.info("finetune-%s: %d examples, %d of %d parameters trainable, layout %s", method, len(examples),
                  trainable, total, degrees)
-    identity = {"base": model_identity(model_dir), "train": sha256_file(train_path), "method": method}
-    if mix:  # other general text is another run: never resumed from this one's checkpoints
-        identity["mix"] = [hashlib.sha256(np.ascontiguousarray(tokens).tobytes()).hexdigest() for tokens in mix]
+    identity = _identity(model_dir, train_path, method, mix)
     evaluator = dev_evaluator(config, dev, dev_records, tokenizer, pad, chat)
     writer = adapter_writer(method, config, model, model_dir) if method != "sft" else None
     source = build_source(config, examples, pad, mix)
-    global_batch = (config.per_device_train_batch_size * config.gradient_accumulation_steps
-                    * degrees.data_parallel_degree * degrees.sharding_parallel_degree)
-    extra_metrics = {"trainable_params": trainable, "total_params": total, "train_examples": len(examples),
-                     **mixing_metrics(config, source, global_batch)}
-    if evaluator is not None and evaluator.generation is not None:  # what dev_bleu4 and dev_rouge_l are
-        extra_metrics["dev_metric_implementations"] = metric_implementations()
+    extra_metrics = _extra_metrics(config, source, degrees, trainable, total, len(examples), evaluator)
     metrics = engine_train(model, source, config, out_dir, stage=f"finetune-{method}",
                            tokenizer_dir=model_dir, parent=model_dir, meta_config=config,
                            checkpoint_dir=checkpoint_dir, identity=identity, evaluator=evaluator,

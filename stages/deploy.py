@@ -70,7 +70,7 @@ def gguf(model_dir: str | Path, file_type: str, data_dir: str | Path, out_dir: s
     """Write and check deploy/gguf-<type>/; return its meta.json metrics."""
     import transformers
 
-    from stages.checkpoint.gguf import repair_pre_tokenizer
+    from stages.checkpoint.gguf import repair_pre_tokenizer  # transformers: only the GGUF check needs it
 
     section = DeploySettings.of(config)
     model_dir, out_dir = Path(model_dir), Path(out_dir)
@@ -116,6 +116,7 @@ def compressed_tensors(a8w8_dir: str | Path, data_dir: str | Path, out_dir: str 
     import compressed_tensors as ct_package
     import transformers
 
+    # transformers: only the compressed-tensors check needs them
     from stages.deployment.compressed_tensors import write_compressed_tensors
     from stages.quant import load_quantized
 

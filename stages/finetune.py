@@ -219,6 +219,7 @@ def dev_evaluator(config: SftSettings, dev: Sequence[Example] | None, dev_record
 
 def adapter_writer(method: str, config: SftSettings, model: torch.nn.Module, model_dir: Path):
     """Writes the trained adapter tensors (whole, by the training model's names) as a peft adapter dir."""
+    # peft and transformers: full SFT and pretraining-only runs never load them
     from stages.adapters.peft_files import peft_config_for, peft_model_tensors, peft_tensors, write_adapter
 
     if isinstance(model, LlamaForCausalLM):

@@ -204,7 +204,7 @@ def _special_flags(tokenizer: Any, path: Path) -> tuple[bool, bool]:
 
 def gguf_tokenizer(model_dir: str | Path, vocab_size: int) -> GGUFTokenizer:
     """The tokenizer of `model_dir` in GGUF's terms, for a model with `vocab_size` embedding rows."""
-    from stages.data.tokenizer import load_model_tokenizer
+    from stages.data.tokenizer import load_model_tokenizer  # tokenizers: this module is read without it
 
     path = Path(model_dir) / "tokenizer.json"
     if not path.is_file():

@@ -24,6 +24,7 @@ from stages.model.labels import IGNORE_INDEX
 from stages.model.loss import counted_tokens
 from stages.metrics.text import corpus_bleu, exact_match, rouge_l
 from stages.model import LlamaForCausalLM
+from stages.training.step import token_sum_loss
 
 Example = tuple[list[int], list[int]]
 
@@ -63,8 +64,6 @@ class DevEvaluator:
         return metrics
 
     def loss(self, engine) -> float:
-        from stages.training.step import token_sum_loss
-
         total, count = 0.0, 0
         for start in range(0, len(self.examples), self.batch_size):
             chunk = self.examples[start:start + self.batch_size]

@@ -78,6 +78,7 @@ def load_causal_lm(model_dir: str | Path, lazy: bool = False, families: str = "o
     slice by the engine (`stages.training.materialize`); a transformers model is always whole.
     `families="all"` (full training: pretraining, full SFT) also takes GPT-2 into our model
     (`stages.model.registry.Family.trains_ours`)."""
+    # torch and safetensors: this module is torch-free at import (see its docstring)
     from stages.checkpoint.hf import load_config, load_pretrained
     from stages.training.materialize import lazy_pretrained
 
@@ -90,7 +91,7 @@ def load_causal_lm(model_dir: str | Path, lazy: bool = False, families: str = "o
     import torch
     import transformers
 
-    from stages.checkpoint.weights import check_model_dir
+    from stages.checkpoint.weights import check_model_dir  # torch: torch-free at import
 
     check_model_dir(model_dir)  # outside the except: a refusal here is not "during" the decline
     model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -122,7 +123,7 @@ def write_config(config, directory: str | Path, generation_config=None) -> None:
     (`stages.checkpoint.hf.save_config`), a transformers config by its own `save_pretrained`, so
     every field of the source config.json stays. The weights beside it are fp32."""
     if is_own_config(config):
-        from stages.checkpoint.hf import save_config
+        from stages.checkpoint.hf import save_config  # torch: torch-free at import
 
         save_config(config, directory)
         return

@@ -33,6 +33,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from stages.checkpoint.hf import load_config
+from stages.checkpoint.weights import check_model_dir, open_safetensors, read_header, read_tensor
 from stages.model import LlamaConfig, LlamaForCausalLM, build_model
 from stages.model.gpt2_layout import from_hf, our_name
 from stages.parallel.tensor import partition_chunks, partition_dim, shard_tensor
@@ -51,8 +53,6 @@ def lazy_pretrained(model_dir: str | Path, families: str = "ours") -> LlamaForCa
     read from `model_dir` when this rank's slice is known. The directory is checked now (config,
     safetensors files, tensor names against the model), so a bad input fails before any slicing.
     `families` as for `stages.checkpoint.hf.load_config` ("all": GPT-2 too, for pretraining)."""
-    from stages.checkpoint.hf import load_config
-
     config = load_config(model_dir, families)
     model = build_model(config, device="meta")
     model.weight_source = CheckpointWeights(model_dir, model)
@@ -99,8 +99,6 @@ class CheckpointWeights(WeightSource):
     GPT-2's names and Conv1D weights translated by `stages.model.gpt2_layout`)."""
 
     def __init__(self, model_dir: str | Path, model: LlamaForCausalLM):
-        from stages.checkpoint.weights import check_model_dir, read_header
-
         self.model_dir = Path(model_dir)
         self.gpt2 = model.config.gpt2_blocks
         self.where: dict[str, tuple[Path, str]] = {}  # our name -> (file, its key there)
@@ -127,8 +125,6 @@ class CheckpointWeights(WeightSource):
             return key  # reported as unexpected
 
     def tensors(self, names: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
-        from stages.checkpoint.weights import open_safetensors, read_tensor
-
         by_file: dict[Path, list[str]] = {}
         for name in sorted(names):
             by_file.setdefault(self.where[name][0], []).append(name)

@@ -178,6 +178,18 @@ def test_an_import_inside_a_function_keeps_a_heavy_package_out():
     assert not needless, "\n".join(needless)
 
 
+def test_an_import_inside_a_function_says_why():
+    """Each lazy `stages` import carries its reason: a comment on its line or just above it."""
+    silent = []
+    for m in MODULES:
+        lines = MODULES[m].read_text().splitlines()
+        for target, inner, line in imports(m):
+            if inner and target in MODULES and not any("#" in text for text in lines[max(0, line - 4):line]):
+                silent.append(f"{m}:{line} imports {target} inside a function without a comment saying why "
+                              f"(it keeps {sorted(heavy(target) - heavy(m))} out)")
+    assert not silent, "\n".join(silent)
+
+
 def test_the_layers_are_populated_as_documented():
     """Guards the test itself: each layer holds what docs/layout.md says."""
     assert {"stages.model.config", "stages.quant.variants", "stages.checkpoint.source"} <= FACTS

@@ -38,7 +38,6 @@ from stages.errors import InputError
 from stages.quant.gptq_format import QUANT_SUFFIXES, dequantize_packed, format_of
 from stages.quant.layers import linear_layers, meta_model
 from stages.quant.weight_only import apply_weight_only_kernels
-from stages.quant.a8w8 import apply_a8w8_state
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +160,7 @@ def load_quantized(model_dir: str | Path, kernels: bool = True) -> transformers.
         if method == "gptq":
             model.quant_kernels = apply_weight_only_kernels(model, quantized, qcfg, transposed)
         else:
+            from stages.quant.a8w8 import apply_a8w8_state  # lazy: only A8W8 directories need its kernels
 
             # the float tensors as transformers loaded them (names converted, ties kept), plus A8W8's
             layer_set = set(names)

@@ -288,7 +288,11 @@ def test_from_text_bench_report_has_its_keys(tmp_path, debug_model_dir):
                                 "--gguf", str(tmp_path / "m.gguf"), "--max-new-tokens", "4")
     assert "same answers" in stdout and result["records"] == 2
     rows = result["runtimes"]
-    assert set(rows) == {"project (encode_prompt)", "transformers", "GGUF (transformers)", "transformers, no special "
-                         "tokens", "GGUF (transformers), no special tokens"}
-    assert rows["transformers"]["same_prompt_ids"] == rows["GGUF (transformers)"]["same_prompt_ids"] == 2
+    from bench.llama_cpp_runtime import installed
+
+    gguf = ["GGUF (transformers)", *(["GGUF (llama.cpp)"] if installed() else [])]  # llama.cpp where a binding is
+    assert set(rows) == {"project (encode_prompt)", "transformers", "transformers, no special tokens",
+                         *gguf, *(f"{g}, no special tokens" for g in gguf)}
+    assert rows["transformers"]["same_prompt_ids"] == 2 and all(rows[g]["same_prompt_ids"] == 2 for g in gguf)
     assert rows["transformers, no special tokens"]["same_prompt_ids"] == 0
+    assert all(rows[f"{g}, no special tokens"]["same_prompt_ids"] == 0 for g in gguf)

@@ -30,6 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a file from anywhere: `stages` is the repo's package
 
+from bench import llama_cpp_runtime as llama_cpp  # noqa: E402
 from bench.common import finish, machine_info  # noqa: E402
 from stages.data.sft import encode_prompt, read_sft_file, target_text  # noqa: E402
 from stages.inference.generation import generate_greedy  # noqa: E402
@@ -75,21 +76,11 @@ def genai_runtime(export_dir: Path, special: bool) -> Callable[[str, int], tuple
     return answer
 
 
-def llama_cpp_binding() -> str | None:
-    from bench.llama_cpp_runtime import LlamaCppUnavailable, binding
-
-    try:
-        return binding()
-    except LlamaCppUnavailable:
-        return None
-
-
 def llama_cpp_runtime(gguf: Path, special: bool) -> Callable[[str, int], tuple[list[int], str]]:
     """(prompt ids, answer) of llama.cpp on a GGUF file, from the text; stops at the file's eos."""
-    from bench.llama_cpp_runtime import open_gguf
     from transformers import AutoTokenizer
 
-    llm = open_gguf(gguf, n_ctx=512)
+    llm = llama_cpp.open_gguf(gguf, n_ctx=512)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)  # the file's vocabulary, to decode
 
     def answer(text: str, new_tokens: int) -> tuple[list[int], str]:
@@ -129,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             runtimes[f"onnxruntime-genai{tag}"] = lambda s=special: genai_runtime(args.export, s)
         if args.gguf:
             runtimes[f"GGUF (transformers){tag}"] = lambda s=special: hf_runtime(args.gguf.parent, args.gguf.name, s)
-            if llama_cpp_binding():
+            if llama_cpp.installed():
                 runtimes[f"GGUF (llama.cpp){tag}"] = lambda s=special: llama_cpp_runtime(args.gguf, s)
     rows: dict[str, Any] = {"project (encode_prompt)": {"exact_match": exact_match(project, references),
                                                           "same_answers": len(records),
@@ -142,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                       "same_answers": sum(a == b for a, b in zip(answers, project)),
                       "same_prompt_ids": sum(ids == p for (ids, _), p in zip(results, prompts))}
     result = {"machine": machine_info("transformers", "onnxruntime-genai", "llama_cpp_python", "llama_cpp_cffi"),
-              "llama_cpp_binding": llama_cpp_binding(), "model": str(args.model),
+              "llama_cpp_binding": llama_cpp.binding() if llama_cpp.installed() else None, "model": str(args.model),
               "records": len(records), "max_new_tokens": args.max_new_tokens, "runtimes": rows}
 
     def report(r: dict[str, Any]) -> str:

@@ -37,7 +37,7 @@ INT8_DIR = "int8"  # the INT8 variant's own directory inside an export directory
 GENAI_CONFIG = "genai_config.json"
 # model_types that onnxruntime-genai 0.18 runs under their own name (ModelType::IsLLM) and a test
 # opens; the other families of our model get its generic decoder-only type
-GENAI_MODEL_TYPES = tuple(sorted(f.model_type for f in FAMILIES if f.genai_type))  # stages/model/registry.py
+GENAI_MODEL_TYPES = tuple(sorted(f.model_type for f in FAMILIES if f.genai_named))  # stages/model/registry.py
 GENAI_GENERIC_TYPE = "decoder"
 
 

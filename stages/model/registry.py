@@ -40,7 +40,7 @@ class Family:
     gpt2_blocks: bool = False  # learned positions, LayerNorm with bias, GELU MLP, fused qkv (gpt2_layout)
     # -- deployment ----------------------------------------------------------------------------------
     gguf_arch: str | None = None  # llama.cpp's architecture our GGUF writer writes it as; None: not written
-    genai_type: str | None = None  # onnxruntime-genai's model type; None: its generic "decoder"
+    genai_named: bool = False  # onnxruntime-genai runs it under its model_type; else as its generic "decoder"
     smooth_fold: bool = False  # A8W8 SmoothQuant scales fold into its norms (compressed-tensors export)
 
     def __post_init__(self) -> None:
@@ -52,27 +52,27 @@ class Family:
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family("Llama", "llama", "LlamaForCausalLM", ours=True, o_proj_bias=True, gguf_arch="llama", genai_type="llama",
+    Family("Llama", "llama", "LlamaForCausalLM", ours=True, o_proj_bias=True, gguf_arch="llama", genai_named=True,
            smooth_fold=True,
            hf_defaults=dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                             num_attention_heads=32, num_key_value_heads=None, head_dim=None, max_position_embeddings=2048,
                             rms_norm_eps=1e-6, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",
                             attention_dropout=0.0, attention_bias=False, mlp_bias=False)),
     Family("Qwen2", "qwen2", "Qwen2ForCausalLM", ours=True, qkv_bias="always", windows="per_layer",
-           gguf_arch="qwen2", genai_type="qwen2", smooth_fold=True,
+           gguf_arch="qwen2", genai_named=True, smooth_fold=True,
            hf_defaults=dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
                             num_attention_heads=32, num_key_value_heads=32, head_dim=None, max_position_embeddings=32768,
                             rms_norm_eps=1e-6, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",
                             attention_dropout=0.0, use_sliding_window=False, sliding_window=4096, max_window_layers=28,
                             layer_types=None)),
     Family("Mistral", "mistral", "MistralForCausalLM", ours=True, qkv_bias="never", windows="every_layer",
-           gguf_arch="llama", genai_type="mistral", smooth_fold=True,
+           gguf_arch="llama", genai_named=True, smooth_fold=True,
            hf_defaults=dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                             num_attention_heads=32, num_key_value_heads=8, head_dim=None, max_position_embeddings=131072,
                             rms_norm_eps=1e-6, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",
                             attention_dropout=0.0, sliding_window=4096)),
     Family("Qwen3", "qwen3", "Qwen3ForCausalLM", ours=True, o_proj_bias=True, qk_norm=True, windows="per_layer",
-           genai_type="qwen3", smooth_fold=True,
+           genai_named=True, smooth_fold=True,
            hf_defaults=dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
                             num_attention_heads=32, num_key_value_heads=32, head_dim=128, max_position_embeddings=32768,
                             rms_norm_eps=1e-6, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",

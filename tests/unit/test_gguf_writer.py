@@ -370,11 +370,6 @@ def _llama(path: Path, **kwargs):
         pytest.skip(str(err))
 
 
-def _greedy_llama_cpp(llm, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
-    """(n greedy tokens, the logits after the prompt)."""
-    return llm.greedy(prompt, n)
-
-
 @torch.no_grad()
 def _greedy_torch(model, prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
     ids = torch.tensor([prompt])
@@ -393,7 +388,7 @@ def test_llama_cpp_greedy_equals_torch_on_f32_and_runs_q4_0(trained_dir, tmp_pat
     for file_type in ("f32", "q4_0"):
         write_gguf(trained_dir, tmp_path / f"{file_type}.gguf", file_type)
         # an f32 KV cache (llama.cpp's default is f16) so that f32 logits compare at 1e-4
-        results[file_type] = _greedy_llama_cpp(_llama(tmp_path / f"{file_type}.gguf", f32_cache=True), prompt, 16)
+        results[file_type] = _llama(tmp_path / f"{file_type}.gguf", f32_cache=True).greedy(prompt, 16)
     tokens, logits = results["f32"]
     print(f"llama.cpp f32 max |logit diff| {np.abs(logits - expected_logits).max():.2e}; q4_0 greedy "
           f"agreement {np.mean([a == b for a, b in zip(results['q4_0'][0], expected)]):.2f}")
@@ -418,7 +413,7 @@ def test_llama_cpp_logits_equal_transformers_on_f32(sources, tiny_tokenizer_dir,
     prompt = load_model_tokenizer(src)("the colour of the sky is")["input_ids"]
     source = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     expected, expected_logits = _greedy_torch(source, prompt, 8)
-    tokens, logits = _greedy_llama_cpp(_llama(tmp_path / "m.gguf", f32_cache=True), prompt, 8)
+    tokens, logits = _llama(tmp_path / "m.gguf", f32_cache=True).greedy(prompt, 8)
     np.testing.assert_allclose(logits, expected_logits, atol=1e-4, rtol=0)
     assert tokens == expected
 
@@ -469,7 +464,7 @@ def test_llama_cpp_answers_prompt_text_as_the_predictor(debug_model_dir, tmp_pat
     for text in ("what colour is the apple?", "sky", "def main(argv): return 0"):
         prompt = encode_prompt(ours, SftRecord(src=[text], tgt=[""]), 1 << 20)
         assert llm.tokenize(text) == prompt, text
-        assert _greedy_llama_cpp(llm, prompt, 8)[0] == _greedy_torch(model, prompt, 8)[0], text
+        assert llm.greedy(prompt, 8)[0] == _greedy_torch(model, prompt, 8)[0], text
 
 
 @pytest.mark.slow
@@ -485,7 +480,7 @@ def test_llama_cpp_runs_our_smollm2_file_as_transformers_runs_the_checkpoint(smo
     source = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     prompt = source_tok("The capital of France is")["input_ids"]
     expected, expected_logits = _greedy_torch(source, prompt, 8)
-    tokens, logits = _greedy_llama_cpp(llm, prompt, 8)
+    tokens, logits = llm.greedy(prompt, 8)
     print(f"SmolLM2 f32 in llama.cpp: max |logit diff| {np.abs(logits - expected_logits).max():.2e}")
     np.testing.assert_allclose(logits, expected_logits, atol=2e-4, rtol=0)  # 2.1e-5 seen
     assert tokens == expected

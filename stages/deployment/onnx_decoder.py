@@ -182,7 +182,7 @@ def export_decoder(decoder: CachedDecoder, path: Path, opset_version: int, exter
     for name in (*past_names(n), *present_names(n)):
         axes[name] = {0: axes[name][0], 2: axes[name][2]}
     return export_with_fallback(decoder, example, path, names, dynamic_shapes=shapes, dynamic_axes=axes,
-                                external_data=external_data, after_dynamo=lambda p: name_axes(p, n))
+                                external_data=external_data, after_dynamo=lambda p: tidy_graph(p, n))
 
 
 def _axis_names(num_layers: int) -> dict[str, tuple[str, ...]]:
@@ -193,9 +193,16 @@ def _axis_names(num_layers: int) -> dict[str, tuple[str, ...]]:
             **{name: (b, "", s, "") for name in present_names(num_layers)}}
 
 
-def name_axes(path: Path, num_layers: int) -> None:
+# node metadata the dynamo exporter writes that names files of this machine: the Python stack of
+# each node, with the absolute paths of the checkout and the venv (the other keys name modules)
+MACHINE_METADATA = ("pkg.torch.onnx.stack_trace",)
+
+
+def tidy_graph(path: Path, num_layers: int) -> None:
     """Rename the dynamo exporter's symbolic axes (s43, "s70 + s81") of the graph's inputs and
-    outputs to `_axis_names`; the weights (external data included) stay where they are."""
+    outputs to `_axis_names`, and drop the node metadata that names this machine's files
+    (MACHINE_METADATA), so the same model exported from another checkout is the same file; the
+    weights (external data included) stay where they are."""
     import onnx
 
     proto = onnx.load(str(path), load_external_data=False)
@@ -204,4 +211,9 @@ def name_axes(path: Path, num_layers: int) -> None:
         for dim, name in zip(value.type.tensor_type.shape.dim, names[value.name]):
             if name and dim.HasField("dim_param"):
                 dim.dim_param = name
+    for node in proto.graph.node:
+        kept = [kv for kv in node.metadata_props if kv.key not in MACHINE_METADATA]
+        if len(kept) != len(node.metadata_props):
+            del node.metadata_props[:]
+            node.metadata_props.extend(kept)
     onnx.save(proto, str(path))

@@ -68,6 +68,24 @@ def test_directory_names_and_metrics(exported):
     assert meta["metrics"] == m and meta["config"]["int8"] is True
 
 
+def test_the_graphs_name_no_file_of_this_machine(exported):
+    """The same model exported from another checkout or venv is the same file: no node metadata
+    (the dynamo exporter's Python stack traces) names the checkout or the venv."""
+    import sys
+    from pathlib import Path
+
+    import onnx
+
+    checkout = str(Path(__file__).resolve().parents[2])
+    root, _ = exported
+    for path in (root / "onnx" / "model.onnx", root / "onnx" / "int8" / "model.onnx"):
+        proto = onnx.load(str(path), load_external_data=False)
+        values = [kv.value for node in proto.graph.node for kv in node.metadata_props]
+        assert values, path  # the module scopes and fx nodes stay: they name no file
+        for place in (checkout, sys.prefix):
+            assert not any(place in v for v in values), (path, place)
+
+
 def _prompts(tokenizer, tmp_path):
     path = tmp_path / "records.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS))

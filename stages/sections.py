@@ -6,12 +6,16 @@ defaults: `Section.of(section)` completes what it is given with the schema's def
 the object, so the schema stays the one source of defaults and of the rules on values.
 `tests/unit/test_sections.py` keeps the fields and their types equal to the schema's.
 
-A section is also a read-only mapping (`section["max_steps"]`, `.get`, `.items()`), so the engine's
-functions that take a section as a mapping accept it; a stage's own code reads attributes:
+A section is also a read-only mapping (`section["max_steps"]`, `.get`, `.items()`: what meta.json
+and a run's fingerprint iterate over); code reads attributes:
 
     lora = LoraSettings.of({"max_steps": 20})    # every other finetune.lora key at its default
     lora.learning_rate, lora["lora_rank"]
     lora.replace(max_steps=40)                   # checked again; as does lora | {"max_steps": 40}
+
+`training_section(mapping)` is the typed training section of a plain mapping (the class chosen by
+its keys): the training engine and the memory planner convert what their callers give them once,
+with it, and read attributes below.
 
 Torch-free.
 """
@@ -242,3 +246,18 @@ BY_NAME: dict[str, type[Section]] = {cls.SECTION: cls for cls in (
     ModelSettings, DataSettings, PretrainSettings, SftSettings, LoraSettings, PrefixSettings,
     QuantizeSettings, ExportSettings, DeploySettings, EvaluateSettings, ClusterSettings)}
 FINETUNE: dict[str, type[SftSettings]] = {"sft": SftSettings, "lora": LoraSettings, "prefix": PrefixSettings}
+
+
+def training_section(section: Mapping[str, Any]) -> TrainingSettings:
+    """`section` as a typed training section: itself when it is one; a mapping completed and checked
+    (`Section.of`) as the first of finetune.sft, finetune.lora, finetune.prefix and pretrain that
+    has every key it has. So a LoRA or prefix key picks that method, `enabled` pretraining, and keys
+    that every training section has finetune.sft's defaults for the rest (one device, no sharding);
+    an unknown key is a ConfigError naming it. The training engine and the memory planner take
+    typed sections and convert what their callers give them once, here."""
+    if isinstance(section, TrainingSettings):
+        return section
+    for cls in (SftSettings, LoraSettings, PrefixSettings, PretrainSettings):
+        if all(key in _field_names(cls) for key in section):
+            return cls.of(section)
+    return SftSettings.of(section)  # the ConfigError naming the unknown key

@@ -58,8 +58,10 @@ def native_bf16() -> str | None:
 
 def resolved_bf16(section):
     """`section` with `bf16: auto` decided for this machine: true where `native_bf16()`, else
-    false (a bool is returned unchanged). The run's fingerprint and engine see the decision, and
-    meta.json's metrics record it as `bf16`. `section` is a typed section or a mapping."""
+    false (a bool is returned unchanged, so deciding twice is deciding once). The training engine
+    decides it once, where a run is set up (`stages.training.engine.setup`): the run's fingerprint
+    and engine see the decision, and meta.json's metrics record it as `bf16`. `section` is a typed
+    section or a mapping."""
     if section["bf16"] != "auto":
         return section
     decided = native_bf16() is not None

@@ -69,6 +69,7 @@ from stages.model.gpt2_layout import hf_name, to_hf
 from stages.parallel.mappings import collective_device
 from stages.parallel.tensor import join_shards, partition_chunks, partition_dim, shard_tensor
 from stages.parallel.topology import Topology
+from stages.sections import TrainingSettings
 from stages.training.families import write_config
 
 log = logging.getLogger(__name__)
@@ -383,17 +384,17 @@ class Checkpointer:
     """Saves every `save_steps` steps into `run_dir` (rotating to `save_total_limit`), optionally in
     a background thread, and finds the checkpoint to resume from. Every method is collective."""
 
-    def __init__(self, run_dir: Path, section: Mapping[str, Any], topology: Topology, model_config=None):
+    def __init__(self, run_dir: Path, section: TrainingSettings, topology: Topology, model_config=None):
         """`model_config` (our LlamaConfig or a transformers config), when given, is written as
         config.json into unified checkpoints, so that they load with
         `AutoModelForCausalLM.from_pretrained`."""
         self.run_dir = Path(run_dir)
         self.model_config = model_config
-        self.save_steps = int(section["save_steps"])  # a complete section: the schema's defaults
-        self.limit = int(section["save_total_limit"])
-        self.unified = bool(section["unified_checkpoint"])
-        self.async_save = bool(section["async_save"])
-        self.resume_from = section["resume_from_checkpoint"]
+        self.save_steps = section.save_steps
+        self.limit = section.save_total_limit
+        self.unified = section.unified_checkpoint
+        self.async_save = section.async_save
+        self.resume_from = section.resume_from_checkpoint
         self.topology = topology
         self.rank = dist.get_rank()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint") if self.async_save else None

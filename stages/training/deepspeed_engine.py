@@ -9,7 +9,9 @@ its FP16_UnfusedOptimizer, whose construction takes one optimizer step on zero g
 `forget_initial_step` undoes, and whose fp16 loss scale the training step applies itself
 (`loss_scale`). Within one step the micro-batches' gradients add up in the model's
 dtype in every layout (DeepSpeed's default; its fp32 accumulation, `grad_accum_dtype`, exists for
-ZeRO-1 and its own pipeline engine only, and raises NotImplementedError without ZeRO)."""
+ZeRO-1 and its own pipeline engine only, and raises NotImplementedError without ZeRO).
+
+Each function takes a typed training section or a mapping (`stages.sections.training_section`)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 
 from stages.parallel import Topology
+from stages.sections import training_section
 from stages.training.capabilities import resolved_bf16
 from stages.training.checkpointing import OptimizerAccess
 from stages.training.schedule import build_scheduler
@@ -28,32 +31,32 @@ ZERO_STAGES = {"none": 0, "stage1": 1, "stage2": 2, "stage3": 3}
 
 
 def deepspeed_config(section: Mapping[str, Any], data_parallel: int, pipeline: bool = False) -> dict[str, Any]:
-    """The DeepSpeed JSON config for a validated training section over `data_parallel` replicas.
-    With `pipeline`, DeepSpeed sees one batch of micro x accum per step: the pipeline schedule,
-    not DeepSpeed, cuts it into the micro-batches."""
-    micro = section["per_device_train_batch_size"]
-    zero = ZERO_STAGES[section["sharding"]]
-    bf16 = bool(resolved_bf16(section)["bf16"])  # auto: decided for this machine
-    accum = section["gradient_accumulation_steps"]
+    """The DeepSpeed JSON config for a training section over `data_parallel` replicas. With
+    `pipeline`, DeepSpeed sees one batch of micro x accum per step: the pipeline schedule, not
+    DeepSpeed, cuts it into the micro-batches. `bf16: auto` is decided for this machine
+    (`resolved_bf16`; the engine's sections come decided already)."""
+    section = resolved_bf16(training_section(section))
+    micro, accum = section.per_device_train_batch_size, section.gradient_accumulation_steps
+    zero = ZERO_STAGES[section.sharding]
     if pipeline:
         micro, accum = micro * accum, 1
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
         "train_batch_size": micro * accum * data_parallel,
-        "gradient_clipping": section["max_grad_norm"],
+        "gradient_clipping": section.max_grad_norm,
         "zero_optimization": {"stage": zero,
-                              **({"offload_optimizer": {"device": "cpu"}} if section["sharding_offload"] else {})},
+                              **({"offload_optimizer": {"device": "cpu"}} if section.sharding_offload else {})},
         "zero_force_ds_cpu_optimizer": False,  # offload runs our torch AdamW on the CPU copy
         "zero_allow_untested_optimizer": True,  # torch AdamW runs on CPU; DeepSpeed's fused Adam is CUDA-only
-        "bf16": {"enabled": bf16},
+        "bf16": {"enabled": section.bf16},
         # Gradients are summed over data parallel in fp32 (DeepSpeed's default is the model's dtype).
         # Over 2 ranks the two are bit-identical: a + b of two bf16 numbers is exact in fp32 and
         # rounded once either way.
         "communication_data_type": "fp32",
         # dynamic loss scaling from 2^16, halved on overflow (the step is skipped), doubled after
         # 1000 clean steps; DeepSpeed keeps fp32 master weights in the optimizer
-        "fp16": {"enabled": bool(section["fp16"]), "loss_scale": 0, "initial_scale_power": 16},
+        "fp16": {"enabled": section.fp16, "loss_scale": 0, "initial_scale_power": 16},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
@@ -64,8 +67,9 @@ def adamw(params, section: Mapping[str, Any]) -> torch.optim.AdamW:
     it one flat fp32 partition) instead of the single-tensor loop's dozen on a CPU; transformers'
     Trainer defaults to the same (`adamw_torch_fused`). Same maths, rounded differently in the last
     bit (bench/README, train_throughput.py)."""
-    return torch.optim.AdamW(params, lr=section["learning_rate"], betas=(section["adam_beta1"], section["adam_beta2"]),
-                             weight_decay=section["weight_decay"], eps=1e-8, fused=True)
+    section = training_section(section)
+    return torch.optim.AdamW(params, lr=section.learning_rate, betas=(section.adam_beta1, section.adam_beta2),
+                             weight_decay=section.weight_decay, eps=1e-8, fused=True)
 
 
 def build_engine(module: torch.nn.Module, section: Mapping[str, Any], topology: Topology, *, pipeline: bool):
@@ -75,11 +79,12 @@ def build_engine(module: torch.nn.Module, section: Mapping[str, Any], topology: 
     import deepspeed
     from deepspeed.runtime.utils import clip_grad_norm_
 
+    section = training_section(section)
     trained = [p for p in module.parameters() if p.requires_grad]  # an adapter's only; the base is frozen
     optimizer = adamw(trained, section)
     scheduler = build_scheduler(optimizer, section)
     ds_config = deepspeed_config(section, topology.get_data_parallel_world_size(), pipeline=pipeline)
-    zero_off = ZERO_STAGES[section["sharding"]] == 0
+    zero_off = ZERO_STAGES[section.sharding] == 0
     if zero_off:  # clipped by `clip` below
         ds_config["gradient_clipping"] = 0.0
     engine, optimizer, _, scheduler = deepspeed.initialize(
@@ -89,7 +94,7 @@ def build_engine(module: torch.nn.Module, section: Mapping[str, Any], topology: 
     # topology's model-parallel reduction) so train_log.csv has grad_norm for every layout.
     clip = None
     if zero_off:
-        max_norm = section["max_grad_norm"] or float("inf")
+        max_norm = section.max_grad_norm or float("inf")
 
         def clip_and_measure(m: torch.nn.Module) -> float:
             scale = loss_scale(engine)  # fp16: the gradients are still multiplied by the loss scale

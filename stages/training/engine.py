@@ -18,6 +18,9 @@ the single-device model, a tied lm_head under its embedding's name only, as Hugg
 This module is the run: `setup` -> `run_steps` -> `finish` (`train` calls the three). Its parts,
 one idea a module: `distributed` (process groups), `parallelize` (the layout on the model),
 `deepspeed_engine` (ZeRO, optimizer, schedule), `step` (one optimizer step and its loss).
+`setup` takes the training section as a typed section or a mapping, makes it the typed section of
+its keys (`stages.sections.training_section`) with `bf16: auto` decided for this machine, and the
+run reads that one (`Run.section`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from stages.model import LlamaForCausalLM
 from stages.parallel import Topology
 from stages.parallel.mappings import collective_device
 from stages.parallel.pipeline import PipelineRunner
+from stages.sections import SftSettings, TrainingSettings, training_section
 from stages.training.checkpointing import (
     Checkpointer,
     OptimizerAccess,
@@ -76,7 +80,8 @@ def _peak_flops(section: Mapping[str, Any], device: torch.device, world: int) ->
     """Matmul FLOP/s of all devices of the run, measured in the training dtype (once per process, by
     rank 0): on GPU each rank has a device; on CPU rank 0 measures at its own share of the node's
     threads, and the node's ranks run side by side as far as its cores allow (`cpu_ranks_at_peak`)."""
-    dtype = torch.bfloat16 if section["bf16"] else torch.float16 if section["fp16"] else torch.float32
+    section = training_section(section)
+    dtype = torch.bfloat16 if section.bf16 else torch.float16 if section.fp16 else torch.float32
     per_device = _measured_peak(dtype, str(device))
     if torch.device(device).type == "cuda":
         return per_device * world
@@ -111,7 +116,7 @@ def logits_flops_per_token(model: torch.nn.Module) -> int:
     return (6 if model.lm_head.weight.requires_grad else 4) * model.lm_head.weight.numel()
 
 
-def open_checkpoints(model: torch.nn.Module, section: Mapping[str, Any], topology: Topology, checkpoint_dir: Path,
+def open_checkpoints(model: torch.nn.Module, section: TrainingSettings, topology: Topology, checkpoint_dir: Path,
                      global_batch: int, identity: dict[str, Any] | None):
     """The run's Checkpointer in `checkpoint_dir/<fingerprint>/` and the checkpoint to resume from
     (a StateReader, or None). When resuming, the checkpoint's weights are already loaded into the
@@ -129,7 +134,7 @@ def open_checkpoints(model: torch.nn.Module, section: Mapping[str, Any], topolog
 class Run:
     """A training run between `setup` and `finish`: the engine and what the step loop keeps."""
 
-    section: Mapping[str, Any]
+    section: TrainingSettings  # bf16 decided
     stage: str
     topology: Topology
     engine: Any
@@ -167,11 +172,11 @@ class Run:
         d = self.topology.degrees
         return {"world_size": d.world_size, "data_parallel_degree": self.topology.get_data_parallel_world_size(),
                 "tensor_parallel_degree": d.tensor_parallel_degree, "pipeline_parallel_degree": d.pipeline_parallel_degree,
-                "virtual_pp_degree": self.section["virtual_pp_degree"], "sharding": self.section["sharding"]}
+                "virtual_pp_degree": self.section.virtual_pp_degree, "sharding": self.section.sharding}
 
     def trainer_state(self, step: int) -> dict[str, Any]:
         return {"global_step": step, "consumed_samples": step * self.global_batch,
-                "global_batch_size": self.global_batch, "max_steps": self.section["max_steps"],
+                "global_batch_size": self.global_batch, "max_steps": self.section.max_steps,
                 "losses": list(self.losses), "train_log": list(self.train_log.rows), "layout": self.layout(),
                 "evaluations": list(self.evaluations), "stops": list(self.stops),
                 **engine_state(self.engine, self.scheduler)}
@@ -183,9 +188,13 @@ def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: 
     """Check the layout against `model`, find the checkpoint to resume from (its weights loaded
     into the full model), parallelise (a lazy model on the meta device is then filled with this
     rank's slice, from the checkpoint when resuming), build the DeepSpeed engine, restore the
-    training state and open the log. Collective; call after `init_distributed()`."""
+    training state and open the log. Collective; call after `init_distributed()`. `section` is a
+    typed training section or a mapping (`training_section`); `bf16: auto` is decided here, once,
+    for this machine (`resolved_bf16`), and the run's fingerprint, engine and metrics see the
+    decision."""
     import torch.distributed as dist
 
+    section = _bf16_decided(training_section(section), stage)
     keep_freed_host_memory()  # every step reuses the pages the last one freed (stages.training.allocator)
     degrees = parallel_degrees(section)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -195,9 +204,9 @@ def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: 
     topology = Topology(degrees)
     dp = topology.get_data_parallel_world_size()
     check_model_fits(model, section, degrees)
-    if section["fp16"] and fp16_unsupported_reason():  # the config check, for runs outside Snakemake
+    if section.fp16 and fp16_unsupported_reason():  # the config check, for runs outside Snakemake
         raise ValueError(f"fp16=true: {fp16_unsupported_reason()}")
-    global_batch = section["per_device_train_batch_size"] * section["gradient_accumulation_steps"] * dp
+    global_batch = section.per_device_train_batch_size * section.gradient_accumulation_steps * dp
 
     checkpointer = resume = None
     if checkpoint_dir is not None:
@@ -228,7 +237,7 @@ def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: 
         if rank == 0:
             on_stop = [s["reason"] for s in stops if s["step"] == start_step]
             log.info("%s: resumed at step %d of %d (checkpoint saved with %s%s)", stage, start_step,
-                     section["max_steps"], state["layout"], f" when stopped by {on_stop[-1]}" if on_stop else "")
+                     section.max_steps, state["layout"], f" when stopped by {on_stop[-1]}" if on_stop else "")
         resume.close()
 
     out_dir = Path(out_dir)
@@ -236,7 +245,7 @@ def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: 
     staging.mkdir(parents=True, exist_ok=True)
     peak = _peak_flops(section, engine.device, world) if rank == 0 else None
     dist.barrier()  # the peak was measured while the other ranks waited
-    train_log = TrainLog(staging / "train_log.csv", section["max_steps"], enabled=rank == 0, desc=stage,
+    train_log = TrainLog(staging / "train_log.csv", section.max_steps, enabled=rank == 0, desc=stage,
                          flops_per_token=fpt, logits_flops_per_token=logits_fpt, peak_flops=peak, previous=rows)
     return Run(section=section, stage=stage, topology=topology, engine=engine, scheduler=scheduler, access=access,
                clip=clip, runner=runner, names=names, config=config, generation_config=generation_config,
@@ -246,13 +255,29 @@ def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: 
                losses=losses, evaluations=evaluations, stops=stops)
 
 
+def _bf16_decided(section: TrainingSettings, stage: str) -> TrainingSettings:
+    """`section` with `bf16: auto` decided for this machine (`resolved_bf16`), the decision logged by rank 0."""
+    if section.bf16 != "auto":
+        return section
+    section = resolved_bf16(section)
+    if torch.distributed.get_rank() == 0:
+        log.info("%s: bf16=auto -> %s (%s)", stage, str(section.bf16).lower(),
+                 native_bf16() or "bf16 would be emulated here, slower than fp32")
+    return section
+
+
+def _keeps_best(section: TrainingSettings) -> bool:
+    """load_best_model_at_end: a fine-tuning section's setting (pretraining has no dev set)."""
+    return isinstance(section, SftSettings) and section.load_best_model_at_end
+
+
 def step(run: Run, source, index: int) -> tuple[float, float | None]:
     """Optimizer step `index` (0-based) over its global batch; returns (step loss, grad norm or None)."""
     import torch.distributed as dist
 
     topology, section = run.topology, run.section
     dp, dp_rank = topology.get_data_parallel_world_size(), topology.get_data_parallel_rank()
-    batches = source.micro_batches(index, run.global_batch, dp_rank, dp, section["per_device_train_batch_size"])
+    batches = source.micro_batches(index, run.global_batch, dp_rank, dp, section.per_device_train_batch_size)
     num_tokens = learned_tokens(batches, topology.get_data_parallel_group())
     run.learned_tokens += num_tokens
     step_loss, grad_norm = train_step(run.engine, run.runner, batches, num_tokens, dp, run.clip, tp_output_group(run))
@@ -264,7 +289,7 @@ def step(run: Run, source, index: int) -> tuple[float, float | None]:
 def tp_output_group(run: Run):
     """The tensor-parallel group when the logits stay split over the vocabulary, else None."""
     tp = run.topology.degrees.tensor_parallel_degree
-    return run.topology.tp_group if tp > 1 and run.section["tensor_parallel_output"] else None
+    return run.topology.tp_group if tp > 1 and run.section.tensor_parallel_output else None
 
 
 def run_steps(run: Run, source, evaluator: Callable[..., dict[str, float]] | None = None) -> None:
@@ -273,11 +298,11 @@ def run_steps(run: Run, source, evaluator: Callable[..., dict[str, float]] | Non
     Asked to stop (SIGTERM, SIGUSR1, the SLURM job's deadline: `stages.training.preemption`), every
     rank stops after the same step, saves a checkpoint there and raises StopRequested."""
     section, engine = run.section, run.engine
-    eval_steps = section["eval_steps"] if evaluator is not None else 0  # fine-tuning sections only
+    eval_steps = section.eval_steps if evaluator is not None else 0  # fine-tuning sections only
     engine.train()
     since_log = 0
     with StopWatch(watch_deadline=run.rank == 0) as watch:  # the others learn of it in agreed()
-        for index in range(run.start_step, section["max_steps"]):
+        for index in range(run.start_step, section.max_steps):
             started = time.perf_counter()
             lr = run.scheduler.get_last_lr()[0]  # the rate this step's update uses
             loss, grad_norm = step(run, source, index)
@@ -286,22 +311,22 @@ def run_steps(run: Run, source, evaluator: Callable[..., dict[str, float]] | Non
             since_log += run.global_batch * run.seq_len
             run.train_log.advance()
             evaluation = None
-            if eval_steps and (done % eval_steps == 0 or done == section["max_steps"]):
+            if eval_steps and (done % eval_steps == 0 or done == section.max_steps):
                 evaluation = evaluate(run, evaluator, done)
-            if done % section["logging_steps"] == 0 or done == section["max_steps"] or evaluation:
+            if done % section.logging_steps == 0 or done == section.max_steps or evaluation:
                 if grad_norm is None:
                     grad_norm = engine.get_global_grad_norm()
                 grad_norm = None if grad_norm is None else float(grad_norm)
                 run.train_log.log(done, loss, lr, grad_norm, since_log, evaluation, learned=run.learned_tokens)
                 since_log = run.learned_tokens = 0
             watch.longest_step_s = max(watch.longest_step_s, time.perf_counter() - started)
-            if done < section["max_steps"]:
+            if done < section.max_steps:
                 reason = watch.agreed(collective_device())
                 if reason:
                     stop(run, done, reason)  # its own save, before a periodic one of this step
             if run.checkpointer is not None:
                 run.checkpointer.poll()
-                if run.checkpointer.due(done, section["max_steps"]):
+                if run.checkpointer.due(done, section.max_steps):
                     run.checkpointer.save(done, engine, run.access, run.names, lambda: run.trainer_state(done))
                 watch.longest_save_s = run.checkpointer.longest_save_s
     run.train_log.close()
@@ -322,7 +347,7 @@ def stop(run: Run, done: int, reason: int) -> None:
         run.checkpointer.close()
         checkpoint = str(run.checkpointer.run_dir / checkpoint_name(done))
     run.train_log.close()
-    error = StopRequested(name, done, run.section["max_steps"], checkpoint)
+    error = StopRequested(name, done, run.section.max_steps, checkpoint)
     if run.rank == 0:
         log.warning("%s: %s", run.stage, error)
         if checkpoint is not None:
@@ -344,8 +369,8 @@ def evaluate(run: Run, evaluator: Callable[..., dict[str, float]], done: int) ->
     run.evaluations.append({"step": done, **metrics})
     if run.rank == 0:
         log.info("%s: step %d: %s", run.stage, done, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
-    if run.section.get("load_best_model_at_end"):
-        key = run.section["metric_for_best_model"]
+    if _keeps_best(run.section):
+        key = run.section.metric_for_best_model
         if key not in metrics:
             raise ValueError(f"metric_for_best_model={key!r} is not measured; measured: {sorted(metrics)} "
                              "(generation metrics need eval_with_do_generation: true)")
@@ -366,7 +391,7 @@ def restore_best(run: Run) -> None:
             run.access.set(p, None, run.best["weights"][name])
     if run.rank == 0:
         log.info("%s: load_best_model_at_end: step %d (%s %.4f)", run.stage, run.best["step"],
-                 run.section["metric_for_best_model"], run.best["value"])
+                 run.section.metric_for_best_model, run.best["value"])
 
 
 def final_evaluation(run: Run, evaluator: Callable[..., dict[str, float]]) -> dict[str, float]:
@@ -374,7 +399,7 @@ def final_evaluation(run: Run, evaluator: Callable[..., dict[str, float]]) -> di
     put back, the last step's when it was evaluated, else measured now."""
     if run.best is not None:
         return run.best["metrics"]
-    if run.evaluations and run.evaluations[-1]["step"] == run.section["max_steps"]:
+    if run.evaluations and run.evaluations[-1]["step"] == run.section.max_steps:
         return {k: v for k, v in run.evaluations[-1].items() if k != "step"}
     run.engine.eval()
     with torch.no_grad():
@@ -386,9 +411,9 @@ def run_metrics(run: Run) -> dict[str, Any]:
     return {
         "first_loss": losses[0], "final_loss": losses[-1],
         "final_loss_mean_last10": float(np.mean(losses[-10:])),
-        "steps": section["max_steps"], "num_parameters": run.num_parameters,
+        "steps": section.max_steps, "num_parameters": run.num_parameters,
         "trainable_parameters": run.trainable_parameters, **layout_metrics(section, run.topology),
-        "tokens_seen": run.global_batch * run.seq_len * section["max_steps"],
+        "tokens_seen": run.global_batch * run.seq_len * section.max_steps,
         "tokens_per_s": float(np.median([float(r["tokens_per_s"]) for r in rows[1:] or rows])) if rows else None,
         "mfu": float(np.median([float(r["mfu"]) for r in rows[1:] or rows])) if rows and run.peak_flops else None,
         "flops_per_token": run.flops_per_token,
@@ -420,7 +445,7 @@ def finish(run: Run, out_dir: str | Path, metrics: dict[str, Any], *, tokenizer_
             copy_tokenizer(tokenizer_dir, tmp)
         for path in [run.staging / "train_log.csv", *event_files(run.staging)]:
             os.replace(path, tmp / path.name)
-        write_meta(tmp, stage=run.stage, config=meta_config, parent=parent, seed=run.section["seed"], metrics=metrics)
+        write_meta(tmp, stage=run.stage, config=meta_config, parent=parent, seed=run.section.seed, metrics=metrics)
 
     if adapter_writer is None:
         write_final(out_dir, run.engine, run.access, run.names, run.topology, unified=not sharded_output, extra=extra,
@@ -449,7 +474,7 @@ def train(model: torch.nn.Module, source, section: Mapping[str, Any], out_dir: s
     transformers causal LM for data parallel and ZeRO only; with an adapter attached, only its
     parameters train; our model may come on the meta device with a weight source, and each rank
     then allocates and fills only its slice, `stages.training.materialize`) for
-    `section['max_steps']` steps on `source` (a `stages.training.batches` sampler: `seq_len`,
+    `section.max_steps` steps on `source` (a `stages.training.batches` sampler: `seq_len`,
     `micro_batches`) in the section's layout, and write `out_dir` (see `finish`). A transformers model's config.json is its own, every field kept.
 
     With `checkpoint_dir`, checkpoints go to `checkpoint_dir/<fingerprint>/` every `save_steps`
@@ -458,20 +483,15 @@ def train(model: torch.nn.Module, source, section: Mapping[str, Any], out_dir: s
     (what the caller knows of its inputs). With `evaluator`, dev metrics are logged beside the loss
     every `eval_steps` (`load_best_model_at_end` writes the best evaluated weights) and measured
     once more on the weights written (metrics `dev_loss`, `dev_exact_match`, ...). Returns the
-    metrics, `extra_metrics` included (on every rank). Call after `init_distributed()`.
-    `bf16: auto` is decided here for this machine (metric `bf16`, the precision the run used)."""
-    if section["bf16"] == "auto":
-        section = resolved_bf16(section)
-        if torch.distributed.get_rank() == 0:
-            log.info("%s: bf16=auto -> %s (%s)", stage, str(section["bf16"]).lower(),
-                     native_bf16() or "bf16 would be emulated here, slower than fp32")
+    metrics, `extra_metrics` included (on every rank). Call after `init_distributed()`. `section`
+    is as `setup` takes it; `bf16: auto` is decided there (metric `bf16`, the precision the run used)."""
     run = setup(model, source, section, stage=stage, num_parameters=num_parameters, checkpoint_dir=checkpoint_dir,
                 identity=identity, out_dir=out_dir)
     del model
     run_steps(run, source, evaluator)
-    if section.get("load_best_model_at_end"):
+    if _keeps_best(run.section):
         restore_best(run)
-    metrics = {**run_metrics(run), **(extra_metrics or {}), "bf16": bool(section["bf16"]), "dev_loss": None}
+    metrics = {**run_metrics(run), **(extra_metrics or {}), "bf16": run.section.bf16, "dev_loss": None}
     if evaluator is not None:
         metrics.update({k.replace("eval_", "dev_", 1): v for k, v in final_evaluation(run, evaluator).items()})
     finish(run, out_dir, metrics, tokenizer_dir=tokenizer_dir, parent=parent, meta_config=meta_config,

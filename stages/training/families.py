@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from stages.model.registry import model_types
+from stages.sections import TrainingSettings
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def check_model_parallel(model_type: str, tensor_parallel_degree: int, pipeline_
         _refuse_model_parallel(model_type, tensor_parallel_degree, pipeline_parallel_degree)
 
 
-def check_transformers_model(model, section: Mapping[str, Any], tensor_parallel_degree: int,
+def check_transformers_model(model, section: TrainingSettings, tensor_parallel_degree: int,
                              pipeline_parallel_degree: int) -> None:
     """Refuse what the engine cannot do for a transformers `model` with the training `section`:
     tensor/pipeline parallelism (whatever the family: ours may have declined a variant of its own,
@@ -53,7 +53,7 @@ def check_transformers_model(model, section: Mapping[str, Any], tensor_parallel_
     model_type = model.config.model_type
     _refuse_model_parallel(model_type, tensor_parallel_degree, pipeline_parallel_degree,
                            model_class=type(model).__name__)
-    if section["recompute"] and not getattr(model, "supports_gradient_checkpointing", False):
+    if section.recompute and not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"recompute=true: transformers' {type(model).__name__} (model_type={model_type!r}) "
                          "has no gradient checkpointing; set recompute: false")
 
@@ -154,10 +154,10 @@ def estimated_flops_per_token(model, seq_len: int) -> dict[str, int]:
             "attention": attention, "total": dense + attention}
 
 
-def prepare_transformers_model(model, section: Mapping[str, Any]) -> None:
+def prepare_transformers_model(model, section: TrainingSettings) -> None:
     """Apply the section's `recompute` (transformers' gradient checkpointing, non-reentrant) and
     `torch_compile` (the whole model compiled in place, so parameter names do not change)."""
-    if section["recompute"]:
+    if section.recompute:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if section["torch_compile"]:
+    if section.torch_compile:
         model.compile()

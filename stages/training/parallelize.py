@@ -1,6 +1,7 @@
 """A training section's layout applied to a built model: the parallel degrees, the checks that
 the model fits them, and tensor parallel, recompute, compile and the pipeline split in torchtitan's
-order. Parameter names stay those of the single-device model."""
+order. Parameter names stay those of the single-device model. The functions a caller outside the
+engine calls take a typed training section or a mapping (`stages.sections.training_section`)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,16 @@ import torch
 from stages.model import LlamaForCausalLM
 from stages.parallel import ParallelDegrees, Topology, apply_tensor_parallel
 from stages.parallel.pipeline import PipelineRunner
+from stages.sections import TrainingSettings, training_section
 from stages.training.deepspeed_engine import ZERO_STAGES
 from stages.training.families import check_transformers_model, prepare_transformers_model
 
 
 def parallel_degrees(section: Mapping[str, Any]) -> ParallelDegrees:
-    """The parallel degrees of a validated training section (data parallel derived)."""
-    return ParallelDegrees(world_size=section["world_size"],
-                           tensor_parallel_degree=section["tensor_parallel_degree"],
-                           pipeline_parallel_degree=section["pipeline_parallel_degree"])
+    """The parallel degrees of a training section (data parallel derived)."""
+    section = training_section(section)
+    return ParallelDegrees(world_size=section.world_size, tensor_parallel_degree=section.tensor_parallel_degree,
+                           pipeline_parallel_degree=section.pipeline_parallel_degree)
 
 
 class PipelineModules(torch.nn.Module):
@@ -42,7 +44,8 @@ def check_model_fits(model: torch.nn.Module, section: Mapping[str, Any], degrees
     if isinstance(model, LlamaForCausalLM):
         degrees.validate_for_model(model.config)
     else:
-        check_transformers_model(model, section, degrees.tensor_parallel_degree, degrees.pipeline_parallel_degree)
+        check_transformers_model(model, training_section(section), degrees.tensor_parallel_degree,
+                                 degrees.pipeline_parallel_degree)
 
 
 def parallelize(model: torch.nn.Module, section: Mapping[str, Any],
@@ -50,29 +53,30 @@ def parallelize(model: torch.nn.Module, section: Mapping[str, Any],
     """Apply the section's layout to the full `model` in place, in the torchtitan order (tensor
     parallel, activation recompute, compile, pipeline split). Returns the module DeepSpeed wraps
     (this rank's pipeline chunks under a pipeline) and the pipeline runner, if any."""
+    section = training_section(section)
     if not isinstance(model, LlamaForCausalLM):  # data parallel and ZeRO only (check_model_fits)
         prepare_transformers_model(model, section)
         return model, None
     degrees = topology.degrees
     if degrees.tensor_parallel_degree > 1:
-        apply_tensor_parallel(model, topology, tensor_parallel_output=section["tensor_parallel_output"])
-    model.gradient_checkpointing = bool(section["recompute"])
-    if section["torch_compile"]:
+        apply_tensor_parallel(model, topology, tensor_parallel_output=section.tensor_parallel_output)
+    model.gradient_checkpointing = section.recompute
+    if section.torch_compile:
         # In place, layer by layer, so parameter names stay those of the single-device model;
         # the collectives inside tensor-parallel layers become graph breaks.
         for layer in model.model.layers.values():
             layer.compile()
     if degrees.pipeline_parallel_degree == 1:
         return model, None
-    runner = PipelineRunner(model, degrees.pipeline_parallel_degree, section["virtual_pp_degree"],
-                            n_microbatches=section["gradient_accumulation_steps"], pp_group=topology.group("pipeline"))
+    runner = PipelineRunner(model, degrees.pipeline_parallel_degree, section.virtual_pp_degree,
+                            n_microbatches=section.gradient_accumulation_steps, pp_group=topology.group("pipeline"))
     return PipelineModules(runner.modules), runner
 
 
-def layout_metrics(section: Mapping[str, Any], topology: Topology) -> dict[str, int]:
+def layout_metrics(section: TrainingSettings, topology: Topology) -> dict[str, int]:
     """The degrees of the run, for meta.json."""
     degrees = topology.degrees
     return {"world_size": degrees.world_size, "data_parallel_degree": topology.get_data_parallel_world_size(),
             "tensor_parallel_degree": degrees.tensor_parallel_degree,
             "pipeline_parallel_degree": degrees.pipeline_parallel_degree,
-            "zero_stage": ZERO_STAGES[section["sharding"]]}
+            "zero_stage": ZERO_STAGES[section.sharding]}

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import torch
+
+from stages.sections import training_section
 
 
 def lr_at(step: int, *, learning_rate: float, warmup_steps: int, max_steps: int,
@@ -25,17 +29,18 @@ def lr_at(step: int, *, learning_rate: float, warmup_steps: int, max_steps: int,
     return min_learning_rate + coeff * (learning_rate - min_learning_rate)
 
 
-def lr_lambda(section: dict) -> "callable":
-    """A `torch.optim.lr_scheduler.LambdaLR` multiplier for a validated training config section."""
-    peak = section["learning_rate"]
+def lr_lambda(section: Mapping[str, Any]) -> "callable":
+    """A `torch.optim.lr_scheduler.LambdaLR` multiplier for a training section (typed, or a mapping
+    completed by `stages.sections.training_section`)."""
+    section = training_section(section)
+    peak = section.learning_rate
 
     def multiplier(step: int) -> float:
-        return lr_at(step, learning_rate=peak, warmup_steps=section["warmup_steps"],
-                     max_steps=section["max_steps"], lr_scheduler_type=section["lr_scheduler_type"],
-                     min_learning_rate=section["min_learning_rate"]) / peak
+        return lr_at(step, learning_rate=peak, warmup_steps=section.warmup_steps, max_steps=section.max_steps,
+                     lr_scheduler_type=section.lr_scheduler_type, min_learning_rate=section.min_learning_rate) / peak
 
     return multiplier
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, section: dict) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, section: Mapping[str, Any]) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(section))

@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from stages.checkpoint.atomic import write_json
@@ -29,6 +30,8 @@ from stages.cluster.resources import training_resources
 from stages.config import ConfigError, architecture, check_config, experiment, load_yaml
 from stages.config import merge, pretrain_enabled
 from stages.planning.memory import estimate_memory, host_build_bytes, nearest_fitting_layout, parameter_count
+from stages.sections import FINETUNE, LoraSettings, PrefixSettings, PretrainSettings, TrainingSettings
+from stages.sections import training_section
 from stages.stage_logs import configure_logging, log_io
 
 log = logging.getLogger("stages.plan")
@@ -53,22 +56,24 @@ def model_shape(exp: dict[str, Any]) -> tuple[dict[str, Any], int]:
     return architecture(exp["model"]), int(exp["data"]["vocab_size"])
 
 
-def training_sections(name: str, exp: dict[str, Any]) -> list[tuple[str, str, dict[str, Any], str]]:
-    """(rule job name, config key, section, what is trained) of every training job of the experiment."""
+def training_sections(name: str, exp: dict[str, Any]) -> list[tuple[str, str, TrainingSettings, str]]:
+    """(rule job name, config key, typed section, what is trained) of every training job of the experiment."""
     jobs = []
     if pretrain_enabled(exp):
-        jobs.append(("pretrain", f"experiments.{name}.pretrain", exp["pretrain"], "full"))
+        jobs.append(("pretrain", f"experiments.{name}.pretrain", PretrainSettings.of(exp["pretrain"]), "full"))
     for method, section in exp["finetune"].items():
-        jobs.append((f"finetune_{method}", f"experiments.{name}.finetune.{method}", section, METHOD_TRAINS[method]))
+        jobs.append((f"finetune_{method}", f"experiments.{name}.finetune.{method}", FINETUNE[method].of(section),
+                     METHOD_TRAINS[method]))
     return jobs
 
 
-def _adapter_sizes(section: dict[str, Any], trained: str) -> dict[str, Any]:
-    return {"lora_rank": section.get("lora_rank") if trained == "lora" else None,
-            "num_prefix_tokens": section.get("num_prefix_tokens") if trained == "prefix" else None}
+def _adapter_sizes(section: TrainingSettings, trained: str) -> dict[str, Any]:
+    return {"lora_rank": section.lora_rank if trained == "lora" and isinstance(section, LoraSettings) else None,
+            "num_prefix_tokens": section.num_prefix_tokens
+            if trained == "prefix" and isinstance(section, PrefixSettings) else None}
 
 
-def _usable_per_rank(exp: dict[str, Any], section: dict[str, Any], key: str) -> tuple[float | None, str]:
+def _usable_per_rank(exp: dict[str, Any], section: TrainingSettings, key: str) -> tuple[float | None, str]:
     """The bytes one rank may hold and where that limit comes from (None: nothing declared)."""
     cluster = exp["cluster"]
     if cluster["gpus_per_node"]:
@@ -85,8 +90,10 @@ def _usable_per_rank(exp: dict[str, Any], section: dict[str, Any], key: str) -> 
                     f"{RUNTIME_ALLOWANCE_BYTES / GB:.1f} GB each for the runtime")
 
 
-def estimate_job(exp: dict[str, Any], section: dict[str, Any], trained: str) -> dict[str, Any]:
-    """One training job's layout and planned per-device memory (what its training rule reads)."""
+def estimate_job(exp: dict[str, Any], section: Mapping[str, Any], trained: str) -> dict[str, Any]:
+    """One training job's layout and planned per-device memory (what its training rule reads);
+    `section` typed, or a mapping (`stages.sections.training_section`)."""
+    section = training_section(section)
     arch, vocab = model_shape(exp)
     device = "cuda" if exp["cluster"]["gpus_per_node"] else "cpu"
     estimate = estimate_memory(arch, section, vocab_size=vocab, trained=trained, device=device,
@@ -94,17 +101,17 @@ def estimate_job(exp: dict[str, Any], section: dict[str, Any], trained: str) -> 
     return {
         "trained": trained,
         "device": device,
-        "layout": {k: section[k] for k in LAYOUT_KEYS if k in section},
-        "data_parallel_degree": section["world_size"] // (section["tensor_parallel_degree"]
-                                                         * section["pipeline_parallel_degree"]),
+        "layout": {k: getattr(section, k) for k in LAYOUT_KEYS},
+        "data_parallel_degree": section.world_size // (section.tensor_parallel_degree * section.pipeline_parallel_degree),
         "per_device_bytes": estimate.as_dict(),
         "per_device_total_gb": round(estimate.total / GB, 3),
     }
 
 
-def plan_job(name: str, exp: dict[str, Any], key: str, section: dict[str, Any], trained: str) -> dict[str, Any]:
+def plan_job(name: str, exp: dict[str, Any], key: str, section: Mapping[str, Any], trained: str) -> dict[str, Any]:
     """The plan of one training job: its estimate, whether it fits the declared memory, the host
     memory of a rank and the SLURM resources."""
+    section = training_section(section)
     entry = {"key": key, **estimate_job(exp, section, trained)}
     bytes_ = entry["per_device_bytes"]
     limit, limit_from = _usable_per_rank(exp, section, key)
@@ -124,11 +131,14 @@ def plan_job(name: str, exp: dict[str, Any], key: str, section: dict[str, Any], 
     }
 
 
-def plan_experiment(name: str, exp: dict[str, Any]) -> dict[str, Any]:
-    """The whole plan of experiment `name` (validated config): model size and every training job."""
+def plan_experiment(name: str, exp: dict[str, Any],
+                    sections: list[tuple[str, str, TrainingSettings, str]] | None = None) -> dict[str, Any]:
+    """The whole plan of experiment `name` (validated config): model size and every training job
+    (`sections`: its `training_sections`, where the caller has them already)."""
     arch, vocab = model_shape(exp)
     parameters = parameter_count(arch, vocab)
-    jobs = {job: plan_job(name, exp, key, section, trained) for job, key, section, trained in training_sections(name, exp)}
+    jobs = {job: plan_job(name, exp, key, section, trained)
+            for job, key, section, trained in sections or training_sections(name, exp)}
     return {
         "experiment": name,
         "model": {"parameters": parameters, "vocab_size": vocab,
@@ -143,7 +153,7 @@ def _describe(layout: dict[str, Any]) -> str:
     return ", ".join(f"{k}: {json.dumps(v)}" for k, v in layout.items())
 
 
-def _check_host_memory(name: str, exp: dict[str, Any], key: str, section: dict[str, Any],
+def _check_host_memory(name: str, exp: dict[str, Any], key: str, section: TrainingSettings,
                        entry: dict[str, Any]) -> None:
     """A GPU job whose ranks on one node need more host memory than `cluster.node_memory_gb`
     (each builds its fp32 slice there before the engine moves it to its GPU, and keeps any
@@ -166,8 +176,9 @@ def _check_host_memory(name: str, exp: dict[str, Any], key: str, section: dict[s
 def check_plan(name: str, exp: dict[str, Any]) -> dict[str, Any]:
     """The plan, or a ConfigError for the first training job whose layout cannot fit, with the
     estimate's parts, the limit and the nearest layout that fits (or that none does)."""
-    plan = plan_experiment(name, exp)
-    for job, key, section, trained in training_sections(name, exp):
+    sections = training_sections(name, exp)  # typed once: each checks its section against the schema
+    plan = plan_experiment(name, exp, sections)
+    for job, key, section, trained in sections:
         entry = plan["jobs"][job]
         _check_host_memory(name, exp, key, section, entry)
         if entry["fits"] is not False:
@@ -181,7 +192,7 @@ def check_plan(name: str, exp: dict[str, Any]) -> dict[str, Any]:
                                          devices_per_node=per_node, trained=trained, device=entry["device"],
                                          **_adapter_sizes(section, trained))
         if nearest:
-            trial = {**section, **nearest}
+            trial = section | nearest
             fitted = estimate_memory(arch, trial, vocab_size=vocab, trained=trained, device=entry["device"],
                                      **_adapter_sizes(section, trained)).total
             advice = (f"the nearest layout that fits: {_describe(nearest)} "

@@ -58,15 +58,23 @@ model on every rank before it is split, and evaluation.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from itertools import product
 from typing import Any
 
-from stages import schema
 from stages.adapters.targets import ALL_LINEAR, selected
 from stages.model.attention_shapes import fp32_attention_shape
 from stages.model.registry import BY_MODEL_TYPE, Family
+from stages.sections import (
+    LoraSettings,
+    PrefixSettings,
+    SftSettings,
+    TrainingSettings,
+    training_section,
+)
 
 GiB, MiB = 2**30, 2**20
 REDUCE_BUCKET_SIZE = 500_000_000  # elements: DeepSpeed's default reduce_bucket_size (ZeRO-1/2/3)
@@ -102,11 +110,6 @@ GPT_LIKE_KEYS: dict[str, dict[str, tuple[str, Any]]] = {
 # nearest_fitting_layout's order of preference: the knobs it turns, cheapest first.
 PREFERENCE = ("sharding", "recompute", "tensor_parallel_degree", "pipeline_parallel_degree",
               "sharding_offload", "per_device_train_batch_size")
-# The layout keys a section given to the planner may leave out: the fine-tuning sections' schema
-# defaults (one device, no sharding; pretraining's default sharding is stage1, which check_config fills).
-LAYOUT_DEFAULTS = {key: schema.defaults("sft")[key] for key in ("sharding", "recompute", "tensor_parallel_degree",
-                                                                 "pipeline_parallel_degree", "virtual_pp_degree",
-                                                                 "sharding_offload")}
 
 
 @dataclass(frozen=True)
@@ -163,7 +166,7 @@ class _Shape:
 
 @dataclass(frozen=True)
 class _Layout:
-    """The layout keys of a validated training section."""
+    """The layout keys of a training section."""
 
     world: int
     tp: int
@@ -203,7 +206,7 @@ class _Adapter:
 
 
 def _adapter(trained: str, lora_rank: int | None, num_prefix_tokens: int | None,
-             section: dict[str, Any]) -> _Adapter:
+             section: TrainingSettings) -> _Adapter:
     """The adapter of a training rule; LoRA's targets: the projections the section's
     `target_modules` selects in a decoder layer (`stages.adapters.targets`)."""
     if trained not in ("full", "lora", "prefix"):
@@ -211,15 +214,17 @@ def _adapter(trained: str, lora_rank: int | None, num_prefix_tokens: int | None,
     if trained == "lora":
         if not lora_rank:
             raise ValueError("trained='lora' needs lora_rank")
-        wanted = section.get("target_modules", ALL_LINEAR)
+        wanted = section.target_modules if isinstance(section, LoraSettings) else ALL_LINEAR
         names = dict.fromkeys(PROJECTIONS + FUSED_PROJECTIONS + GPT2_PROJECTIONS)  # _Shape.projections picks
         targets = frozenset(p for p in names if selected(f"model.layers.0.{p}", wanted))
         return _Adapter("lora", rank=lora_rank, targets=targets)
     if trained == "prefix":
         if not num_prefix_tokens:
             raise ValueError("trained='prefix' needs num_prefix_tokens")
-        return _Adapter("prefix", prefix=num_prefix_tokens, projection=bool(section.get("prefix_projection")),
-                        projection_hidden=section.get("prefix_projection_hidden_size") or 0)
+        if not isinstance(section, PrefixSettings):
+            return _Adapter("prefix", prefix=num_prefix_tokens)
+        return _Adapter("prefix", prefix=num_prefix_tokens, projection=section.prefix_projection,
+                        projection_hidden=section.prefix_projection_hidden_size or 0)
     return _Adapter()
 
 
@@ -267,15 +272,14 @@ def _gpt_like_shape(arch: dict[str, Any], vocab_size: int, model_type: str) -> _
                   mlp_bias=True, gpt_blocks=True, positions=positions)
 
 
-def _layout(section: dict[str, Any]) -> _Layout:
-    section = {**LAYOUT_DEFAULTS, **section}
-    return _Layout(world=section["world_size"], tp=section["tensor_parallel_degree"],
-                   pp=section["pipeline_parallel_degree"], vpp=section["virtual_pp_degree"],
-                   zero=ZERO_STAGES[section["sharding"]], offload=bool(section["sharding_offload"]),
-                   micro=section["per_device_train_batch_size"], accum=section["gradient_accumulation_steps"],
-                   seq=section["max_length"], recompute=bool(section.get("recompute")),
-                   param_bytes=2 if section.get("bf16") is True or section.get("fp16") else 4,  # auto: fp32, the larger
-                   tp_output=bool(section.get("tensor_parallel_output")), packing=bool(section.get("packing")))
+def _layout(section: TrainingSettings) -> _Layout:
+    return _Layout(world=section.world_size, tp=section.tensor_parallel_degree, pp=section.pipeline_parallel_degree,
+                   vpp=section.virtual_pp_degree, zero=ZERO_STAGES[section.sharding], offload=section.sharding_offload,
+                   micro=section.per_device_train_batch_size, accum=section.gradient_accumulation_steps,
+                   seq=section.max_length, recompute=section.recompute,
+                   param_bytes=2 if section.bf16 is True or section.fp16 else 4,  # auto: fp32, the larger
+                   tp_output=section.tensor_parallel_output,
+                   packing=isinstance(section, SftSettings) and section.packing)
 
 
 # -- parameters ---------------------------------------------------------------------------------
@@ -364,15 +368,15 @@ def parameter_count(arch: dict[str, Any], vocab_size: int) -> int:
     return sum(n for n, _ in _rank_tensors(s, _ONE_DEVICE, 0, _Adapter()))
 
 
-def host_build_bytes(arch: dict[str, Any], section: dict[str, Any], *, vocab_size: int) -> int:
+def host_build_bytes(arch: dict[str, Any], section: Mapping[str, Any], *, vocab_size: int) -> int:
     """Host bytes (fp32) a rank needs to build its model before the engine takes it. Our model is
     built on the meta device and only this rank's tensor/pipeline slice is filled, one whole tensor
     at a time (`stages.training.materialize`): the largest pipeline rank's slice plus the largest
     single tensor. A prefix that starts from the base's KV cache (`prefix_init: tokens`) needs the
     whole base first. Adapter factors are left out (a few MB)."""
-    s = _shape(arch, vocab_size)
+    s, section = _shape(arch, vocab_size), training_section(section)
     whole = [n for n, _ in _rank_tensors(s, _ONE_DEVICE, 0, _Adapter())]
-    if section.get("prefix_init") == "tokens":
+    if isinstance(section, PrefixSettings) and section.prefix_init == "tokens":
         return 4 * sum(whole)
     lay = _layout(section)
     own = max(sum(n for n, _ in _rank_tensors(s, lay, rank, _Adapter())) for rank in range(lay.pp))
@@ -597,7 +601,7 @@ def _rank_phases(s: _Shape, lay: _Layout, rank: int, ad: _Adapter, device: str,
     return {e.phase: e for e in phases}
 
 
-def estimate_phases(arch: dict[str, Any], section: dict[str, Any], *, vocab_size: int, trained: str = "full",
+def estimate_phases(arch: dict[str, Any], section: Mapping[str, Any], *, vocab_size: int, trained: str = "full",
                     lora_rank: int | None = None, num_prefix_tokens: int | None = None, device: str = "cuda",
                     pipeline_rank: int | None = None,
                     reduce_bucket_size: int = REDUCE_BUCKET_SIZE) -> dict[str, MemoryEstimate]:
@@ -608,6 +612,7 @@ def estimate_phases(arch: dict[str, Any], section: dict[str, Any], *, vocab_size
     `estimate_memory`."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r}: expected 'cuda' or 'cpu'")
+    section = training_section(section)
     ad = _adapter(trained, lora_rank, num_prefix_tokens, section)
     s, lay = _shape(arch, vocab_size), _layout(section)
     if lay.world % (lay.tp * lay.pp):
@@ -622,12 +627,13 @@ def estimate_phases(arch: dict[str, Any], section: dict[str, Any], *, vocab_size
     return max(phases, key=lambda ph: max(e.total for e in ph.values()))
 
 
-def estimate_memory(arch: dict[str, Any], section: dict[str, Any], *, vocab_size: int, trained: str = "full",
+def estimate_memory(arch: dict[str, Any], section: Mapping[str, Any], *, vocab_size: int, trained: str = "full",
                     lora_rank: int | None = None, num_prefix_tokens: int | None = None,
                     device: str = "cuda") -> MemoryEstimate:
     """Per-device bytes at the peak of a training step of `arch` (a flavour's fields from
-    `stages.config.architecture`, or a checkpoint's config.json) in the layout of the validated
-    training `section`, for the pipeline rank that needs the most. `trained`: "full" (pretrain,
+    `stages.config.architecture`, or a checkpoint's config.json) in the layout of the training
+    `section` (a typed section, or a mapping completed by `stages.sections.training_section`: keys
+    it leaves out take their schema defaults), for the pipeline rank that needs the most. `trained`: "full" (pretrain,
     sft), "lora" (`lora_rank` on the projections the section's `target_modules` names, default
     all of them; the base frozen) or "prefix" (`num_prefix_tokens` keys and values per layer).
     `device`: "cuda" or "cpu" (see the module docstring). The returned estimate is the phase that
@@ -637,10 +643,10 @@ def estimate_memory(arch: dict[str, Any], section: dict[str, Any], *, vocab_size
     return max(phases.values(), key=lambda e: e.total)
 
 
-def bucket_bytes(section: dict[str, Any]) -> set[int]:
+def bucket_bytes(section: Mapping[str, Any]) -> set[int]:
     """Sizes in bytes of the DeepSpeed gradient buckets the section's ZeRO stage allocates (empty
     without ZeRO); bench/memory_plan.py reports the peak with and without them."""
-    lay = _layout(section)
+    lay = _layout(training_section(section))
     return {REDUCE_BUCKET_SIZE * lay.param_bytes} if lay.zero else set()
 
 
@@ -650,7 +656,7 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def _allowed(s: _Shape, lay: _Layout, section: dict[str, Any], trained: str) -> bool:
+def _allowed(s: _Shape, lay: _Layout, section: TrainingSettings, trained: str) -> bool:
     """The project's layout rules (`stages.config._check_layout`, `_check_finetune`, the engine's
     checks) for a candidate layout."""
     if lay.world % (lay.tp * lay.pp) or lay.accum < 1 or (lay.offload and not lay.zero):
@@ -661,15 +667,16 @@ def _allowed(s: _Shape, lay: _Layout, section: dict[str, Any], trained: str) -> 
         return False
     if lay.pp > 1:
         return (lay.zero <= 1 and lay.accum >= lay.pp and not s.tied and trained == "full"
-                and not section.get("fp16") and not lay.packing)
+                and not section.fp16 and not lay.packing)
     return True
 
 
-def _moves(section: dict[str, Any], s: _Shape, devices_per_node: int, trained: str):
+def _moves(section: TrainingSettings, s: _Shape, devices_per_node: int, trained: str):
     """Every candidate layout of the same world size and global batch reachable by the knobs of
     PREFERENCE, each with its changed keys and its rank: fewest knobs turned first; then the knobs
-    earliest in PREFERENCE; then the smallest moves (stage2 before stage3, tp 2 before 4)."""
-    section = {**LAYOUT_DEFAULTS, **section}
+    earliest in PREFERENCE; then the smallest moves (stage2 before stage3, tp 2 before 4). A
+    candidate is `section` with those keys replaced and not checked against the schema again (each
+    value is one the schema allows; `Section.replace` would check hundreds of candidates)."""
     cur = _layout(section)
     batch = cur.micro * cur.accum
     options = {
@@ -683,19 +690,20 @@ def _moves(section: dict[str, Any], s: _Shape, devices_per_node: int, trained: s
     }
     stage_names = {v: k for k, v in ZERO_STAGES.items()}
     for zero, recompute, tp, pp, offload, micro in product(*options.values()):
-        trial = dict(section, sharding=stage_names[zero], recompute=recompute, tensor_parallel_degree=tp,
-                     pipeline_parallel_degree=pp, sharding_offload=offload, per_device_train_batch_size=micro,
-                     gradient_accumulation_steps=batch // micro)
+        trial = dataclasses.replace(section, sharding=stage_names[zero], recompute=recompute,
+                                    tensor_parallel_degree=tp, pipeline_parallel_degree=pp, sharding_offload=offload,
+                                    per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro)
         if not _allowed(s, _layout(trial), trial, trained):
             continue
-        changes = {k: trial[k] for k in (*PREFERENCE, "gradient_accumulation_steps") if trial[k] != section[k]}
+        changes = {k: getattr(trial, k) for k in (*PREFERENCE, "gradient_accumulation_steps")
+                   if getattr(trial, k) != getattr(section, k)}
         steps = (zero - cur.zero, int(recompute) - int(cur.recompute), math.log2(tp / cur.tp),
                  math.log2(pp / cur.pp), int(offload) - int(cur.offload), math.log2(cur.micro / micro))
         turned = tuple(i for i, step in enumerate(steps) if step)
         yield (len(turned), turned, steps), changes, trial
 
 
-def nearest_fitting_layout(arch: dict[str, Any], section: dict[str, Any], *, vocab_size: int, device_memory: int,
+def nearest_fitting_layout(arch: dict[str, Any], section: Mapping[str, Any], *, vocab_size: int, device_memory: int,
                            devices_per_node: int, trained: str = "full", lora_rank: int | None = None,
                            num_prefix_tokens: int | None = None, device: str = "cuda") -> dict[str, Any] | None:
     """The layout closest to `section` whose estimate fits `device_memory` bytes, as the section
@@ -707,9 +715,9 @@ def nearest_fitting_layout(arch: dict[str, Any], section: dict[str, Any], *, voc
     layers; sharding none/stage1, gradient_accumulation_steps >= pp, full training only), ZeRO-Offload
     on, and the micro-batch down with gradient_accumulation_steps up. The closest layout turns the
     fewest knobs, then the earliest ones, then by the smallest steps."""
-    s = _shape(arch, vocab_size)
+    s, section = _shape(arch, vocab_size), training_section(section)
 
-    def fits(candidate: dict[str, Any]) -> bool:
+    def fits(candidate: TrainingSettings) -> bool:
         return estimate_memory(arch, candidate, vocab_size=vocab_size, trained=trained, lora_rank=lora_rank,
                                num_prefix_tokens=num_prefix_tokens, device=device).total <= device_memory
 

@@ -133,7 +133,7 @@ class TrainingSettings(Section):
     max_grad_norm: float
     seed: int
     logging_steps: int
-    bf16: bool | str  # true, false or auto (stages.training.capabilities.resolved_bf16)
+    bf16: bool | str  # true, false or auto (stages.training.capabilities: resolved_bf16, bf16_choices)
     save_steps: int
     save_total_limit: int
     async_save: bool

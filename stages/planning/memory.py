@@ -45,7 +45,9 @@ against a real run in tests/unit/test_memory_plan.py and bench/memory_plan.py):
   bucket being summed: the engine sums gradients in fp32); the optimizer step (the fp32 gradient copies the
   wrappers make; the fused AdamW of `stages.training.deepspeed_engine.adamw` needs no temporaries).
 
-Precision follows the section (bf16/fp16 or fp32) on both devices, as the engine runs it; `device`
+Precision follows the section (bf16/fp16 or fp32) on both devices, as the engine runs it; `bf16:
+auto`, which the training job decides on its own machine, is planned both ways and the larger peak
+kept (`stages.training.capabilities.bf16_choices`: neither is always larger). `device`
 changes only what differs between a GPU and a CPU: ZeRO-Offload (on a CPU the "offloaded" state
 stays in the same memory), the fp32 copies a bf16 model's attention saves where it runs in fp32 on a
 CPU (`_attention_bytes`) and the width of k and v SDPA saves under GQA. Checked against the engine's
@@ -75,6 +77,7 @@ from stages.sections import (
     TrainingSettings,
     training_section,
 )
+from stages.training.capabilities import bf16_choices
 
 GiB, MiB = 2**30, 2**20
 REDUCE_BUCKET_SIZE = 500_000_000  # elements: DeepSpeed's default reduce_bucket_size (ZeRO-1/2/3)
@@ -272,12 +275,16 @@ def _gpt_like_shape(arch: dict[str, Any], vocab_size: int, model_type: str) -> _
                   mlp_bias=True, gpt_blocks=True, positions=positions)
 
 
-def _layout(section: TrainingSettings) -> _Layout:
+def _layout(section: TrainingSettings, bf16: bool | None = None) -> _Layout:
+    """The layout of `section` in one precision: fp16 where the section says so, else bf16 or fp32 as
+    `bf16` says (one of `bf16_choices(section.bf16)`; by default the first, where only the degrees
+    and the batch are read)."""
+    bf16 = bf16_choices(section.bf16)[0] if bf16 is None else bf16
     return _Layout(world=section.world_size, tp=section.tensor_parallel_degree, pp=section.pipeline_parallel_degree,
                    vpp=section.virtual_pp_degree, zero=ZERO_STAGES[section.sharding], offload=section.sharding_offload,
                    micro=section.per_device_train_batch_size, accum=section.gradient_accumulation_steps,
                    seq=section.max_length, recompute=section.recompute,
-                   param_bytes=2 if section.bf16 is True or section.fp16 else 4,  # auto: fp32, the larger
+                   param_bytes=2 if bf16 or section.fp16 else 4,
                    tp_output=section.tensor_parallel_output,
                    packing=isinstance(section, SftSettings) and section.packing)
 
@@ -608,13 +615,14 @@ def estimate_phases(arch: dict[str, Any], section: Mapping[str, Any], *, vocab_s
     """The estimate at each moment of a step that can peak ("backward", "layers", "reduce", "step";
     see `_rank_phases`) for `pipeline_rank`, or for the rank that needs the most (None).
     `reduce_bucket_size`: DeepSpeed's gradient bucket in elements (the engine keeps DeepSpeed's
-    default; bench/memory_plan.py passes 0 to compare without it). Other arguments as for
-    `estimate_memory`."""
+    default; bench/memory_plan.py passes 0 to compare without it). With `bf16: auto` the precision
+    whose peak is larger (`bf16_choices`). Other arguments as for `estimate_memory`."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device={device!r}: expected 'cuda' or 'cpu'")
     section = training_section(section)
     ad = _adapter(trained, lora_rank, num_prefix_tokens, section)
-    s, lay = _shape(arch, vocab_size), _layout(section)
+    s, layouts = _shape(arch, vocab_size), [_layout(section, bf16) for bf16 in bf16_choices(section.bf16)]
+    lay = layouts[0]  # the degrees are the same in each precision
     if lay.world % (lay.tp * lay.pp):
         raise ValueError(f"world_size={lay.world} is not divisible by tensor_parallel_degree={lay.tp} x "
                          f"pipeline_parallel_degree={lay.pp}")
@@ -623,7 +631,7 @@ def estimate_phases(arch: dict[str, Any], section: Mapping[str, Any], *, vocab_s
     # the first rank holds the most micro-batches in flight and the embedding, the last the logits;
     # the ranks between hold less than the first
     ranks = sorted({0, lay.pp - 1}) if pipeline_rank is None else [pipeline_rank]
-    phases = [_rank_phases(s, lay, r, ad, device, reduce_bucket_size) for r in ranks]
+    phases = [_rank_phases(s, precision, r, ad, device, reduce_bucket_size) for precision in layouts for r in ranks]
     return max(phases, key=lambda ph: max(e.total for e in ph.values()))
 
 
@@ -645,9 +653,11 @@ def estimate_memory(arch: dict[str, Any], section: Mapping[str, Any], *, vocab_s
 
 def bucket_bytes(section: Mapping[str, Any]) -> set[int]:
     """Sizes in bytes of the DeepSpeed gradient buckets the section's ZeRO stage allocates (empty
-    without ZeRO); bench/memory_plan.py reports the peak with and without them."""
-    lay = _layout(training_section(section))
-    return {REDUCE_BUCKET_SIZE * lay.param_bytes} if lay.zero else set()
+    without ZeRO; with `bf16: auto` the size in either precision); bench/memory_plan.py reports the
+    peak with and without them."""
+    section = training_section(section)
+    layouts = [_layout(section, bf16) for bf16 in bf16_choices(section.bf16)]
+    return {REDUCE_BUCKET_SIZE * lay.param_bytes for lay in layouts if lay.zero}
 
 
 # -- the nearest layout that fits -------------------------------------------------------------------

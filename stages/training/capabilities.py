@@ -1,5 +1,6 @@
 """What this machine's device can run, asked where the config is checked (before any job starts),
-and what `bf16: auto` becomes on it (in the training job).
+and what `bf16: auto` becomes: on this machine (in the training job, `resolved_bf16`), and where the
+machine is not known (the memory plan, `bf16_choices`).
 
 DeepSpeed's CPU accelerator accepts `fp16` only where oneDNN has fp16 kernels (Intel CPUs with
 AVX512-FP16/AMX-FP16); elsewhere, e.g. on AMD EPYC, `deepspeed.initialize` raises
@@ -54,6 +55,16 @@ def native_bf16() -> str | None:
     if torch.cpu._is_avx512_bf16_supported():
         return "this CPU has AVX512-BF16"
     return None
+
+
+def bf16_choices(bf16: bool | str) -> tuple[bool, ...]:
+    """What a section's `bf16` may train with: itself, or for `auto` either value, which only the
+    training job decides, on its own machine (`resolved_bf16`). The memory planner runs where the
+    workflow is parsed, which need not be that machine: it plans each choice and keeps the larger
+    peak (neither is always larger: bf16 halves the activations but adds fp32 master weights and,
+    without ZeRO, the fp32 copies of the gradients its optimizer wrapper makes), fp32's where the two
+    peak alike (it comes first)."""
+    return (False, True) if bf16 == "auto" else (bool(bf16),)
 
 
 def resolved_bf16(section):

@@ -1,6 +1,8 @@
-"""Batched generation with transformers' `generate` (KV cache) on left-padded prompts: the decoding
-loops of evaluate (`generate_greedy`) and predict (`generate_batched`), and the padding the server's
-scheduler shares (`left_padded`).
+"""Batched generation on left-padded prompts: the decoding loops of evaluate (`generate_greedy`)
+and predict (`generate_batched`). A torch model runs on the decode engine
+(`stages.inference.engine`: preallocated KV cache, its own prefill and decode steps), whose tokens
+are `generate`'s; what the engine does not run (an onnxruntime model) keeps the model's own
+`generate`. `left_padded` (the engine's) is the padding the server's scheduler shares.
 
 Prompts are lists of token ids (`stages.data.sft.encode_prompt`). They are grouped by length
 (longest first, fewer pad tokens) into batches and left-padded, so every row's last real token sits
@@ -19,6 +21,8 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+# left_padded is the engine's; the scheduler and the tests import it from here
+from stages.inference.engine import DecodeEngine, Sampling, left_padded, unsupported
 from stages.stage_logs import Progress
 
 if TYPE_CHECKING:  # a type only: stages.serving imports this package, not the other way round
@@ -32,18 +36,6 @@ def pad_or_eos(tokenizer) -> int | None:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def left_padded(prompts: Sequence[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, attention mask), both (B, T) with T the longest prompt: each prompt at the right end
-    of its row, where generation continues; the mask hides the pads."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)  # (B, T)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)  # (B, T)
-    for r, p in enumerate(prompts):
-        ids[r, width - len(p):] = torch.tensor(p)
-        mask[r, width - len(p):] = 1
-    return ids, mask
-
-
 def cut_at_eos(tokens: list[int], eos_token_id: int | None) -> list[int]:
     """`tokens` up to and including the first eos (all of them without one)."""
     return tokens[:tokens.index(eos_token_id) + 1] if eos_token_id in tokens else tokens
@@ -54,25 +46,51 @@ def _longest_first(prompts: Sequence[list[int]]) -> list[int]:
     return sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
 
 
+def _engine(model, eos_token_id: int | None, pad_token_id: int) -> DecodeEngine | None:
+    """The decode engine of `model`, or None (logged) where `generate` keeps it."""
+    reason = unsupported(model)
+    if reason is not None:
+        log.info("generating with the model's own generate: %s", reason)
+        return None
+    return DecodeEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+
+
+def _batch_tokens(model, engine: DecodeEngine | None, batch: list[list[int]], budgets: list[int], *,
+                  eos_token_id: int | None, pad_token_id: int, sampling: Sampling | None = None,
+                  generator: torch.Generator | None = None) -> list[list[int]]:
+    """New tokens of each prompt of one left-padded batch, row r cut at budgets[r] and after its
+    first eos (eos kept): on the engine, else with the model's generate (sampling then draws from
+    torch's global generator, `_decoding` seeded it)."""
+    if engine is not None:
+        return [d.tokens for d in engine.generate(batch, budgets, sampling=sampling, generator=generator)]
+    device = next(model.parameters()).device
+    ids, mask = left_padded(batch, pad_token_id)  # (B, T) each
+    width = ids.shape[1]
+    decode = dict(do_sample=False) if sampling is None else dict(
+        do_sample=True, top_k=sampling.top_k, top_p=sampling.top_p, temperature=sampling.temperature)
+    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=True,
+                         max_new_tokens=max(budgets), num_beams=1, eos_token_id=eos_token_id,
+                         pad_token_id=pad_token_id, stopping_criteria=StoppingCriteriaList(
+                             [RowLimits(width, budgets)]), **decode)  # (B, T + new)
+    return [cut_at_eos(out[r, width:width + b].tolist(), eos_token_id) for r, b in enumerate(budgets)]
+
+
 # -- evaluate's: greedy, one budget -------------------------------------------------------------
 @torch.no_grad()
 def generate_greedy(model: torch.nn.Module, prompts: Sequence[list[int]], *, max_new_tokens: int,
                     eos_token_id: int, pad_token_id: int, batch_size: int) -> list[list[int]]:
     """Greedy continuations of `prompts` (new tokens only, cut after the first eos, eos kept), in
-    the input order, `batch_size` prompts per generate call."""
-    device = next(model.parameters()).device
+    the input order, `batch_size` prompts per batch."""
+    engine = _engine(model, eos_token_id, pad_token_id)
     order = _longest_first(prompts)
     outputs: list[list[int]] = [[] for _ in prompts]
     progress = Progress(log, "generation on dev examples", len(prompts))
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
-        ids, mask = left_padded([prompts[i] for i in rows], pad_token_id)  # (B, T) each
-        width = ids.shape[1]
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                             max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                             eos_token_id=eos_token_id, pad_token_id=pad_token_id)  # (B, T + new)
-        for r, i in enumerate(rows):
-            outputs[i] = cut_at_eos(out[r, width:].tolist(), eos_token_id)
+        tokens = _batch_tokens(model, engine, [prompts[i] for i in rows], [max_new_tokens] * len(rows),
+                               eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        for i, t in zip(rows, tokens):
+            outputs[i] = t
         progress.advance(len(rows))
     return outputs
 
@@ -82,7 +100,7 @@ def generate_greedy(model: torch.nn.Module, prompts: Sequence[list[int]], *, max
 class Generation:
     tokens: list[int]  # new tokens, cut after the first eos (eos kept)
     batch: int  # index of the batch (in generation order)
-    batch_seconds: float  # wall seconds of that batch's generate call
+    batch_seconds: float  # wall seconds of that batch's generation
 
 
 def token_budgets(prompts: Sequence[list[int]], max_length: int, max_new_tokens: int | None) -> list[int]:
@@ -102,12 +120,18 @@ class RowLimits(StoppingCriteria):
         return input_ids.shape[1] >= self.limits.to(input_ids.device)  # (B,)
 
 
-def _decoding(settings: PredictSettings) -> dict:
-    """generate's decoding arguments; sampling seeds torch once, here, before the first batch."""
-    if settings.decode_strategy == "sampling":
+def _sampling(settings: PredictSettings, engine: DecodeEngine | None, device: torch.device
+              ) -> tuple[Sampling | None, torch.Generator | None]:
+    """(sampling, its generator), seeded once, here, before the first batch: a torch.Generator on
+    the engine (seeded as torch.manual_seed would seed the global one: the same draws), torch's
+    global generator for `generate`. (None, None) for greedy_search."""
+    if settings.decode_strategy != "sampling":
+        return None, None
+    sampling = Sampling(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
+    if engine is None:
         torch.manual_seed(settings.seed)
-        return dict(do_sample=True, top_k=settings.top_k, top_p=settings.top_p, temperature=settings.temperature)
-    return dict(do_sample=False)
+        return sampling, None
+    return sampling, torch.Generator(device).manual_seed(settings.seed)
 
 
 @torch.no_grad()
@@ -116,26 +140,21 @@ def generate_batched(model: torch.nn.Module, prompts: Sequence[list[int]], setti
     """Continuations of `prompts` in input order, `settings.batch_size` at a time: each record
     gets at most max_length - len(prompt) new tokens (and max_new_tokens; `token_budgets`).
     Sampling is seeded once, before the first batch."""
-    device = next(model.parameters()).device
     budgets = token_budgets(prompts, settings.max_length, settings.max_new_tokens)
-    decode = _decoding(settings)
+    engine = _engine(model, eos_token_id, pad_token_id)
+    sampling, generator = _sampling(settings, engine, next(model.parameters()).device)
     order = _longest_first(prompts)
     results: list[Generation | None] = [None] * len(prompts)
     progress = Progress(log, "predicted records", len(prompts))
     num_batches = -(-len(prompts) // settings.batch_size)
     for batch, start in enumerate(range(0, len(order), settings.batch_size)):
         rows = order[start:start + settings.batch_size]
-        ids, mask = left_padded([prompts[i] for i in rows], pad_token_id)  # (B, T) each
-        width = ids.shape[1]
-        row_budgets = [budgets[i] for i in rows]
         t0 = time.perf_counter()
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=True,
-                             max_new_tokens=max(row_budgets), num_beams=1, eos_token_id=eos_token_id,
-                             pad_token_id=pad_token_id, stopping_criteria=StoppingCriteriaList(
-                                 [RowLimits(width, row_budgets)]), **decode)  # (B, T + new)
+        tokens = _batch_tokens(model, engine, [prompts[i] for i in rows], [budgets[i] for i in rows],
+                               eos_token_id=eos_token_id, pad_token_id=pad_token_id, sampling=sampling,
+                               generator=generator)
         seconds = time.perf_counter() - t0
-        for r, i in enumerate(rows):
-            new = cut_at_eos(out[r, width:width + budgets[i]].tolist(), eos_token_id)
-            results[i] = Generation(tokens=new, batch=batch, batch_seconds=seconds)
+        for i, t in zip(rows, tokens):
+            results[i] = Generation(tokens=t, batch=batch, batch_seconds=seconds)
         progress.advance(len(rows), detail=f"{batch + 1} of {num_batches} batches")
     return results  # type: ignore[return-value]

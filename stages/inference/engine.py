@@ -1,0 +1,246 @@
+"""The decode engine of evaluate, predict and the server: one prefill of a left-padded batch into a
+preallocated KV cache, then one decode step per token, with no `generate` call.
+
+    engine = DecodeEngine(model, eos_token_id=2, pad_token_id=0)
+    rows = engine.generate(prompts, [16, 4, 32], sampling=Sampling(temperature=0.7, top_p=0.9, seed=1),
+                           stop_strings=["\\n\\n"], tokenizer=tokenizer)   # -> [Decoded(tokens, finish_reason)]
+
+`model` is what `stages.inference.loading.load_variant` gives for a torch directory: a transformers
+causal LM of any family (fp32, or with stages.quant's low-bit kernels in its linears), or a peft
+model holding a LoRA or prefix-tuning adapter on one. Each forward call is the one `generate`
+makes (the same input ids, position ids `cumsum(mask) - 1`, the 2-D mask or none when nothing is
+padded, `logits_to_keep=1`), into `PreallocatedCache`, whose attention sees the same keys as
+`DynamicCache`'s: greedy tokens equal `generate`'s token for token (tests/unit/test_decode_engine.py).
+What the engine leaves out of each step: generate's per-step kwargs bookkeeping, logits processors
+and stopping criteria, the re-concatenation of the ids, the mask and every layer's keys and values.
+
+  * LoRA: the adapted layers are inside the base model; the engine calls that model directly.
+  * Prefix tuning: peft's `get_prompt(B)` gives every layer's prefix keys and values; they are
+    written into the cache's first `num_virtual_tokens` positions, the mask gets as many ones in
+    front and the position ids start after them, as peft's `prepare_inputs_for_generation` does.
+  * Rows end at eos (kept), at a stop string (the token that completed it kept), at their own
+    budget, or when `on_token` says so; finished rows are fed the pad token until every row has
+    ended, as in `generate` (a row's result never depends on the others).
+  * Sampling: temperature, top-k, top-p as transformers' warpers apply them, then one multinomial
+    draw per row from `generator` (a `torch.Generator`; `Sampling.seed` seeds a fresh one): with
+    the generator seeded as `torch.manual_seed` seeds the global one, the draws are `generate`'s.
+
+`unsupported(model)` names what the engine does not run (an onnxruntime model, a prompt-learning
+adapter other than prefix tuning); generation.py keeps `generate` for those and logs the reason.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from transformers import DynamicCache
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from stages.inference.kv_cache import PreallocatedCache, cache_fits
+
+log = logging.getLogger(__name__)
+
+FINISH_EOS = "eos"  # the eos token (kept in the tokens)
+FINISH_STOP = "stop"  # a stop string, or `on_token` ended the row
+FINISH_LENGTH = "length"  # the row's budget of new tokens
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings; None where the engine takes one means greedy."""
+
+    temperature: float = 1.0  # logits divided by this
+    top_k: int = 0  # keep the k most likely tokens (0: all)
+    top_p: float = 1.0  # keep the smallest set of tokens holding this probability mass (1.0: all)
+    seed: int | None = None  # seeds a fresh torch.Generator when no generator is given
+
+    def warpers(self) -> list:
+        """transformers' warpers in `generate`'s order, each only where it changes something."""
+        out = []
+        if self.temperature != 1.0:
+            out.append(TemperatureLogitsWarper(self.temperature))
+        if self.top_k:
+            out.append(TopKLogitsWarper(top_k=self.top_k))
+        if self.top_p < 1.0:
+            out.append(TopPLogitsWarper(top_p=self.top_p))
+        return out
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]  # new tokens, through the one that ended the row
+    finish_reason: str  # FINISH_EOS, FINISH_STOP or FINISH_LENGTH
+
+
+def unsupported(model) -> str | None:
+    """Why the engine cannot run `model`, or None when it can."""
+    if not isinstance(model, torch.nn.Module):
+        return f"{type(model).__name__} is not a torch model"
+    peft_config = getattr(model, "active_peft_config", None)
+    if peft_config is not None and peft_config.is_prompt_learning and peft_config.peft_type != "PREFIX_TUNING":
+        return f"peft {peft_config.peft_type.value} adapters put their prompt in the input embeddings"
+    return None
+
+
+def _runner(model: torch.nn.Module) -> tuple[torch.nn.Module, int]:
+    """(the transformers model each step calls, prefix positions): a peft model's base model
+    (LoRA's layers live inside it) and its prefix length; any other model itself and 0."""
+    peft_config = getattr(model, "active_peft_config", None)
+    if peft_config is None:
+        return model, 0
+    prefix = peft_config.num_virtual_tokens if peft_config.is_prompt_learning else 0
+    return model.get_base_model(), prefix
+
+
+def left_padded(prompts: Sequence[list[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask), both (B, T) with T the longest prompt: each prompt at the right end
+    of its row, where generation continues; the mask hides the pads."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)  # (B, T)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)  # (B, T)
+    for r, p in enumerate(prompts):
+        ids[r, width - len(p):] = torch.tensor(p)
+        mask[r, width - len(p):] = 1
+    return ids, mask
+
+
+def _stop_string_hit(tokenizer, tokens: list[int], stop_strings: Sequence[str]) -> bool:
+    text = tokenizer.decode(tokens, skip_special_tokens=False)
+    return any(s in text for s in stop_strings)
+
+
+class DecodeEngine:
+    """Prefill and decode steps of one model (see the module docstring). Keeps its KV cache
+    between `generate` calls of the same batch size and no larger length."""
+
+    def __init__(self, model: torch.nn.Module, *, eos_token_id: int | None, pad_token_id: int):
+        reason = unsupported(model)
+        if reason is not None:
+            raise ValueError(f"the decode engine cannot run this model: {reason}")
+        self.model = model
+        self.runner, self.num_prefix_tokens = _runner(model)
+        self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.device = next(model.parameters()).device
+        params = inspect.signature(self.runner.forward).parameters
+        self._position_ids = "position_ids" in params  # generate passes them where forward takes them
+        self._extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+        self._num_layers = self.runner.config.get_text_config(decoder=True).num_hidden_layers
+        self._cache: PreallocatedCache | None = None
+        self.forward_calls = 0  # prefills and decode steps so far (the bench's and the tests' count)
+
+    # -- the cache ---------------------------------------------------------------------------------
+    def _new_cache(self, batch: int, capacity: int):
+        """A reset PreallocatedCache of >= `capacity` positions (the last one when it fits), or
+        transformers' DynamicCache where the model's layers need another (a sliding window)."""
+        reason = cache_fits(self.runner.config, capacity)
+        if reason is not None:
+            log.info("decode engine: DynamicCache instead of a preallocated one: %s", reason)
+            return DynamicCache(config=self.runner.config)
+        if self._cache is None or not self._cache.fits(batch, capacity):
+            self._cache = PreallocatedCache(self._num_layers, capacity)
+        self._cache.reset()
+        return self._cache
+
+    def _write_prefix(self, cache, batch: int) -> None:
+        """Prefix tuning: peft's prefix keys and values (B, H, num_virtual_tokens, D) per layer,
+        into the cache's first positions."""
+        prefix = self.model.get_prompt(batch_size=batch)
+        layers = prefix.layers if hasattr(prefix, "layers") else None
+        if layers is None:
+            raise ValueError(f"peft's get_prompt gave a {type(prefix).__name__}, not a transformers Cache")
+        for i, layer in enumerate(layers):
+            cache.update(layer.keys, layer.values, i)
+
+    # -- one forward -------------------------------------------------------------------------------
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache) -> torch.Tensor:
+        """(B, vocab) float32 logits of the last position of `ids` (B, n)."""
+        kwargs = dict(self._extra)
+        if self._position_ids:
+            kwargs["position_ids"] = positions
+        self.forward_calls += 1
+        out = self.runner(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+                          return_dict=True, **kwargs)
+        return out.logits[:, -1].float()  # (B, V)
+
+    # -- generation --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def generate(self, prompts: Sequence[list[int]], max_new_tokens: int | Sequence[int], *,
+                 sampling: Sampling | None = None, generator: torch.Generator | None = None,
+                 stop_strings: Sequence[str] = (), tokenizer=None,
+                 on_token: Callable[[int, int], bool] | None = None) -> list[Decoded]:
+        """Continuations of `prompts` (lists of ids) as one left-padded batch, in their order.
+        `max_new_tokens`: one budget for all rows or one per row. `sampling` None: greedy.
+        `stop_strings` need `tokenizer`. `on_token(row, token)` sees each new token of a running
+        row first and returns True to end that row (FINISH_STOP)."""
+        batch = len(prompts)
+        budgets = [max_new_tokens] * batch if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(budgets) != batch:
+            raise ValueError(f"{len(budgets)} budgets for {batch} prompts")
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop_strings need the tokenizer that decodes the tokens")
+        rows = [Decoded([], FINISH_LENGTH) for _ in prompts]
+        running = [b > 0 for b in budgets]
+        if not any(running):
+            return rows
+        warpers = sampling.warpers() if sampling is not None else []
+        if sampling is not None and generator is None:
+            generator = torch.Generator(self.device)
+            if sampling.seed is not None:
+                generator.manual_seed(sampling.seed)
+            else:
+                generator.seed()
+
+        ids, prompt_mask = left_padded(prompts, self.pad_token_id)  # (B, T) each
+        ids, prompt_mask = ids.to(self.device), prompt_mask.to(self.device)
+        width, prefix, steps = ids.shape[1], self.num_prefix_tokens, max(budgets)
+        cache = self._new_cache(batch, prefix + width + steps)
+        if prefix:
+            self._write_prefix(cache, batch)
+        padded = not bool(prompt_mask.all())
+        # generate drops an all-ones mask (no padding: the causal mask alone); with padding it
+        # grows the mask by one 1 per step, and peft puts the prefix's ones in front
+        mask = None
+        if padded:
+            mask = torch.ones((batch, prefix + width + steps), dtype=prompt_mask.dtype, device=self.device)
+            mask[:, prefix:prefix + width] = prompt_mask  # (B, prefix + T + steps)
+        positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 0) + prefix  # (B, T), pads at prefix
+        logits = self._forward(ids, None if mask is None else mask[:, :prefix + width], positions, cache)
+        pad = torch.tensor(self.pad_token_id, device=self.device)
+        for step in range(steps):
+            if sampling is not None:
+                for warp in warpers:
+                    logits = warp(None, logits)
+                new = torch.multinomial(logits.softmax(dim=-1), num_samples=1, generator=generator).squeeze(1)  # (B,)
+            else:
+                new = logits.argmax(dim=-1)  # (B,)
+            for r, token in enumerate(new.tolist()):
+                if running[r]:
+                    running[r] = self._advance(r, token, rows[r], budgets[r], on_token, stop_strings, tokenizer)
+            if not any(running) or step == steps - 1:
+                break
+            alive = torch.tensor(running, device=self.device)
+            new = torch.where(alive, new, pad)[:, None]  # (B, 1): finished rows are fed pad, as generate does
+            positions = positions[:, -1:] + 1  # (B, 1)
+            length = prefix + width + step + 1
+            logits = self._forward(new, None if mask is None else mask[:, :length], positions, cache)
+        return rows
+
+    def _advance(self, r: int, token: int, row: Decoded, budget: int, on_token, stop_strings, tokenizer) -> bool:
+        """Add `token` to row `r`; False once the row has ended (its finish_reason set)."""
+        row.tokens.append(token)
+        if on_token is not None and on_token(r, token):
+            row.finish_reason = FINISH_STOP
+        elif token == self.eos_token_id:
+            row.finish_reason = FINISH_EOS
+        elif stop_strings and _stop_string_hit(tokenizer, row.tokens, stop_strings):
+            row.finish_reason = FINISH_STOP
+        elif len(row.tokens) >= budget:
+            row.finish_reason = FINISH_LENGTH
+        else:
+            return True
+        return False

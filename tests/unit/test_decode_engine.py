@@ -1,0 +1,189 @@
+"""stages/inference/engine.py (and its cache, stages/inference/kv_cache.py): greedy tokens equal
+transformers' `generate` (the path evaluate and predict took before the engine) token for token,
+for every family the chain fine-tunes on (tiny random checkpoints saved by transformers,
+checkpoint_fixtures.save_checkpoint) and every kind of torch variant load_variant gives (full,
+LoRA and prefix adapters, wint8 / wint4 on stages.quant's kernels), at batch 1 and on a
+left-padded batch of prompts of different lengths; then eos, stop strings, per-row budgets,
+`on_token`, a sliding window shorter than the cache, and seeded sampling against `generate`'s."""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from checkpoint_fixtures import save_checkpoint
+from stages import quantize
+from stages.checkpoint.atomic import atomic_dir
+from stages.checkpoint.hf import copy_tokenizer
+from stages.checkpoint.meta import write_meta
+from stages.inference.engine import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, DecodeEngine, Sampling, unsupported
+from stages.inference.generation import cut_at_eos, left_padded
+from stages.inference.loading import load_variant
+
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "glm", "glm4", "gpt2")
+KINDS = ("full", "lora", "prefix", "wint8", "wint4")
+NEW_TOKENS = 10
+EOS, PAD = 2, 0
+
+
+def _prompts(vocab: int = 300) -> list[list[int]]:
+    """Four prompts of different lengths (the batch is left-padded), ids that are neither pad nor eos."""
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (6, 11, 2, 8)]
+
+
+@torch.no_grad()
+def _generate(model, prompts, max_new_tokens=NEW_TOKENS, eos=EOS, **decode) -> list[list[int]]:
+    """The old path: one `generate` call on the left-padded batch, each row cut after its eos."""
+    ids, mask = left_padded(prompts, PAD)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, num_beams=1,
+                         eos_token_id=eos, pad_token_id=PAD, **({"do_sample": False} | decode))
+    return [cut_at_eos(out[r, ids.shape[1]:].tolist(), eos) for r in range(len(prompts))]
+
+
+def _adapter(base_dir, out, peft_config):
+    """A peft adapter of `base_dir`, saved as finetune saves one (adapter, tokenizer, meta.json)."""
+    torch.manual_seed(0)
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), peft_config)
+    with atomic_dir(out) as d:
+        model.save_pretrained(d)
+        copy_tokenizer(base_dir, d)
+        write_meta(d, stage="finetune", config={}, parent=base_dir, seed=0, metrics={})
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_tokenizer_dir):
+    return PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory, tokenizer):
+    """{family: {kind: directory}}, built on first use."""
+    root = tmp_path_factory.mktemp("engine")
+    built: dict[str, dict] = {}
+
+    def get(family: str, kind: str):
+        dirs = built.setdefault(family, {})
+        if kind in dirs:
+            return dirs[kind]
+        base = dirs.get("full") or save_checkpoint(root / family / "full", tokenizer, family)
+        dirs["full"] = base
+        if kind == "lora":  # B != 0: the adapter changes the outputs
+            dirs[kind] = _adapter(base, root / family / kind, peft.LoraConfig(
+                r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM"))
+        elif kind == "prefix":
+            dirs[kind] = _adapter(base, root / family / kind,
+                                  peft.PrefixTuningConfig(num_virtual_tokens=4, task_type="CAUSAL_LM"))
+        elif kind in ("wint8", "wint4"):
+            quantize.run(base, root / family / kind, kind, 32)
+            dirs[kind] = root / family / kind
+        return dirs[kind]
+
+    return get
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equals_generate(family_dirs, family, kind):
+    model, _, _ = load_variant(family_dirs(family, kind))
+    engine = DecodeEngine(model, eos_token_id=EOS, pad_token_id=PAD)
+    prompts = _prompts()
+    for batch in ([prompts[1]], prompts):
+        expected = _generate(model, batch)
+        got = engine.generate(batch, NEW_TOKENS)
+        assert [d.tokens for d in got] == expected, f"{family} {kind}, batch of {len(batch)}"
+        assert all(d.finish_reason == (FINISH_EOS if d.tokens[-1] == EOS else FINISH_LENGTH) for d in got)
+    assert sum(len(t) for t in expected) > len(prompts)  # not every row ends at once: the steps were compared
+    if kind in ("lora", "prefix"):  # the adapter is in the path: the base alone answers otherwise
+        base, _, _ = load_variant(family_dirs(family, "full"))
+        assert _generate(base, prompts) != expected
+
+
+def test_one_prefill_then_one_step_per_token(family_dirs):
+    model, _, _ = load_variant(family_dirs("llama", "full"))
+    engine = DecodeEngine(model, eos_token_id=None, pad_token_id=PAD)
+    rows = engine.generate(_prompts(), NEW_TOKENS)
+    assert [len(r.tokens) for r in rows] == [NEW_TOKENS] * 4
+    assert engine.forward_calls == NEW_TOKENS  # the prefill gives the first token, each step one more
+    cache = engine._cache
+    engine.generate(_prompts()[::-1], NEW_TOKENS - 2)  # same batch size, shorter: the buffers are reused
+    assert engine._cache is cache
+
+
+def test_eos_ends_a_row_and_is_kept(family_dirs):
+    model, _, _ = load_variant(family_dirs("qwen2", "full"))
+    prompts = _prompts()
+    free = DecodeEngine(model, eos_token_id=None, pad_token_id=PAD).generate(prompts, NEW_TOKENS)
+    eos = free[0].tokens[3]  # a token row 0 generates: as eos, it must end row 0 there
+    got = DecodeEngine(model, eos_token_id=eos, pad_token_id=PAD).generate(prompts, NEW_TOKENS)
+    assert got[0].tokens == free[0].tokens[:free[0].tokens.index(eos) + 1] and got[0].finish_reason == FINISH_EOS
+    assert [d.tokens for d in got] == _generate(model, prompts, eos=eos)
+
+
+def test_per_row_budgets_and_stop_strings(family_dirs, tokenizer):
+    model, _, _ = load_variant(family_dirs("gpt2", "full"))
+    engine = DecodeEngine(model, eos_token_id=None, pad_token_id=PAD)
+    prompts = _prompts()
+    free = [d.tokens for d in engine.generate(prompts, NEW_TOKENS)]
+    budgets = [1, 5, 0, 3]
+    rows = engine.generate(prompts, budgets)
+    assert [d.tokens for d in rows] == [f[:b] for f, b in zip(free, budgets)]
+    assert all(d.finish_reason == FINISH_LENGTH for d in rows)
+
+    stop = tokenizer.decode(free[1][4:6])  # text row 1 produces at its 5th and 6th tokens
+    rows = engine.generate(prompts, NEW_TOKENS, stop_strings=[stop], tokenizer=tokenizer)
+    ends = [next((n for n in range(1, NEW_TOKENS + 1) if stop in tokenizer.decode(f[:n])), NEW_TOKENS) for f in free]
+    assert ends[1] <= 6
+    assert [d.tokens for d in rows] == [f[:n] for f, n in zip(free, ends)]
+    assert rows[1].finish_reason == FINISH_STOP
+
+    seen = []
+    rows = engine.generate(prompts, NEW_TOKENS, on_token=lambda r, t: seen.append((r, t)) or r == 2)
+    assert rows[2].tokens == free[2][:1] and rows[2].finish_reason == FINISH_STOP
+    assert [d.tokens for d in rows][:2] == free[:2] and sorted(seen) == sorted(
+        [(r, t) for r, f in enumerate(free) for t in (f[:1] if r == 2 else f)])
+
+
+def test_a_sliding_window_shorter_than_the_cache_takes_the_dynamic_cache(tmp_path, tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(
+        save_checkpoint(tmp_path / "mistral", tokenizer, "mistral", sliding_window=6), dtype=torch.float32).eval()
+    engine = DecodeEngine(model, eos_token_id=EOS, pad_token_id=PAD)
+    prompts = _prompts()
+    assert [d.tokens for d in engine.generate(prompts, NEW_TOKENS)] == _generate(model, prompts)
+    assert engine._cache is None  # the window slides within prompt + new tokens: no preallocated cache
+
+
+@pytest.mark.parametrize("kind", ["full", "prefix"])
+def test_seeded_sampling_is_generates(family_dirs, kind):
+    """With a generator seeded as torch.manual_seed seeds the global one, the engine's draws are
+    generate's; the same seed repeats, another one differs."""
+    model, _, _ = load_variant(family_dirs("llama", kind))
+    engine = DecodeEngine(model, eos_token_id=EOS, pad_token_id=PAD)
+    prompts = _prompts()
+    for sampling in (Sampling(seed=3), Sampling(temperature=0.7, top_k=50, top_p=0.9, seed=4)):
+        torch.manual_seed(sampling.seed)
+        expected = _generate(model, prompts, do_sample=True, temperature=sampling.temperature,
+                             top_k=sampling.top_k, top_p=sampling.top_p)
+        got = [d.tokens for d in engine.generate(prompts, NEW_TOKENS, sampling=sampling)]
+        assert got == expected
+        assert [d.tokens for d in engine.generate(prompts, NEW_TOKENS, sampling=sampling)] == got
+    other = engine.generate(prompts, NEW_TOKENS, sampling=Sampling(seed=5))
+    assert [d.tokens for d in other] != got
+    # top_k=1 keeps the most likely token only: sampling becomes greedy
+    assert ([d.tokens for d in engine.generate(prompts, NEW_TOKENS, sampling=Sampling(top_k=1, seed=6))]
+            == [d.tokens for d in engine.generate(prompts, NEW_TOKENS)])
+
+
+def test_what_the_engine_does_not_run(family_dirs):
+    class NotTorch:
+        pass
+
+    assert "not a torch model" in unsupported(NotTorch())
+    model, _, _ = load_variant(family_dirs("llama", "full"))
+    prompt_tuning = peft.get_peft_model(model, peft.PromptTuningConfig(num_virtual_tokens=2, task_type="CAUSAL_LM"))
+    assert "PROMPT_TUNING" in unsupported(prompt_tuning)
+    with pytest.raises(ValueError, match="cannot run"):
+        DecodeEngine(prompt_tuning, eos_token_id=EOS, pad_token_id=PAD)

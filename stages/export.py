@@ -60,7 +60,6 @@ generation prompts, see onnx_int8), int8_block_size, int8_onnx_size_bytes.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import shutil
 import time
@@ -77,7 +76,7 @@ from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import copy_tokenizer, load_config, load_pretrained
 from stages.checkpoint.meta import write_meta
 from stages.checkpoint.tokenizer_files import TOKENIZER_FILES
-from stages.checkpoint.weights import check_model_dir
+from stages.checkpoint.weights import check_model_dir, refuse_quantized
 from stages.data.tokenizer import load_model_tokenizer
 from stages.deployment.onnx_checks import GenerationAgreement, generation_agreement, left_pad
 from stages.deployment.onnx_decoder import CachedDecoder, export_decoder
@@ -85,7 +84,7 @@ from stages.deployment.onnx_files import (GENAI_CONFIG, INT8_DIR, ONNX_NAME, exp
                                           onnx_opset, write_genai_config)
 from stages.deployment.onnx_generate import OnnxDecoder, greedy_generate
 from stages.deployment.onnx_int8 import int8_quality, quantize_int8
-from stages.errors import InputError, run_cli
+from stages.errors import run_cli
 from stages.metrics.logit_agreement import LogitAgreement, logit_agreement
 from stages.sections import ExportSettings
 from stages.model.config import LlamaConfig
@@ -317,13 +316,6 @@ def write_int8(target: ExportModel, out_dir: Path, probe: torch.Tensor, block_si
     }
 
 
-def _refuse_quantized(model_dir: Path) -> None:
-    """InputError when `model_dir`'s config.json has a quantization_config: export takes float weights."""
-    if (model_dir / "config.json").exists() and "quantization_config" in json.loads(
-            (model_dir / "config.json").read_text()):
-        raise InputError(f"{model_dir} is a quantized checkpoint; export takes the float source model")
-
-
 @dataclass
 class _Checked:
     """What onnxruntime measured against torch on the probes."""
@@ -396,7 +388,8 @@ def run(model_dir: str | Path, out_dir: str | Path, config: Mapping[str, Any] | 
     model_dir, out_dir = Path(model_dir), Path(out_dir)
     log_io("export", reads={"float model": model_dir},
            writes={f"{ONNX_NAME}, {GENAI_CONFIG}, tokenizer, meta.json": out_dir}, logger=log)
-    _refuse_quantized(model_dir)
+    refuse_quantized(model_dir, lambda method: f"--model {model_dir} is a quantized checkpoint (quant_method="
+                                               f"{method!r}); export takes the float source model")
     steps = Progress(log, "export steps", 4, lines=4, min_interval_s=0, eta=False)
     target = load_for_export(model_dir)
     n_bytes = sum(p.numel() * p.element_size() for p in target.module.parameters())

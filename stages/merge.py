@@ -37,7 +37,7 @@ from stages.checkpoint.hf import copy_tokenizer
 from stages.adapters.peft_files import check_adapter_fits, check_every_adapted_layer_loaded
 from stages.checkpoint.meta import META_NAME, write_meta
 from stages.checkpoint.store import INDEX, SHARDED
-from stages.checkpoint.weights import check_adapter_dir, check_model_dir
+from stages.checkpoint.weights import check_adapter_dir, check_model_dir, refuse_quantized
 from stages.errors import InputError, run_cli
 from stages.metrics.logit_agreement import logit_error
 from stages.stage_logs import configure_logging, log_io
@@ -110,7 +110,11 @@ def run(adapter_dir: str | Path, out_dir: str | Path, base_dir: str | Path | Non
     log_io("merge", reads={"LoRA adapter": adapter_dir, "base model": base_dir}, writes={"merged model": out_dir},
            logger=log)
     check_adapter_dir(adapter_dir)  # sha256 against meta.json, no pickle, a whole safetensors file
-    refuse_quantized(base_dir, adapter_dir)
+    # a LoRA update cannot be folded into quantized weights without re-quantizing them
+    refuse_quantized(base_dir, lambda method: (
+        f"--base {base_dir} is a quantized model (quant_method={method!r}); merging {adapter_dir} into it would "
+        "need its weights de- and re-quantized. Merge into the float model the adapter was trained on, then "
+        "quantize the merged model (quantize.source: lora-merged)"))
     model = _adapted_model(adapter_dir, base_dir)
     merged_modules = sum(1 for m in model.modules() if isinstance(m, peft.tuners.lora.LoraLayer))
     merged, diff, scale, rel_err = _merge_checked(model, adapter_dir, base_dir, rtol)
@@ -181,17 +185,6 @@ def is_sharded(model_dir: Path) -> bool:
     """Whether `model_dir` holds tensor/pipeline-parallel slices (`unified_checkpoint: false`)."""
     index = model_dir / INDEX
     return index.exists() and json.loads(index.read_text()).get("format") == SHARDED
-
-
-def refuse_quantized(base_dir: Path, adapter_dir: Path) -> None:
-    """A LoRA update cannot be folded into quantized weights without re-quantizing them."""
-    config = json.loads((base_dir / "config.json").read_text()) if (base_dir / "config.json").exists() else {}
-    quantization = config.get("quantization_config")
-    if quantization is not None:
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
-        raise InputError(f"--base {base_dir} is a quantized model (quant_method={method!r}); merging {adapter_dir} "
-                         "into it would need its weights de- and re-quantized. Merge into the float model the "
-                         "adapter was trained on, then quantize the merged model (quantize.source: lora-merged)")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

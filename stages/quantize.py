@@ -73,6 +73,7 @@ from stages import settings
 from stages.checkpoint.atomic import atomic_dir, write_json
 from stages.checkpoint.hf import copy_tokenizer, load_state_dict, save_state_dict
 from stages.checkpoint.meta import write_meta
+from stages.checkpoint.weights import refuse_quantized
 from stages.errors import InputError, run_cli
 from stages.quant import quantization_config, quantize_model
 from stages.quant.calibration import CalibrationSettings, calibration_ids, check_calibration_memory
@@ -247,10 +248,9 @@ def _float_config(source_dir: Path) -> dict[str, Any]:
     config_path = source_dir / "config.json"
     if not config_path.exists():
         raise InputError(f"{config_path} is missing; --source must be a Hugging Face model directory")
-    hf_config = json.loads(config_path.read_text())
-    if "quantization_config" in hf_config:
-        raise InputError(f"{source_dir} is already quantized; quantize.source must name a float model")
-    return hf_config
+    refuse_quantized(source_dir, lambda method: f"--source {source_dir} (quant_method={method!r}) is already "
+                                                "quantized; quantize.source must name a float model")
+    return json.loads(config_path.read_text())
 
 
 def _quantize(spec: VariantSpec, variant: str, source_dir: Path, data_dir: str | Path | None,

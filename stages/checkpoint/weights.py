@@ -18,7 +18,9 @@ first calls `check_model_dir` / `check_adapter_dir`, and tensors are read only t
 
 Any failure raises `WeightsError` (a ValueError) whose message names the file, the tensor where
 one is at fault, and the fix. Hashing reads every weight byte once per load (about a second for a
-500 MB model); header checks read a few kilobytes.
+500 MB model); header checks read a few kilobytes. The stages that take float weights only
+(export, merge, quantize) also `refuse_quantized` a model whose config.json has a
+`quantization_config`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import json
 import logging
 import math
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +236,17 @@ def check_model_dir(model_dir: str | Path) -> list[Path]:
                 raise WeightsError(f"{index} puts tensor {key!r} in {model_dir / shard}, which does not hold it; "
                                    f"{_fix(model_dir, _writer(model_dir)[0])}")
     return files
+
+
+def refuse_quantized(model_dir: str | Path, refusal: Callable[[str], str]) -> None:
+    """Raise InputError(`refusal(quant_method)`) when `model_dir`'s config.json has a
+    `quantization_config` (null is a float model's, as `stages.model.config` reads it): the stage
+    takes float weights, and its sentence names the flag or key to fix and what to give instead. A
+    directory without config.json passes; what loads it names what is missing."""
+    config_path = Path(model_dir) / "config.json"
+    quantization = json.loads(config_path.read_text()).get("quantization_config") if config_path.is_file() else None
+    if quantization is not None:
+        raise InputError(refusal(quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"))
 
 
 def _adapter_hint(adapter_dir: Path) -> str:

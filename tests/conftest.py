@@ -47,7 +47,8 @@ def pytest_unconfigure(config):
 def in_process_threads() -> int | None:
     """torch's intra-op threads for the tests' own (in-process) compute: LLM_LIFECYCLE_TEST_THREADS
     if set, else 1 when pytest-xdist runs several workers (two workers with one thread per core each
-    oversubscribe the cores; measured in docs/testing.md), else torch's default. The jobs and ranks the
+    oversubscribe the cores: five in-process-heavy files took 150 s with two threads a worker and
+    124 s with one, on 2 cores), else torch's default. The jobs and ranks the
     tests start set their own threads (OMP_NUM_THREADS, Snakemake's `threads`), unchanged."""
     value = os.environ.get("LLM_LIFECYCLE_TEST_THREADS")
     if value:

@@ -1,17 +1,21 @@
 """Decode speed of every runtime a model of this pipeline runs on, in one run, on the same weights:
-torch eager (transformers `generate`, fp32, KV cache: what `stages.predict` runs), our low-bit
-kernels (wint4, `stages.quant.load_quantized`), the exported ONNX decoder with its KV cache on
+torch eager (transformers `generate`, fp32, KV cache: what `stages.predict` ran before the engine),
+our decode engine (`stages.inference.engine`: what evaluate, predict and the server run now) in fp32
+and on our low-bit kernels (wint8 and wint4, `stages.quant.load_quantized`; wint4 through `generate`
+too), the exported ONNX decoder with its KV cache on
 onnxruntime (float and int8, `stages.deployment.onnx_model.OnnxCausalLM`: what `stages.predict
 --backend onnxruntime` runs) and, where llama-cpp-python is installed, llama.cpp on our GGUF files
 (f32, q8_0, q4_0; batch 1 only: llama-cpp-python decodes one sequence).
 
-Decode tokens/s at batch B for the `generate` runtimes: B x (N - 1) tokens over the wall time of
-generating N tokens less that of generating 1 (the prefill and the first token), greedy from the
-same B random prompts of `--prompt-tokens` tokens with eos suppressed (min_new_tokens = N), the
+Decode tokens/s at batch B for the `generate` runtimes and the engine: B x (N - 1) tokens over the
+wall time of generating N tokens less that of generating 1 (the prefill and the first token),
+greedy from the same B random prompts of `--prompt-tokens` tokens with eos suppressed
+(min_new_tokens = N; the engine: no eos), the
 median of `--repeats` runs after a warm-up, runtimes interleaved run by run so that load from other
 processes hits them alike. llama.cpp: N tokens over the wall time of its decode loop after the
 prompt (bench/gguf_decode.py's decoder), same prompts, same medians. Ratios against torch eager
-in the same run.
+in the same run, and the issue's two targets (issue 52): engine fp32 / onnx fp32 (goal >= 1) and
+engine wint4 / llama.cpp q4_0 (goal >= 0.5), both at batch 1.
 
     .venv/bin/python bench/deploy_decode.py                       # debug flavour, ~2 min (export included)
     .venv/bin/python bench/deploy_decode.py --model results/llama/lora-merged
@@ -42,6 +46,12 @@ GGUF_TYPES = ("f32", "q8_0", "q4_0")
 def generate_seconds(model, ids, new_tokens: int) -> float:
     import torch
 
+    from stages.inference.engine import DecodeEngine
+
+    if isinstance(model, DecodeEngine):  # built with eos_token_id=None: every row runs its budget
+        start = time.perf_counter()
+        model.generate(ids.tolist(), new_tokens)
+        return time.perf_counter() - start
     mask = torch.ones_like(ids)
     start = time.perf_counter()
     with torch.no_grad():
@@ -90,14 +100,43 @@ def measure_llama_cpp(files: dict[str, Path], vocab_size: int, prompt_tokens: in
                    "prefill_s": None} for name, t in times.items()}
 
 
+TARGETS = {f"{ours} / {peer}": (ours, peer, goal)
+           for engine, peer, goal in (("engine fp32", "onnx fp32", 1.0), ("engine wint4", "llama.cpp q4_0", 0.5))
+           for ours in (engine, f"{engine} compiled")}
+
+
+def targets(runs: dict) -> dict[str, dict]:
+    """The issue's targets at batch 1: {name: {ratio, goal, met}} where both runtimes ran."""
+    rows = runs.get(1, {})
+    out = {}
+    for name, (ours, peer, goal) in TARGETS.items():
+        if ours in rows and peer in rows:
+            ratio = rows[ours]["decode_tokens_per_s"] / rows[peer]["decode_tokens_per_s"]
+            out[name] = {"ratio": ratio, "goal": goal, "met": ratio >= goal}
+    return out
+
+
+def compile_seconds(engines: dict, vocab_size: int, prompt_tokens: int, new_tokens: int) -> dict[str, float]:
+    """{name: seconds of the first generate call} of each compiled engine (torch.compile's time
+    is in it), at batch 1, before any timed run."""
+    import torch
+
+    ids = torch.randint(3, vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(1))
+    return {name: generate_seconds(engine, ids, new_tokens) for name, engine in engines.items()}
+
+
 def report(result: dict) -> str:
-    lines = [f"{'runtime':<16}{'batch':>6}{'decode tok/s':>14}{'x torch':>9}{'prefill ms':>12}"]
+    lines = [f"{'runtime':<22}{'batch':>6}{'decode tok/s':>14}{'x torch':>9}{'prefill ms':>12}"]
     for batch, rows in result["runs"].items():
         base = rows["torch"]["decode_tokens_per_s"]
         for name, row in rows.items():
             prefill = f"{row['prefill_s'] * 1000:>12.1f}" if row["prefill_s"] is not None else f"{'':>12}"
-            lines.append(f"{name:<16}{batch:>6}{row['decode_tokens_per_s']:>14.0f}"
+            lines.append(f"{name:<22}{batch:>6}{row['decode_tokens_per_s']:>14.0f}"
                          f"{row['decode_tokens_per_s'] / base:>9.2f}{prefill}")
+    for name, seconds in result["compile_seconds"].items():
+        lines.append(f"{name}: first call (compiling) {seconds:.0f} s")
+    for name, t in result["targets"].items():
+        lines.append(f"{name}: {t['ratio']:.2f} (goal >= {t['goal']}: {'met' if t['met'] else 'not met'})")
     return "\n".join(lines)
 
 
@@ -109,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=16, help="prompt length (default: 16)")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated (default: 32)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per runtime after a warm-up")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="leave out the engine rows with a torch.compile'd decode step (each compiles ~1 min)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON to write")
     args = parser.parse_args(argv)
     started = time.perf_counter()
@@ -121,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     from stages import export, quantize
     from stages.deployment.gguf_writer import write_gguf
     from stages.deployment.onnx_model import OnnxCausalLM
+    from stages.inference.engine import DecodeEngine
     from stages.quant import load_quantized
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -129,12 +171,24 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         metrics = export.run(model_dir, tmp / "onnx", {"int8": True})
         export_s = time.perf_counter() - t0
-        quantize.run(model_dir, tmp / "wint4", "wint4")
+        for variant in ("wint4", "wint8"):
+            quantize.run(model_dir, tmp / variant, variant)
         torch_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True,
                                                            use_safetensors=True).eval()
-        models = {"torch": torch_model, "wint4 (ours)": load_quantized(tmp / "wint4"),
-                  "onnx fp32": OnnxCausalLM(tmp / "onnx"), "onnx int8": OnnxCausalLM(tmp / "onnx" / "int8")}
+        wint4, wint8 = load_quantized(tmp / "wint4"), load_quantized(tmp / "wint8")
+
+        def engine(model, compile=False):
+            return DecodeEngine(model, eos_token_id=None, pad_token_id=0, compile=compile)
+
+        models = {"torch": torch_model, "engine fp32": engine(torch_model),
+                  "wint4 (ours)": wint4, "engine wint4": engine(wint4), "engine wint8": engine(wint8)}
+        compiled = {} if args.no_compile else {f"{name} compiled": engine(model, compile=True) for name, model in
+                                               (("engine fp32", torch_model), ("engine wint4", wint4),
+                                                ("engine wint8", wint8))}
+        models.update(compiled)
+        models.update({"onnx fp32": OnnxCausalLM(tmp / "onnx"), "onnx int8": OnnxCausalLM(tmp / "onnx" / "int8")})
         vocab = torch_model.config.vocab_size
+        first_calls = compile_seconds(compiled, vocab, args.prompt_tokens, args.new_tokens)
         runs = {int(b): measure(models, vocab, int(b), args.prompt_tokens, args.new_tokens, args.repeats)
                 for b in csv_list(args.batch_sizes)}
         if not llama_cpp_installed():  # bench/llama_cpp_runtime.py
@@ -149,12 +203,14 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info("transformers", "onnxruntime", "llama_cpp_python", "llama_cpp_cffi"),
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "export_seconds": export_s,
+        "compile_seconds": first_calls,
         "export_metrics": {k: metrics[k] for k in ("rel_err", "top1_agreement", "int8_top1_agreement",
                                                    "int8_ppl_ratio", "int8_greedy_agreement", "onnx_size_bytes",
                                                    "int8_onnx_size_bytes")},
         "runs": runs,
         "ratios": {f"{name}/torch b{b}": rows[name]["decode_tokens_per_s"] / rows["torch"]["decode_tokens_per_s"]
                    for b, rows in runs.items() for name in rows if name != "torch"},
+        "targets": targets(runs),
     }
     return finish(args.out, result, report, started)
 

@@ -25,6 +25,14 @@ and stopping criteria, the re-concatenation of the ids, the mask and every layer
     draw per row from `generator` (a `torch.Generator`; `Sampling.seed` seeds a fresh one): with
     the generator seeded as `torch.manual_seed` seeds the global one, the draws are `generate`'s.
 
+`compile=True` runs each decode step through `torch.compile` (inductor: the norms, rotary and
+activations fused, one kernel launch for many aten ops) on transformers' `StaticCache`, whose
+shapes stay the same from step to step (its size a multiple of COMPILED_CAPACITY_STEP; the prefill
+stays eager). The first call of a batch size compiles (about a minute for a 135M model on 2 cores);
+fused float sums may differ from eager's in the last bits, so the engines of evaluate and predict
+stay eager (token equality with `generate`) and the compiled step is for long-lived callers
+(bench/deploy_decode.py measures both).
+
 `unsupported(model)` names what the engine does not run (an onnxruntime model, a prompt-learning
 adapter other than prefix tuning); generation.py keeps `generate` for those and logs the reason.
 """
@@ -37,7 +45,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from stages.inference.kv_cache import PreallocatedCache, cache_fits
@@ -47,6 +55,7 @@ log = logging.getLogger(__name__)
 FINISH_EOS = "eos"  # the eos token (kept in the tokens)
 FINISH_STOP = "stop"  # a stop string, or `on_token` ended the row
 FINISH_LENGTH = "length"  # the row's budget of new tokens
+COMPILED_CAPACITY_STEP = 256  # a compiled engine's cache holds a multiple of this: fewer shapes, fewer compiles
 
 
 @dataclass(frozen=True)
@@ -117,7 +126,8 @@ class DecodeEngine:
     """Prefill and decode steps of one model (see the module docstring). Keeps its KV cache
     between `generate` calls of the same batch size and no larger length."""
 
-    def __init__(self, model: torch.nn.Module, *, eos_token_id: int | None, pad_token_id: int):
+    def __init__(self, model: torch.nn.Module, *, eos_token_id: int | None, pad_token_id: int,
+                 compile: bool = False):
         reason = unsupported(model)
         if reason is not None:
             raise ValueError(f"the decode engine cannot run this model: {reason}")
@@ -130,13 +140,23 @@ class DecodeEngine:
         self._position_ids = "position_ids" in params  # generate passes them where forward takes them
         self._extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self._num_layers = self.runner.config.get_text_config(decoder=True).num_hidden_layers
-        self._cache: PreallocatedCache | None = None
+        self._cache: PreallocatedCache | StaticCache | None = None
+        # compile: the decode step through torch.compile (inductor), on a StaticCache whose shapes do
+        # not change from step to step (one graph per batch size and cache size; the prefill stays eager)
+        self._step = torch.compile(self.runner.forward, dynamic=False) if compile else None
         self.forward_calls = 0  # prefills and decode steps so far (the bench's and the tests' count)
 
     # -- the cache ---------------------------------------------------------------------------------
     def _new_cache(self, batch: int, capacity: int):
         """A reset PreallocatedCache of >= `capacity` positions (the last one when it fits), or
-        transformers' DynamicCache where the model's layers need another (a sliding window)."""
+        transformers' DynamicCache where the model's layers need another (a sliding window); a
+        compiled engine's StaticCache of a multiple of COMPILED_CAPACITY_STEP positions."""
+        if self._step is not None:
+            size = -(-capacity // COMPILED_CAPACITY_STEP) * COMPILED_CAPACITY_STEP
+            if self._cache is None or self._cache_shape != (batch, size):
+                self._cache, self._cache_shape = StaticCache(config=self.runner.config, max_cache_len=size), (batch, size)
+            self._cache.reset()
+            return self._cache
         reason = cache_fits(self.runner.config, capacity)
         if reason is not None:
             log.info("decode engine: DynamicCache instead of a preallocated one: %s", reason)
@@ -157,13 +177,16 @@ class DecodeEngine:
             cache.update(layer.keys, layer.values, i)
 
     # -- one forward -------------------------------------------------------------------------------
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache) -> torch.Tensor:
-        """(B, vocab) float32 logits of the last position of `ids` (B, n)."""
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache,
+                 step: bool = False) -> torch.Tensor:
+        """(B, vocab) float32 logits of the last position of `ids` (B, n); `step`: a decode step
+        (compiled, where the engine compiles)."""
         kwargs = dict(self._extra)
         if self._position_ids:
             kwargs["position_ids"] = positions
         self.forward_calls += 1
-        out = self.runner(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+        forward = self._step if step and self._step is not None else self.runner
+        out = forward(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
                           return_dict=True, **kwargs)
         return out.logits[:, -1].float()  # (B, V)
 
@@ -201,15 +224,17 @@ class DecodeEngine:
         cache = self._new_cache(batch, prefix + width + steps)
         if prefix:
             self._write_prefix(cache, batch)
-        padded = not bool(prompt_mask.all())
         # generate drops an all-ones mask (no padding: the causal mask alone); with padding it
-        # grows the mask by one 1 per step, and peft puts the prefix's ones in front
-        mask = None
-        if padded:
-            mask = torch.ones((batch, prefix + width + steps), dtype=prompt_mask.dtype, device=self.device)
-            mask[:, prefix:prefix + width] = prompt_mask  # (B, prefix + T + steps)
+        # grows the mask by one 1 per step, and peft puts the prefix's ones in front. A compiled
+        # step always takes the mask of the whole static cache (one shape; the causal mask hides
+        # the positions not written yet).
+        mask, full = None, self._step is not None
+        if full or not bool(prompt_mask.all()):
+            length = self._cache_shape[1] if full else prefix + width + steps
+            mask = torch.ones((batch, length), dtype=prompt_mask.dtype, device=self.device)
+            mask[:, prefix:prefix + width] = prompt_mask  # (B, prefix + T + steps), or the cache's length
         positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 0) + prefix  # (B, T), pads at prefix
-        logits = self._forward(ids, None if mask is None else mask[:, :prefix + width], positions, cache)
+        logits = self._forward(ids, mask if full or mask is None else mask[:, :prefix + width], positions, cache)
         pad = torch.tensor(self.pad_token_id, device=self.device)
         for step in range(steps):
             if sampling is not None:
@@ -227,7 +252,8 @@ class DecodeEngine:
             new = torch.where(alive, new, pad)[:, None]  # (B, 1): finished rows are fed pad, as generate does
             positions = positions[:, -1:] + 1  # (B, 1)
             length = prefix + width + step + 1
-            logits = self._forward(new, None if mask is None else mask[:, :length], positions, cache)
+            logits = self._forward(new, mask if full or mask is None else mask[:, :length], positions, cache,
+                                   step=True)
         return rows
 
     def _advance(self, r: int, token: int, row: Decoded, budget: int, on_token, stop_strings, tokenizer) -> bool:

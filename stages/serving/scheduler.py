@@ -1,15 +1,18 @@
 """The one thread that runs the model: requests wait in a bounded queue, greedy ones are batched.
 
 HTTP handler threads `submit` a `Completion` and read its events; a single worker thread owns the
-model and runs `generate` (transformers, KV cache) on one batch at a time:
+model and runs one batch at a time on the decode engine (`stages.inference.engine`: preallocated KV
+cache, one forward per token; the model's own `generate` where the engine does not run it):
   - greedy requests that are waiting when a batch starts are run together (up to
     `max_batch_size`), left-padded as stages.predict pads, so concurrent greedy clients share each
     forward pass; a request that arrives while a batch runs waits for the next one;
-  - a sampling request runs alone, after `torch.manual_seed(seed)` when it gives a seed, so the
-    same seed gives the same answer whatever else the server is doing.
-Each step, `RowProgress` (a stopping criterion: it sees every new token before the next forward
-pass) feeds each row's token to its `TextStream`, sends the safe delta to its client, and ends the
-row at eos, a stop string, its `max_tokens`, or when its client went away.
+  - a sampling request runs alone, from a generator seeded with its seed when it gives one (the
+    draws `torch.manual_seed(seed)` would give), so the same seed gives the same answer whatever
+    else the server is doing.
+Each step, `RowProgress` (the engine's `on_token`, or a stopping criterion of `generate`: it sees
+every new token before the next forward pass) feeds each row's token to its `TextStream`, sends
+the safe delta to its client, and ends the row at eos, a stop string, its `max_tokens`, or when
+its client went away.
 
 `submit` refuses (`QueueFull`) when `max_queue` requests are already admitted (waiting or running):
 the HTTP layer answers 503 instead of letting a queue grow without bound.
@@ -28,6 +31,8 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from stages.errors import InputError
+from stages.inference.engine import DecodeEngine, unsupported
+from stages.inference.engine import Sampling as EngineSampling
 from stages.inference.generation import left_padded
 from stages.serving.text_stream import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, TextStream
 
@@ -44,7 +49,7 @@ class Sampling:
 
     temperature: float
     top_p: float
-    seed: int | None  # torch.manual_seed(seed) right before this request's generate call
+    seed: int | None  # seeds this request's generator (None: a random seed)
 
 
 @dataclass
@@ -107,6 +112,13 @@ class RowProgress(StoppingCriteria):
             done.append(row.finish_reason is not None)
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
+    def on_token(self, r: int, token: int) -> bool:
+        """The engine's per-row callback: feed row r's new token; True once the row has ended."""
+        row = self.rows[r]
+        if row.finish_reason is None:
+            self._advance(row, token)
+        return row.finish_reason is not None
+
     def _advance(self, row: Completion, token: int) -> None:
         if row.cancelled.is_set():
             row.finish(FINISH_CANCELLED)
@@ -133,6 +145,11 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.device = next(model.parameters()).device
+        reason = unsupported(model)
+        if reason is not None:
+            log.info("the scheduler generates with the model's own generate: %s", reason)
+        self.engine = None if reason is not None else DecodeEngine(model, eos_token_id=eos_token_id,
+                                                                    pad_token_id=pad_token_id)
         self._waiting: deque[Completion] = deque()
         self._admitted = 0  # submitted and not finished: waiting, or rows of the batch still generating
         self._closed = False
@@ -219,8 +236,21 @@ class Scheduler:
         self._waiting = deque(c for c in live if id(c) not in taken)
         return batch
 
-    @torch.no_grad()
     def _generate(self, batch: list[Completion]) -> None:
+        self.batches += 1
+        if self.engine is None:
+            self._generate_with_generate(batch)
+        else:
+            sampling = batch[0].sampling
+            progress = RowProgress(batch, self.eos_token_id)
+            self.engine.generate([c.prompt for c in batch], [c.max_tokens for c in batch], on_token=progress.on_token,
+                                 sampling=None if sampling is None else EngineSampling(
+                                     temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed))
+        for c in batch:  # every row has ended by its max_tokens; RowProgress has finished it then
+            c.finish(FINISH_LENGTH)
+
+    @torch.no_grad()
+    def _generate_with_generate(self, batch: list[Completion]) -> None:
         ids, mask = left_padded([c.prompt for c in batch], self.pad_token_id)  # (B, T) each, as predict pads
         sampling = batch[0].sampling
         if sampling is None:
@@ -229,11 +259,8 @@ class Scheduler:
             decode = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
-        self.batches += 1
         self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=True,
                             max_new_tokens=max(c.max_tokens for c in batch), num_beams=1,
                             eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id,
                             stopping_criteria=StoppingCriteriaList([RowProgress(batch, self.eos_token_id)]),
                             **decode)
-        for c in batch:  # generate stops at the longest max_tokens; RowProgress has ended every row by then
-            c.finish(FINISH_LENGTH)

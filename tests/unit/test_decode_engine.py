@@ -187,3 +187,16 @@ def test_what_the_engine_does_not_run(family_dirs):
     assert "PROMPT_TUNING" in unsupported(prompt_tuning)
     with pytest.raises(ValueError, match="cannot run"):
         DecodeEngine(prompt_tuning, eos_token_id=EOS, pad_token_id=PAD)
+
+
+@pytest.mark.slow  # torch.compile: about 20 s per batch shape on 2 cores
+@pytest.mark.parametrize("kind", ["full", "prefix"])
+def test_a_compiled_decode_step_gives_the_same_tokens(family_dirs, kind):
+    """compile=True: the decode step through torch.compile on a StaticCache; its tokens equal
+    generate's here too (inductor's fused sums differ in the last bits, which can flip a near tie
+    on other weights: the compiled engine is an option, not what evaluate and predict run)."""
+    model, _, _ = load_variant(family_dirs("llama", kind))
+    engine = DecodeEngine(model, eos_token_id=EOS, pad_token_id=PAD, compile=True)
+    prompts = _prompts()
+    for batch in ([prompts[1]], prompts):
+        assert [d.tokens for d in engine.generate(batch, NEW_TOKENS)] == _generate(model, batch)

@@ -41,12 +41,16 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 from transformers import DynamicCache, StaticCache
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from stages.inference.kv_cache import PreallocatedCache, cache_fits
 
@@ -85,6 +89,16 @@ class Decoded:
     finish_reason: str  # FINISH_EOS, FINISH_STOP or FINISH_LENGTH
 
 
+# generation_config.json settings that make `generate` add a logits processor the engine does not
+# apply, with the values that add none (None too): a checkpoint that sets one keeps `generate`
+_PROCESSOR_SETTINGS = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+                       "bad_words_ids": (), "suppress_tokens": (), "begin_suppress_tokens": (),
+                       "forced_bos_token_id": (), "forced_eos_token_id": (), "min_length": 0, "min_new_tokens": 0,
+                       "sequence_bias": (), "min_p": (), "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0,
+                       "exponential_decay_length_penalty": (), "renormalize_logits": False, "guidance_scale": 1.0,
+                       "top_h": (), "watermarking_config": ()}
+
+
 def unsupported(model) -> str | None:
     """Why the engine cannot run `model`, or None when it can."""
     if not isinstance(model, torch.nn.Module):
@@ -92,6 +106,11 @@ def unsupported(model) -> str | None:
     peft_config = getattr(model, "active_peft_config", None)
     if peft_config is not None and peft_config.is_prompt_learning and peft_config.peft_type != "PREFIX_TUNING":
         return f"peft {peft_config.peft_type.value} adapters put their prompt in the input embeddings"
+    config = getattr(_runner(model)[0], "generation_config", None)
+    for key, neutral in _PROCESSOR_SETTINGS.items():
+        value = getattr(config, key, None)
+        if value is not None and value != neutral:
+            return f"its generation_config sets {key}={value!r}, a logits processor the engine does not apply"
     return None
 
 

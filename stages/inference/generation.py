@@ -66,8 +66,8 @@ def _batch_tokens(model, engine: DecodeEngine | None, batch: list[list[int]], bu
     device = next(model.parameters()).device
     ids, mask = left_padded(batch, pad_token_id)  # (B, T) each
     width = ids.shape[1]
-    decode = dict(do_sample=False) if sampling is None else dict(
-        do_sample=True, top_k=sampling.top_k, top_p=sampling.top_p, temperature=sampling.temperature)
+    decode = {"do_sample": False} if sampling is None else {
+        "do_sample": True, "top_k": sampling.top_k, "top_p": sampling.top_p, "temperature": sampling.temperature}
     out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=True,
                          max_new_tokens=max(budgets), num_beams=1, eos_token_id=eos_token_id,
                          pad_token_id=pad_token_id, stopping_criteria=StoppingCriteriaList(

@@ -11,14 +11,21 @@ from __future__ import annotations
 import peft
 import pytest
 import torch
+from checkpoint_fixtures import save_checkpoint
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from checkpoint_fixtures import save_checkpoint
 from stages import quantize
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import copy_tokenizer
 from stages.checkpoint.meta import write_meta
-from stages.inference.engine import FINISH_EOS, FINISH_LENGTH, FINISH_STOP, DecodeEngine, Sampling, unsupported
+from stages.inference.engine import (
+    FINISH_EOS,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    DecodeEngine,
+    Sampling,
+    unsupported,
+)
 from stages.inference.generation import cut_at_eos, left_padded
 from stages.inference.loading import load_variant
 
@@ -200,3 +207,19 @@ def test_a_compiled_decode_step_gives_the_same_tokens(family_dirs, kind):
     prompts = _prompts()
     for batch in ([prompts[1]], prompts):
         assert [d.tokens for d in engine.generate(batch, NEW_TOKENS)] == _generate(model, batch)
+
+
+def test_a_generation_config_asking_for_a_processor_keeps_generate(family_dirs):
+    """A checkpoint whose generation_config.json sets e.g. repetition_penalty: generate applies it,
+    the engine would not; generate_greedy keeps generate's answers for it."""
+    from stages.inference.generation import generate_greedy
+
+    model, _, _ = load_variant(family_dirs("llama", "full"))
+    plain = generate_greedy(model, _prompts(), max_new_tokens=NEW_TOKENS, eos_token_id=EOS, pad_token_id=PAD,
+                            batch_size=4)
+    model.generation_config.repetition_penalty = 3.0
+    assert "repetition_penalty=3.0" in unsupported(model)
+    expected = [_generate(model, [p])[0] for p in _prompts()]
+    assert expected != plain  # the penalty changes the answers: the test sees which path ran
+    assert generate_greedy(model, _prompts(), max_new_tokens=NEW_TOKENS, eos_token_id=EOS, pad_token_id=PAD,
+                           batch_size=4) == expected

@@ -1,25 +1,28 @@
 """Decode speed of every runtime a model of this pipeline runs on, in one run, on the same weights:
 torch eager (transformers `generate`, fp32, KV cache: what `stages.predict` ran before the engine),
-our decode engine (`stages.inference.engine`: what evaluate, predict and the server run now) in fp32
-and on our low-bit kernels (wint8 and wint4, `stages.quant.load_quantized`; wint4 through `generate`
-too), the exported ONNX decoder with its KV cache on
-onnxruntime (float and int8, `stages.deployment.onnx_model.OnnxCausalLM`: what `stages.predict
---backend onnxruntime` runs) and, where llama-cpp-python is installed, llama.cpp on our GGUF files
-(f32, q8_0, q4_0; batch 1 only: llama-cpp-python decodes one sequence).
+our decode engine (`stages.inference.engine`: what evaluate, predict and the server run now) in
+fp32 and on our low-bit kernels (wint8 and wint4, `stages.quant.load_quantized`; wint4 through
+`generate` too), the exported ONNX decoder with its KV cache on onnxruntime (float and int8,
+`stages.deployment.onnx_model.OnnxCausalLM`: what `stages.predict --backend onnxruntime` runs)
+and, where llama-cpp-python is installed, llama.cpp on our GGUF files (f32, q8_0, q4_0; batch 1
+only: llama-cpp-python decodes one sequence).
 
 Decode tokens/s at batch B for the `generate` runtimes and the engine: B x (N - 1) tokens over the
 wall time of generating N tokens less that of generating 1 (the prefill and the first token),
 greedy from the same B random prompts of `--prompt-tokens` tokens with eos suppressed
-(min_new_tokens = N; the engine: no eos), the
-median of `--repeats` runs after a warm-up, runtimes interleaved run by run so that load from other
-processes hits them alike. llama.cpp: N tokens over the wall time of its decode loop after the
-prompt (bench/gguf_decode.py's decoder), same prompts, same medians. Ratios against torch eager
-in the same run, and the issue's two targets (issue 52): engine fp32 / onnx fp32 (goal >= 1) and
-engine wint4 / llama.cpp q4_0 (goal >= 0.5), both at batch 1.
+(min_new_tokens = N; the engine: no eos), the median of `--repeats` runs after a warm-up,
+runtimes interleaved run by run so that load from other processes hits them alike. llama.cpp: N
+tokens over the wall time of its decode loop after the prompt (bench/gguf_decode.py's decoder),
+the same first prompt, in the same rounds, same medians. With `--compile`, the engine with its
+decode step through torch.compile too (the first call, compiling, timed apart). Ratios against
+torch eager in the same run, and the issue's two targets (issue 52) at batch 1: engine fp32 /
+onnx fp32 (goal >= 1) and engine wint4 / llama.cpp q4_0 (goal >= 0.5).
 
     .venv/bin/python bench/deploy_decode.py                       # debug flavour, ~2 min (export included)
     .venv/bin/python bench/deploy_decode.py --model results/llama/lora-merged
     .venv/bin/python bench/deploy_decode.py --model ~/.cache/llm-lifecycle/smollm2-135m-instruct   # 135M
+    .venv/bin/python bench/deploy_decode.py --model ~/.cache/llm-lifecycle/smollm2-135m-instruct \
+        --batch-sizes 1 --repeats 5 --compile                  # the issue's targets, compiled rows too
 Prints a table and writes JSON (default bench/out/deploy_decode.json).
 """
 
@@ -61,43 +64,44 @@ def generate_seconds(model, ids, new_tokens: int) -> float:
 
 
 def measure(models: dict, vocab_size: int, batch: int, prompt_tokens: int, new_tokens: int,
-            repeats: int) -> dict[str, dict]:
-    """{runtime: {decode_tokens_per_s, decode_s, prefill_s}} at `batch`, runs interleaved."""
+            repeats: int, decoders: dict | None = None) -> dict[str, dict]:
+    """{runtime: {decode_tokens_per_s, decode_s, prefill_s}} at `batch`, runs interleaved;
+    `decoders` (batch 1: llama.cpp's, {name: decode(prompt, n) -> (tokens, decode seconds)}) run
+    in the same rounds, on the first prompt."""
     import torch
 
     ids = torch.randint(3, vocab_size, (batch, prompt_tokens), generator=torch.Generator().manual_seed(batch))
+    decoders = decoders or {}
     times: dict[str, dict[str, list[float]]] = {name: {"full": [], "first": []} for name in models}
+    decode_times: dict[str, list[float]] = {name: [] for name in decoders}
     for repeat in range(repeats + 1):  # the first round is the warm-up
         for name, model in models.items():
             full, first = generate_seconds(model, ids, new_tokens), generate_seconds(model, ids, 1)
             if repeat:
                 times[name]["full"].append(full)
                 times[name]["first"].append(first)
+        for name, decode in decoders.items():
+            _, took = decode(ids[0].tolist(), new_tokens)
+            if repeat:
+                decode_times[name].append(took)
     result = {}
     for name, t in times.items():
         decode = max(statistics.median(t["full"]) - statistics.median(t["first"]), 1e-9)
         result[name] = {"decode_tokens_per_s": batch * (new_tokens - 1) / decode, "decode_s": decode,
                         "prefill_s": statistics.median(t["first"])}
+    for name, t in decode_times.items():  # llama.cpp: N tokens over its decode loop after the prompt
+        result[name] = {"decode_tokens_per_s": new_tokens / statistics.median(t), "decode_s": statistics.median(t),
+                        "prefill_s": None}
     return result
 
 
-def measure_llama_cpp(files: dict[str, Path], vocab_size: int, prompt_tokens: int, new_tokens: int,
-                      repeats: int) -> dict[str, dict]:
-    """{`llama.cpp <type>`: {decode_tokens_per_s, decode_s}} at batch 1, files interleaved."""
+def llama_cpp_decoders(files: dict[str, Path], prompt_tokens: int, new_tokens: int) -> dict:
+    """{`llama.cpp <type>`: decode(prompt, n)} of bench/gguf_decode.py, on torch's thread count."""
     import torch
     from gguf_decode import llama_cpp_decoder
 
-    prompt = torch.randint(3, vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(1))[0].tolist()
-    decoders = {f"llama.cpp {t}": llama_cpp_decoder(path, torch.get_num_threads(), prompt_tokens + new_tokens + 8)
-                for t, path in files.items()}
-    times: dict[str, list[float]] = {name: [] for name in decoders}
-    for repeat in range(repeats + 1):
-        for name, decode in decoders.items():
-            _, took = decode(prompt, new_tokens)
-            if repeat:
-                times[name].append(took)
-    return {name: {"decode_tokens_per_s": new_tokens / statistics.median(t), "decode_s": statistics.median(t),
-                   "prefill_s": None} for name, t in times.items()}
+    return {f"llama.cpp {t}": llama_cpp_decoder(path, torch.get_num_threads(), prompt_tokens + new_tokens + 8)
+            for t, path in files.items()}
 
 
 TARGETS = {f"{ours} / {peer}": (ours, peer, goal)
@@ -148,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=16, help="prompt length (default: 16)")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated (default: 32)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per runtime after a warm-up")
-    parser.add_argument("--no-compile", action="store_true",
-                        help="leave out the engine rows with a torch.compile'd decode step (each compiles ~1 min)")
+    parser.add_argument("--compile", action="store_true",
+                        help="add the engine rows with a torch.compile'd decode step (each compiles, ~1-2 min)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON to write")
     args = parser.parse_args(argv)
     started = time.perf_counter()
@@ -182,23 +186,23 @@ def main(argv: list[str] | None = None) -> int:
 
         models = {"torch": torch_model, "engine fp32": engine(torch_model),
                   "wint4 (ours)": wint4, "engine wint4": engine(wint4), "engine wint8": engine(wint8)}
-        compiled = {} if args.no_compile else {f"{name} compiled": engine(model, compile=True) for name, model in
+        compiled = {} if not args.compile else {f"{name} compiled": engine(model, compile=True) for name, model in
                                                (("engine fp32", torch_model), ("engine wint4", wint4),
                                                 ("engine wint8", wint8))}
         models.update(compiled)
         models.update({"onnx fp32": OnnxCausalLM(tmp / "onnx"), "onnx int8": OnnxCausalLM(tmp / "onnx" / "int8")})
         vocab = torch_model.config.vocab_size
-        first_calls = compile_seconds(compiled, vocab, args.prompt_tokens, args.new_tokens)
-        runs = {int(b): measure(models, vocab, int(b), args.prompt_tokens, args.new_tokens, args.repeats)
-                for b in csv_list(args.batch_sizes)}
+        decoders = {}
         if not llama_cpp_installed():  # bench/llama_cpp_runtime.py
             print("neither llama-cpp-python nor llama-cpp-cffi is installed: no llama.cpp rows", file=sys.stderr)
         else:
             files = {t: tmp / f"model-{t}.gguf" for t in GGUF_TYPES}
             for t, path in files.items():
                 write_gguf(model_dir, path, t)
-            if 1 in runs:
-                runs[1].update(measure_llama_cpp(files, vocab, args.prompt_tokens, args.new_tokens, args.repeats))
+            decoders = llama_cpp_decoders(files, args.prompt_tokens, args.new_tokens)
+        first_calls = compile_seconds(compiled, vocab, args.prompt_tokens, args.new_tokens)
+        runs = {int(b): measure(models, vocab, int(b), args.prompt_tokens, args.new_tokens, args.repeats,
+                                decoders if int(b) == 1 else None) for b in csv_list(args.batch_sizes)}
     result = {
         "machine": machine_info("transformers", "onnxruntime", "llama_cpp_python", "llama_cpp_cffi"),
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

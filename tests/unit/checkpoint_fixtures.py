@@ -102,3 +102,22 @@ def randomize_biases_and_norms(model: torch.nn.Module, seed: int = 7) -> None:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
             elif "norm" in name or ".ln_" in name:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+
+
+def save_adapter(base_dir: Path, out: Path, peft_config) -> Path:
+    """A peft adapter of `base_dir` (seed 0) saved as finetune saves one: adapter files, the
+    tokenizer, meta.json naming its base."""
+    import peft
+
+    from stages.checkpoint.atomic import atomic_dir
+    from stages.checkpoint.hf import copy_tokenizer
+    from stages.checkpoint.meta import write_meta
+
+    torch.manual_seed(0)
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                                peft_config)
+    with atomic_dir(out) as d:
+        model.save_pretrained(d)
+        copy_tokenizer(base_dir, d)
+        write_meta(d, stage="finetune", config={}, parent=base_dir, seed=0, metrics={})
+    return out

@@ -11,13 +11,10 @@ from __future__ import annotations
 import peft
 import pytest
 import torch
-from checkpoint_fixtures import save_checkpoint
+from checkpoint_fixtures import save_adapter, save_checkpoint
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from stages import quantize
-from stages.checkpoint.atomic import atomic_dir
-from stages.checkpoint.hf import copy_tokenizer
-from stages.checkpoint.meta import write_meta
 from stages.inference.engine import (
     FINISH_EOS,
     FINISH_LENGTH,
@@ -50,17 +47,6 @@ def _generate(model, prompts, max_new_tokens=NEW_TOKENS, eos=EOS, **decode) -> l
     return [cut_at_eos(out[r, ids.shape[1]:].tolist(), eos) for r in range(len(prompts))]
 
 
-def _adapter(base_dir, out, peft_config):
-    """A peft adapter of `base_dir`, saved as finetune saves one (adapter, tokenizer, meta.json)."""
-    torch.manual_seed(0)
-    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), peft_config)
-    with atomic_dir(out) as d:
-        model.save_pretrained(d)
-        copy_tokenizer(base_dir, d)
-        write_meta(d, stage="finetune", config={}, parent=base_dir, seed=0, metrics={})
-    return out
-
-
 @pytest.fixture(scope="module")
 def tokenizer(tiny_tokenizer_dir):
     return PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir)
@@ -79,10 +65,10 @@ def family_dirs(tmp_path_factory, tokenizer):
         base = dirs.get("full") or save_checkpoint(root / family / "full", tokenizer, family)
         dirs["full"] = base
         if kind == "lora":  # B != 0: the adapter changes the outputs
-            dirs[kind] = _adapter(base, root / family / kind, peft.LoraConfig(
+            dirs[kind] = save_adapter(base, root / family / kind, peft.LoraConfig(
                 r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM"))
         elif kind == "prefix":
-            dirs[kind] = _adapter(base, root / family / kind,
+            dirs[kind] = save_adapter(base, root / family / kind,
                                   peft.PrefixTuningConfig(num_virtual_tokens=4, task_type="CAUSAL_LM"))
         elif kind in ("wint8", "wint4"):
             quantize.run(base, root / family / kind, kind, 32)

@@ -12,11 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpoint_fixtures import chat_tokenizer
+from checkpoint_fixtures import chat_tokenizer, save_adapter
 from stages import evaluate, predict
-from stages.checkpoint.atomic import atomic_dir, write_json
-from stages.checkpoint.hf import copy_tokenizer
-from stages.checkpoint.meta import write_meta
+from stages.checkpoint.atomic import write_json
 from stages.data.sft import encode_prompt, read_sft_file
 from stages.errors import InputError
 from stages.serving import generation_settings
@@ -42,20 +40,6 @@ def _write_jsonl(path, lines):
     return path
 
 
-def _adapter(base_dir, out, peft_config):
-    """A peft adapter of `base_dir` saved as finetune saves it: adapter files, tokenizer, meta.json."""
-    import peft
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32), peft_config)
-    with atomic_dir(out) as d:
-        model.save_pretrained(d)
-        copy_tokenizer(base_dir, d)
-        write_meta(d, stage="finetune", config={}, parent=base_dir, seed=0, metrics={})
-    return out
-
-
 @pytest.fixture(scope="module")
 def variants(debug_model_dir, tmp_path_factory):
     """{name: dir}: the debug model, a LoRA adapter (B != 0, so it changes outputs), a prefix
@@ -65,9 +49,9 @@ def variants(debug_model_dir, tmp_path_factory):
     from stages import quantize
 
     root = tmp_path_factory.mktemp("predict")
-    lora = _adapter(debug_model_dir, root / "lora", peft.LoraConfig(
+    lora = save_adapter(debug_model_dir, root / "lora", peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM"))
-    prefix = _adapter(debug_model_dir, root / "prefix",
+    prefix = save_adapter(debug_model_dir, root / "prefix",
                       peft.PrefixTuningConfig(num_virtual_tokens=4, task_type="CAUSAL_LM"))
     quantize.run(debug_model_dir, root / "wint8", "wint8", 16)
     return {"hf": debug_model_dir, "lora": lora, "prefix": prefix, "wint8": root / "wint8"}
@@ -261,7 +245,7 @@ def test_peft_users_answer_prompt_text_as_the_predictor(debug_model_dir, tmp_pat
     base = tmp_path / "base"
     shutil.copytree(debug_model_dir, base)
     save_prepared_tokenizer(base)
-    adapter = _adapter(base, tmp_path / "lora", peft.LoraConfig(
+    adapter = save_adapter(base, tmp_path / "lora", peft.LoraConfig(
         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, task_type="CAUSAL_LM"))
     texts = [r["src"] for r in RECORDS if isinstance(r["src"], str)]  # one-round prompts: what a user types
     records = _write_jsonl(tmp_path / "records.jsonl", [{"src": text} for text in texts])

@@ -28,10 +28,10 @@ and stopping criteria, the re-concatenation of the ids, the mask and every layer
 `compile=True` runs each decode step through `torch.compile` (inductor: the norms, rotary and
 activations fused, one kernel launch for many aten ops) on transformers' `StaticCache`, whose
 shapes stay the same from step to step (its size a multiple of COMPILED_CAPACITY_STEP; the prefill
-stays eager). The first call of a batch size compiles (about a minute for a 135M model on 2 cores);
-fused float sums may differ from eager's in the last bits, so the engines of evaluate and predict
-stay eager (token equality with `generate`) and the compiled step is for long-lived callers
-(bench/deploy_decode.py measures both).
+stays eager). The first call of a batch size compiles (10-14 s for a 135M model on 2 idle cores,
+minutes on a loaded machine); fused float sums may differ from eager's in the last bits, so the
+engines of evaluate and predict stay eager (token equality with `generate`) and the compiled step
+is for long-lived callers (bench/deploy_decode.py measures both).
 
 `unsupported(model)` names what the engine does not run (an onnxruntime model, a prompt-learning
 adapter other than prefix tuning); generation.py keeps `generate` for those and logs the reason.

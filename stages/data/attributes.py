@@ -103,3 +103,45 @@ def generate(num_train: int, num_dev: int, seed: int) -> tuple[list[SftRecord], 
     dev = _records(combos[:num_dev], num_dev, rng, "dev")
     train = _records(combos[num_dev:], num_train, rng, "train")
     return train, dev
+
+
+# -- preference pairs: the right description and one a model can get wrong -----------------------
+
+MISTAKES = ("value", "count", "plural", "order")  # what a rejected answer gets wrong
+
+
+def parse_src(src: str) -> Combo:
+    """The combination a prompt lists ("count: 3; shape: box; ..." in any order)."""
+    values = dict(part.split(": ", 1) for part in src.split("; "))
+    return values["size"], values["color"], values["shape"], int(values["count"])
+
+
+def wrong_answer(combo: Combo, mistake: str, rng: random.Random) -> str:
+    """A description of `combo` with one mistake of the kind `mistake` (MISTAKES): another size,
+    colour or shape; another count; the plural rule broken ("boxs", "three big red box", "a big red
+    boxes"); size and colour swapped. Never the right answer."""
+    size, color, shape, count = combo
+    if mistake == "value":
+        slot = rng.randrange(3)
+        options = (SIZES, COLORS, SHAPES)[slot]
+        wrong = list(combo)
+        wrong[slot] = rng.choice([v for v in options if v != combo[slot]])
+        return describe(*wrong)
+    if mistake == "count":
+        return describe(size, color, shape, rng.choice([c for c in COUNTS if c != count]))
+    right = describe(*combo)
+    if mistake == "plural":
+        if count == 1:
+            return f"{right.rsplit(' ', 1)[0]} {plural(shape)}"
+        words = right.split(" ")
+        broken = shape + "s" if shape.endswith(("s", "x")) and rng.random() < 0.5 else shape
+        return " ".join([*words[:-1], broken])
+    if mistake == "order":
+        words = right.split(" ")
+        return " ".join([words[0], words[2], words[1], *words[3:]])
+    raise ValueError(f"unknown mistake {mistake!r}: one of {MISTAKES}")
+
+
+def rejected_answer(record: SftRecord, rng: random.Random) -> str:
+    """One wrong answer for a task record, its kind of mistake drawn uniformly from MISTAKES."""
+    return wrong_answer(parse_src(record.src[-1]), rng.choice(MISTAKES), rng)

@@ -31,9 +31,18 @@ T = TypeVar("T")
 Paths = str | Path | Iterable[str | Path] | None
 
 
+# Libraries that log a line per graph node or initializer at INFO: the export of SmolLM2-135M wrote
+# 3,300 such lines (onnxruntime's MatMulNBits quantizer 2,351, onnx_ir's initializer deduplication
+# 749, onnxscript's constant folding 195) around its 6 own; their warnings still show.
+CHATTY_LOGGERS = ("onnxruntime.quantization", "onnx_ir", "onnxscript")
+
+
 def configure_logging() -> None:
-    """The logging setup of every stage's command line: INFO and above to stderr, LOG_FORMAT."""
+    """The logging setup of every stage's command line: INFO and above to stderr, LOG_FORMAT;
+    CHATTY_LOGGERS from WARNING up."""
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    for name in CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _listing(items: Mapping[str, Paths]) -> str:

@@ -175,3 +175,16 @@ def test_quantize_log_file_as_snakemake_writes_it(chain, tmp_path):
     layers = _matching([line.split(" INFO ", 1)[-1] for line in lines], r"RTN 8-bit layers \d+/(\d+) .*")
     assert 1 <= len(layers) <= 10 and re.match(r"RTN 8-bit layers (\d+)/\1 \(100%\)", layers[-1]), layers
     assert "\r" not in text
+
+
+def test_the_onnx_libraries_per_node_lines_stay_out_of_a_stage_log():
+    """A stage's command line (in its own process, as a rule runs it) logs ONNX libraries' warnings,
+    not their INFO line per graph node (3,300 of them in SmolLM2-135M's export log before)."""
+    code = ("import logging; from stages.stage_logs import configure_logging; configure_logging(); "
+            "from onnxruntime.quantization import matmul_nbits_quantizer as q; "
+            "q.logger.info('start to quantize node_linear_0'); q.logger.warning('a real warning'); "
+            "logging.getLogger('onnx_ir.passes.common.initializer_deduplication').info('Replaced initializer'); "
+            "logging.getLogger('stages.export').info('our own line')")
+    err = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stderr
+    assert "a real warning" in err and "our own line" in err
+    assert "start to quantize" not in err and "Replaced initializer" not in err

@@ -1,21 +1,29 @@
-"""The one thread that runs the model: requests wait in a bounded queue, greedy ones are batched.
+"""The one thread that runs the model: requests wait in a bounded queue and join a running batch.
 
 HTTP handler threads `submit` a `Completion` and read its events; a single worker thread owns the
-model and runs one batch at a time on the decode engine (`stages.inference.engine`: preallocated KV
-cache, one forward per token; the model's own `generate` where the engine does not run it):
-  - greedy requests that are waiting when a batch starts are run together (up to
-    `max_batch_size`), left-padded as stages.predict pads, so concurrent greedy clients share each
-    forward pass; a request that arrives while a batch runs waits for the next one;
-  - a sampling request runs alone, from a generator seeded with its seed when it gives one (the
-    draws `torch.manual_seed(seed)` would give), so the same seed gives the same answer whatever
-    else the server is doing.
-Each step, `RowProgress` (the engine's `on_token`, or a stopping criterion of `generate`: it sees
-every new token before the next forward pass) feeds each row's token to its `TextStream`, sends
-the safe delta to its client, and ends the row at eos, a stop string, its `max_tokens`, or when
-its client went away.
+model. On a model the decode engine runs, it batches continuously
+(`stages.inference.running_batch.RunningBatch`: one KV cache for the rows generating together):
+  - at every step boundary, rows whose client went away leave, then waiting requests join (oldest
+    first, up to `max_batch_size` rows): the joiners are prefilled together, each gets its first
+    token, and the batch's next step decodes them with the others. A request that arrives while
+    others generate starts at the next step, not after the whole batch;
+  - each step is one forward for every row; a row leaves the step it ends (eos, a stop string,
+    its `max_tokens`, its client gone) and its place is free for the next waiting request;
+  - greedy and sampling rows share steps; a sampling row draws from its own generator, seeded
+    with its seed when it gives one (the draws `torch.manual_seed(seed)` would give), so the same
+    seed gives the same answer whatever else the server is doing.
+Models the running batch does not run (`running_batch.unsupported`: an onnxruntime model, a
+prompt-learning adapter other than prefix tuning, a sliding window shorter than the context) are
+batched statically, as before continuous batching: the greedy requests waiting when a batch
+starts run together on `DecodeEngine.generate` (or the model's own `generate`), a request
+arriving meanwhile waits for the next batch, a sampling request runs alone.
+Either way `feed` gives each row's new token to its `TextStream`, sends the safe delta to its
+client and ends the row at eos, a stop string, its `max_tokens`, or when its client went away.
 
 `submit` refuses (`QueueFull`) when `max_queue` requests are already admitted (waiting or running):
-the HTTP layer answers 503 instead of letting a queue grow without bound.
+the HTTP layer answers 503 instead of letting a queue grow without bound. A failed step (or
+prefill) answers its rows with an error; the server goes on. `close` refuses new requests, fails
+the waiting ones and lets the running rows finish.
 """
 
 from __future__ import annotations
@@ -24,8 +32,8 @@ import logging
 import queue
 import threading
 from collections import Counter, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
@@ -34,7 +42,14 @@ from stages.errors import InputError
 from stages.inference.engine import DecodeEngine, unsupported
 from stages.inference.engine import Sampling as EngineSampling
 from stages.inference.generation import left_padded
-from stages.serving.text_stream import FINISH_CANCELLED, FINISH_LENGTH, FINISH_STOP, TextStream
+from stages.inference.running_batch import Row, RunningBatch
+from stages.inference.running_batch import unsupported as batch_unsupported
+from stages.serving.text_stream import (
+    FINISH_CANCELLED,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    TextStream,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +83,7 @@ class Completion:
     events: queue.Queue = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     finish_reason: str | None = None
-    on_finish: Callable[["Completion"], None] | None = None  # the scheduler's: frees its place in the queue
+    on_finish: Callable[[Completion], None] | None = None  # the scheduler's: frees its place in the queue
 
     @property
     def completion_tokens(self) -> int:
@@ -95,9 +110,26 @@ class Completion:
         self.events.put(event)
 
 
+def feed(completion: Completion, token: int, eos_token_id: int | None) -> bool:
+    """Give `completion` its next token: the safe delta to its client, then the end at eos, a stop
+    string, its max_tokens, or when its client went away. True once it has ended."""
+    if completion.finish_reason is None:
+        if completion.cancelled.is_set():
+            completion.finish(FINISH_CANCELLED)
+        else:
+            delta = completion.stream.push(token)
+            if delta and completion.streaming:
+                completion.events.put(("delta", delta))
+            if token == eos_token_id or completion.stream.stopped:
+                completion.finish(FINISH_STOP)
+            elif completion.completion_tokens >= completion.max_tokens:
+                completion.finish(FINISH_LENGTH)
+    return completion.finish_reason is not None
+
+
 class RowProgress(StoppingCriteria):
-    """Feeds each step's new tokens to the rows' completions; a row is done at eos, a stop string,
-    its max_tokens, or when its client went away. Returns the per-row done flags (B,)."""
+    """`feed` for a static batch: as the engine's `on_token(r, token)`, or as a stopping
+    criterion of `generate` (per-row done flags (B,))."""
 
     def __init__(self, rows: Sequence[Completion], eos_token_id: int | None):
         self.rows = rows
@@ -105,35 +137,20 @@ class RowProgress(StoppingCriteria):
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.BoolTensor:
         new = input_ids[:, -1].tolist()  # (B,) the token each row got this step
-        done = []
-        for row, token in zip(self.rows, new):
-            if row.finish_reason is None:
-                self._advance(row, token)
-            done.append(row.finish_reason is not None)
+        done = [feed(row, token, self.eos_token_id) for row, token in zip(self.rows, new)]
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
     def on_token(self, r: int, token: int) -> bool:
         """The engine's per-row callback: feed row r's new token; True once the row has ended."""
-        row = self.rows[r]
-        if row.finish_reason is None:
-            self._advance(row, token)
-        return row.finish_reason is not None
-
-    def _advance(self, row: Completion, token: int) -> None:
-        if row.cancelled.is_set():
-            row.finish(FINISH_CANCELLED)
-            return
-        delta = row.stream.push(token)
-        if delta and row.streaming:
-            row.events.put(("delta", delta))
-        if token == self.eos_token_id or row.stream.stopped:
-            row.finish(FINISH_STOP)
-        elif row.completion_tokens >= row.max_tokens:
-            row.finish(FINISH_LENGTH)
+        return feed(self.rows[r], token, self.eos_token_id)
 
 
 class Scheduler:
-    """Owns the model; `submit` from any thread, `close` to stop the worker."""
+    """Owns the model; `submit` from any thread, `close` to stop the worker.
+
+    `current`: the requests generating now (the running batch's rows and those joining it; the
+    static batch). `batches`: prefills so far, each a group of requests that started together
+    (a join of the running batch, or a static batch)."""
 
     def __init__(self, model: torch.nn.Module, *, eos_token_id: int | None, pad_token_id: int,
                  max_batch_size: int = 8, max_queue: int = 16):
@@ -145,19 +162,27 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_queue = max_queue
         self.device = next(model.parameters()).device
-        reason = unsupported(model)
-        if reason is not None:
-            log.info("the scheduler generates with the model's own generate: %s", reason)
-        self.engine = None if reason is not None else DecodeEngine(model, eos_token_id=eos_token_id,
-                                                                    pad_token_id=pad_token_id)
+        self.engine: DecodeEngine | None = None  # the static path's, where the engine runs the model
+        self.running_batch: RunningBatch | None = None
+        reason = batch_unsupported(model)
+        if reason is None:
+            self.running_batch = RunningBatch(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        else:
+            log.info("the scheduler batches statically (no continuous batching): %s", reason)
+            if unsupported(model) is None:
+                self.engine = DecodeEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+            else:
+                log.info("the scheduler generates with the model's own generate: %s", unsupported(model))
         self._waiting: deque[Completion] = deque()
-        self._admitted = 0  # submitted and not finished: waiting, or rows of the batch still generating
+        self._admitted = 0  # submitted and not finished: waiting, or rows still generating
         self._closed = False
         self._cond = threading.Condition(threading.RLock())  # re-entrant: finish() frees places under it
-        self.batches = 0  # generate calls so far
-        self.current: list[Completion] = []  # the batch being generated
+        self._rows: list[tuple[Row, Completion]] = []  # the running batch's rows, in no particular order
+        self.batches = 0  # prefills so far (see the class docstring)
+        self.current: list[Completion] = []  # the requests generating now
         self.finished: Counter[str] = Counter()  # requests ended, by finish reason (/health shows it)
-        self._worker = threading.Thread(target=self._loop, name="generate", daemon=True)
+        loop = self._run_continuously if self.running_batch is not None else self._run_statically
+        self._worker = threading.Thread(target=loop, name="generate", daemon=True)
         self._worker.start()
 
     # -- called by the HTTP handlers -------------------------------------------------------------
@@ -186,25 +211,118 @@ class Scheduler:
             self.finished[completion.finish_reason] += 1
 
     def close(self) -> None:
+        """Refuse new requests, fail the waiting ones, let the running ones end; wait for the worker."""
         with self._cond:
             self._closed = True
             self._cond.notify()
         self._worker.join(timeout=30)
 
-    # -- the worker thread -----------------------------------------------------------------------
-    def _loop(self) -> None:
+    def _live_waiting(self) -> list[Completion]:
+        """The waiting requests whose client is still there (the others end as cancelled), oldest first."""
+        live = [c for c in self._waiting if not c.cancelled.is_set()]
+        dropped = [c for c in self._waiting if c.cancelled.is_set()]
+        self._waiting = deque(live)
+        for c in dropped:
+            c.finish(FINISH_CANCELLED)  # its place is freed under this same (re-entrant) lock
+        return live
+
+    def _refuse_waiting(self) -> None:
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), deque()
+        for completion in waiting:
+            completion.fail("the server is shutting down")
+
+    # -- the worker thread: continuous batching ---------------------------------------------------
+    def _run_continuously(self) -> None:
+        """Each round, at a step boundary: rows whose client left go, waiting requests join while
+        there is room, then one decode step of the running batch."""
+        while True:
+            self._drop_cancelled()
+            with self._cond:
+                while not self._waiting and not self._rows and not self._closed:
+                    self._cond.wait()
+                room = max(0, self.max_batch_size - len(self._rows))
+                joining = [] if self._closed else self._live_waiting()[:room]
+                taken = {id(c) for c in joining}
+                self._waiting = deque(c for c in self._waiting if id(c) not in taken)
+                self.current = [c for _, c in self._rows] + joining
+            if self._closed:
+                self._refuse_waiting()
+                if not self._rows:
+                    return
+            if joining:
+                self._join(joining)
+            if self._rows:
+                self._step()
+            self.current = [c for _, c in self._rows]
+
+    def _join(self, joining: list[Completion]) -> None:
+        """Prefill `joining` into the running batch; each gets its first token."""
+        self.batches += 1
+        eos = self.eos_token_id
+        pairs = [(Row(c.prompt, c.max_tokens, sampling=None if c.sampling is None else EngineSampling(
+            temperature=c.sampling.temperature, top_p=c.sampling.top_p, seed=c.sampling.seed),
+            on_token=lambda token, c=c: feed(c, token, eos)), c) for c in joining if c.max_tokens > 0]
+        for c in joining:
+            if c.max_tokens <= 0:
+                c.finish(FINISH_LENGTH)
+        try:
+            self.running_batch.add([row for row, _ in pairs])
+        except Exception as e:  # the prefill failed: its requests are answered, the running rows go on
+            log.exception("the prefill of %d joining requests failed", len(pairs))
+            for _, c in pairs:
+                c.fail(f"generation failed: {type(e).__name__}: {e}")
+            return
+        self._rows += pairs
+        self._forget_ended()
+
+    def _step(self) -> None:
+        try:
+            self.running_batch.step()
+        except Exception as e:  # a failed step answers its rows (the batch is empty now); the server goes on
+            log.exception("a decode step failed for a batch of %d", len(self._rows))
+            self._fail_running(e)
+            return
+        self._forget_ended()
+
+    def _fail_running(self, error: Exception) -> None:
+        """Answer every running row with `error` and empty the batch."""
+        for _, c in self._rows:
+            c.fail(f"generation failed: {type(error).__name__}: {error}")
+        self._rows = []
+        self.running_batch.remove(self.running_batch.rows)  # empty: nothing to copy
+
+    def _forget_ended(self) -> None:
+        """Rows the batch ended (they have left it): `feed` has finished their requests."""
+        for row, c in self._rows:
+            if row.finish_reason is not None:
+                c.finish(FINISH_LENGTH)  # a no-op: feed finished it at its eos, stop or max_tokens
+        self._rows = [(row, c) for row, c in self._rows if row.finish_reason is None]
+
+    def _drop_cancelled(self) -> None:
+        """Rows whose client went away leave the batch before the next step."""
+        gone = [(row, c) for row, c in self._rows if c.cancelled.is_set()]
+        if not gone:
+            return
+        for _, c in gone:
+            c.finish(FINISH_CANCELLED)
+        self._rows = [(row, c) for row, c in self._rows if not c.cancelled.is_set()]
+        try:
+            self.running_batch.remove([row for row, _ in gone])
+        except Exception as e:  # copying the rows that stay failed: they cannot go on
+            log.exception("dropping %d cancelled rows failed", len(gone))
+            self._fail_running(e)
+
+    # -- the worker thread: static batches (models the running batch does not run) ----------------
+    def _run_statically(self) -> None:
         while True:
             with self._cond:
                 while not self._waiting and not self._closed:
                     self._cond.wait()
-                if self._closed:
-                    waiting, self._waiting = list(self._waiting), deque()
-                else:
-                    waiting, batch = [], self._take_batch()
-                    self.current = batch
+                batch = [] if self._closed else self._take_batch()
+                self.current = batch
             if self._closed:
-                for completion in waiting:
-                    completion.fail("the server is shutting down")
+                self._refuse_waiting()
                 return
             if not batch:
                 continue
@@ -220,11 +338,7 @@ class Scheduler:
     def _take_batch(self) -> list[Completion]:
         """The oldest waiting request, and with a greedy one every other waiting greedy request
         (oldest first, up to max_batch_size). Requests whose client already left are dropped."""
-        live = [c for c in self._waiting if not c.cancelled.is_set()]
-        dropped = [c for c in self._waiting if c.cancelled.is_set()]
-        self._waiting = deque(live)
-        for c in dropped:
-            c.finish(FINISH_CANCELLED)  # its place is freed under this same (re-entrant) lock
+        live = self._live_waiting()
         if not live:
             return []
         first = live[0]
@@ -254,9 +368,9 @@ class Scheduler:
         ids, mask = left_padded([c.prompt for c in batch], self.pad_token_id)  # (B, T) each, as predict pads
         sampling = batch[0].sampling
         if sampling is None:
-            decode = dict(do_sample=False)
+            decode = {"do_sample": False}
         else:
-            decode = dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+            decode = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
             if sampling.seed is not None:
                 torch.manual_seed(sampling.seed)
         self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), use_cache=True,

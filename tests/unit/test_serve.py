@@ -2,8 +2,8 @@
 hides): a greedy answer is stages.predict's answer for the same record, on a full model saved by
 transformers, LoRA and prefix-tuning adapters on it and its wint4 quantization on low-bit
 kernels; streamed deltas join to the same text; max_tokens, stop strings, usage, system messages,
-the completions endpoint, seeded sampling; each error status; two concurrent streams; a full
-queue; a client that leaves."""
+the completions endpoint, seeded sampling; each error status; two concurrent streams; requests
+joining a running stream (continuous batching); a full queue; a client that leaves."""
 
 from __future__ import annotations
 
@@ -209,6 +209,62 @@ def test_two_concurrent_streams_both_complete(full_server):
     alone = [_chat(client, "full", t, max_tokens=16).choices[0].message.content
              for t in ["one two", "the colour of the apple"]]
     assert results == {0: alone[0], 1: alone[1]}
+
+
+def test_requests_sent_during_a_stream_join_its_batch_and_answer_as_alone(model_dirs):
+    """Continuous batching through HTTP: a greedy and a seeded sampling request sent while a
+    stream generates join its running batch at a step boundary (decode steps of three rows) and
+    answer exactly what each answers alone; the stream's text is unchanged."""
+    import time
+
+    running = Running(model_dirs["full"], max_length=MAX_LENGTH, max_batch_size=4)
+    scheduler, model = running.server.scheduler, running.server.served.model
+    client = running.client()
+    requests = {"stream": {"text": "one two three", "max_tokens": 40},
+                "greedy": {"text": "the colour of the apple", "max_tokens": 12},
+                "sampled": {"text": "one two", "max_tokens": 12, "temperature": 1.0, "seed": 7}}
+
+    def ask(name, stream=False):
+        r = dict(requests[name])
+        answer = client.chat.completions.create(model=running.model, stream=stream, max_tokens=r["max_tokens"],
+                                                temperature=r.get("temperature", 0), seed=r.get("seed"),
+                                                messages=[{"role": "user", "content": r["text"]}])
+        return "".join(c.choices[0].delta.content or "" for c in answer) if stream else answer
+
+    shapes, holding, hook = [], threading.Event(), None
+
+    def hold_the_third_forward(module, args, kwargs):  # the stream's second decode step waits for the others
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        if len(shapes) == 3:
+            holding.set()
+            for _ in range(1200):
+                if scheduler.admitted == 3:
+                    return
+                time.sleep(0.05)
+
+    try:
+        alone = {name: ask(name) for name in requests}
+        assert alone["stream"].usage.completion_tokens > 10  # still generating when the others arrive
+        hook = model.register_forward_pre_hook(hold_the_third_forward, with_kwargs=True)
+        results = {}
+        threads = {"stream": threading.Thread(target=lambda: results.update(stream=ask("stream", stream=True)))}
+        threads["stream"].start()
+        assert holding.wait(60)
+        threads["greedy"] = threading.Thread(target=lambda: results.update(greedy=ask("greedy")))
+        threads["sampled"] = threading.Thread(target=lambda: results.update(sampled=ask("sampled", stream=True)))
+        for name in ("greedy", "sampled"):
+            threads[name].start()
+        for t in threads.values():
+            t.join(timeout=120)
+        assert results["stream"] == alone["stream"].choices[0].message.content
+        assert results["greedy"].choices[0].message.content == alone["greedy"].choices[0].message.content
+        assert results["sampled"] == alone["sampled"].choices[0].message.content
+        assert (3, 1) in shapes  # a decode step of all three: they joined the running stream
+        assert scheduler.admitted == 0 and _health(running)["waiting_or_running"] == 0
+    finally:
+        if hook is not None:
+            hook.remove()
+        running.close()
 
 
 class Gate:

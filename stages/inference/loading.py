@@ -4,7 +4,9 @@ mode, tokenizer, kind), the one loader of evaluate, predict and the server.
 What is loaded depends on what the directory holds:
   * `adapter_config.json`            -> peft adapter (kind "adapter"): base from `meta.json`'s
                                         `parent` (else adapter_config's `base_model_name_or_path`,
-                                        `adapter_base_dir`), then `peft.PeftModel.from_pretrained(base, dir)`
+                                        `adapter_base_dir`), then `peft.PeftModel.from_pretrained(base, dir)`;
+                                        or on a base the caller already loaded (`base_model`: the
+                                        server puts several adapters on one copy of their base's weights)
   * config.json with `quantization_config` -> `stages.quant.load_quantized(dir)` ("quantized")
   * `model.onnx` (stages.export)     -> onnxruntime, CPU provider ("onnx",
                                         `stages.deployment.onnx_model.OnnxCausalLM`)
@@ -84,8 +86,11 @@ def adapter_base_dir(adapter_dir: Path) -> Path:
                      "set one of them to the base model's directory")
 
 
-def _load_adapter(adapter_dir: Path, base_dir: Path | None) -> torch.nn.Module:
-    """A peft adapter on its base (`base_dir`, default: `adapter_base_dir`), every adapted layer loaded."""
+def _load_adapter(adapter_dir: Path, base_dir: Path | None, base_model: torch.nn.Module | None = None
+                  ) -> torch.nn.Module:
+    """A peft adapter on its base (`base_dir`, default: `adapter_base_dir`), every adapted layer
+    loaded. `base_model`: that base already loaded (peft injects the adapter's layers into its module
+    tree, so it must not be a tree another model uses)."""
     # Imported here: peft (and transformers) load only for adapter dirs.
     import peft
 
@@ -94,19 +99,20 @@ def _load_adapter(adapter_dir: Path, base_dir: Path | None) -> torch.nn.Module:
     base_dir = Path(base_dir) if base_dir is not None else adapter_base_dir(adapter_dir)
     check_adapter_dir(adapter_dir)  # before the base loads: a bad adapter fails fast
     check_adapter_fits(adapter_dir, base_dir)
-    base, _ = _load_full_model(base_dir)
+    base = base_model if base_model is not None else _load_full_model(base_dir)[0]
     model = peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=False)
     check_every_adapted_layer_loaded(model, adapter_dir)
     log.info("loaded adapter %s on base %s", adapter_dir, base_dir)
     return model
 
 
-def load_variant(model_dir: str | Path, backend: str | None = None,
-                 base_dir: str | Path | None = None) -> tuple[Any, Any, str]:
+def load_variant(model_dir: str | Path, backend: str | None = None, base_dir: str | Path | None = None,
+                 base_model: torch.nn.Module | None = None) -> tuple[Any, Any, str]:
     """(model in eval mode, tokenizer, kind) for whatever `model_dir` holds (see module docstring).
     `backend` None decides from the directory (model.onnx: onnxruntime); "torch" or
     "onnxruntime" insists on one and names the other when the directory needs it. `base_dir`: an
-    adapter's base model, as the workflow passes it (default: `adapter_base_dir`)."""
+    adapter's base model, as the workflow passes it (default: `adapter_base_dir`); `base_model`:
+    that base already loaded, for an adapter dir (ignored for any other)."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise InputError(f"--model {model_dir} is not a directory; pass a stage's output directory")
@@ -122,7 +128,7 @@ def load_variant(model_dir: str | Path, backend: str | None = None,
         model, kind = OnnxCausalLM(model_dir), "onnx"
         log.info("loaded ONNX model %s on onnxruntime", model_dir)
     elif (model_dir / "adapter_config.json").exists():
-        model, kind = _load_adapter(model_dir, base_dir), "adapter"
+        model, kind = _load_adapter(model_dir, base_dir, base_model), "adapter"
     else:
         model, kind = _load_full_model(model_dir)
     if not (model_dir / "tokenizer.json").exists() and not (model_dir / "tokenizer_config.json").exists():

@@ -1,10 +1,11 @@
 """The HTTP side of the server: routes, the API key, JSON answers and server-sent events.
 
-Python's ThreadingHTTPServer (one thread per connection, HTTP/1.1 keep-alive); the model runs only
-in the Scheduler's thread. Routes:
+Python's ThreadingHTTPServer (one thread per connection, HTTP/1.1 keep-alive); each model runs
+only in its Scheduler's thread (stages.serving.model_set: one per model, the request's `model`
+field picks it). Routes:
   GET  /                       the chat page (stages/serving/chat_page.html)
-  GET  /health                 {"status": "ok", "model": id, "queued": n}
-  GET  /v1/models              the one model this server answers with
+  GET  /health                 {"status": "ok", "waiting_or_running", "finished", "models": {id: ...}}
+  GET  /v1/models              the models this server answers with
   POST /v1/chat/completions    OpenAI chat completions, streamed or not
   POST /v1/completions         OpenAI (legacy) completions, streamed or not
 Errors are OpenAI's JSON error objects: 400 (not JSON, prompt or max_tokens past the context),
@@ -28,6 +29,7 @@ from importlib import resources
 from typing import Any
 
 from stages.serving import openai_api
+from stages.serving.model_set import ModelSet, Route
 from stages.serving.openai_api import RequestError
 from stages.serving.scheduler import Completion, QueueFull, Sampling, Scheduler
 from stages.serving.served_model import ServedModel
@@ -44,17 +46,38 @@ STREAM_INTERVAL_S = 0.02
 
 
 class ModelServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer that carries what the handlers share."""
+    """ThreadingHTTPServer that carries what the handlers share: `models`, a ModelSet, or one
+    ServedModel with its Scheduler (the one-model form)."""
 
     daemon_threads = True  # open keep-alive connections do not block shutdown
 
-    def __init__(self, address: tuple[str, int], served: ServedModel, scheduler: Scheduler,
+    def __init__(self, address: tuple[str, int], models: ModelSet | ServedModel, scheduler: Scheduler | None = None,
                  api_key: str | None = None):
+        if isinstance(models, ServedModel):
+            if scheduler is None:
+                raise ValueError("ModelServer(address, served, scheduler): a ServedModel needs its Scheduler")
+            models = ModelSet([Route(models, scheduler)])
         if ":" in address[0]:  # an IPv6 address such as ::1
             self.address_family = socket.AF_INET6
         super().__init__(address, Handler)
-        self.served, self.scheduler, self.api_key = served, scheduler, api_key
+        self.models, self.api_key = models, api_key
         self.chat_page = resources.files("stages.serving").joinpath("chat_page.html").read_bytes()
+
+    def _only(self) -> Route:
+        if len(self.models) != 1:
+            raise ValueError(f"this server answers as {len(self.models)} models ({', '.join(self.models.ids)}); "
+                             "pick one with server.models.route(model_id)")
+        return next(iter(self.models))
+
+    @property
+    def served(self) -> ServedModel:
+        """The model of a one-model server."""
+        return self._only().served
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The scheduler of a one-model server."""
+        return self._only().scheduler
 
     @property
     def url(self) -> str:
@@ -76,12 +99,11 @@ class Handler(BaseHTTPRequestHandler):
         if path in ("/", "/chat"):
             self._send(200, self.server.chat_page, "text/html; charset=utf-8")
         elif path == "/health":
-            scheduler = self.server.scheduler
-            self._json(200, {"status": "ok", "model": self.server.served.model_id,
-                             "waiting_or_running": scheduler.admitted, "finished": dict(scheduler.finished)})
+            self._json(200, self.server.models.health())
         elif path == "/v1/models":
             if self._authorized():
-                self._json(200, openai_api.model_list(self.server.served.model_id, self.server.served.created))
+                self._json(200, openai_api.model_list([(r.served.model_id, r.served.created)
+                                                       for r in self.server.models]))
         else:
             self._error(RequestError(404, f"no route GET {path}; see /v1/models, /v1/chat/completions, "
                                           "/v1/completions"))
@@ -97,10 +119,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         try:
             request = openai_api.parse_request(openai_api.parse_body(self._body()), endpoint)
-            if request.model != self.server.served.model_id:
-                raise RequestError(404, f"model {request.model!r} is not served here; this server answers as "
-                                        f"{self.server.served.model_id!r} (GET /v1/models)", "model")
-            completion, prompt_tokens = self._submit(request)
+            completion, prompt_tokens = self._submit(request, self.server.models.route(request.model))
         except RequestError as e:
             self._error(e)
             return
@@ -117,15 +136,15 @@ class Handler(BaseHTTPRequestHandler):
             self._answer(request, completion, prompt_tokens)
 
     # -- generation ------------------------------------------------------------------------------
-    def _submit(self, request: openai_api.Request) -> tuple[Completion, int]:
-        served = self.server.served
+    def _submit(self, request: openai_api.Request, route: Route) -> tuple[Completion, int]:
+        served = route.served
         prompt = served.prompt_ids(request)
         budget = served.answer_budget(request, len(prompt))
         sampling = None if request.greedy else Sampling(request.temperature, request.top_p, request.seed)
         stream = TextStream(served.tokenizer, request.stops, served.eos_token_id)
         completion = Completion(prompt=prompt, max_tokens=budget, stream=stream, sampling=sampling,
                                 streaming=request.stream)
-        return self.server.scheduler.submit(completion), len(prompt)
+        return route.scheduler.submit(completion), len(prompt)
 
     def _next_event(self, completion: Completion) -> tuple[str, str]:
         """The completion's next event; a client that closed its connection meanwhile cancels it

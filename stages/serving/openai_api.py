@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -222,6 +223,7 @@ def chunk(request: Request, rid: str, created: int, *, text: str | None = None, 
     return out
 
 
-def model_list(model_id: str, created: int | None = None) -> dict[str, Any]:
+def model_list(models: Sequence[tuple[str, int | None]]) -> dict[str, Any]:
+    """/v1/models: one model object per (id, created), in the order given."""
     return {"object": "list", "data": [{"id": model_id, "object": "model", "created": created or int(time.time()),
-                                        "owned_by": "llm-lifecycle"}]}
+                                        "owned_by": "llm-lifecycle"} for model_id, created in models]}

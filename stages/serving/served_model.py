@@ -99,12 +99,13 @@ def chat_format(choice: str, tokenizer, model_dir: Path) -> bool:
 
 
 def load_served_model(model_dir: str | Path, *, model_id: str | None = None, chat_template: str = "auto",
-                      max_length: int | None = None) -> ServedModel:
+                      max_length: int | None = None, base_model: torch.nn.Module | None = None) -> ServedModel:
     """Load `model_dir` (full, adapter or quantized) for serving. `chat_template`: auto (the
     experiment's sft_format, else the tokenizer's template when it has one), true or false.
-    `max_length` defaults to the model's max_position_embeddings."""
+    `max_length` defaults to the model's max_position_embeddings. `base_model`: an adapter's base,
+    already loaded (stages.serving.shared_bases shares one copy of its weights among adapters)."""
     model_dir = Path(model_dir)
-    model, tokenizer, kind = load_variant(model_dir)
+    model, tokenizer, kind = load_variant(model_dir, base_model=base_model)
     chat = chat_format(chat_template, tokenizer, model_dir)
     config = getattr(model, "config", None)
     window = getattr(config, "max_position_embeddings", None)

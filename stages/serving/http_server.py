@@ -5,6 +5,7 @@ only in its Scheduler's thread (stages.serving.model_set: one per model, the req
 field picks it). Routes:
   GET  /                       the chat page (stages/serving/chat_page.html)
   GET  /health                 {"status": "ok", "waiting_or_running", "finished", "models": {id: ...}}
+                               (and "model": id with one model, as before several)
   GET  /v1/models              the models this server answers with
   POST /v1/chat/completions    OpenAI chat completions, streamed or not
   POST /v1/completions         OpenAI (legacy) completions, streamed or not

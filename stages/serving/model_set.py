@@ -78,8 +78,11 @@ class ModelSet:
         models = {i: {"kind": r.served.kind, "waiting_or_running": r.scheduler.admitted,
                       "finished": dict(r.scheduler.finished)} for i, r in self._routes.items()}
         finished = sum((Counter(m["finished"]) for m in models.values()), Counter())
-        return {"status": "ok", "waiting_or_running": sum(m["waiting_or_running"] for m in models.values()),
-                "finished": dict(finished), "models": models}
+        out = {"status": "ok", "waiting_or_running": sum(m["waiting_or_running"] for m in models.values()),
+               "finished": dict(finished), "models": models}
+        if len(models) == 1:  # a one-model server's /health as before several models: its id under "model"
+            out["model"] = next(iter(models))
+        return out
 
     def close(self) -> None:
         """Stop every scheduler's worker."""

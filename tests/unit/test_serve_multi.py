@@ -209,12 +209,14 @@ def test_a_one_model_server_keeps_served_and_scheduler_and_one_of_several_refuse
     one = Running(experiment_variants(experiment)[1:2], max_length=MAX_LENGTH)
     try:
         assert one.server.served.model_id == "sft" and one.server.scheduler is next(iter(one.server.models)).scheduler
+        assert one.get("/health")["model"] == "sft"  # /health as before several models
     finally:
         one.close()
     two = Running(experiment_variants(experiment)[:2], max_length=MAX_LENGTH)
     try:
         with pytest.raises(ValueError, match="answers as 2 models"):
             two.server.served  # noqa: B018 (the property raises)
+        assert "model" not in two.get("/health")
     finally:
         two.close()
 

@@ -203,7 +203,7 @@ class RunningBatch:
                 self._rebuild(self._rows, list(range(len(self._rows))), grow=True)
             length = self.length + 1
             mask = self._mask[:, :length] if self._padded else None  # (B, L + 1), the new position's column ones
-            logits = self.engine._forward(self._next, mask, self._positions, self._cache)  # (B, V)
+            logits = self.engine._forward(self._next, mask, self._positions, self._cache, step=True)  # (B, V)
             self.length = length
             tokens = self._advance(self._rows, self._choose(logits, self._rows))
         except BaseException:

@@ -124,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-length", type=int, default=None,
                         help="prompt + answer tokens (default: the model's max_position_embeddings)")
     parser.add_argument("--max-batch-size", type=int, default=8,
-                        help="greedy requests generated together in one batch, per model (default %(default)s)")
+                        help="requests generating together (rows of the running batch: greedy and sampling "
+                             "alike, joining and leaving between steps), per model (default %(default)s)")
     parser.add_argument("--max-queue", type=int, default=16,
                         help="requests admitted at once per model, running or waiting; more get 503 "
                              "(default %(default)s)")

@@ -51,6 +51,9 @@ class ModelServer(ThreadingHTTPServer):
     ServedModel with its Scheduler (the one-model form)."""
 
     daemon_threads = True  # open keep-alive connections do not block shutdown
+    # connections the kernel queues before accept(): socketserver's default of 5 reset one of 192
+    # connections when 16 bench clients reconnected at once under load; --max-queue answers excess with 503
+    request_queue_size = 128
 
     def __init__(self, address: tuple[str, int], models: ModelSet | ServedModel, scheduler: Scheduler | None = None,
                  api_key: str | None = None):

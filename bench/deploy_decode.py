@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))  # gguf_decode's llama.cpp decoder
 
-from bench.llama_cpp_runtime import installed as llama_cpp_installed  # noqa: E402
-from bench.common import csv_list, finish, machine_info  # noqa: E402
+from bench.common import csv_list, finish, machine_info
+from bench.llama_cpp_runtime import installed as llama_cpp_installed
 
 DEFAULT_OUT = ROOT / "bench" / "out" / "deploy_decode.json"
 GGUF_TYPES = ("f32", "q8_0", "q4_0")
@@ -159,9 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
 
     import torch
-    from transformers import AutoModelForCausalLM
-
     from gguf_decode import make_model_dir
+    from transformers import AutoModelForCausalLM
 
     from stages import export, quantize
     from stages.deployment.gguf_writer import write_gguf

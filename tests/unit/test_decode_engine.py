@@ -1,6 +1,6 @@
 """stages/inference/engine.py (and its cache, stages/inference/kv_cache.py): greedy tokens equal
 transformers' `generate` (the path evaluate and predict took before the engine) token for token,
-for every family the chain fine-tunes on (tiny random checkpoints saved by transformers,
+for every family the chain fine-tunes on, OPT, Bloom and GPT-NeoX included (tiny random checkpoints saved by transformers,
 checkpoint_fixtures.save_checkpoint) and every kind of torch variant load_variant gives (full,
 LoRA and prefix adapters, wint8 / wint4 on stages.quant's kernels), at batch 1 and on a
 left-padded batch of prompts of different lengths; then eos, stop strings, per-row budgets,
@@ -26,7 +26,17 @@ from stages.inference.engine import (
 from stages.inference.generation import cut_at_eos, left_padded
 from stages.inference.loading import load_variant
 
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "glm", "glm4", "gpt2")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "glm", "glm4", "gpt2", "opt", "bloom", "gpt_neox")
+# Families the chain fine-tunes on transformers' own model (tiny: width 64, 2 layers, 4 heads)
+TRANSFORMERS_ONLY = {
+    "opt": dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64,
+                max_position_embeddings=256),
+    # at the default initializer_range (0.02) the tiny Bloom repeats the prompt's last token with or
+    # without an adapter, and the check that an adapter changes the tokens could not hold
+    "bloom": dict(hidden_size=64, n_layer=2, n_head=4, initializer_range=0.3),
+    "gpt_neox": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     max_position_embeddings=256),
+}
 KINDS = ("full", "lora", "prefix", "wint8", "wint4")
 NEW_TOKENS = 10
 EOS, PAD = 2, 0
@@ -62,7 +72,8 @@ def family_dirs(tmp_path_factory, tokenizer):
         dirs = built.setdefault(family, {})
         if kind in dirs:
             return dirs[kind]
-        base = dirs.get("full") or save_checkpoint(root / family / "full", tokenizer, family)
+        base = dirs.get("full") or save_checkpoint(root / family / "full", tokenizer, family,
+                                                   **TRANSFORMERS_ONLY.get(family, {}))
         dirs["full"] = base
         if kind == "lora":  # B != 0: the adapter changes the outputs
             dirs[kind] = save_adapter(base, root / family / kind, peft.LoraConfig(

@@ -121,3 +121,35 @@ def save_adapter(base_dir: Path, out: Path, peft_config) -> Path:
         copy_tokenizer(base_dir, d)
         write_meta(d, stage="finetune", config={}, parent=base_dir, seed=0, metrics={})
     return out
+
+
+def variant_dirs(root: Path, tokenizer, **config):
+    """`get(family, kind)`: the directory of a tiny `family` checkpoint (save_checkpoint with
+    `config`, plus the family's entry of a `per_family` dict if given) as `kind`, one of full, lora
+    (B != 0: the adapter changes the outputs), prefix, wint8, wint4 (group 32); built on first use
+    under `root`, the full model shared by its variants."""
+    import peft
+
+    from stages import quantize
+
+    per_family = config.pop("per_family", {})
+    built: dict[tuple[str, str], Path] = {}
+
+    def get(family: str, kind: str) -> Path:
+        if (family, kind) in built:
+            return built[family, kind]
+        base = built.get((family, "full")) or save_checkpoint(root / family / "full", tokenizer, family,
+                                                              **{**config, **per_family.get(family, {})})
+        built[family, "full"] = base
+        out = root / family / kind
+        if kind == "lora":
+            save_adapter(base, out, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                    init_lora_weights=False, task_type="CAUSAL_LM"))
+        elif kind == "prefix":
+            save_adapter(base, out, peft.PrefixTuningConfig(num_virtual_tokens=4, task_type="CAUSAL_LM"))
+        elif kind in ("wint8", "wint4"):
+            quantize.run(base, out, kind, 32)
+        built[family, kind] = base if kind == "full" else out
+        return built[family, kind]
+
+    return get

@@ -15,10 +15,9 @@ import threading
 import peft
 import pytest
 import torch
-from checkpoint_fixtures import save_adapter, save_checkpoint
+from checkpoint_fixtures import save_checkpoint, variant_dirs
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from stages import quantize
 from stages.inference import running_batch
 from stages.inference.engine import (
     FINISH_EOS,
@@ -52,29 +51,10 @@ def tokenizer(tiny_tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory, tokenizer):
-    """{(family, kind): directory}, built on first use."""
-    root = tmp_path_factory.mktemp("running_batch")
-    built: dict[tuple[str, str], object] = {}
-
-    def get(family: str, kind: str):
-        if (family, kind) not in built:
-            # weights 15x wider than the default initializer_range (0.02): sharp attention, so that a wrong
-            # mask or position id changes tokens (at 0.02 attention is near uniform, GPT-2 repeats one token)
-            base = built.get((family, "full")) or save_checkpoint(root / family / "full", tokenizer, family,
-                                                                  initializer_range=0.3)
-            built[family, "full"] = base
-            out = root / family / kind
-            if kind == "lora":  # B != 0: the adapter changes the outputs
-                save_adapter(base, out, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                        init_lora_weights=False, task_type="CAUSAL_LM"))
-            elif kind == "prefix":
-                save_adapter(base, out, peft.PrefixTuningConfig(num_virtual_tokens=4, task_type="CAUSAL_LM"))
-            elif kind in ("wint8", "wint4"):
-                quantize.run(base, out, kind, 32)
-            built[family, kind] = out if kind != "full" else base
-        return built[family, kind]
-
-    return get
+    """`get(family, kind)` -> directory, built on first use (checkpoint_fixtures.variant_dirs); weights
+    15x wider than the default initializer_range (0.02): sharp attention, so that a wrong mask or
+    position id changes tokens (at 0.02 attention is near uniform, GPT-2 repeats one token)."""
+    return variant_dirs(tmp_path_factory.mktemp("running_batch"), tokenizer, initializer_range=0.3)
 
 
 def _alone(model, prompts, budget=NEW_TOKENS, eos=None, **kwargs) -> list[list[int]]:

@@ -11,10 +11,9 @@ from __future__ import annotations
 import peft
 import pytest
 import torch
-from checkpoint_fixtures import save_adapter, save_checkpoint
+from checkpoint_fixtures import save_checkpoint, variant_dirs
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from stages import quantize
 from stages.inference.engine import (
     FINISH_EOS,
     FINISH_LENGTH,
@@ -64,29 +63,8 @@ def tokenizer(tiny_tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory, tokenizer):
-    """{family: {kind: directory}}, built on first use."""
-    root = tmp_path_factory.mktemp("engine")
-    built: dict[str, dict] = {}
-
-    def get(family: str, kind: str):
-        dirs = built.setdefault(family, {})
-        if kind in dirs:
-            return dirs[kind]
-        base = dirs.get("full") or save_checkpoint(root / family / "full", tokenizer, family,
-                                                   **TRANSFORMERS_ONLY.get(family, {}))
-        dirs["full"] = base
-        if kind == "lora":  # B != 0: the adapter changes the outputs
-            dirs[kind] = save_adapter(base, root / family / kind, peft.LoraConfig(
-                r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM"))
-        elif kind == "prefix":
-            dirs[kind] = save_adapter(base, root / family / kind,
-                                  peft.PrefixTuningConfig(num_virtual_tokens=4, task_type="CAUSAL_LM"))
-        elif kind in ("wint8", "wint4"):
-            quantize.run(base, root / family / kind, kind, 32)
-            dirs[kind] = root / family / kind
-        return dirs[kind]
-
-    return get
+    """`get(family, kind)` -> directory, built on first use (checkpoint_fixtures.variant_dirs)."""
+    return variant_dirs(tmp_path_factory.mktemp("engine"), tokenizer, per_family=TRANSFORMERS_ONLY)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -61,6 +61,17 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _their_loss(trainer, loss_of) -> tuple[dict, torch.Tensor, dict[str, torch.Tensor]]:
+    """(the trainer's first batch, its loss on it by `loss_of(model, batch)`, the gradients of that
+    loss); the model's gradients are cleared again for ours."""
+    batch = next(iter(trainer.get_train_dataloader()))
+    loss = loss_of(trainer.model, batch)
+    loss.backward()
+    grads = _grads(trainer.model)
+    trainer.model.zero_grad(set_to_none=True)
+    return batch, loss, grads
+
+
 def _assert_same(ours: torch.Tensor, theirs: torch.Tensor, our_grads, their_grads):
     assert float(ours.detach()) == pytest.approx(float(theirs.detach()), abs=TOLERANCE)
     assert our_grads.keys() == their_grads.keys() and our_grads
@@ -80,12 +91,8 @@ def test_dpo_and_ipo_equal_trls_dpo_trainer(checkpoint, tmp_path, method):
                              args=_args(trl.DPOConfig, tmp_path, beta=objective.beta,
                                         loss_type=["sigmoid" if method == "dpo" else "ipo"]),
                              train_dataset=datasets.Dataset.from_list(PAIRS), processing_class=tokenizer)
-    batch = next(iter(trainer.get_train_dataloader()))  # chosen rows, then rejected rows
+    batch, theirs, their_grads = _their_loss(trainer, trainer.compute_loss)  # chosen rows, then rejected rows
     model = trainer.model
-    theirs = trainer.compute_loss(model, batch)
-    theirs.backward()
-    their_grads = _grads(model)
-    model.zero_grad(set_to_none=True)
 
     ids, mask = batch["input_ids"], batch["attention_mask"]
     labels = ids.masked_fill(batch["completion_mask"] == 0, IGNORE_INDEX)  # the completion tokens are learned
@@ -124,12 +131,8 @@ def test_simpo_and_smoothed_sigmoid_equal_trls_cpo_trainer(checkpoint, tmp_path,
     path, tokenizer = checkpoint
     trainer = CPOTrainer(model=_model(path), args=_args(CPOConfig, tmp_path, beta=2.0, **settings),
                          train_dataset=datasets.Dataset.from_list(PAIRS), processing_class=tokenizer)
-    batch = next(iter(trainer.get_train_dataloader()))
+    batch, theirs, their_grads = _their_loss(trainer, lambda model, batch: trainer.get_batch_loss_metrics(model, batch)[0])
     model = trainer.model
-    theirs, _ = trainer.get_batch_loss_metrics(model, batch)
-    theirs.backward()
-    their_grads = _grads(model)
-    model.zero_grad(set_to_none=True)
 
     objective = PreferenceObjective(method, beta=2.0, label_smoothing=settings.get("label_smoothing", 0.0),
                                     simpo_gamma=settings.get("simpo_gamma", 0.5))
@@ -149,12 +152,8 @@ def test_orpo_equals_trls_orpo_trainer(checkpoint, tmp_path):
     path, tokenizer = checkpoint
     trainer = ORPOTrainer(model=_model(path), args=_args(ORPOConfig, tmp_path, beta=0.25),
                           train_dataset=datasets.Dataset.from_list(PAIRS), processing_class=tokenizer)
-    batch = next(iter(trainer.get_train_dataloader()))
+    batch, theirs, their_grads = _their_loss(trainer, lambda model, batch: trainer.get_batch_loss_metrics(model, batch)[0])
     model = trainer.model
-    theirs, _ = trainer.get_batch_loss_metrics(model, batch)
-    theirs.backward()
-    their_grads = _grads(model)
-    model.zero_grad(set_to_none=True)
 
     chosen, rejected, whole_chosen = _cpo_style(trainer, model, batch)
     terms = PreferenceObjective("orpo", beta=0.25).pair_terms(chosen, rejected)

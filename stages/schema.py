@@ -101,7 +101,8 @@ def validate(instance: Any, schema: dict[str, Any], where: list[str] | None = No
 # section name -> its path below an experiment (finetune methods are one level deeper)
 SECTIONS: dict[str, tuple[str, ...]] = {
     "model": ("model",), "data": ("data",), "pretrain": ("pretrain",), "sft": ("finetune", "sft"),
-    "lora": ("finetune", "lora"), "prefix": ("finetune", "prefix"), "predict": ("predict",),
+    "lora": ("finetune", "lora"), "prefix": ("finetune", "prefix"), "align": ("align",),
+    "predict": ("predict",),
     "quantize": ("quantize",), "export": ("export",), "deploy": ("deploy",), "evaluate": ("evaluate",),
     "cluster": ("cluster",),
 }

@@ -185,6 +185,27 @@ class PrefixSettings(SftSettings):
 
 
 @dataclasses.dataclass(frozen=True)
+class AlignSettings(TrainingSettings):
+    """align: preference alignment (stages.align) of `source`, full or with LoRA."""
+
+    SECTION: ClassVar[str] = "align"
+    enabled: bool
+    source: str
+    method: str
+    beta: float
+    label_smoothing: float
+    simpo_gamma: float
+    tuning: str
+    lora_rank: int
+    lora_alpha: float
+    lora_dropout: float
+    target_modules: str | list[str]
+    src_length: int
+    max_length: int
+    per_device_eval_batch_size: int
+
+
+@dataclasses.dataclass(frozen=True)
 class QuantizeSettings(Section):
     SECTION: ClassVar[str] = "quantize"
     source: str
@@ -243,7 +264,7 @@ class ClusterSettings(Section):
 
 # section name (stages.schema.SECTIONS) -> its class; `predict` is stages.predict.PredictSettings
 BY_NAME: dict[str, type[Section]] = {cls.SECTION: cls for cls in (
-    ModelSettings, DataSettings, PretrainSettings, SftSettings, LoraSettings, PrefixSettings,
+    ModelSettings, DataSettings, PretrainSettings, SftSettings, LoraSettings, PrefixSettings, AlignSettings,
     QuantizeSettings, ExportSettings, DeploySettings, EvaluateSettings, ClusterSettings)}
 FINETUNE: dict[str, type[SftSettings]] = {"sft": SftSettings, "lora": LoraSettings, "prefix": PrefixSettings}
 
@@ -257,7 +278,7 @@ def training_section(section: Mapping[str, Any]) -> TrainingSettings:
     typed sections and convert what their callers give them once, here."""
     if isinstance(section, TrainingSettings):
         return section
-    for cls in (SftSettings, LoraSettings, PrefixSettings, PretrainSettings):
+    for cls in (SftSettings, LoraSettings, PrefixSettings, PretrainSettings, AlignSettings):
         if all(key in _field_names(cls) for key in section):
             return cls.of(section)
     return SftSettings.of(section)  # the ConfigError naming the unknown key

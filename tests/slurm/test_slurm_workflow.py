@@ -224,12 +224,17 @@ class _LimitFromFirstStep:
     model) takes ~20 s on an idle 2-core machine but took the whole minute beside CI's other
     streams, when SLURM's SIGTERM at the limit came before the first step (2026-11-26): a time
     limit is then not what the test is testing. Once training, the job meets its limit as a user's
-    does: 25-85 s later. A thread, so a blocking Snakemake run can be watched too."""
+    does: 25-85 s later. With `release_after_requeue` minutes, the job is also let start again as
+    soon as it is pending after its requeue, with that limit: otherwise it starts by itself two
+    minutes later under its 1-minute limit again and, while the test waits on another job (CI's
+    load, 2026-11-29), can finish in several 1-minute slices and leave the controller
+    (MinJobAge). A thread, so a blocking Snakemake run can be watched too."""
 
     SPARE_S = 25
 
-    def __init__(self, workdir: Path, experiment: str):
+    def __init__(self, workdir: Path, experiment: str, release_after_requeue: int | None = None):
         self.workdir, self.experiment, self.extended = workdir, experiment, 0
+        self.release_after_requeue, self.released = release_after_requeue, False
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
 
@@ -243,10 +248,18 @@ class _LimitFromFirstStep:
 
     def _watch(self):
         job = _job_id(self.workdir, "pretrain", self.experiment)
-        while not self._done.wait(0.5) and logged_steps(self.workdir, self.experiment) == 0:
+        while not self._done.wait(0.5):
+            training = logged_steps(self.workdir, self.experiment) > 0
+            if training and (self.release_after_requeue is None or self.released):
+                return
             out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=60).stdout
+            restarts = re.search(r"Restarts=(\d+)", out)
+            if self.release_after_requeue is not None and "JobState=PENDING" in out and restarts and int(restarts[1]):
+                _release(job, time_limit=self.release_after_requeue)
+                self.released = True
+                continue
             end = re.search(r"EndTime=(\S+)", out)
-            if "JobState=RUNNING" not in out or not end:
+            if training or "JobState=RUNNING" not in out or not end:
                 continue
             if datetime.fromisoformat(end.group(1)).timestamp() - time.time() < self.SPARE_S:
                 subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=+1"], capture_output=True, timeout=60)
@@ -286,15 +299,15 @@ def test_a_time_limit_and_a_requeue_end_in_the_uninterrupted_weights(tmp_path, s
            *targets]
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    with _LimitFromFirstStep(tmp_path, "limit") as watch:
+    # the limit job is released, with room to finish, as soon as it is pending after its requeue
+    with _LimitFromFirstStep(tmp_path, "limit", release_after_requeue=30) as watch:
         try:
-            limit_job, requeue_job = _job_id(tmp_path, "pretrain", "limit"), _job_id(tmp_path, "pretrain", "requeue")
+            requeue_job = _job_id(tmp_path, "pretrain", "requeue")
             _wait_for(lambda: logged_steps(tmp_path, "requeue") >= 150, "requeue: 150 steps (one checkpoint)")
             cancel = subprocess.run(["scancel", "--signal=TERM", requeue_job], capture_output=True, text=True,
                                     timeout=60)
             assert cancel.returncode == 0, cancel.stderr
             _release(requeue_job)  # requeued by its rank 0 after the save
-            _release(limit_job, time_limit=30)  # room to finish after the restart
             resumed = tmp_path / "results" / "requeue" / "logs" / "pretrain.log"
             _wait_for(lambda: "resumed at step" in _text(resumed), "requeue: resumed after SIGTERM")
             assert "when stopped by SIGTERM" in _text(resumed), _text(resumed)[-3000:]
@@ -308,6 +321,7 @@ def test_a_time_limit_and_a_requeue_end_in_the_uninterrupted_weights(tmp_path, s
     print(f"three pretraining jobs, one stopped at its time limit, one requeued: {time.monotonic() - start:.0f} s "
           f"(the limit raised {watch.extended} times before the first step)")
     assert proc.returncode == 0, out[-4000:]
+    assert watch.released, "the limit job was never pending after a requeue"
 
     results = tmp_path / "results"
     straight = weights_sha256(results / "straight" / "pretrain")

@@ -6,6 +6,9 @@ Output directory (docs/artifacts.md), written whole through `atomic_dir`:
     tokenizer/                      byte-level BPE, HF fast tokenizer layout
     train.bin/.idx, validation.bin/.idx, index.json
     sft/train.json, sft/dev.json    JSON lines {"src", "tgt"}
+    preference/train.json, preference/dev.json
+                                    JSON lines {"src", "chosen", "rejected"} (stages.data.preference),
+                                    when there are pairs (data.preference)
     meta.json                       stage "prepare", the data config, seed, metrics
 
 Everything that can fail on bad input (paths, file contents, SFT records) is read and checked
@@ -31,10 +34,12 @@ from stages.checkpoint.tokenizer_files import copy_tokenizer
 from stages.data import attributes, records
 from stages.data.corpus import (RECORDS, SFT_TARGETS, CorpusError, TokenFile, encode_documents, read_documents,
                                 split_documents, unigram_entropy_bits, write_token_files)
+from stages.data.preference import PreferenceRecord, write_preference_file
 from stages.data.sft import SftRecord, uses_chat_template, write_sft_file
 from stages.data.tokenizer import (TokenizerError, load_model_tokenizer, save_tokenizer,
                                    tokenizer_fingerprint, train_tokenizer)
-from stages.data.validate import read_sft_dir, resolve_corpus, resolve_sft
+from stages.data.validate import (preference_source, read_preference_dir, read_sft_dir, resolve_corpus,
+                                  resolve_preference, resolve_sft)
 from stages.errors import ConfigError, run_cli
 from stages.sections import DataSettings
 from stages.stage_logs import configure_logging, log_io
@@ -54,6 +59,21 @@ def load_sft(sft: str, num_sft_train: int, num_sft_dev: int, seed: int,
     if sft_dir is None:  # resolve_sft accepts only the builtins that exist
         return attributes.generate(num_sft_train, num_sft_dev, seed)
     return read_sft_dir(sft_dir, "train"), read_sft_dir(sft_dir, "dev")
+
+
+def load_preference(preference: str | None, sft: str, sft_train: list[SftRecord], sft_dev: list[SftRecord],
+                    seed: int, base_dir: str | os.PathLike | None = None) -> Preference | None:
+    """(train, dev) preference pairs, or None when the section asks for none (`preference_source`):
+    the builtin task's pairs, one per SFT record (dev pairs from the SFT dev records, which no
+    training sees), or a user directory's pairs in any shape stages.data.preference reads."""
+    source = preference_source(preference, sft)
+    if source is None:
+        return None
+    preference_dir = resolve_preference(source, sft, base_dir)
+    if preference_dir is None:  # resolve_preference accepts the builtin only beside the builtin task
+        return Preference(attributes.preference_pairs(sft_train, seed, "train"),
+                          attributes.preference_pairs(sft_dev, seed, "dev"))
+    return Preference(read_preference_dir(preference_dir, "train"), read_preference_dir(preference_dir, "dev"))
 
 
 def _sft_texts(records: list[SftRecord]) -> list[str]:
@@ -109,13 +129,20 @@ def run(out_dir: str | os.PathLike, data: Mapping[str, Any] | None = None, *,
         tokenizer/) and the vocabulary is its embedding's; `vocab_size` is then ignored.
 
     Returns metrics: vocab_size (real), num_documents_<split>, num_tokens_<split> (eos included),
-    num_sft_train, num_sft_dev, train_unigram_entropy_bits, chars_per_token.
+    num_sft_train, num_sft_dev, num_preference_train, num_preference_dev (null without pairs),
+    train_unigram_entropy_bits, chars_per_token.
+
+    `preference` (null: the builtin task's pairs when `sft` is builtin:attributes, none otherwise;
+    builtin:attributes; or a directory of train/dev pair files) gives preference/train.json and
+    preference/dev.json, normalised to our shape; the pairs do not join the tokenizer's text, so
+    every other output is what it would be without them.
     """
     t0 = time.perf_counter()
     data = DataSettings.of(data)
     config = {**data.as_dict(), "tokenizer": str(tokenizer_dir) if tokenizer_dir else None}
     log_io(STAGE, reads={"corpus": data.corpus, "SFT records": data.sft, "tokenizer": tokenizer_dir},
-           writes={"tokenizer, train/validation tokens, sft/train.json, sft/dev.json": out_dir}, logger=log)
+           writes={"tokenizer, train/validation tokens, sft/train.json, sft/dev.json, preference/*.json": out_dir},
+           logger=log)
     inputs = read_inputs(data, base_dir)  # every input checked before anything is written
     if tokenizer_dir is None:
         # The SFT train texts join the tokenizer's training text so that task words become tokens;
@@ -141,14 +168,23 @@ def run(out_dir: str | os.PathLike, data: Mapping[str, Any] | None = None, *,
 
 
 @dataclass
+class Preference:
+    """Preference pairs of the train and dev splits."""
+
+    train: list[PreferenceRecord]
+    dev: list[PreferenceRecord]
+
+
+@dataclass
 class Inputs:
-    """What prepare reads: the SFT records and the corpus documents (`train_only`: training text
-    that stays out of the validation split, builtin:records)."""
+    """What prepare reads: the SFT records, the corpus documents (`train_only`: training text
+    that stays out of the validation split, builtin:records) and the preference pairs (None: none)."""
 
     sft_train: list[SftRecord]
     sft_dev: list[SftRecord]
     docs: list[str]
     train_only: list[str]
+    preference: Preference | None = None
 
 
 def read_inputs(data: DataSettings, base_dir: str | os.PathLike | None) -> Inputs:
@@ -157,7 +193,11 @@ def read_inputs(data: DataSettings, base_dir: str | os.PathLike | None) -> Input
     corpus = data.corpus
     resolve_corpus(corpus, base_dir)
     resolve_sft(data.sft, base_dir)
+    preference_pairs = preference_source(data.preference, data.sft)
+    if preference_pairs is not None:
+        resolve_preference(preference_pairs, data.sft, base_dir)
     sft_train, sft_dev = load_sft(data.sft, data.num_sft_train, data.num_sft_dev, data.seed, base_dir)
+    preference = load_preference(data.preference, data.sft, sft_train, sft_dev, data.seed, base_dir)
     files_and_pydoc = [c for c in corpus if c not in (SFT_TARGETS, RECORDS)]
     docs = read_documents(files_and_pydoc, base_dir) if files_and_pydoc else []
     if SFT_TARGETS in corpus:
@@ -167,7 +207,7 @@ def read_inputs(data: DataSettings, base_dir: str | os.PathLike | None) -> Input
     if train_only and not docs:
         raise CorpusError(f"data.corpus: {corpus} has only builtin:records, which is training text only; "
                           "add general text (files or builtin:pydoc) for the validation split")
-    return Inputs(sft_train, sft_dev, docs, train_only)
+    return Inputs(sft_train, sft_dev, docs, train_only, preference)
 
 
 def write_data(out: Path, tokenizer, vocab_size: int, splits: dict[str, list], inputs: Inputs,
@@ -178,6 +218,13 @@ def write_data(out: Path, tokenizer, vocab_size: int, splits: dict[str, list], i
                               eos_id=tokenizer.eos_token_id, pad_id=pad, extra=identity)
     write_sft_file(out / "sft" / "train.json", inputs.sft_train)
     write_sft_file(out / "sft" / "dev.json", inputs.sft_dev)
+    if inputs.preference is not None:
+        write_preference_file(out / "preference" / "train.json", inputs.preference.train)
+        write_preference_file(out / "preference" / "dev.json", inputs.preference.dev)
+        log.info("preference pairs: %d train, %d dev -> %s", len(inputs.preference.train),
+                 len(inputs.preference.dev), out / "preference")
+    else:
+        log.info("no preference pairs (data.preference is null and data.sft is not builtin:attributes)")
     train_tokens = TokenFile.open(out, "train").tokens  # re-read: also checks what was written
     all_docs = splits["train"] + splits["validation"]
     metrics = {
@@ -186,6 +233,8 @@ def write_data(out: Path, tokenizer, vocab_size: int, splits: dict[str, list], i
         **{f"num_tokens_{s}": index["splits"][s]["num_tokens"] for s in ("train", "validation")},
         "num_sft_train": len(inputs.sft_train),
         "num_sft_dev": len(inputs.sft_dev),
+        "num_preference_train": None if inputs.preference is None else len(inputs.preference.train),
+        "num_preference_dev": None if inputs.preference is None else len(inputs.preference.dev),
         "train_unigram_entropy_bits": round(unigram_entropy_bits(train_tokens, vocab_size), 6),
         "chars_per_token": round(sum(map(len, inputs.docs + inputs.train_only)) / sum(map(len, all_docs)), 4),
     }

@@ -97,6 +97,7 @@ class DataSettings(Section):
     SECTION: ClassVar[str] = "data"
     corpus: list[str]
     sft: str
+    preference: str | None  # null: the builtin pairs with the builtin task (stages.data.validate.preference_source)
     vocab_size: int
     chat_template: bool
     validation_fraction: float

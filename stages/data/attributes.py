@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import random
 
+from stages.data.preference import PreferenceRecord
 from stages.data.sft import SftRecord
 from stages.errors import InputError
 
@@ -145,3 +146,12 @@ def wrong_answer(combo: Combo, mistake: str, rng: random.Random) -> str:
 def rejected_answer(record: SftRecord, rng: random.Random) -> str:
     """One wrong answer for a task record, its kind of mistake drawn uniformly from MISTAKES."""
     return wrong_answer(parse_src(record.src[-1]), rng.choice(MISTAKES), rng)
+
+
+def preference_pairs(records: list[SftRecord], seed: int, split: str) -> list[PreferenceRecord]:
+    """`builtin:attributes` preference pairs: one per task record, chosen its target, rejected
+    `rejected_answer`. The draws are seeded by (`seed`, `split`), so train and dev pairs do not
+    depend on each other's sizes and a seed always makes the same pairs."""
+    rng = random.Random(f"{seed}:preference:{split}")  # a str seed is hashed with sha512: stable across runs
+    return [PreferenceRecord(src=list(r.src), history=list(r.tgt[:-1]), chosen=r.tgt[-1],
+                             rejected=rejected_answer(r, rng), system=r.system) for r in records]

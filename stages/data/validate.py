@@ -2,10 +2,11 @@
 
 Snakemake's common.smk calls `check_data_section` for every experiment while it parses the
 workflow, so that a typo in a corpus path fails in a second instead of after an hour of jobs.
-It must stay light: stdlib, `stages.data.sft` and `stages.data.files` only (no numpy, torch,
-tokenizers, transformers). It checks what can be checked cheaply: every corpus source resolves to
-files with a supported extension that are not empty, and the SFT directory holds readable train
-and dev records. Reading corpus contents (malformed JSON lines in a .jsonl corpus, a parquet file
+It must stay light: stdlib, `stages.data.sft`, `stages.data.preference` and `stages.data.files`
+only (no numpy, torch, tokenizers, transformers). It checks what can be checked cheaply: every
+corpus source resolves to files with a supported extension that are not empty, and the SFT
+directory (and data.preference's directory) holds readable train and dev records. Reading corpus
+contents (malformed JSON lines in a .jsonl corpus, a parquet file
 without a `text` column) is left to `stages.data.corpus`, which reports the same way.
 
 Path rules (one place, used by both this module and `prepare`):
@@ -20,14 +21,18 @@ from __future__ import annotations
 import glob
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
+from stages.data.preference import EXAMPLE as PREFERENCE_EXAMPLE
+from stages.data.preference import PreferenceDataError, PreferenceRecord, read_preference_file
 from stages.data.sft import SftDataError, SftRecord, read_sft_file
 from stages.errors import InputError
 
 SUPPORTED_EXTENSIONS = (".txt", ".jsonl", ".parquet")
 BUILTIN_CORPORA = ("builtin:pydoc", "builtin:records", "builtin:sft_targets")
 BUILTIN_SFT = ("builtin:attributes",)
+BUILTIN_PREFERENCE = ("builtin:attributes",)  # pairs made of the builtin SFT task's records
+PREFERENCE_SUFFIXES = (".json", ".jsonl")  # TRL and LLaMA-Factory pair files are often .jsonl
 SFT_SPLITS = ("train", "dev")
 _GLOB_CHARS = set("*?[")
 
@@ -106,25 +111,37 @@ def resolve_corpus(sources: list[str], base_dir: str | os.PathLike | None,
     return resolved
 
 
-def sft_split_files(sft_dir: str | os.PathLike, split: str, key: str = "data.sft") -> list[Path]:
-    """The files of one SFT split: `<dir>/<split>.json`, or `<dir>/<split>/*.json` sorted."""
-    sft_dir = Path(sft_dir)
-    single = sft_dir / f"{split}.json"
-    folder = sft_dir / split
-    parts = sorted(folder.glob("*.json")) if folder.is_dir() else []
-    if single.is_file() and parts:
-        raise DataConfigError(f"{key}: {sft_dir} has both {single.name} and {folder.name}/*.json for the "
-                              f"{split!r} split; keep one of them")
-    if single.is_file():
-        return [single]
+def split_files(data_dir: str | os.PathLike, split: str, key: str, suffixes: Sequence[str] = (".json",),
+                line: str = '{"src": ..., "tgt": ...}') -> list[Path]:
+    """The files of one split of a data directory: `<dir>/<split><suffix>`, or `<dir>/<split>/*<suffix>`
+    sorted, for the accepted `suffixes`; `line` shows a good line in the error."""
+    data_dir = Path(data_dir)
+    singles = [data_dir / f"{split}{x}" for x in suffixes if (data_dir / f"{split}{x}").is_file()]
+    folder = data_dir / split
+    parts = sorted(p for x in suffixes for p in folder.glob(f"*{x}")) if folder.is_dir() else []
+    names = " or ".join(f"{split}{x}" for x in suffixes)
+    if len(singles) > 1 or (singles and parts):
+        found = [p.name for p in singles]
+        found += [f"{folder.name}/*{x}" for x in suffixes if any(p.suffix == x for p in parts)]
+        raise DataConfigError(f"{key}: {data_dir} has both {' and '.join(found)} for the {split!r} split; "
+                              "keep one of them")
+    if singles:
+        return singles
     if parts:
         return parts
     # Name what is there instead (train.jsonl, train/part-0.jsonl): the fix is then a rename.
-    near = sorted(p.name for p in sft_dir.glob(f"{split}.*") if p.is_file())
+    near = sorted(p.name for p in data_dir.glob(f"{split}.*") if p.is_file())
     near += sorted(f"{folder.name}/{p.name}" for p in folder.iterdir()) if folder.is_dir() else []
-    found = f" (found {', '.join(near[:5])}{', ...' if len(near) > 5 else ''}: rename to .json)" if near else ""
-    raise DataConfigError(f"{key}: {sft_dir} has no {split!r} split{found}; expected {single} or "
-                          f"{folder}/*.json (JSON lines, one {{\"src\": ..., \"tgt\": ...}} per line)")
+    rename = f"rename to {' or '.join(suffixes)}"
+    found = f" (found {', '.join(near[:5])}{', ...' if len(near) > 5 else ''}: {rename})" if near else ""
+    patterns = " or ".join(f"{folder}/*{x}" for x in suffixes)
+    raise DataConfigError(f"{key}: {data_dir} has no {split!r} split{found}; expected {data_dir}/{names} or "
+                          f"{patterns} (JSON lines, one {line} per line)")
+
+
+def sft_split_files(sft_dir: str | os.PathLike, split: str, key: str = "data.sft") -> list[Path]:
+    """The files of one SFT split: `<dir>/<split>.json`, or `<dir>/<split>/*.json` sorted."""
+    return split_files(sft_dir, split, key)
 
 
 def read_sft_dir(sft_dir: str | os.PathLike, split: str, key: str = "data.sft") -> list[SftRecord]:
@@ -158,12 +175,57 @@ def resolve_sft(sft: str, base_dir: str | os.PathLike | None, key: str = "data.s
     return path
 
 
+def preference_source(preference: str | None, sft: str) -> str | None:
+    """The preference pairs a `data:` section asks for: `preference` when set; when null, the
+    builtin task's pairs if `sft` is the builtin task, else None (no pairs: align needs a directory)."""
+    if preference is None:
+        return BUILTIN_PREFERENCE[0] if sft in BUILTIN_SFT else None
+    return preference
+
+
+def resolve_preference(preference: str, sft: str, base_dir: str | os.PathLike | None,
+                       key: str = "data.preference") -> Path | None:
+    """The preference directory (None for the builtin pairs); raises DataConfigError naming `key`
+    if it is not one, or if the builtin pairs are asked for without the builtin task (they are made
+    of its records)."""
+    if not isinstance(preference, str):
+        raise DataConfigError(f"{key}: expected a directory, {BUILTIN_PREFERENCE[0]} or null, got {preference!r}")
+    if preference.startswith("builtin:"):
+        if preference not in BUILTIN_PREFERENCE:
+            raise DataConfigError(f"{key}: unknown builtin pairs {preference!r}; the builtin pairs are: "
+                                  f"{', '.join(BUILTIN_PREFERENCE)} (or null)")
+        if sft not in BUILTIN_SFT:
+            raise DataConfigError(f"{key}: {preference} pairs are made of the builtin task's records, but "
+                                  f"data.sft is {sft!r}; give a directory of pairs, or null for no pairs")
+        return None
+    path = _resolve(preference, base_dir)
+    if not path.is_dir():
+        what = "is a file, not a directory" if path.exists() else "does not exist"
+        raise DataConfigError(f"{key}: {preference!r} ({path}) {what}; give a directory holding train.json and "
+                              "dev.json (or .jsonl, or train/*.json(l), dev/*.json(l)) with one pair per line, or "
+                              f"null for the builtin pairs (with data.sft: {BUILTIN_SFT[0]})")
+    return path
+
+
+def read_preference_dir(preference_dir: str | os.PathLike, split: str,
+                        key: str = "data.preference") -> list[PreferenceRecord]:
+    """All pairs of one split, files concatenated in sorted order, in any shape
+    stages.data.preference reads; a bad line raises PreferenceDataError naming `key` and file:line."""
+    records: list[PreferenceRecord] = []
+    for path in split_files(preference_dir, split, key, PREFERENCE_SUFFIXES, PREFERENCE_EXAMPLE):
+        try:
+            records += read_preference_file(path)
+        except PreferenceDataError as e:
+            raise PreferenceDataError(f"{key}: {e}") from None
+    return records
+
+
 def check_data_section(data: Mapping[str, Any], experiment: str, base_dir: str | os.PathLike | None) -> None:
     """Check one experiment's (schema-validated) `data:` section before any job starts.
 
-    Raises DataConfigError whose message begins with the config key
-    (`experiments.<experiment>.data.corpus[i]` or `.data.sft`) and names the file, the line where
-    there is one, and the fix. Returns None when the data can be read.
+    Raises DataConfigError (PreferenceDataError for a bad pair) whose message begins with the config
+    key (`experiments.<experiment>.data.corpus[i]`, `.data.sft` or `.data.preference`) and names the
+    file, the line where there is one, and the fix. Returns None when the data can be read.
     """
     prefix = f"experiments.{experiment}.data"
     if "corpus" in data:
@@ -173,6 +235,13 @@ def check_data_section(data: Mapping[str, Any], experiment: str, base_dir: str |
         if sft_dir is not None:
             for split in SFT_SPLITS:
                 read_sft_dir(sft_dir, split, f"{prefix}.sft")
+    sft = data.get("sft", BUILTIN_SFT[0])
+    preference = preference_source(data.get("preference"), sft)
+    if preference is not None:
+        preference_dir = resolve_preference(preference, sft, base_dir, f"{prefix}.preference")
+        if preference_dir is not None:
+            for split in SFT_SPLITS:
+                read_preference_dir(preference_dir, split, f"{prefix}.preference")
 
 
 MIX_CORPUS = "corpus"  # the mix_datasets entry naming the experiment's own pretraining split

@@ -17,7 +17,8 @@ from stages.data.validate import DataConfigError
 
 SMALL = dict(corpus=["builtin:pydoc"], sft="builtin:attributes", vocab_size=512, validation_fraction=0.05,
              num_sft_train=200, num_sft_dev=16, seed=42, chat_template=True)
-FILES = ["index.json", "meta.json", "sft/dev.json", "sft/train.json", "tokenizer/special_tokens_map.json",
+FILES = ["index.json", "meta.json", "preference/dev.json", "preference/train.json", "sft/dev.json", "sft/train.json",
+         "tokenizer/special_tokens_map.json",
          "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json", "train.bin", "train.idx",
          "validation.bin", "validation.idx"]
 
@@ -42,7 +43,7 @@ def test_meta_and_metrics(pydoc_run):
     out, metrics = pydoc_run
     meta = json.loads((out / "meta.json").read_text())
     assert meta["stage"] == "prepare" and meta["parent"] is None and meta["seed"] == 42
-    assert meta["config"] == {**SMALL, "tokenizer": None} and meta["metrics"] == metrics
+    assert meta["config"] == {**SMALL, "preference": None, "tokenizer": None} and meta["metrics"] == metrics
     index = json.loads((out / "index.json").read_text())
     assert metrics["vocab_size"] == index["vocab_size"] == 512 and index["dtype"] == "uint16"
     assert metrics["num_documents_train"] + metrics["num_documents_validation"] == len(topics)
@@ -50,6 +51,7 @@ def test_meta_and_metrics(pydoc_run):
     for split in ("train", "validation"):
         assert metrics[f"num_tokens_{split}"] == index["splits"][split]["num_tokens"]
     assert (metrics["num_sft_train"], metrics["num_sft_dev"]) == (200, 16)
+    assert (metrics["num_preference_train"], metrics["num_preference_dev"]) == (200, 16)
     assert 0 < metrics["train_unigram_entropy_bits"] < np.log2(512)
 
 

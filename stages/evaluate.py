@@ -38,6 +38,13 @@ Metrics JSON (`eval/<variant>.json`, written atomically), one object:
                      dict   {"bleu4", "rouge_l"}: the library, version and tokenization that computed
                             them (bleu4 with its sacrebleu signature; stages.metrics.text.metric_implementations)
   num_dev_examples   int    dev records scored
+  preference_accuracy
+                     float  [0, 1] share of the preference dev pairs (data/preference/dev.json, the first
+                            PREFERENCE_PAIRS) whose chosen answer the model gives the higher summed
+                            log-prob (stages.metrics.preference); null without that file
+  preference_margin  float  mean of log p(chosen) - log p(rejected) over those pairs, nats summed over
+                            the answer tokens; null without the file
+  preference_pairs   int    pairs scored (null without the file)
   gen_tokens         int    tokens generated (up to and including each eos)
   gen_seconds        float  wall seconds spent in generate
   gen_tokens_per_s   float  gen_tokens / gen_seconds (greedy, batched, left padding)
@@ -70,6 +77,10 @@ ppl_max_windows, per_device_eval_batch_size, speed_prefill_tokens, speed_batch_s
 speed_decode_tokens, speed_repeats) plus `src_length` (default: finetune.sft's, 64; the rule passes
 finetune.sft.src_length with `--src-length`, so prompts are cut as in training).
 
+Preference pairs are encoded as the dev answers are (`encode_example`, prompts cut to `src_length`,
+each side to `src_length + max_new_tokens` tokens), batched `per_device_eval_batch_size` rows a
+forward; every variant kind runs them, the ONNX directories included.
+
 Generation: prompts are `stages.data.sft.encode_prompt` ids (bos + src, left-truncated to
 `src_length`), left-padded into batches of `per_device_eval_batch_size`, decoded greedily for at
 most `max_new_tokens` and cut at the first eos. Left padding with peft prefix tuning works with
@@ -90,6 +101,7 @@ import numpy as np
 import torch
 
 from stages.checkpoint.atomic import write_json
+from stages.data.preference import read_preference_file
 from stages.data.sft import SftRecord, encode_example, encode_prompt, read_sft_file, target_text
 from stages.data.sft_format import data_chat_format, format_name
 from stages.errors import InputError, run_cli
@@ -97,6 +109,7 @@ from stages.errors import InputError, run_cli
 from stages.inference.generation import generate_greedy, pad_or_eos
 from stages.inference.loading import adapter_base_dir, load_variant, read_json
 from stages.metrics.perplexity import model_perplexity, target_perplexity, unigram_perplexity, validation_windows
+from stages.metrics.preference import preference_metrics
 from stages.metrics.host_memory import rss_bytes
 from stages.metrics.speed import model_bytes, speed_metrics
 from stages.metrics.text import corpus_bleu, exact_match, metric_implementations, rouge_l
@@ -108,6 +121,8 @@ log = logging.getLogger(__name__)
 
 _WEIGHT_PATTERNS = ("*.safetensors", "*.onnx", "*.onnx.data")
 _NUM_SAMPLES = 5
+PREFERENCE_PAIRS = 256  # dev pairs scored at most: two forwards a pair, no generation
+NO_PREFERENCE = {"preference_accuracy": None, "preference_margin": None, "preference_pairs": None}
 
 
 # -- settings ------------------------------------------------------------------------------------
@@ -217,6 +232,19 @@ def _dev_metrics(model, tokenizer, records: list[SftRecord], chat: bool, src_len
     return metrics, samples
 
 
+def _preference(model, tokenizer, data_dir: Path, chat: bool, src_length: int,
+                settings: EvaluateSettings) -> dict[str, Any]:
+    """preference_accuracy, preference_margin, preference_pairs on the first PREFERENCE_PAIRS pairs of
+    data/preference/dev.json; all null when prepare wrote no pairs."""
+    path = data_dir / "preference" / "dev.json"
+    if not path.exists():
+        log.info("no %s: preference metrics skipped", path)
+        return dict(NO_PREFERENCE)
+    records = read_preference_file(path)[:PREFERENCE_PAIRS]
+    return preference_metrics(model, tokenizer, records, src_length, src_length + settings.max_new_tokens, chat,
+                              pad_or_eos(tokenizer), settings.per_device_eval_batch_size)
+
+
 # -- the stage -----------------------------------------------------------------------------------
 def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, variant: str,
         config: Mapping[str, Any] | None = None, src_length: int | None = None,
@@ -228,7 +256,8 @@ def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, varia
     t_start = time.perf_counter()
     settings, src_length = eval_settings(config, src_length)
     model_dir, data_dir = Path(model_dir), Path(data_dir)
-    log_io("evaluate", reads={"model": model_dir, "validation and train tokens, sft/dev.json": data_dir},
+    log_io("evaluate", reads={"model": model_dir,
+                              "validation and train tokens, sft/dev.json, preference/dev.json": data_dir},
            writes={"metrics": out_path}, logger=log)
     dev_path = _dev_path(data_dir)
     model, tokenizer, kind = load_variant(model_dir, base_dir=base_dir)
@@ -240,12 +269,14 @@ def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, varia
     perplexity = _validation_perplexity(model, valid, train, index["vocab_size"], settings)
     records = read_sft_file(dev_path)[:settings.num_dev_examples]
     dev, samples = _dev_metrics(model, tokenizer, records, chat, src_length, _eos(tokenizer, model_dir), settings)
+    preference = _preference(model, tokenizer, data_dir, chat, src_length, settings)
     speed = speed_metrics(model, index["vocab_size"], settings)
 
     metrics = {
         "variant": variant, "model_dir": str(model_dir), "kind": kind, "sft_format": format_name(chat),
         **perplexity,
         **dev,
+        **preference,
         "size_bytes": weight_bytes(model_dir),
         "num_parameters": sum(p.numel() for p in model.parameters()),
         **memory,

@@ -24,7 +24,7 @@ DOCUMENTED_KEYS = {"variant", "model_dir", "kind", "sft_format", "ppl", "unigram
                    "num_dev_examples", "gen_tokens", "gen_seconds", "gen_tokens_per_s", "size_bytes", "num_parameters",
                    "eval_seconds", "settings", "samples", "model_bytes", "rss_bytes", "prefill_tokens_per_s_b1",
                    "prefill_tokens_per_s_b2", "decode_tokens_per_s_b1", "speed_tokens", "torch_threads", "kernels",
-                   "quantization"}
+                   "quantization", "preference_accuracy", "preference_margin", "preference_pairs"}
 
 
 def _texts(n, seed):
@@ -95,7 +95,7 @@ def _adapter(root, name, peft_config):
     return root / name
 
 
-def _check_metrics(metrics, out_path, variant, kind):
+def _check_metrics(metrics, out_path, variant, kind, preference=False):
     assert set(metrics) == DOCUMENTED_KEYS
     assert json.loads(out_path.read_text()) == json.loads(json.dumps(metrics))
     assert metrics["variant"] == variant and metrics["kind"] == kind
@@ -119,6 +119,8 @@ def _check_metrics(metrics, out_path, variant, kind):
     if kind != "quantized":
         assert metrics["kernels"] == {} and metrics["quantization"] is None
     assert metrics["settings"]["src_length"] == 64  # default filled
+    if not preference:  # the workspace's data has no preference/dev.json: prepare wrote no pairs
+        assert [metrics[k] for k in ("preference_accuracy", "preference_margin", "preference_pairs")] == [None] * 3
     assert len(metrics["samples"]) == 5
     assert metrics["samples"][1] == {"src": "copy: beta gamma", "reference": "beta gamma",
                                      "prediction": metrics["samples"][1]["prediction"]}
@@ -180,17 +182,30 @@ def test_batched_left_padded_generation_matches_one_by_one(workspace):
     _check_metrics(evaluate.run(adapter, workspace / "data", out, "prefix", CONFIG), out, "prefix", "adapter")
 
 
+def _data_with_pairs(workspace, data_dir):
+    """A copy of the workspace's data dir with 7 preference dev pairs; returns the pairs."""
+    from stages.data.preference import PreferenceRecord, write_preference_file
+
+    shutil.copytree(workspace / "data", data_dir)
+    pairs = [PreferenceRecord([f"copy: {t}"], [], t, " ".join(reversed(t.split())) + " beta") for t in _texts(7, 5)]
+    write_preference_file(data_dir / "preference" / "dev.json", pairs)
+    return pairs
+
+
 def test_onnx_export_dir_and_its_int8(workspace, tmp_path):
     """An export directory (cache graph on onnxruntime) is evaluated like every other variant: the
     float graph scores and generates what the torch model does; int8/ close to it."""
     from stages import export
 
     export.run(workspace / "sft", tmp_path / "onnx", {"int8": True})
-    want = evaluate.run(workspace / "sft", workspace / "data", tmp_path / "sft.json", "sft", CONFIG)
+    _data_with_pairs(workspace, tmp_path / "data")
+    want = evaluate.run(workspace / "sft", tmp_path / "data", tmp_path / "sft.json", "sft", CONFIG)
     out = tmp_path / "onnx.json"
-    got = evaluate.run(tmp_path / "onnx", workspace / "data", out, "onnx", CONFIG)
-    _check_metrics(got, out, "onnx", "onnx")
-    for key in ("ppl", "dev_ppl"):
+    got = evaluate.run(tmp_path / "onnx", tmp_path / "data", out, "onnx", CONFIG)
+    _check_metrics(got, out, "onnx", "onnx", preference=True)
+    assert got["preference_pairs"] == want["preference_pairs"] == 7
+    assert got["preference_accuracy"] == want["preference_accuracy"]
+    for key in ("ppl", "dev_ppl", "preference_margin"):
         assert got[key] == pytest.approx(want[key], rel=1e-4), key
     assert [s["prediction"] for s in got["samples"]] == [s["prediction"] for s in want["samples"]]
     assert got["exact_match"] == want["exact_match"] and got["gen_tokens"] == want["gen_tokens"]
@@ -258,3 +273,27 @@ def test_run_from_python_gets_the_schema_defaults(workspace, tmp_path):
     metrics = evaluate.run(workspace / "sft", workspace / "data", tmp_path / "e.json", "sft")
     defaults = settings.defaults("evaluate")
     assert metrics["settings"] == {"src_length": settings.defaults("sft")["src_length"], **defaults}
+
+
+def test_preference_pairs_are_scored_for_every_torch_variant(workspace, tmp_path):
+    """With data/preference/dev.json, the full model and its LoRA adapter get the preference keys,
+    equal to stages.metrics.preference on the same pairs (encoded with src_length and
+    src_length + max_new_tokens, as the dev answers are)."""
+    import peft
+
+    from stages.inference.loading import load_variant
+    from stages.metrics.preference import preference_metrics
+
+    pairs = _data_with_pairs(workspace, tmp_path / "data")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+                           task_type="CAUSAL_LM")
+    adapter = workspace / "lora" if (workspace / "lora").exists() else _adapter(workspace, "lora", lora)
+    for name in ("sft", "lora"):
+        out = tmp_path / f"{name}.json"
+        metrics = evaluate.run(workspace / name, tmp_path / "data", out, name, CONFIG, src_length=64)
+        _check_metrics(metrics, out, name, "hf" if name == "sft" else "adapter", preference=True)
+        model, tokenizer, _ = load_variant(workspace / name if name == "sft" else adapter)
+        want = preference_metrics(model, tokenizer, pairs, 64, 64 + CONFIG["max_new_tokens"], False, 0, 4)
+        assert metrics["preference_pairs"] == 7 and want["preference_pairs"] == 7
+        assert metrics["preference_accuracy"] == want["preference_accuracy"]
+        assert metrics["preference_margin"] == pytest.approx(want["preference_margin"], abs=1e-6)

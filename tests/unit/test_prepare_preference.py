@@ -32,7 +32,8 @@ def test_builtin_pairs_are_the_sft_records_with_a_wrong_answer(tmp_path, corpus)
     metrics = prepare.run(out, {**TINY, "corpus": [corpus]})
     assert (metrics["num_preference_train"], metrics["num_preference_dev"]) == (24, 6)
     for split in ("train", "dev"):
-        sft, pairs = read_sft_file(out / "sft" / f"{split}.json"), read_preference_file(out / "preference" / f"{split}.json")
+        sft = read_sft_file(out / "sft" / f"{split}.json")
+        pairs = read_preference_file(out / "preference" / f"{split}.json")
         assert [p.src for p in pairs] == [r.src for r in sft]  # dev pairs are the held-out dev records
         assert [p.chosen for p in pairs] == [r.tgt[-1] for r in sft]
         assert all(p.rejected != p.chosen for p in pairs)
@@ -82,7 +83,8 @@ def _trl_dir(root):
     ]
     (root / "dev").mkdir(parents=True)
     (root / "train.jsonl").write_text("".join(json.dumps(line) + "\n" for line in train))
-    (root / "dev" / "b.json").write_text(json.dumps({"instruction": "Say no", "chosen": "no", "rejected": "yes"}) + "\n")
+    say_no = {"instruction": "Say no", "chosen": "no", "rejected": "yes"}
+    (root / "dev" / "b.json").write_text(json.dumps(say_no) + "\n")
     (root / "dev" / "a.jsonl").write_text(json.dumps({"instruction": "Name it", "input": "a cat",
                                                       "chosen": "cat", "rejected": "dog"}) + "\n")
     return root
@@ -93,7 +95,8 @@ def test_a_user_directory_is_normalised_to_our_shape(tmp_path, corpus):
     metrics = prepare.run(tmp_path / "out", {**TINY, "corpus": [corpus], "preference": "pairs"}, base_dir=tmp_path)
     assert (metrics["num_preference_train"], metrics["num_preference_dev"]) == (2, 2)
     assert (tmp_path / "out" / "preference" / "train.json").read_text() == (
-        '{"src": "count: 1; shape: star; size: big; color: red", "chosen": "a big red star", "rejected": "a red big star"}\n'
+        '{"src": "count: 1; shape: star; size: big; color: red", "chosen": "a big red star", '
+        '"rejected": "a red big star"}\n'
         '{"src": ["Hi", "2 boxes?"], "tgt": ["Hello!"], "system": "Be brief.", "chosen": "two boxes", '
         '"rejected": "two box"}\n')
     # dev/*.json and dev/*.jsonl, in sorted order

@@ -72,6 +72,39 @@ def _check_relations(name: str, exp: dict[str, Any]) -> None:
         _check_warmup(f"experiments.{name}.finetune.{method}", section)
 
 
+# The align methods that compare the policy with a reference model's log-probs (the score_pairs rule
+# writes them once); stages.model.preference_loss.REFERENCE_FREE are the others (torch-side, not
+# imported here; tests/unit/test_config.py keeps the two in step).
+REFERENCE_METHODS = ("dpo", "ipo")
+LABEL_SMOOTHING_METHODS = ("dpo", "simpo")  # the losses with a mislabelled-pair share (the schema's description)
+
+
+def align_enabled(exp: dict[str, Any]) -> bool:
+    """Whether the experiment runs preference alignment (`align.enabled`)."""
+    return bool((exp.get("align") or {}).get("enabled"))
+
+
+def needs_reference(align: dict[str, Any]) -> bool:
+    """Whether the align section's method reads the reference model's log-probs (dpo, ipo)."""
+    return align["method"] in REFERENCE_METHODS
+
+
+def check_align_section(key: str, section: dict[str, Any]) -> None:
+    """The relations a complete `align` section must keep on its own (for a stage run outside
+    Snakemake too); ConfigError naming `key`."""
+    _check_lengths(key, section)
+    _check_warmup(key, section)
+    smoothing, method = section["label_smoothing"], section["method"]
+    if smoothing and method not in LABEL_SMOOTHING_METHODS:
+        raise ConfigError(f"{key}: label_smoothing={smoothing:g} with method={method}: only "
+                          f"{' and '.join(LABEL_SMOOTHING_METHODS)} have a share of mislabelled pairs; set "
+                          "label_smoothing: 0 (or method: dpo)")
+    if section["pipeline_parallel_degree"] > 1:
+        raise ConfigError(f"{key}: pipeline parallelism is not supported yet; set "
+                          f"{key}.pipeline_parallel_degree: 1 (split a large model with tensor_parallel_degree "
+                          "or sharding instead)")
+
+
 def check_finetune_section(key: str, method: str, section: dict[str, Any]) -> None:
     """The relations a complete `finetune.<method>` section must keep, as the workflow checks them
     (for a stage run outside Snakemake); ConfigError naming `key`."""
@@ -418,6 +451,43 @@ def _check_layout_for_source(key: str, sec: dict[str, Any], source: dict[str, An
                           "parallelism does not support yet (they would live on two stages)")
 
 
+def align_source_missing(name: str, exp: dict[str, Any]) -> str | None:
+    """Why the experiment does not make `align.source`, or None: `base` needs a starting checkpoint,
+    `pretrain` a pretraining run."""
+    source, key = exp["align"]["source"], f"experiments.{name}.align.source"
+    if source == "base" and not exp["model"]["model_name_or_path"]:
+        return (f"{key}=base needs experiments.{name}.model.model_name_or_path (the imported checkpoint); a "
+                "random-init model is aligned after fine-tuning: use source: sft or lora-merged")
+    if source == "pretrain" and not pretrain_enabled(exp):
+        return (f"{key}=pretrain, but experiment {name!r} does not pretrain (pretrain.enabled is "
+                f"{str(exp['pretrain']['enabled']).lower()} with model.model_name_or_path); use source: base "
+                "(the checkpoint as imported), sft or lora-merged, or set pretrain.enabled: true")
+    return None
+
+
+def _check_align(name: str, exp: dict[str, Any], source: dict[str, Any] | None) -> None:
+    """The align section of an experiment that runs it (its source exists in the experiment, its
+    relations and layout hold), and a quantize.source of `align` that can be quantized."""
+    key = f"experiments.{name}.align"
+    align = exp["align"]
+    if exp["quantize"]["source"] == "align":
+        if not align["enabled"]:
+            raise ConfigError(f"experiments.{name}.quantize.source=align needs {key}.enabled: true (the aligned "
+                              "model it quantizes)")
+        if align["tuning"] == "lora":
+            raise ConfigError(f"experiments.{name}.quantize.source=align with {key}.tuning=lora: the aligned "
+                              "variant is then a LoRA adapter, which quantize, export and deploy do not take "
+                              "(no merge of it yet); set align.tuning: full, or quantize another source "
+                              "(lora-merged, sft)")
+    if not align["enabled"]:
+        return
+    missing = align_source_missing(name, exp)
+    if missing:
+        raise ConfigError(missing)
+    check_align_section(key, align)
+    _check_layout(key, align, exp, source, full_training=align["tuning"] == "full")
+
+
 def check_config(config: dict[str, Any], schema: dict[str, Any] | None = None) -> dict[str, Any]:
     """Validate `config` and return a copy with every default filled in.
 
@@ -439,6 +509,7 @@ def check_config(config: dict[str, Any], schema: dict[str, Any] | None = None) -
         _check_quantize(name, exp)
         _check_deploy(name, exp, source)
         _check_parallel(name, exp, source)
+        _check_align(name, exp, source)
     return config
 
 

@@ -3,7 +3,7 @@ declared device memory before anything runs, and the SLURM resources derived fro
 
     python -m stages.plan --experiment llama [--configfile extra.yaml ...] [--out results/llama/plan.json]
 
-For each training rule (pretrain; finetune sft, lora, prefix) the memory model of
+For each training rule (pretrain; finetune sft, lora, prefix; align when enabled) the memory model of
 stages/planning/memory.py gives the bytes one device holds in the rule's layout: parameters,
 gradients and optimizer state under its ZeRO stage and offload, activations with or without
 recompute and the pipeline's in-flight micro-batches, TP-sharded and replicated parts. A layout that
@@ -30,7 +30,7 @@ from stages.cluster.resources import training_resources
 from stages.config import ConfigError, architecture, check_config, experiment, load_yaml
 from stages.config import merge, pretrain_enabled
 from stages.planning.memory import estimate_memory, host_build_bytes, nearest_fitting_layout, parameter_count
-from stages.sections import FINETUNE, LoraSettings, PrefixSettings, PretrainSettings, TrainingSettings
+from stages.sections import FINETUNE, AlignSettings, LoraSettings, PrefixSettings, PretrainSettings, TrainingSettings
 from stages.sections import training_section
 from stages.stage_logs import configure_logging, log_io
 
@@ -64,11 +64,15 @@ def training_sections(name: str, exp: dict[str, Any]) -> list[tuple[str, str, Tr
     for method, section in exp["finetune"].items():
         jobs.append((f"finetune_{method}", f"experiments.{name}.finetune.{method}", FINETUNE[method].of(section),
                      METHOD_TRAINS[method]))
+    align = exp.get("align")  # the plan rule's JSON has it only when enabled
+    if align and align["enabled"]:  # each micro-batch of pairs runs a chosen and a rejected row per pair
+        jobs.append(("align", f"experiments.{name}.align", AlignSettings.of(align), align["tuning"]))
     return jobs
 
 
 def _adapter_sizes(section: TrainingSettings, trained: str) -> dict[str, Any]:
-    return {"lora_rank": section.lora_rank if trained == "lora" and isinstance(section, LoraSettings) else None,
+    lora = trained == "lora" and isinstance(section, (LoraSettings, AlignSettings))
+    return {"lora_rank": section.lora_rank if lora else None,
             "num_prefix_tokens": section.num_prefix_tokens
             if trained == "prefix" and isinstance(section, PrefixSettings) else None}
 
@@ -120,7 +124,7 @@ def plan_job(name: str, exp: dict[str, Any], key: str, section: Mapping[str, Any
         host_per_rank = bytes_["total"] + bytes_["offloaded"]
     else:  # the fp32 slice a rank builds before the engine moves it to its GPU
         host_per_rank = bytes_["offloaded"] + host_build_bytes(arch, section, vocab_size=vocab)
-    rule = "pretrain" if key.endswith(".pretrain") else "finetune"
+    rule = "pretrain" if key.endswith(".pretrain") else "align" if key.endswith(".align") else "finetune"
     return {
         **entry,
         "limit_gb": None if limit is None else round(limit / GB, 3),
@@ -242,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="config files merged in order (default: config/config.yaml)")
     parser.add_argument("--experiment-json", default=None,
                         help="the validated experiment as JSON (the plan rule passes it; no config files read)")
-    parser.add_argument("--job", default=None, choices=["pretrain", "finetune_sft", "finetune_lora", "finetune_prefix"],
+    parser.add_argument("--job", default=None,
+                        choices=["pretrain", "finetune_sft", "finetune_lora", "finetune_prefix", "align"],
                         help="only this training job's estimate (the file its training rule reads)")
     parser.add_argument("--out", default=None, help="write the plan as JSON here (atomically)")
     args = parser.parse_args(argv)

@@ -37,7 +37,7 @@ from stages.errors import ConfigError
 
 SEED_KEY = "seed"
 # what `seed` sets: every seed of the chain (as bench/finetune_quality.py always did)
-SEEDED_SECTIONS = ("data", "pretrain", "predict")
+SEEDED_SECTIONS = ("data", "pretrain", "align", "predict")
 FINETUNE_METHODS = ("sft", "lora", "prefix")
 UPSTREAM_SECTIONS = ("model", "data", "pretrain", "cluster")  # what makes the data and the starting model
 SHARED_ARTIFACTS = ("data", "pretrain", "base")  # what members link to instead of making

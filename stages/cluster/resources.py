@@ -51,9 +51,18 @@ def rank_layout(exp: dict[str, Any], section: dict[str, Any], key: str) -> RankL
     return RankLayout(nodes=world // per_node, tasks_per_node=per_node, gpus_per_node=min(gpus, per_node))
 
 
+# A rule without a limit of its own in cluster.runtime_minutes takes its kin's before `default`:
+# align trains as fine-tuning does (the schema gives finetune a default, not align: a default for it
+# would change every experiment's cluster section, and so its plan's params).
+RUNTIME_KIN = {"align": "finetune"}
+
+
 def runtime_minutes(exp: dict[str, Any], rule: str) -> int:
     limits = exp["cluster"]["runtime_minutes"]
-    return int(limits.get(rule, limits["default"]))
+    for name in (rule, RUNTIME_KIN.get(rule)):
+        if name in limits:
+            return int(limits[name])
+    return int(limits["default"])
 
 
 def site_settings(exp: dict[str, Any]) -> dict[str, str]:

@@ -71,6 +71,7 @@ from stages.adapters.targets import ALL_LINEAR, selected
 from stages.model.attention_shapes import fp32_attention_shape
 from stages.model.registry import BY_MODEL_TYPE, Family
 from stages.sections import (
+    AlignSettings,
     LoraSettings,
     PrefixSettings,
     SftSettings,
@@ -217,7 +218,7 @@ def _adapter(trained: str, lora_rank: int | None, num_prefix_tokens: int | None,
     if trained == "lora":
         if not lora_rank:
             raise ValueError("trained='lora' needs lora_rank")
-        wanted = section.target_modules if isinstance(section, LoraSettings) else ALL_LINEAR
+        wanted = section.target_modules if isinstance(section, (LoraSettings, AlignSettings)) else ALL_LINEAR
         names = dict.fromkeys(PROJECTIONS + FUSED_PROJECTIONS + GPT2_PROJECTIONS)  # _Shape.projections picks
         targets = frozenset(p for p in names if selected(f"model.layers.0.{p}", wanted))
         return _Adapter("lora", rank=lora_rank, targets=targets)
@@ -275,14 +276,22 @@ def _gpt_like_shape(arch: dict[str, Any], vocab_size: int, model_type: str) -> _
                   mlp_bias=True, gpt_blocks=True, positions=positions)
 
 
+def rows_per_example(section: TrainingSettings) -> int:
+    """Sequences one example of the batch runs: 2 for preference alignment (a pair's chosen and
+    rejected answers, in one forward), else 1."""
+    return 2 if isinstance(section, AlignSettings) else 1
+
+
 def _layout(section: TrainingSettings, bf16: bool | None = None) -> _Layout:
     """The layout of `section` in one precision: fp16 where the section says so, else bf16 or fp32 as
     `bf16` says (one of `bf16_choices(section.bf16)`; by default the first, where only the degrees
-    and the batch are read)."""
+    and the batch are read). `micro` counts rows: per_device_train_batch_size examples of
+    `rows_per_example` sequences each."""
     bf16 = bf16_choices(section.bf16)[0] if bf16 is None else bf16
     return _Layout(world=section.world_size, tp=section.tensor_parallel_degree, pp=section.pipeline_parallel_degree,
                    vpp=section.virtual_pp_degree, zero=ZERO_STAGES[section.sharding], offload=section.sharding_offload,
-                   micro=section.per_device_train_batch_size, accum=section.gradient_accumulation_steps,
+                   micro=section.per_device_train_batch_size * rows_per_example(section),
+                   accum=section.gradient_accumulation_steps,
                    seq=section.max_length, recompute=section.recompute,
                    param_bytes=2 if bf16 or section.fp16 else 4,
                    tp_output=section.tensor_parallel_output,
@@ -675,8 +684,8 @@ def _allowed(s: _Shape, lay: _Layout, section: TrainingSettings, trained: str) -
         return False
     if lay.pp * lay.vpp > s.layers or (lay.vpp > 1 and lay.accum % max(1, lay.accum // lay.pp)):
         return False
-    if lay.pp > 1:
-        return (lay.zero <= 1 and lay.accum >= lay.pp and not s.tied and trained == "full"
+    if lay.pp > 1:  # align: not supported yet (stages.config.check_align_section)
+        return (lay.zero <= 1 and not isinstance(section, AlignSettings) and lay.accum >= lay.pp and not s.tied and trained == "full"
                 and not section.fp16 and not lay.packing)
     return True
 
@@ -688,7 +697,8 @@ def _moves(section: TrainingSettings, s: _Shape, devices_per_node: int, trained:
     candidate is `section` with those keys replaced and not checked against the schema again (each
     value is one the schema allows; `Section.replace` would check hundreds of candidates)."""
     cur = _layout(section)
-    batch = cur.micro * cur.accum
+    micro = section.per_device_train_batch_size  # examples (cur.micro counts rows)
+    batch = micro * cur.accum
     options = {
         "sharding": [z for z in range(cur.zero, 4)],
         "recompute": sorted({cur.recompute, True}),
@@ -696,19 +706,19 @@ def _moves(section: TrainingSettings, s: _Shape, devices_per_node: int, trained:
         "pipeline_parallel_degree": [p for p in _divisors(cur.world)
                                      if p == cur.pp or (p > cur.pp and s.layers % p == 0)],
         "sharding_offload": sorted({cur.offload, True}),
-        "per_device_train_batch_size": [m for m in _divisors(batch) if m <= cur.micro],
+        "per_device_train_batch_size": [m for m in _divisors(batch) if m <= micro],
     }
     stage_names = {v: k for k, v in ZERO_STAGES.items()}
-    for zero, recompute, tp, pp, offload, micro in product(*options.values()):
+    for zero, recompute, tp, pp, offload, examples in product(*options.values()):
         trial = dataclasses.replace(section, sharding=stage_names[zero], recompute=recompute,
                                     tensor_parallel_degree=tp, pipeline_parallel_degree=pp, sharding_offload=offload,
-                                    per_device_train_batch_size=micro, gradient_accumulation_steps=batch // micro)
+                                    per_device_train_batch_size=examples, gradient_accumulation_steps=batch // examples)
         if not _allowed(s, _layout(trial), trial, trained):
             continue
         changes = {k: getattr(trial, k) for k in (*PREFERENCE, "gradient_accumulation_steps")
                    if getattr(trial, k) != getattr(section, k)}
         steps = (zero - cur.zero, int(recompute) - int(cur.recompute), math.log2(tp / cur.tp),
-                 math.log2(pp / cur.pp), int(offload) - int(cur.offload), math.log2(cur.micro / micro))
+                 math.log2(pp / cur.pp), int(offload) - int(cur.offload), math.log2(micro / examples))
         turned = tuple(i for i, step in enumerate(steps) if step)
         yield (len(turned), turned, steps), changes, trial
 

@@ -240,3 +240,81 @@ def test_parsing_the_workflow_loads_no_torch():
     check = "\n".join([*imports, "import yaml", "from stages.config import check_config",
                        "check_config(yaml.safe_load(open('config/config.yaml').read()))"])
     assert loaded_by_code(check, ("torch", "transformers", "pandas", "numpy")) == []
+
+
+# -- align (preference alignment) --------------------------------------------------------------------
+
+def _fake_checkpoint(path):
+    """A directory read_source_config accepts (a debug-sized Llama config.json, a weights file and a
+    tokenizer file); nothing loads its weights at parse time."""
+    import json
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}))
+    (path / "model.safetensors").write_bytes(b"")
+    (path / "tokenizer.json").write_text("{}")
+    return str(path)
+
+
+def test_align_is_off_by_default_and_then_checks_nothing():
+    config = check_config({"experiments": {"x": {"align": {"source": "base", "label_smoothing": 0.1,
+                                                            "method": "ipo"}}}})
+    assert config["experiments"]["x"]["align"]["enabled"] is False
+
+
+@pytest.mark.parametrize("align, message", [
+    ({"source": "base"}, r"experiments\.x\.align\.source=base needs experiments\.x\.model\.model_name_or_path"),
+    ({"method": "ipo", "label_smoothing": 0.1},
+     r"experiments\.x\.align: label_smoothing=0\.1 with method=ipo: only dpo and simpo .* set label_smoothing: 0"),
+    ({"method": "orpo", "label_smoothing": 0.2}, r"label_smoothing=0\.2 with method=orpo"),
+    ({"src_length": 128, "max_length": 128}, r"experiments\.x\.align: src_length=128 must be smaller than max_length"),
+    ({"warmup_steps": 20, "max_steps": 10}, r"experiments\.x\.align: warmup_steps=20 exceeds max_steps=10"),
+    ({"world_size": 2, "pipeline_parallel_degree": 2, "gradient_accumulation_steps": 2},
+     (r"experiments\.x\.align: pipeline parallelism is not supported yet; set "
+      r"experiments\.x\.align\.pipeline_parallel_degree: 1")),
+    ({"world_size": 3, "tensor_parallel_degree": 2}, r"experiments\.x\.align: world_size=3 is not divisible"),
+    ({"world_size": 2, "tensor_parallel_degree": 2},
+     r"experiments\.x\.align: tensor_parallel_degree=2 does not divide data\.vocab_size=511"),
+])
+def test_an_enabled_align_section_is_checked_with_its_key(align, message):
+    with pytest.raises(ConfigError, match=message):
+        check_config({"experiments": {"x": {"model": {"flavour": "debug"}, "data": {"vocab_size": 511},
+                                             "align": {"enabled": True, **align}}}})
+
+
+def test_label_smoothing_is_valid_for_dpo_and_simpo():
+    for method in ("dpo", "simpo"):
+        check_config({"experiments": {"x": {"align": {"enabled": True, "method": method, "label_smoothing": 0.1}}}})
+
+
+def test_align_source_pretrain_needs_pretraining_and_base_a_checkpoint(tmp_path):
+    path = _fake_checkpoint(tmp_path / "model")
+    with pytest.raises(ConfigError, match=r"experiments\.x\.align\.source=pretrain, but experiment 'x' does not "
+                                          r"pretrain .* use source: base"):
+        check_config({"experiments": {"x": {"model": {"model_name_or_path": path},
+                                             "align": {"enabled": True, "source": "pretrain"}}}})
+    for source in ("base", "sft", "lora-merged"):  # what that experiment makes
+        check_config({"experiments": {"x": {"model": {"model_name_or_path": path},
+                                             "align": {"enabled": True, "source": source}}}})
+
+
+@pytest.mark.parametrize("align, message", [
+    ({}, r"experiments\.x\.quantize\.source=align needs experiments\.x\.align\.enabled: true"),
+    ({"enabled": True, "tuning": "lora"},
+     r"experiments\.x\.quantize\.source=align with experiments\.x\.align\.tuning=lora: .*set align\.tuning: full"),
+])
+def test_quantizing_the_aligned_model_needs_a_full_one(align, message):
+    with pytest.raises(ConfigError, match=message):
+        check_config({"experiments": {"x": {"quantize": {"source": "align"}, "align": align}}})
+    check_config({"experiments": {"x": {"quantize": {"source": "align"}, "align": {"enabled": True}}}})
+
+
+def test_the_reference_methods_are_the_loss_modules_other_methods():
+    from stages.config import REFERENCE_METHODS
+    from stages.model.preference_loss import METHODS, REFERENCE_FREE
+
+    schema_methods = load_schema()["$defs"]["experiment"]["properties"]["align"]["properties"]["method"]["enum"]
+    assert set(schema_methods) == set(METHODS) == set(REFERENCE_METHODS) | set(REFERENCE_FREE)
+    assert not set(REFERENCE_METHODS) & set(REFERENCE_FREE)

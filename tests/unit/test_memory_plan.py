@@ -354,6 +354,27 @@ def test_no_layout_fits_when_the_devices_are_too_small():
                                   devices_per_node=8) is None
 
 
+def test_an_align_micro_batch_of_pairs_runs_two_rows_each():
+    """Preference alignment: per_device_train_batch_size counts pairs, each a chosen and a rejected row
+    in one forward; planned as an SFT micro-batch of twice the rows, and the nearest layout is given
+    in pairs."""
+    from stages.sections import AlignSettings, LoraSettings, SftSettings
+
+    layout = {"max_length": 256, "world_size": 1, "sharding": "none"}
+    arch = FLAVOURS["tiny"]
+    align = AlignSettings.of({**layout, "per_device_train_batch_size": 8})
+    sft = SftSettings.of({**layout, "per_device_train_batch_size": 16})
+    assert estimate_memory(arch, align, vocab_size=4096) == estimate_memory(arch, sft, vocab_size=4096)
+    adapter = {"lora_rank": 8, "target_modules": ["q_proj"]}  # align's LoRA targets are its own key's
+    lora_align = align.replace(tuning="lora", **adapter)
+    lora_sft = LoraSettings.of({**layout, "per_device_train_batch_size": 16, **adapter})
+    assert (estimate_memory(arch, lora_align, vocab_size=4096, trained="lora", lora_rank=8)
+            == estimate_memory(arch, lora_sft, vocab_size=4096, trained="lora", lora_rank=8))
+    small = int(0.3 * estimate_memory(arch, align, vocab_size=4096).total)
+    assert nearest_fitting_layout(arch, align, vocab_size=4096, device_memory=small, devices_per_node=1) == {
+        "per_device_train_batch_size": 1, "gradient_accumulation_steps": 8}  # 2 rows: SFT's would be 2 x 8
+
+
 # -- against real engines --------------------------------------------------------------------------------
 
 def run_bench(out: Path, *args: str) -> list[dict]:

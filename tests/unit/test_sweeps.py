@@ -18,6 +18,17 @@ def _config(**sweep):
     return {"experiments": {"ci": BASE}, "sweeps": {"rank": {"base": "ci", **sweep}}}
 
 
+def test_a_sweep_over_align_compares_the_aligned_variant():
+    base = {**BASE, "align": {"enabled": True}}
+    config, comparisons = expand({"experiments": {"ci": base}, "sweeps": {"beta": {
+        "base": "ci", "grid": {"align.beta": [0.1, 0.5]}, "variants": ["sft", "align"]}}})
+    spec = comparisons["sweeps/beta"]
+    assert spec["members"] == ["beta.beta-0.1", "beta.beta-0.5"] and spec["variants"] == ["sft", "align"]
+    checked = check_config(config)["experiments"]
+    assert [checked[m]["align"]["beta"] for m in spec["members"]] == [0.1, 0.5]
+    assert all(checked[m]["align"]["enabled"] for m in spec["members"])
+
+
 def test_grid_expands_into_named_experiments_sharing_upstream_by_content():
     config, comparisons = expand(_config(grid={"finetune.lora.lora_rank": [4, 16], "seed": [1, 2]}))
     spec = comparisons["sweeps/rank"]
@@ -28,6 +39,7 @@ def test_grid_expands_into_named_experiments_sharing_upstream_by_content():
     seeded = exps["rank.lora_rank-16.seed-2"]
     assert seeded["data"]["seed"] == seeded["pretrain"]["seed"] == seeded["finetune"]["sft"]["seed"] == 2
     assert seeded["quantize"]["calibration"]["seed"] == 2
+    assert seeded["align"]["seed"] == 2  # preference alignment too (its shuffling and dropout)
     assert exps["ci"] == BASE and "sweeps" not in config  # the base is untouched
     # rank is downstream of pretraining: one upstream per seed, shared by both ranks
     shared = spec["shared"]

@@ -16,10 +16,12 @@ Inputs, all under the experiment dir (results/<experiment>/):
 Outputs (each written atomically):
   report.csv        the metrics table: one row per variant, every scalar metric as a column
   report.md         markdown for a person: what fine-tuning did (task score beside forgetting), then
-                    narrow tables in human units (stages.reporting.tables: quality, size and memory,
-                    speed, stage timings), each variant against the starting model, and the plots
+                    narrow tables in human units (stages.reporting.tables: alignment when the variant
+                    `align` was evaluated, quality, size and memory, speed, stage timings), each variant
+                    against the starting model, and the plots
   --figures-dir     (optional) training.png, quantization.png, stages.png (stages.reporting.plots)
                     and the narrow tables' numbers as quality.csv, size.csv, speed.csv, stages.csv
+                    (alignment.csv with `align`)
   quant_eval.json   the quantization comparison, one object (schema_version 3):
     schema_version  3
     experiment      name of the experiment dir
@@ -74,12 +76,14 @@ from stages.errors import InputError, run_cli
 from stages.reporting import tables
 from stages.reporting.markdown import markdown_table
 from stages.reporting.tables import is_number
+from stages.sections import AlignSettings
 from stages.stage_logs import configure_logging, log_io
 
 log = logging.getLogger(__name__)
 
 QUANT_EVAL_VERSION = 3
 FINETUNED = ("sft", "lora", "prefix", "lora-merged")  # the fine-tuned variants, in report order
+ALIGNED = "align"  # the preference-aligned variant (stages.align), after the fine-tuned ones
 QUALITY = ("ppl", "dev_ppl", "exact_match", "bleu4", "rouge_l")
 SIZE = ("size_bytes", "model_bytes", "rss_bytes")
 SPEED_FIXED = ("decode_tokens_per_s_b1", "gen_tokens_per_s", "speed_tokens", "torch_threads")
@@ -245,11 +249,23 @@ def _summary_markdown(summary: dict[str, Any]) -> list[str]:
             "model it started as.", "", markdown_table(table), ""]
 
 
+def align_config(evals: dict[str, dict[str, Any]], source: str | None = None) -> tuple[str, str | None]:
+    """(source, method) of the aligned variant: `source` when given, else the `config` of its
+    meta.json (beside the model dir its eval JSON names), else the align section's default source."""
+    path = Path(evals[ALIGNED].get("model_dir") or ".") / "meta.json"
+    config = {}
+    if path.is_file():
+        config = json.loads(path.read_text()).get("config") or {}
+    elif source is None:
+        log.warning("%s is missing: the alignment table assumes align.source's default", path)
+    return source or config.get("source") or AlignSettings.of({}).source, config.get("method")
+
+
 # -- markdown ------------------------------------------------------------------------------------
 def variant_order(evals: dict[str, dict[str, Any]], reference: str, source: str, variants: Sequence[str]) -> list[str]:
-    """The report's row order: the starting model, the fine-tuned variants in chain order, the
-    quantization source, its quantized variants, then anything else evaluated (sorted)."""
-    first = [reference, *FINETUNED, source, *variants]
+    """The report's row order: the starting model, the fine-tuned variants in chain order, the aligned
+    one, the quantization source, its quantized variants, then anything else evaluated (sorted)."""
+    first = [reference, *FINETUNED, ALIGNED, source, *variants]
     order = list(dict.fromkeys(v for v in first if v in evals))
     return order + sorted(v for v in evals if v not in order)
 
@@ -279,12 +295,14 @@ def _markdown_report(experiment: str, quant: dict[str, Any], report_tables: Sequ
 def run(experiment_dir: str | Path, source_variant: str, out_csv: str | Path, out_md: str | Path,
         out_quant_eval: str | Path, variants: list[str], start_variant: str | None = None,
         quantize_config: dict[str, Any] | None = None, figures_dir: str | Path | None = None,
-        deploy_manifest: str | Path | None = None) -> dict[str, Any]:
+        deploy_manifest: str | Path | None = None, align_source: str | None = None) -> dict[str, Any]:
     """Write report.csv, report.md and quant_eval.json; return the quant_eval object. Every
     variant is compared with `start_variant` (the model fine-tuning started from: `base` or
     `pretrain`), or with the source without one. With `figures_dir`, also the plots
     (stages.reporting.plots) and each narrow table as CSV there, linked from report.md. With
-    `deploy_manifest` (stages.deploy.manifest), a table of the deployable artifacts and their checks."""
+    `deploy_manifest` (stages.deploy.manifest), a table of the deployable artifacts and their checks.
+    When `align` was evaluated, an Alignment table sets it beside the variant it was aligned from:
+    `align_source`, else the align directory's meta.json `config.source` (`align_config`)."""
     experiment_dir = Path(experiment_dir)
     log_io("report", reads={"evaluations": experiment_dir / "eval", "benchmarks": experiment_dir / "benchmarks",
                             "training logs": experiment_dir / "*" / "train_log.csv"},
@@ -302,6 +320,8 @@ def run(experiment_dir: str | Path, source_variant: str, out_csv: str | Path, ou
     quant["summary"] = finetune_summary(evals, start_variant)
     report_tables = [tables.quality_table(evals, order, reference), tables.size_table(evals, order, reference),
                      tables.speed_table(evals, order, reference), tables.stage_table(timings)]
+    if ALIGNED in evals:
+        report_tables.insert(0, tables.alignment_table(evals, ALIGNED, *align_config(evals, align_source)))
     if deploy_manifest is not None:
         report_tables.append(tables.deploy_table(json.loads(Path(deploy_manifest).read_text())))
 
@@ -351,6 +371,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                              "report's tables as CSV (quality, size, speed, stages)")
     parser.add_argument("--deploy-manifest", default=None,
                         help="deploy/manifest.json (python -m stages.deploy manifest): adds the Deployment table")
+    parser.add_argument("--align-source", default=None,
+                        help="the variant align started from (align.source); default: the align model's "
+                             "meta.json, else align.source's default (sft)")
     parser.add_argument("--quantize-config", default=None,
                         help="the experiment's quantize section as JSON, recorded in quant_eval.json's provenance")
     args = parser.parse_args(argv)
@@ -360,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise InputError(f"--quantize-config is not valid JSON ({e.msg}); pass the quantize section as one object") from None
     return run(args.experiment, args.source, args.csv, args.md, args.quant_eval, args.variants, args.start,
-               quantize_config, args.figures_dir, args.deploy_manifest)
+               quantize_config, args.figures_dir, args.deploy_manifest, args.align_source)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The report's narrow tables, in units a person reads: quality, size and memory, speed, stage
-timings. Each is a pandas frame of display strings (index `variant` or `stage`) plus the numeric
-frame it was formatted from (what the tables' CSVs hold); `report.md` shows the display frames.
+timings, and alignment when an aligned variant was evaluated. Each is a pandas frame of display
+strings (index `variant` or `stage`) plus the numeric frame it was formatted from (what the tables'
+CSVs hold); `report.md` shows the display frames.
 
 Every variant is compared with the starting model (`pretrain` or `base`, the model fine-tuning
 started from), as a ratio (perplexity, sizes, speeds) or in percentage points (exact match, BLEU,
@@ -177,8 +178,32 @@ def speed_table(evals: dict[str, dict[str, Any]], order: Sequence[str], start: s
                  _frame(display, "variant"), _frame(numbers, "variant"))
 
 
-CHAIN = ("prepare", "plan", "import_base", "pretrain", "merge_tp", "finetune", "merge", "quantize", "export",
-         "deploy", "evaluate", "report")  # the stage table's row order: a rule's place in the chain, then its name
+def alignment_table(evals: dict[str, dict[str, Any]], aligned: str, source: str, method: str | None = None) -> Table:
+    """The aligned variant beside the model it was aligned from (`source`, when evaluated): how often
+    each prefers the chosen answer of the held-out preference pairs and by how much, beside the
+    task score and the corpus perplexity the quality table shows."""
+    numbers, display = {}, {}
+    for name in (v for v in (source, aligned) if v in evals):
+        m = evals[name]
+        numbers[name] = {"preference_accuracy": m.get("preference_accuracy"),
+                         "preference_margin": m.get("preference_margin"), "preference_pairs": m.get("preference_pairs"),
+                         "exact_match": m.get("exact_match"), "corpus_ppl": m.get("ppl")}
+        display[name] = {"preference accuracy": fmt_percent(m.get("preference_accuracy")),
+                         "preference margin (nats)": fmt_float(m.get("preference_margin")),
+                         "exact match": fmt_percent(m.get("exact_match")), "corpus ppl": fmt_float(m.get("ppl"))}
+    pairs = evals[aligned].get("preference_pairs")
+    return Table("alignment", "Alignment",
+                 f"Preference alignment{f' ({method})' if method else ''} of `{source}` into `{aligned}`: the share "
+                 f"of held-out preference pairs{f' ({pairs})' if is_number(pairs) else ''} whose chosen answer the "
+                 "model gives the higher log-probability, the mean log-probability margin of chosen over rejected "
+                 "(nats, summed over the answer), exact match on the dev task and corpus perplexity (what "
+                 "alignment cost the language).",
+                 _frame(display, "variant"), _frame(numbers, "variant"))
+
+
+# the stage table's row order: a rule's place in the chain, then its name
+CHAIN = ("prepare", "plan", "import_base", "pretrain", "merge_tp", "finetune", "merge", "score_pairs", "align",
+         "quantize", "export", "deploy", "evaluate", "report")
 
 
 def chain_position(rule: str) -> tuple[int, str]:

@@ -259,3 +259,44 @@ def test_measured_columns_are_known_as_measurements(experiment):
         ["peak RSS (MB)", "peak_rss_mb"]
     quality = tables.quality_table(evals, order, "lora-merged")
     assert not any(is_measured(c) for c in (*quality.display.columns, *quality.numbers.columns))
+
+
+def _aligned(experiment, meta_config):
+    """eval/align.json (and, with `meta_config`, the align model's meta.json) beside the experiment's."""
+    for name, accuracy, margin in (("sft", 0.625, 1.5), ("align", 0.96875, 12.25)):
+        metrics = json.loads((experiment / "eval" / "sft.json").read_text()) if name == "sft" else \
+            _eval("align", 9.5, 0.75, 4000)
+        metrics.update(preference_accuracy=accuracy, preference_margin=margin, preference_pairs=64,
+                       model_dir=str(experiment / name))
+        write_json(experiment / "eval" / f"{name}.json", metrics)
+    if meta_config is not None:
+        write_json(experiment / "align" / "meta.json", {"stage": "align", "config": meta_config})
+
+
+@pytest.mark.parametrize("meta_config, flag, source", [
+    ({"source": "sft", "method": "dpo"}, None, "sft"),  # from the align model's meta.json
+    (None, None, "sft"),  # no meta.json: align.source's default
+    ({"source": "lora-merged", "method": "simpo"}, None, "lora-merged"),
+    ({"source": "lora-merged"}, "sft", "sft"),  # --align-source wins
+])
+def test_alignment_table_sets_align_beside_its_source(experiment, meta_config, flag, source):
+    _aligned(experiment, meta_config)
+    out = experiment / "out"
+    report.run(experiment, "lora-merged", out / "report.csv", out / "report.md", out / "quant_eval.json",
+               ["wint8"], figures_dir=out / "report", align_source=flag)
+    md = (out / "report.md").read_text()
+    table = md[md.index("## Alignment"):md.index("## Quality")]
+    assert "| variant | preference accuracy | preference margin (nats) | exact match | corpus ppl |" in table
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "variant" not in line]
+    sft_row, merged_row = "| sft | 62.5% | 1.500 | 0.0% | 9.000 |", "| lora-merged |  |  | 50.0% | 10.00 |"
+    assert rows == [sft_row if source == "sft" else merged_row, "| align | 96.9% | 12.25 | 75.0% | 9.500 |"]
+    assert f"of `{source}` into `align`" in table and "(64)" in table
+    assert ("(simpo)" in table) == (meta_config == {"source": "lora-merged", "method": "simpo"})
+    numbers = pd.read_csv(out / "report" / "alignment.csv", index_col="variant")
+    assert numbers.loc["align", "preference_margin"] == 12.25 and numbers.loc["align", "corpus_ppl"] == 9.5
+    assert list(pd.read_csv(out / "report.csv", index_col="variant").index)[:3] == ["lora-merged", "sft", "align"]
+
+
+def test_no_alignment_table_without_an_align_variant(experiment):
+    _, out = _run(experiment)
+    assert "## Alignment" not in (out / "report.md").read_text()

@@ -42,7 +42,7 @@ from stages.config import check_finetune_section
 from stages.data.mix_sources import load_mix_sources
 from stages.data.sft import encode_example, read_sft_file
 from stages.data.sft_format import data_chat_format
-from stages.data.tokenizer import load_model_tokenizer
+from stages.data.tokenizer import load_model_tokenizer, pad_id
 from stages.errors import InputError, run_cli
 from stages.metrics.text import metric_implementations
 from stages.model import LlamaForCausalLM
@@ -151,14 +151,6 @@ def check_section(method: str, config: Mapping[str, Any] | None) -> SftSettings:
 
 
 # -- the stage -----------------------------------------------------------------------------------
-def pad_id(tokenizer) -> int:
-    """The tokenizer's pad id, else eos: padded positions are masked out, so any id serves."""
-    for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if value is not None:
-            return value
-    raise InputError("the tokenizer has neither a pad nor an eos token; set pad_token in tokenizer_config.json")
-
-
 def prefix_init_ids(config: SftSettings, examples: Sequence[Example]) -> list[int] | None:
     """With `prefix_init: tokens`, the first num_prefix_tokens tokens of the training examples
     (in file order, one after the other): real text of the task, whose KV cache starts the prefix."""
@@ -215,25 +207,6 @@ def dev_evaluator(config: SftSettings, dev: Sequence[Example] | None, dev_record
         generation = {"tokenizer": tokenizer, "records": dev_records, "src_length": config.src_length,
                       "max_new_tokens": config.max_length - config.src_length, "chat": chat}
     return DevEvaluator(dev, config.per_device_eval_batch_size, pad, generation=generation)
-
-
-def adapter_writer(method: str, config: SftSettings, model: torch.nn.Module, model_dir: Path):
-    """Writes the trained adapter tensors (whole, by the training model's names) as a peft adapter dir."""
-    # peft and transformers: full SFT and pretraining-only runs never load them
-    from stages.adapters.peft_files import peft_config_for, peft_model_tensors, peft_tensors, write_adapter
-
-    if isinstance(model, LlamaForCausalLM):
-        peft_config = peft_config_for(method, config, model_dir)
-        num_layers = model.config.num_hidden_layers
-
-        def write(tmp: Path, tensors: dict[str, torch.Tensor]) -> None:
-            write_adapter(tmp, peft_config, peft_tensors(method, tensors, num_layers), model_dir)
-    else:  # peft on a transformers model
-        peft_config = model.peft_config["default"]
-
-        def write(tmp: Path, tensors: dict[str, torch.Tensor]) -> None:
-            write_adapter(tmp, peft_config, peft_model_tensors(model, tensors), model_dir)
-    return write
 
 
 def _check_inputs(model_dir: Path, data_dir: Path, train_path: Path) -> None:
@@ -335,7 +308,11 @@ def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str |
                  trainable, total, degrees)
     identity = _identity(model_dir, train_path, method, mix)
     evaluator = dev_evaluator(config, dev, dev_records, tokenizer, pad, chat)
-    writer = adapter_writer(method, config, model, model_dir) if method != "sft" else None
+    writer = None
+    if method != "sft":  # peft and transformers: full SFT never loads them
+        from stages.adapters.peft_files import adapter_writer
+
+        writer = adapter_writer(method, config, model, model_dir)
     source = build_source(config, examples, pad, mix)
     extra_metrics = _extra_metrics(config, source, degrees, trainable, total, len(examples), evaluator)
     metrics = engine_train(model, source, config, out_dir, stage=f"finetune-{method}",

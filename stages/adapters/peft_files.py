@@ -150,3 +150,23 @@ def check_every_adapted_layer_loaded(model: peft.PeftModel, adapter_dir: str | P
                          f"{len(missing)} of them ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); "
                          "peft would leave those untrained (B = 0). The file is incomplete (train or save the adapter "
                          "again) or target_modules names layers it was not trained on (correct it)")
+
+
+def adapter_writer(method: str, section: Mapping[str, Any], model: torch.nn.Module, model_dir: str | Path):
+    """What the training engine calls with the trained adapter's whole tensors (by the training
+    model's names) to write them as a peft adapter dir: for our model with the config peft would
+    write for `method` and `section` on `model_dir`'s model, for a peft-wrapped model with its own."""
+    from stages.model import LlamaForCausalLM
+
+    if isinstance(model, LlamaForCausalLM):
+        peft_config = peft_config_for(method, section, model_dir)
+        num_layers = model.config.num_hidden_layers
+
+        def write(tmp: Path, tensors: dict[str, torch.Tensor]) -> None:
+            write_adapter(tmp, peft_config, peft_tensors(method, tensors, num_layers), model_dir)
+    else:  # peft on a transformers model
+        peft_config = model.peft_config["default"]
+
+        def write(tmp: Path, tensors: dict[str, torch.Tensor]) -> None:
+            write_adapter(tmp, peft_config, peft_model_tensors(model, tensors), model_dir)
+    return write

@@ -194,3 +194,11 @@ def check_same_tokenizer(tokenizer, model_dir: str | os.PathLike, index: dict, d
             f"was tokenized with tokenizer {want[:12]} ({index.get('vocab_size')} tokens, from "
             f"{index.get('tokenizer_source', 'prepare')}); evaluate and fine-tune a model on data prepared with "
             "its own tokenizer (rerun prepare, or point model.model_name_or_path at this model)")
+
+
+def pad_id(tokenizer) -> int:
+    """The tokenizer's pad id, else eos: padded positions are masked out, so any id serves."""
+    for value in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if value is not None:
+            return value
+    raise InputError("the tokenizer has neither a pad nor an eos token; set pad_token in tokenizer_config.json")

@@ -71,6 +71,7 @@ from stages.training.log import TrainLog, event_files
 from stages.training.materialize import ResumeWeights, is_lazy, materialize
 from stages.training.parallelize import check_model_fits, layout_metrics, parallel_degrees, parallelize
 from stages.training.preemption import StopWatch, reason_name, requeue_slurm_job
+from stages.training.preference_step import STATS, PairStats, chosen_tokens, preference_train_step
 from stages.training.step import learned_tokens, train_step
 
 log = logging.getLogger(__name__)
@@ -155,6 +156,9 @@ class Run:
     flops_per_token: int
     logits_flops_per_token: int  # of flops_per_token, what only a learned position costs
     peak_flops: float | None
+    objective: Any = None  # a PreferenceObjective: the step is preference_train_step's, over pairs
+    rows_per_item: int = 1  # rows of one item of the global batch (a preference pair: 2)
+    pair_stats: PairStats | None = None  # the preference statistics since the last logged row
     start_step: int = 0
     learned_tokens: int = 0  # of the global batches stepped since the last logged row
     losses: list[float] = field(default_factory=list)
@@ -184,17 +188,21 @@ class Run:
 
 def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: str,
           num_parameters: int | None = None, checkpoint_dir: str | Path | None = None,
-          identity: dict[str, Any] | None = None, out_dir: str | Path) -> Run:
+          identity: dict[str, Any] | None = None, out_dir: str | Path, objective=None) -> Run:
     """Check the layout against `model`, find the checkpoint to resume from (its weights loaded
     into the full model), parallelise (a lazy model on the meta device is then filled with this
     rank's slice, from the checkpoint when resuming), build the DeepSpeed engine, restore the
     training state and open the log. Collective; call after `init_distributed()`. `section` is a
     typed training section or a mapping (`training_section`); `bf16: auto` is decided here, once,
     for this machine (`resolved_bf16`), and the run's fingerprint, engine and metrics see the
-    decision."""
+    decision. With `objective` (a PreferenceObjective) the source's items are preference pairs and
+    each step is `preference_train_step`'s."""
     import torch.distributed as dist
 
     section = _bf16_decided(training_section(section), stage)
+    if objective is not None and section.pipeline_parallel_degree > 1:
+        raise ValueError(f"{stage}: preference training under pipeline parallelism is not supported yet; "
+                         "set pipeline_parallel_degree: 1")
     keep_freed_host_memory()  # every step reuses the pages the last one freed (stages.training.allocator)
     degrees = parallel_degrees(section)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -246,13 +254,16 @@ def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: 
     peak = _peak_flops(section, engine.device, world) if rank == 0 else None
     dist.barrier()  # the peak was measured while the other ranks waited
     train_log = TrainLog(staging / "train_log.csv", section.max_steps, enabled=rank == 0, desc=stage,
-                         flops_per_token=fpt, logits_flops_per_token=logits_fpt, peak_flops=peak, previous=rows)
+                         flops_per_token=fpt, logits_flops_per_token=logits_fpt, peak_flops=peak, previous=rows,
+                         columns=STATS if objective is not None else ())
     return Run(section=section, stage=stage, topology=topology, engine=engine, scheduler=scheduler, access=access,
                clip=clip, runner=runner, names=names, config=config, generation_config=generation_config,
                checkpointer=checkpointer, train_log=train_log, staging=staging, global_batch=global_batch,
                seq_len=source.seq_len, num_parameters=n_params, trainable_parameters=n_trainable,
                flops_per_token=fpt, logits_flops_per_token=logits_fpt, peak_flops=peak, start_step=start_step,
-               losses=losses, evaluations=evaluations, stops=stops)
+               losses=losses, evaluations=evaluations, stops=stops, objective=objective,
+               rows_per_item=getattr(source, "rows_per_item", 1),
+               pair_stats=PairStats() if objective is not None else None)
 
 
 def _bf16_decided(section: TrainingSettings, stage: str) -> TrainingSettings:
@@ -278,9 +289,17 @@ def step(run: Run, source, index: int) -> tuple[float, float | None]:
     topology, section = run.topology, run.section
     dp, dp_rank = topology.get_data_parallel_world_size(), topology.get_data_parallel_rank()
     batches = source.micro_batches(index, run.global_batch, dp_rank, dp, section.per_device_train_batch_size)
-    num_tokens = learned_tokens(batches, topology.get_data_parallel_group())
+    dp_group = topology.get_data_parallel_group()
+    num_tokens = learned_tokens(batches, dp_group)
     run.learned_tokens += num_tokens
-    step_loss, grad_norm = train_step(run.engine, run.runner, batches, num_tokens, dp, run.clip, tp_output_group(run))
+    if run.objective is not None:  # a global batch of pairs
+        chosen = chosen_tokens(batches, dp_group) if run.objective.method == "orpo" else 1
+        step_loss, grad_norm, stats = preference_train_step(run.engine, run.objective, batches, run.global_batch,
+                                                            chosen, dp, run.clip, tp_output_group(run))
+        run.pair_stats.add(stats, dp_group)
+    else:
+        step_loss, grad_norm = train_step(run.engine, run.runner, batches, num_tokens, dp, run.clip,
+                                          tp_output_group(run))
     if dp > 1:  # the ranks' shares add up to the step loss
         dist.all_reduce(step_loss, group=topology.get_data_parallel_group())
     return step_loss.item(), grad_norm
@@ -308,7 +327,7 @@ def run_steps(run: Run, source, evaluator: Callable[..., dict[str, float]] | Non
             loss, grad_norm = step(run, source, index)
             done = index + 1
             run.losses.append(loss)
-            since_log += run.global_batch * run.seq_len
+            since_log += run.global_batch * run.rows_per_item * run.seq_len
             run.train_log.advance()
             evaluation = None
             if eval_steps and (done % eval_steps == 0 or done == section.max_steps):
@@ -317,7 +336,9 @@ def run_steps(run: Run, source, evaluator: Callable[..., dict[str, float]] | Non
                 if grad_norm is None:
                     grad_norm = engine.get_global_grad_norm()
                 grad_norm = None if grad_norm is None else float(grad_norm)
-                run.train_log.log(done, loss, lr, grad_norm, since_log, evaluation, learned=run.learned_tokens)
+                extra = run.pair_stats.means() if run.pair_stats is not None else None
+                run.train_log.log(done, loss, lr, grad_norm, since_log, evaluation, learned=run.learned_tokens,
+                                  extra=extra)
                 since_log = run.learned_tokens = 0
             watch.longest_step_s = max(watch.longest_step_s, time.perf_counter() - started)
             if done < section.max_steps:
@@ -413,7 +434,7 @@ def run_metrics(run: Run) -> dict[str, Any]:
         "final_loss_mean_last10": float(np.mean(losses[-10:])),
         "steps": section.max_steps, "num_parameters": run.num_parameters,
         "trainable_parameters": run.trainable_parameters, **layout_metrics(section, run.topology),
-        "tokens_seen": run.global_batch * run.seq_len * section.max_steps,
+        "tokens_seen": run.global_batch * run.rows_per_item * run.seq_len * section.max_steps,
         "tokens_per_s": float(np.median([float(r["tokens_per_s"]) for r in rows[1:] or rows])) if rows else None,
         "mfu": float(np.median([float(r["mfu"]) for r in rows[1:] or rows])) if rows and run.peak_flops else None,
         "flops_per_token": run.flops_per_token,
@@ -469,7 +490,7 @@ def train(model: torch.nn.Module, source, section: Mapping[str, Any], out_dir: s
           identity: dict[str, Any] | None = None, sharded_output: bool = False,
           evaluator: Callable[..., dict[str, float]] | None = None,
           adapter_writer: Callable[[Path, dict[str, torch.Tensor]], None] | None = None,
-          extra_metrics: dict[str, Any] | None = None) -> dict[str, Any]:
+          extra_metrics: dict[str, Any] | None = None, objective=None) -> dict[str, Any]:
     """Train `model` (the full fp32 model, identical on every rank: our LlamaForCausalLM, or a
     transformers causal LM for data parallel and ZeRO only; with an adapter attached, only its
     parameters train; our model may come on the meta device with a weight source, and each rank
@@ -484,14 +505,19 @@ def train(model: torch.nn.Module, source, section: Mapping[str, Any], out_dir: s
     every `eval_steps` (`load_best_model_at_end` writes the best evaluated weights) and measured
     once more on the weights written (metrics `dev_loss`, `dev_exact_match`, ...). Returns the
     metrics, `extra_metrics` included (on every rank). Call after `init_distributed()`. `section`
-    is as `setup` takes it; `bf16: auto` is decided there (metric `bf16`, the precision the run used)."""
+    is as `setup` takes it; `bf16: auto` is decided there (metric `bf16`, the precision the run used).
+    With `objective` (a PreferenceObjective), `source` yields preference pairs
+    (`stages.training.preference_batches`) and the last logged row's preference statistics join
+    the metrics (`final_<stat>`)."""
     run = setup(model, source, section, stage=stage, num_parameters=num_parameters, checkpoint_dir=checkpoint_dir,
-                identity=identity, out_dir=out_dir)
+                identity=identity, out_dir=out_dir, objective=objective)
     del model
     run_steps(run, source, evaluator)
     if _keeps_best(run.section):
         restore_best(run)
     metrics = {**run_metrics(run), **(extra_metrics or {}), "bf16": run.section.bf16, "dev_loss": None}
+    if objective is not None and run.train_log.rows:  # the last row's, e.g. final_rewards_accuracy
+        metrics.update({f"final_{k}": float(run.train_log.rows[-1][k]) for k in STATS})
     if evaluator is not None:
         metrics.update({k.replace("eval_", "dev_", 1): v for k, v in final_evaluation(run, evaluator).items()})
     finish(run, out_dir, metrics, tokenizer_dir=tokenizer_dir, parent=parent, meta_config=meta_config,

@@ -43,7 +43,8 @@ class TrainLog:
 
     def __init__(self, path: str | Path, max_steps: int, enabled: bool = True, desc: str = "train",
                  flops_per_token: float | None = None, peak_flops: float | None = None,
-                 previous: list[dict[str, Any]] | None = None, logits_flops_per_token: float = 0):
+                 previous: list[dict[str, Any]] | None = None, logits_flops_per_token: float = 0,
+                 columns: tuple[str, ...] = ()):
         """With `flops_per_token` and `peak_flops` (FLOP/s of all devices together) each row gets
         mfu = the FLOPs of its tokens / seconds / peak_flops; otherwise the column stays empty. A
         token costs flops_per_token, less `logits_flops_per_token` (the vocabulary projection) where
@@ -51,15 +52,18 @@ class TrainLog:
         `previous` rows (a resumed run's log up to its checkpoint) are written first, to both files;
         elapsed_s continues from the last of them. Event files already in the directory (a run that
         stopped before this one) are removed, as train_log.csv is overwritten, so TensorBoard shows
-        one curve."""
+        one curve. `columns`: more columns after `COLUMNS` (preference training's statistics), each
+        a scalar tagged train/<column>, filled by `log(extra=)`."""
         self.enabled = enabled
+        self.columns = (*COLUMNS, *columns)
+        self.tags = {**TAGS, **{column: f"train/{column}" for column in columns}}
         self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
         self.logits_flops_per_token = logits_flops_per_token
         self.rows: list[dict[str, Any]] = list(previous or [])
         if not enabled:
             return
         self._file = open(path, "w", newline="")
-        self._writer = csv.DictWriter(self._file, fieldnames=COLUMNS, restval="")
+        self._writer = csv.DictWriter(self._file, fieldnames=self.columns, restval="")
         self._writer.writeheader()
         self._writer.writerows(self.rows)
         done = int(self.rows[-1]["step"]) if self.rows else 0
@@ -89,15 +93,17 @@ class TrainLog:
     def _add_scalars(self, events, row: dict[str, Any]) -> None:
         """The row's filled columns as float32 scalars: float() of the CSV's text, so both files agree."""
         walltime = self._wall_start + float(row["elapsed_s"])
-        for column, tag in TAGS.items():
+        for column, tag in self.tags.items():
             if row.get(column, "") != "":
                 events.add_scalar(tag, float(row[column]), int(row["step"]), walltime=walltime)
 
     def log(self, step: int, loss: float, lr: float, grad_norm: float | None, tokens: int,
-            evaluation: dict[str, float] | None = None, learned: int | None = None) -> None:
+            evaluation: dict[str, float] | None = None, learned: int | None = None,
+            extra: dict[str, float] | None = None) -> None:
         """Record optimizer step `step` (1-based); `tokens` is the number of tokens all ranks
         consumed since the previous logged row, `learned` how many of them had a learned next token
-        (None: all); `evaluation` the dev metrics measured after it."""
+        (None: all); `evaluation` the dev metrics measured after it; `extra` the values of the
+        extra `columns`."""
         if not self.enabled:
             return
         now = time.perf_counter()
@@ -112,7 +118,8 @@ class TrainLog:
                "grad_norm": "" if grad_norm is None else f"{grad_norm:.6f}", "tokens": tokens,
                "tokens_per_s": f"{tokens_per_s:.1f}", "mfu": "" if mfu is None else f"{mfu:.5f}",
                "elapsed_s": f"{now - self._start:.3f}",
-               **{k: "" if (evaluation or {}).get(k) is None else f"{evaluation[k]:.6f}" for k in EVAL_METRICS}}
+               **{k: "" if (evaluation or {}).get(k) is None else f"{evaluation[k]:.6f}" for k in EVAL_METRICS},
+               **{k: f"{v:.6f}" for k, v in (extra or {}).items()}}
         self._last = now
         self.rows.append(row)
         self._writer.writerow(row)

@@ -3,7 +3,8 @@
 `torchrun --standalone --nproc_per_node=N tests/unit/runs_in_one_world.py RUNS.json` initialises
 the process group once and calls the stage's own `run` for each entry of RUNS.json, in order:
 `{"stage": "pretrain", "data": DIR, "out": DIR, "model": {...}, "section": {...}}` or
-`{"stage": "finetune", "method": M, "model": DIR, "data": DIR, "out": DIR, "section": {...}}`, each
+`{"stage": "finetune", "method": M, "model": DIR, "data": DIR, "out": DIR, "section": {...}}` or
+`{"stage": "align", "model": DIR, "data": DIR, "out": DIR, "section": {...}, "reference": DIR}`, each
 with an optional `"checkpoints": DIR` (the stage's checkpoint directory), a pretraining entry with
 an optional `"init": DIR` (continued pretraining from that checkpoint, the stage's `--init`).
 
@@ -76,8 +77,13 @@ def run_one(entry: dict) -> None:
 
         finetune.run(entry["method"], entry["model"], entry["data"], entry["out"], entry["section"],
                      entry.get("checkpoints"))
+    elif entry["stage"] == "align":
+        from stages import align
+
+        align.run(entry["model"], entry["data"], entry["out"], entry["section"], entry.get("reference"),
+                  entry.get("checkpoints"))
     else:
-        raise ValueError(f"{entry['stage']!r}: expected 'pretrain' or 'finetune'")
+        raise ValueError(f"{entry['stage']!r}: expected 'pretrain', 'finetune' or 'align'")
 
 
 def main(runs_file: str) -> None:

@@ -15,7 +15,7 @@ import yaml
 
 from pretrain_fixtures import make_data_dir
 from sft_fixtures import write_toy_data
-from stages import evaluate, export, finetune, prepare, pretrain, quantize, settings
+from stages import align, evaluate, export, finetune, prepare, pretrain, quantize, settings
 from stages.config import SCHEMA_PATH, check_config
 from stages.errors import ConfigError
 
@@ -68,7 +68,7 @@ def help_text(main, *argv: str) -> str:
 @pytest.mark.parametrize("main, sections", [
     (pretrain.main, ("pretrain", "model")), (finetune.main, ("sft", "lora", "prefix")),
     (quantize.main, ("quantize",)), (evaluate.main, ("evaluate",)), (export.main, ("export",)),
-    (prepare.main, ("data",)),
+    (prepare.main, ("data",)), (align.main, ("align",)),
 ])
 def test_help_lists_every_setting_with_its_default(main, sections):
     text = help_text(main)

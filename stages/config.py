@@ -19,7 +19,7 @@ import yaml
 
 from stages.checkpoint.source import FAMILIES, ModelSourceError, family_of, read_source_config
 from stages.config_sources import ConfigSyntaxError, config_keys, display_path, located, yaml_error
-from stages.data.validate import check_data_section
+from stages.data.validate import check_data_section, preference_source
 from stages.deployment.gguf_types import GGUF_MODEL_TYPES
 from stages.errors import ConfigError, InputError, run_cli
 from stages.model import gpt2_layout
@@ -484,6 +484,12 @@ def _check_align(name: str, exp: dict[str, Any], source: dict[str, Any] | None) 
     missing = align_source_missing(name, exp)
     if missing:
         raise ConfigError(missing)
+    data = exp["data"]
+    if preference_source(data["preference"], data["sft"]) is None:
+        raise ConfigError(f"{key}.enabled=true needs preference pairs, and experiment {name!r} has none: "
+                          f"data.preference is null with data.sft {data['sft']!r} (the builtin pairs are made "
+                          "of the builtin task); set data.preference to a directory of pairs (train.json and "
+                          "dev.json, one {\"src\", \"chosen\", \"rejected\"} per line)")
     check_align_section(key, align)
     _check_layout(key, align, exp, source, full_training=align["tuning"] == "full")
 

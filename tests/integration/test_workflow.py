@@ -39,6 +39,55 @@ def test_dry_run_plans_every_stage(tmp_path):
                     "deploy_manifest": 1, "report": 1}, proc.stdout
 
 
+# The debug experiment's jobs (align off, as in the whole-DAG test below).
+CI_JOBS = {"prepare": 1, "plan_job": 4, "plan": 1, "pretrain": 1, "finetune": 3, "merge_lora": 1, "quantize": 4,
+           "export": 1, "evaluate": 10, "deploy_gguf": 2, "deploy_compressed_tensors": 1, "deploy_manifest": 1,
+           "report": 1}
+
+
+def _job_lines(stdout: str, rule: str) -> list[str]:
+    """The shell commands of a dry run's jobs of `rule`."""
+    blocks = re.split(r"\n(?=(?:local)?rule \S+:)", stdout)
+    return [re.search(r"Shell command: (.*)", b).group(1) for b in blocks if b.startswith(f"rule {rule}:")]
+
+
+def test_align_joins_the_chain_when_enabled(tmp_path):
+    """align.enabled adds its plan, the reference scores (dpo and ipo only), the training and the
+    `align` variant's evaluation to the default target, and a comparison may name the variant; the
+    scores' params hold only what changes them (a new beta reruns `align` alone)."""
+    dpo = tmp_path / "dpo.yaml"
+    dpo.write_text(yaml.safe_dump({"experiments": {"ci": {"align": {"enabled": True, "beta": 0.2}}},
+                                   "comparisons": {"aligned": {"experiments": ["ci"], "variants": ["sft", "align"]}}}))
+    proc = snakemake(tmp_path, "--configfile", str(DEBUG_CONFIG), str(dpo), "-n", TARGET,
+                     "results/comparisons/aligned/compare.md")
+    added = {"plan_job": 5, "evaluate": 11, "score_pairs": 1, "align": 1, "compare": 1}
+    assert planned_jobs(proc.stdout) == {**CI_JOBS, **added}, proc.stdout
+    [score] = _job_lines(proc.stdout, "score_pairs")
+    assert "--model results/ci/sft " in score
+    assert json.loads(re.search(r"--config '(.*?)'", score).group(1)) == {
+        "source": "sft", "src_length": 64, "max_length": 128, "per_device_eval_batch_size": 32}
+    [align] = _job_lines(proc.stdout, "align")
+    assert "-- stages.align --model results/ci/sft --data results/ci/data --reference results/ci/align_reference " \
+           "--out results/ci/align " in align and "--plan results/ci/plan/align.json" in align
+    assert any("--out results/ci/eval/align.json" in line for line in _job_lines(proc.stdout, "evaluate"))
+
+    pairs = tmp_path / "pairs"  # the user's own pairs: inputs of prepare, so that editing them reruns it
+    pairs.mkdir()
+    for split in ("train", "dev"):
+        (pairs / f"{split}.jsonl").write_text(json.dumps({"src": "2+2?", "chosen": "4", "rejected": "5"}) + "\n")
+    simpo = tmp_path / "simpo.yaml"  # reference-free, and a LoRA adapter on lora-merged
+    simpo.write_text(yaml.safe_dump({"experiments": {"ci": {"data": {"preference": str(pairs)}, "align": {
+        "enabled": True, "method": "simpo", "tuning": "lora", "source": "lora-merged"}}}}))
+    proc = snakemake(tmp_path, "--configfile", str(DEBUG_CONFIG), str(simpo), "-n", TARGET)
+    assert planned_jobs(proc.stdout) == {**CI_JOBS, "plan_job": 5, "evaluate": 11, "align": 1}, proc.stdout
+    prepare = re.search(r"rule prepare:\n\s+input: (.*)", proc.stdout).group(1)
+    assert f"{pairs}/train.jsonl" in prepare and f"{pairs}/dev.jsonl" in prepare
+    [evaluate] = [line for line in _job_lines(proc.stdout, "evaluate") if "--variant align " in line]
+    assert "--model results/ci/align --base results/ci/lora-merged " in evaluate
+    [report] = _job_lines(proc.stdout, "report")
+    assert "--align-source lora-merged " in report  # the alignment table's reference row
+
+
 def test_the_plain_command_uses_the_default_profile(tmp_path):
     """workflow/profiles/default/ is in force without any flag: its printshellcmds shows each job's command
     in a dry run, which Snakemake's own default does not."""

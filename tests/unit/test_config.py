@@ -284,6 +284,16 @@ def test_an_enabled_align_section_is_checked_with_its_key(align, message):
                                              "align": {"enabled": True, **align}}}})
 
 
+def test_align_needs_preference_pairs(tmp_path):
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    exp = {"data": {"sft": str(sft)}, "align": {"enabled": True}}
+    with pytest.raises(ConfigError, match=r"experiments\.x\.align\.enabled=true needs preference pairs, and "
+                                          r"experiment 'x' has none: data\.preference is null with data\.sft"):
+        check_config({"experiments": {"x": exp}})
+    check_config({"experiments": {"x": {**exp, "data": {"sft": str(sft), "preference": str(tmp_path)}}}})
+
+
 def test_label_smoothing_is_valid_for_dpo_and_simpo():
     for method in ("dpo", "simpo"):
         check_config({"experiments": {"x": {"align": {"enabled": True, "method": method, "label_smoothing": 0.1}}}})

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from stages.checkpoint.source import family_of, read_source_config
 from stages.cluster.resources import single_process_resources
-from stages.config import ConfigError, check_config, finetune_source, load_schema, pretrain_enabled, sharded_output
+from stages.config import ConfigError, align_enabled, check_config, finetune_source, load_schema, needs_reference
+from stages.config import pretrain_enabled, sharded_output
 from stages.config import experiment as named_experiment
 from stages.data.validate import check_data_section, check_mix_datasets, mix_files
 from stages.model.config import FLAVOURS
@@ -120,7 +121,8 @@ def finetune_mix_files(wildcards):
 
 
 def corpus_files(wildcards):
-    """The user's corpus files (so that editing one reruns prepare); builtin sources have none."""
+    """The user's corpus, SFT and preference files (so that editing one reruns prepare); builtin
+    sources have none."""
     files = []
     for pattern in experiment(wildcards)["data"]["corpus"]:
         if not pattern.startswith("builtin:"):
@@ -129,28 +131,97 @@ def corpus_files(wildcards):
     if not sft.startswith("builtin:"):
         files += sorted(glob.glob(f"{sft}/train*.json")) + sorted(glob.glob(f"{sft}/train/*.json"))
         files += sorted(glob.glob(f"{sft}/dev*.json")) + sorted(glob.glob(f"{sft}/dev/*.json"))
+    preference = experiment(wildcards)["data"]["preference"]  # align's pairs (.json or .jsonl)
+    if preference and not preference.startswith("builtin:"):
+        for split in ("train", "dev"):
+            files += sorted(glob.glob(f"{preference}/{split}*.json*")) + sorted(glob.glob(f"{preference}/{split}/*.json*"))
     return [local(f) for f in files]
 
 
 def model_variants(wildcards):
     """Variants evaluated from their own dirs: the starting checkpoint (`base`), the pretrained
-    model when pretraining runs, and every fine-tuned one."""
+    model when pretraining runs, every fine-tuned one, and the aligned one (`align`) when enabled."""
     exp = experiment(wildcards)
     start = ["base"] if exp["model"]["model_name_or_path"] else []
-    return start + (["pretrain"] if pretrain_enabled(exp) else []) + FINETUNED_VARIANTS
+    aligned = ["align"] if align_enabled(exp) else []
+    return start + (["pretrain"] if pretrain_enabled(exp) else []) + FINETUNED_VARIANTS + aligned
 
 
 def finetune_priority(wildcards):
-    """1 for the fine-tuning the quantized chain waits on (quantize.source's method), else 0: with
-    three methods on two cores it starts first, so the DAG's longest path is not queued behind
-    another method (the default DAG: LoRA, 190 s, had waited 40 s for prefix tuning)."""
-    return int(experiment(wildcards)["quantize"]["source"].removesuffix("-merged") == wildcards.method)
+    """1 for the fine-tuning the quantized chain waits on (quantize.source's method, or with source
+    align the aligned model's source's), else 0: with three methods on two cores it starts first, so
+    the DAG's longest path is not queued behind another method (the default DAG: LoRA, 190 s, had
+    waited 40 s for prefix tuning)."""
+    exp = experiment(wildcards)
+    source = exp["align"]["source"] if exp["quantize"]["source"] == "align" else exp["quantize"]["source"]
+    return int(source.removesuffix("-merged") == wildcards.method)
 
 
 def finetune_base(wildcards):
     """The model fine-tuning starts from: results/<name>/pretrain, or results/<name>/base when the
     experiment fine-tunes a checkpoint without pretraining it."""
     return f"results/{wildcards.experiment}/{finetune_source(experiment(wildcards))}"
+
+
+def align_source_dir(wildcards):
+    """The model preference alignment starts from (and scores the pairs with): results/<name>/<align.source>."""
+    return f"results/{wildcards.experiment}/{experiment(wildcards)['align']['source']}"
+
+
+# Preference alignment (align.smk): its inputs, the scores' params and flags.
+def align_section(wildcards):
+    """The experiment's align section, or a ConfigError when the experiment does not align."""
+    exp = experiment(wildcards)
+    if not align_enabled(exp):
+        raise ConfigError(f"results/{wildcards.experiment}/align: experiment {wildcards.experiment!r} does not "
+                          f"align (experiments.{wildcards.experiment}.align.enabled is false); set "
+                          "align.enabled: true")
+    return exp["align"]
+
+
+def align_inputs(wildcards):
+    """The source model, the data (its preference pairs), the job's plan and, for dpo and ipo, the
+    reference log-probs (`reference`). Used with unpack()."""
+    inputs = {"model": align_source_dir(wildcards), "data": f"results/{wildcards.experiment}/data",
+              "plan": f"results/{wildcards.experiment}/plan/align.json"}
+    if needs_reference(align_section(wildcards)):
+        inputs["reference"] = f"results/{wildcards.experiment}/align_reference"
+    return inputs
+
+
+def scoring_inputs(wildcards):
+    """The reference model (align.source) and the data; refused for a reference-free method, whose
+    align job reads no scores. Used with unpack()."""
+    align = align_section(wildcards)
+    if not needs_reference(align):
+        raise ConfigError(f"results/{wildcards.experiment}/align_reference: align.method={align['method']} is "
+                          "reference-free and scores no pairs (dpo and ipo do)")
+    return {"model": align_source_dir(wildcards), "data": f"results/{wildcards.experiment}/data"}
+
+
+def scoring_section(wildcards):
+    """The align keys the scores depend on (JSON): the source and the pairs' encoding; the batch
+    size does not change them, and no training key (beta, method, learning_rate, ...) is here."""
+    align = align_section(wildcards)
+    return json.dumps({k: align[k] for k in ("source", "src_length", "max_length", "per_device_eval_batch_size")},
+                      sort_keys=True)
+
+
+def reference_flag(wildcards, input):
+    """`--reference <dir>` for dpo and ipo, else nothing."""
+    return f"--reference {input.reference}" if "reference" in input.keys() else ""
+
+
+def align_source_flag(wildcards):
+    """` --align-source <align.source>` for the report of an experiment that aligns, else nothing
+    (its leading space keeps the command of an experiment without align as it was)."""
+    exp = experiment(wildcards)
+    return f" --align-source {exp['align']['source']}" if align_enabled(exp) else ""
+
+
+def align_priority(wildcards):
+    """1 when the quantized chain waits on the aligned model (quantize.source: align), else 0."""
+    return int(experiment(wildcards)["quantize"]["source"] == "align")
 
 
 def start_variant(wildcards):
@@ -193,9 +264,10 @@ def pretrain_inputs(wildcards):
 def plan_params(wildcards):
     """What the whole plan reads of the experiment (JSON): changing evaluation settings does not re-plan."""
     exp = experiment(wildcards)
+    aligned = {"align": exp["align"]} if align_enabled(exp) else {}  # absent: plans nothing, changes nothing
     return json.dumps({"model": exp["model"], "data": {"vocab_size": exp["data"]["vocab_size"]},
-                       "pretrain": exp["pretrain"], "finetune": exp["finetune"], "cluster": exp["cluster"]},
-                      sort_keys=True)
+                       "pretrain": exp["pretrain"], "finetune": exp["finetune"], "cluster": exp["cluster"],
+                       **aligned}, sort_keys=True)
 
 
 def plan_job_params(wildcards):
@@ -205,6 +277,8 @@ def plan_job_params(wildcards):
     job = wildcards.job
     if job == "pretrain":
         sections = {"pretrain": exp["pretrain"], "finetune": {}}
+    elif job == "align":
+        sections = {"pretrain": dict(exp["pretrain"], enabled=False), "finetune": {}, "align": exp["align"]}
     else:
         method = job.removeprefix("finetune_")
         sections = {"pretrain": dict(exp["pretrain"], enabled=False), "finetune": {method: exp["finetune"][method]}}
@@ -285,6 +359,10 @@ def variant_dir(wildcards):
     ONNX graph of export/."""
     if wildcards.variant in model_variants(wildcards):
         return f"results/{wildcards.experiment}/{wildcards.variant}"
+    if wildcards.variant == "align":
+        raise ConfigError(f"results/{wildcards.experiment}/eval/align.json: experiment {wildcards.experiment!r} "
+                          f"does not align (experiments.{wildcards.experiment}.align.enabled is false); set "
+                          "align.enabled: true for the aligned variant")
     if wildcards.variant in quant_variants(wildcards):
         return f"results/{wildcards.experiment}/quant/{wildcards.variant}"
     if wildcards.variant in onnx_variants(wildcards):
@@ -302,6 +380,8 @@ def variant_inputs(wildcards):
     inputs = {"model": variant_dir(wildcards)}
     if wildcards.variant in ("lora", "prefix"):
         inputs["base"] = finetune_base(wildcards)
+    if wildcards.variant == "align" and experiment(wildcards)["align"]["tuning"] == "lora":
+        inputs["base"] = align_source_dir(wildcards)  # the adapter's base is the model it aligned
     return inputs
 
 
@@ -332,8 +412,10 @@ def comparison_inputs(wildcards):
 
 def training_dirs(wildcards):
     """The training stages' output dirs (each holds its train_log.csv)."""
-    start = ["pretrain"] if pretrain_enabled(experiment(wildcards)) else []
-    return [f"results/{wildcards.experiment}/{stage}" for stage in start + FINETUNE_METHODS]
+    exp = experiment(wildcards)
+    start = ["pretrain"] if pretrain_enabled(exp) else []
+    aligned = ["align"] if align_enabled(exp) else []
+    return [f"results/{wildcards.experiment}/{stage}" for stage in start + FINETUNE_METHODS + aligned]
 
 
 def report_benchmarks(wildcards):
@@ -348,6 +430,8 @@ def report_benchmarks(wildcards):
         if pretrain_enabled(exp):
             jobs += ["plan_pretrain", "pretrain"] + (["merge_tp"] if sharded_output(exp["pretrain"]) else [])
     jobs += ["plan"] + [f"plan_finetune_{m}" for m in FINETUNE_METHODS] + [f"finetune_{m}" for m in FINETUNE_METHODS]
+    if align_enabled(exp):
+        jobs += ["plan_align"] + (["score_pairs"] if needs_reference(exp["align"]) else []) + ["align"]
     jobs += ["merge_lora"] + [f"quantize_{v}" for v in quant_variants(wildcards)] + ["export"]
     jobs += [f"deploy_gguf-{t}" for t in exp["deploy"]["gguf"]]
     jobs += [f"deploy_compressed-tensors-{v}" for v in exp["deploy"]["compressed_tensors"]]
@@ -378,6 +462,8 @@ def _job_resources(wildcards, name):
         return plan["jobs"]["pretrain"]["resources"]
     if name == "finetune":
         return plan["jobs"][f"finetune_{wildcards.method}"]["resources"]
+    if name == "align":
+        return plan["jobs"]["align"]["resources"]
     return single_process_resources(experiment(wildcards), name, 4 * plan["model"]["parameters"])
 
 

@@ -10,7 +10,7 @@ rule plan_job:
     output:
         "results/{experiment}/plan/{job}.json",
     wildcard_constraints:
-        job="pretrain|finetune_sft|finetune_lora|finetune_prefix",
+        job="pretrain|finetune_sft|finetune_lora|finetune_prefix|align",
     log:
         "results/{experiment}/logs/plan_{job}.log",
     benchmark:

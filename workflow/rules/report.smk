@@ -39,6 +39,7 @@ rule report:
         variants=quant_variants,
         start=start_variant,
         quantize=section("quantize"),
+        align=align_source_flag,
         figures_dir=subpath(output.training, parent=True),
         **code_params("stages.report"),
     resources:
@@ -49,5 +50,5 @@ rule report:
         "LLM_LIFECYCLE_CODE={params.code} python -m stages.report --experiment-dir \"$(dirname {output.quant_eval:q})\" "
         "--source {params.source} --start {params.start} --variants {params.variants} --csv {output.csv} --md {output.md} "
         "--quant-eval {output.quant_eval} --figures-dir {params.figures_dir} --quantize-config {params.quantize:q} "
-        "--deploy-manifest {input.deploy} "
+        "--deploy-manifest {input.deploy}{params.align} "
         "> {log} 2>&1"

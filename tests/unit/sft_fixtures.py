@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 from runs_in_one_world import torchrun_env
@@ -71,3 +74,21 @@ def torchrun_finetune_sft(nproc: int, model_dir: Path, data_dir: Path, out: Path
     proc = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return train_losses(out)
+
+
+def signal_after(rows: int, train_log: Path, signum: int) -> threading.Thread:
+    """A thread that sends `signum` to this process once `train_log` has `rows` steps logged."""
+    def wait_and_send():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if len(train_log.read_text().splitlines()) - 1 >= rows:
+                    os.kill(os.getpid(), signum)
+                    return
+            except FileNotFoundError:
+                pass
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=wait_and_send, daemon=True)
+    thread.start()
+    return thread

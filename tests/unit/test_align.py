@@ -11,16 +11,24 @@ import csv
 import dataclasses
 import json
 import math
+import signal
 
 import pytest
 import torch
 from align_fixtures import align_section, toy_pairs, write_preference_data
+from safetensors.torch import load_file
+from sft_fixtures import signal_after
 
 from stages import align, score_pairs
 from stages.data.preference import write_preference_file
 from stages.data.tokenizer import load_model_tokenizer
-from stages.errors import InputError
-from stages.model.preference_loss import PreferenceObjective, SequenceLogps, orpo_nll, sequence_logps
+from stages.errors import InputError, StopRequested
+from stages.model.preference_loss import (
+    PreferenceObjective,
+    SequenceLogps,
+    orpo_nll,
+    sequence_logps,
+)
 from stages.training.families import load_causal_lm
 from stages.training.preference_batches import PreferenceBatches, encode_pairs, pad_rows
 from stages.training.preference_step import STATS, row_logps
@@ -138,3 +146,31 @@ def test_stale_or_missing_reference_is_refused(tmp_path, debug_model_dir, data_d
     with pytest.raises(InputError, match="rerun python -m stages.score_pairs"):
         align.run(debug_model_dir, swapped, tmp_path / "b", align_section(), reference_dir)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("tuning", ["full", "lora"])
+def test_sigterm_saves_a_checkpoint_and_the_rerun_ends_bit_identical(tuning, tmp_path, debug_model_dir, data_dir,
+                                                                     reference_dir):
+    """Alignment stops as every training stage does: SIGTERM mid-run saves a checkpoint at the step
+    it lands after and raises StopRequested; the same call again resumes there (the preference
+    statistics of the log included) and ends with the uninterrupted run's weights, bit for bit."""
+    section = align_section(max_steps=80, save_steps=0, tuning=tuning, lora_rank=4)
+    align.run(debug_model_dir, data_dir, tmp_path / "ref", section, reference_dir, tmp_path / "ref_checkpoints")
+    out, checkpoints = tmp_path / "out", tmp_path / "checkpoints"
+    sender = signal_after(3, out.parent / f".{out.name}.log" / "train_log.csv", signal.SIGTERM)
+    with pytest.raises(StopRequested) as stopped:
+        align.run(debug_model_dir, data_dir, out, section, reference_dir, checkpoints)
+    sender.join()
+    step = stopped.value.step
+    assert stopped.value.reason == "SIGTERM" and 3 <= step < 80 and not out.exists()
+    resumed = align.run(debug_model_dir, data_dir, out, section, reference_dir, checkpoints)
+    assert resumed["resumed_from_step"] == step
+    ref, got = _all_weights(tmp_path / "ref"), _all_weights(out)
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    with open(tmp_path / "ref" / "train_log.csv") as a, open(out / "train_log.csv") as b:
+        columns = ("step", "loss", *STATS)
+        assert [[r[c] for c in columns] for r in csv.DictReader(a)] == [[r[c] for c in columns] for r in csv.DictReader(b)]
+
+
+def _all_weights(out) -> dict[str, torch.Tensor]:
+    return {f"{f.name}:{k}": v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}

@@ -6,20 +6,22 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import shutil
 import signal
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from sft_fixtures import finetune_section, write_toy_data
+from sft_fixtures import finetune_section, signal_after, write_toy_data
 
 from stages import finetune
-from stages.checkpoint.store import StateReader, checkpoint_name, complete_checkpoints, problems
+from stages.checkpoint.store import (
+    StateReader,
+    checkpoint_name,
+    complete_checkpoints,
+    problems,
+)
 from stages.errors import StopRequested
 
 
@@ -139,24 +141,6 @@ def test_a_bad_resume_path_is_a_clear_error(debug_model_dir, data_dir, tmp_path)
     assert not (tmp_path / "out").exists()
 
 
-def _signal_after(rows: int, train_log: Path, signum: int) -> threading.Thread:
-    """A thread that sends `signum` to this process once `train_log` has `rows` steps logged."""
-    def wait_and_send():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if len(train_log.read_text().splitlines()) - 1 >= rows:
-                    os.kill(os.getpid(), signum)
-                    return
-            except FileNotFoundError:
-                pass
-            time.sleep(0.002)
-
-    thread = threading.Thread(target=wait_and_send, daemon=True)
-    thread.start()
-    return thread
-
-
 def _weights(out: Path) -> dict[str, torch.Tensor]:
     return {f"{f.name}:{k}": v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
 
@@ -172,7 +156,7 @@ def test_a_signal_stops_finetuning_at_a_step_with_a_checkpoint_and_the_rerun_end
     settings = dict(max_steps=80, save_steps=0, logging_steps=1)
     run(method, debug_model_dir, data_dir, tmp_path / "ref", tmp_path / "ref_checkpoints", **settings)
     out, checkpoints = tmp_path / "out", tmp_path / "checkpoints"
-    sender = _signal_after(3, out.parent / f".{out.name}.log" / "train_log.csv", signal.SIGUSR1)
+    sender = signal_after(3, out.parent / f".{out.name}.log" / "train_log.csv", signal.SIGUSR1)
     with pytest.raises(StopRequested) as stopped:
         run(method, debug_model_dir, data_dir, out, checkpoints, **settings)
     sender.join()

@@ -21,7 +21,7 @@ Outputs (each written atomically):
                     against the starting model, and the plots
   --figures-dir     (optional) training.png, quantization.png, stages.png (stages.reporting.plots)
                     and the narrow tables' numbers as quality.csv, size.csv, speed.csv, stages.csv
-                    (alignment.csv with `align`)
+                    (the alignment table's are report.csv's preference_* columns)
   quant_eval.json   the quantization comparison, one object (schema_version 3):
     schema_version  3
     experiment      name of the experiment dir
@@ -329,6 +329,8 @@ def run(experiment_dir: str | Path, source_variant: str, out_csv: str | Path, ou
     if figures_dir is not None:
         figures = _write_figures(Path(figures_dir), experiment_dir, evals, [source_variant, *variants], timings)
         for t in report_tables:
+            if t.name == "alignment":  # not a declared output (it exists only with align): report.csv has its numbers
+                continue
             with atomic_file(Path(figures_dir) / f"{t.name}.csv") as f:
                 t.numbers.to_csv(f)
         figures = [os.path.relpath(Path(figures_dir) / f, Path(out_md).parent) for f in figures]

@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from stages.checkpoint.atomic import atomic_file
 from stages.reporting.tables import MB, is_number
 
-TRAINING_STAGES = ("pretrain", "sft", "lora", "prefix")
+TRAINING_STAGES = ("pretrain", "sft", "lora", "prefix", "align")
 SMOOTHING_STEPS = 20  # moving-average window of the training loss curve
 
 

@@ -136,11 +136,12 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
     exp = work / "results" / "ci"
 
     # Every stage's artifact exists and follows its contract.
-    for d in ["data", "pretrain", "sft", "lora", "prefix", "lora-merged", "export", "quant/wint8", "quant/wint4",
+    for d in ["data", "pretrain", "sft", "lora", "prefix", "lora-merged", "align_reference", "align", "export",
+              "quant/wint8", "quant/wint4",
               "quant/gptq-w4", "quant/a8w8-smooth", "deploy/gguf-f32", "deploy/gguf-q8_0",
               "deploy/compressed-tensors-a8w8-smooth"]:
         assert (exp / d / "meta.json").exists(), d
-    for stage in ["pretrain", "sft", "lora", "prefix"]:
+    for stage in ["pretrain", "sft", "lora", "prefix", "align"]:
         log = pd.read_csv(exp / stage / "train_log.csv")
         assert {"step", "loss", "lr", "tokens_per_s"} <= set(log.columns), stage
         # means of 5 steps: one step's loss swings with its batch (prefix tuning on the barely
@@ -148,14 +149,23 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
         assert log["loss"].iloc[-5:].mean() < log["loss"].iloc[:5].mean(), stage
     from transformers import AutoModelForCausalLM
 
-    AutoModelForCausalLM.from_pretrained(exp / "pretrain")  # HF layout, no project code
+    # DPO (debug.yaml: two ranks, ZeRO-2) logs the preference statistics; its first policy is its reference
+    align_log = pd.read_csv(exp / "align" / "train_log.csv")
+    assert align_log["loss"].iloc[0] == pytest.approx(0.693147, abs=1e-5)
+    assert align_log["rewards_margin"].iloc[-5:].mean() > 0 and align_log["rewards_accuracy"].iloc[-5:].mean() > 0.5
+    align_eval = json.loads((exp / "eval" / "align.json").read_text())
+    assert align_eval["preference_pairs"] == 16 and align_eval["preference_accuracy"] is not None
+    assert "## Alignment" in (exp / "report.md").read_text()
+    AutoModelForCausalLM.from_pretrained(exp / "align")  # HF layout, no project code
+    AutoModelForCausalLM.from_pretrained(exp / "pretrain")
     from stages.training.capabilities import native_bf16
 
     # bf16: auto, decided in the job: bf16 where this machine multiplies it natively
     assert json.loads((exp / "pretrain" / "meta.json").read_text())["metrics"]["bf16"] is (native_bf16() is not None)
     # save_steps 10: checkpoints kept outside the outputs, complete, and themselves HF-loadable
     saved = sorted(p.parent.name for p in (exp / "checkpoints").glob("*/*/checkpoint-*/checkpoint_complete.json"))
-    assert saved == ["checkpoint-0000010", "checkpoint-0000010", "checkpoint-0000020"], saved
+    # (pretrain: 10 and 20 of 30; sft and align: 10 of 20: the last step is the output itself)
+    assert saved == ["checkpoint-0000010", "checkpoint-0000010", "checkpoint-0000010", "checkpoint-0000020"], saved
     AutoModelForCausalLM.from_pretrained(next((exp / "checkpoints" / "pretrain").glob("*/checkpoint-0000020")))
     quant_eval = json.loads((exp / "quant_eval.json").read_text())
     assert quant_eval["source"] == "lora-merged"
@@ -174,7 +184,7 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
         meta = json.loads((exp / method / "meta.json").read_text())
         assert meta["metrics"]["mix_token_share"] == pytest.approx(0.5, abs=0.02), method
     report = pd.read_csv(exp / "report.csv")
-    assert len(report) == 10  # pretrain, sft, lora, prefix, lora-merged, 4 quantized, onnx-int8
+    assert len(report) == 11  # pretrain, sft, lora, prefix, lora-merged, align, 4 quantized, onnx-int8
     # deployable artifacts, each checked by the runtime users deploy with (stages/deploy.py)
     manifest = json.loads((exp / "deploy" / "manifest.json").read_text())["artifacts"]
     assert set(manifest) == {"onnx", "onnx-int8", "gguf-f32", "gguf-q8_0", "compressed-tensors-a8w8-smooth"}
@@ -228,6 +238,14 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
     for v in ("pretrain", "sft", "prefix"):
         assert before[f"eval/{v}.json"] == after[f"eval/{v}.json"]
 
+    # Changing DPO's beta reruns the alignment (its memory estimate and the plan too, as for LoRA above; its
+    # evaluation and the report), not the reference log-probs.
+    cfg["experiments"]["ci"]["align"]["beta"] = 0.2
+    changed.write_text(yaml.safe_dump(cfg))
+    proc = sm(work, "--configfile", str(changed), "-n", TARGET)
+    assert planned_jobs(proc.stdout) == {"plan_job": 1, "plan": 1, "align": 1, "evaluate": 1, "report": 1}, proc.stdout
+    sm(work, "--configfile", str(changed), "--cores", "2", TARGET)
+
     # Code is an input (stages/provenance/code.py). Editing docs or tests reruns nothing.
     (repo / "README.md").write_text((repo / "README.md").read_text() + "\nAn edit.\n")
     (repo / "tests" / "test_config.py").write_text((repo / "tests" / "test_config.py").read_text() + "\n# an edit\n")
@@ -237,8 +255,8 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
     source = llama.read_text()
     llama.write_text(source + "\n# an edit\n")
     proc = sm(work, "--configfile", str(changed), "-n", TARGET)
-    assert planned_jobs(proc.stdout) == {"pretrain": 1, "finetune": 3, "merge_lora": 1, "quantize": 4, "export": 1,
-                                         "evaluate": 10, "deploy_gguf": 2, "deploy_compressed_tensors": 1,
+    assert planned_jobs(proc.stdout) == {"pretrain": 1, "finetune": 3, "score_pairs": 1, "align": 1, "merge_lora": 1,
+                                         "quantize": 4, "export": 1, "evaluate": 11, "deploy_gguf": 2, "deploy_compressed_tensors": 1,
                                          "deploy_manifest": 1, "report": 1}, proc.stdout
     assert "code stages/model/llama.py" in proc.stdout  # the reason names the file
     llama.write_text(source)

@@ -292,8 +292,9 @@ def test_alignment_table_sets_align_beside_its_source(experiment, meta_config, f
     assert rows == [sft_row if source == "sft" else merged_row, "| align | 96.9% | 12.25 | 75.0% | 9.500 |"]
     assert f"of `{source}` into `align`" in table and "(64)" in table
     assert ("(simpo)" in table) == (meta_config == {"source": "lora-merged", "method": "simpo"})
-    numbers = pd.read_csv(out / "report" / "alignment.csv", index_col="variant")
-    assert numbers.loc["align", "preference_margin"] == 12.25 and numbers.loc["align", "corpus_ppl"] == 9.5
+    numbers = pd.read_csv(out / "report.csv", index_col="variant")  # no alignment.csv: not a declared output
+    assert numbers.loc["align", "preference_margin"] == 12.25 and numbers.loc["align", "ppl"] == 9.5
+    assert not (out / "report" / "alignment.csv").exists()
     assert list(pd.read_csv(out / "report.csv", index_col="variant").index)[:3] == ["lora-merged", "sft", "align"]
 
 

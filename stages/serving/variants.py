@@ -3,8 +3,8 @@
 
 An experiment's variants are the torch model directories the chain wrote into results/<exp>/ that
 `stages.inference.loading.load_variant` loads: the imported checkpoint (`base`), `pretrain`, the
-fine-tuned `sft`, `lora` and `prefix` (adapters, on their base), `lora-merged`, and each quantized
-`quant/<variant>`. Each is named as evaluate and the report name it (`eval/<variant>.json`, the
+fine-tuned `sft`, `lora` and `prefix` (adapters, on their base), `lora-merged`, the aligned `align`
+(a model, or a LoRA adapter on its source), and each quantized `quant/<variant>`. Each is named as evaluate and the report name it (`eval/<variant>.json`, the
 rows of report.md): its directory's name, so quant/wint4 answers as `wint4`. Not served:
 `export/` (ONNX; the server runs torch models), `deploy/` (files for other runtimes) and
 `checkpoints/` (training state), nor any directory that holds no config.json or adapter_config.json.
@@ -23,7 +23,7 @@ from stages.deployment.onnx_model import is_onnx_dir
 from stages.errors import InputError
 
 # The report's row order (the starting model, then the chain); other directories follow by name.
-CHAIN_ORDER = ("base", "pretrain", "sft", "lora", "prefix", "lora-merged")
+CHAIN_ORDER = ("base", "pretrain", "sft", "lora", "prefix", "lora-merged", "align")
 NOT_VARIANTS = ("export", "deploy", "checkpoints", "data")  # directories of an experiment that are no model
 
 

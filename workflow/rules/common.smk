@@ -149,12 +149,14 @@ def model_variants(wildcards):
 
 def finetune_priority(wildcards):
     """1 for the fine-tuning the quantized chain waits on (quantize.source's method, or with source
-    align the aligned model's source's), else 0: with three methods on two cores it starts first, so
-    the DAG's longest path is not queued behind another method (the default DAG: LoRA, 190 s, had
-    waited 40 s for prefix tuning)."""
+    align the aligned model's source's) and for the one alignment starts from, else 0: with three
+    methods on two cores they start first, so the DAG's longest paths are not queued behind another
+    method (the default DAG: LoRA, 190 s, had waited 40 s for prefix tuning; SFT, then score_pairs,
+    align and its evaluation, 39 s for prefix tuning and an evaluation, 2026-11-29)."""
     exp = experiment(wildcards)
     source = exp["align"]["source"] if exp["quantize"]["source"] == "align" else exp["quantize"]["source"]
-    return int(source.removesuffix("-merged") == wildcards.method)
+    aligned = exp["align"]["source"] if align_enabled(exp) else None
+    return int(wildcards.method in (source.removesuffix("-merged"), (aligned or "").removesuffix("-merged")))
 
 
 def finetune_base(wildcards):

@@ -114,7 +114,7 @@ def run(model_dir: str | Path, data_dir: str | Path, out_dir: str | Path, config
     set_seed(config.seed)
     tokenizer = load_model_tokenizer(model_dir)
     pairs, _ = encoded_pairs(model_dir, data_dir, config, tokenizer)
-    reference = read_reference(reference_dir, pairs) if objective.needs_reference else None
+    reference = read_reference(reference_dir, pairs, config) if objective.needs_reference else None
     source = PreferenceBatches(pairs, pad_id(tokenizer), config.seed, reference)
 
     model = _training_model(config, model_dir)

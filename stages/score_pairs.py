@@ -5,12 +5,14 @@ pair's chosen and of its rejected answer, which DPO and IPO compare the policy's
         --out results/llama/align_reference --config '{...align section...}'
 
 Reads `<data>/preference/train.json`, encodes every pair as `stages.align` does (the align
-section's src_length and max_length, the data's chat format), runs the model in fp32 without
-gradients, and writes atomically `<out>/reference_logps.safetensors` (`logps` (N, 2) float64: the
-chosen and the rejected side of each kept pair; `index` (N,): the pair's line in train.json, 0-based)
-and meta.json, whose `pairs_sha256` names the encoded pairs: `stages.align` refuses log-probs of
-other pairs. Only the pairs' encoding and the model change the scores, so a rerun of the
-alignment with another beta, method or learning rate reuses them.
+section's src_length and max_length, the data's chat format), and runs the model in fp32 without
+gradients over the pairs the alignment will draw (its seed, max_steps and global batch of pairs:
+`pairs_seen`; 800 of the default's 2000). Writes atomically `<out>/reference_logps.safetensors`
+(`logps` (N, 2) float64: the chosen and the rejected side of each kept pair, NaN for a pair the run
+never draws; `index` (N,): the pair's line in train.json, 0-based) and meta.json, whose
+`pairs_sha256` names the encoded pairs: `stages.align` refuses log-probs of other pairs, or
+missing ones. Only the model, the pairs' encoding and which pairs are drawn change the scores, so a
+rerun of the alignment with another beta, method or learning rate reuses them.
 """
 
 from __future__ import annotations
@@ -33,13 +35,14 @@ from stages.data.tokenizer import load_model_tokenizer, pad_id
 from stages.errors import InputError, run_cli
 from stages.sections import AlignSettings
 from stages.stage_logs import configure_logging, log_io
-from stages.training.preference_batches import Pair, encode_pairs, pad_rows
+from stages.training.preference_batches import Pair, encode_pairs, pad_rows, pairs_seen
 from stages.training.preference_step import row_logps
 
 log = logging.getLogger(__name__)
 
 REFERENCE_FILE = "reference_logps.safetensors"
-ENCODING_KEYS = ("source", "src_length", "max_length")  # the align keys that change the scores
+# the align keys that change the scores: the model, the pairs' encoding, which pairs are drawn
+ENCODING_KEYS = ("source", "src_length", "max_length", "seed", "max_steps")
 
 
 def pairs_sha256(pairs: Sequence[Pair]) -> str:
@@ -74,9 +77,10 @@ def encoded_pairs(model_dir: Path, data_dir: Path, config: AlignSettings, tokeni
     return encode_pairs(read_preference_file(path), tokenizer, config.src_length, config.max_length, chat, str(path))
 
 
-def read_reference(reference_dir: str | Path, pairs: Sequence[Pair]) -> torch.Tensor:
+def read_reference(reference_dir: str | Path, pairs: Sequence[Pair], config: AlignSettings) -> torch.Tensor:
     """The (N, 2) reference log-probs of `pairs` from a score_pairs output; InputError when they
-    were computed for other pairs (other data, lengths or tokenizer)."""
+    were computed for other pairs (other data, lengths or tokenizer) or lack one the run of
+    `config` draws (another seed, more steps or a larger global batch)."""
     from safetensors.torch import load_file
 
     reference_dir = Path(reference_dir)
@@ -89,7 +93,13 @@ def read_reference(reference_dir: str | Path, pairs: Sequence[Pair]) -> torch.Te
         raise InputError(f"--reference {reference_dir}: its log-probs belong to other pairs than these (the "
                          "preference data, the tokenizer or align.src_length / max_length changed since); rerun "
                          "python -m stages.score_pairs")
-    return load_file(path)["logps"]
+    logps = load_file(path)["logps"]
+    missing = torch.isnan(logps[torch.from_numpy(pairs_seen(len(pairs), config))]).any(dim=1)
+    if missing.any():
+        raise InputError(f"--reference {reference_dir}: {int(missing.sum())} of the pairs this run draws were not "
+                         "scored (they were for another seed, fewer steps or a smaller global batch of pairs); "
+                         "rerun python -m stages.score_pairs with this align section")
+    return logps
 
 
 def run(model_dir: str | Path, data_dir: str | Path, out_dir: str | Path,
@@ -108,19 +118,22 @@ def run(model_dir: str | Path, data_dir: str | Path, out_dir: str | Path,
     tokenizer = load_model_tokenizer(model_dir)
     pairs, index = encoded_pairs(model_dir, data_dir, config, tokenizer)
     model = load_causal_lm(model_dir, families="all")
-    logps = score(model, pairs, pad_id(tokenizer), config.per_device_eval_batch_size)
-    metrics = {"pairs": len(pairs), "pairs_sha256": pairs_sha256(pairs),
-               "mean_logps_chosen": float(logps[:, 0].mean()), "mean_logps_rejected": float(logps[:, 1].mean()),
-               "accuracy": float((logps[:, 0] > logps[:, 1]).double().mean())}
+    seen = pairs_seen(len(pairs), config)
+    logps = torch.full((len(pairs), 2), float("nan"), dtype=torch.float64)
+    scored = score(model, [pairs[i] for i in seen], pad_id(tokenizer), config.per_device_eval_batch_size)
+    logps[torch.from_numpy(seen)] = scored
+    metrics = {"pairs": len(pairs), "pairs_scored": len(seen), "pairs_sha256": pairs_sha256(pairs),
+               "mean_logps_chosen": float(scored[:, 0].mean()), "mean_logps_rejected": float(scored[:, 1].mean()),
+               "accuracy": float((scored[:, 0] > scored[:, 1]).double().mean())}
     from safetensors.torch import save_file
 
     with atomic_dir(out_dir) as tmp:
         save_file({"logps": logps.contiguous(), "index": torch.tensor(index, dtype=torch.long)}, tmp / REFERENCE_FILE)
         write_meta(tmp, stage="score_pairs", config={k: config[k] for k in ENCODING_KEYS}, parent=model_dir,
                    seed=None, metrics=metrics)
-    log.info("score_pairs: %d pairs, mean log-prob chosen %.3f, rejected %.3f (the reference prefers the chosen "
-             "answer in %.1f%% of them)", len(pairs), metrics["mean_logps_chosen"], metrics["mean_logps_rejected"],
-             100 * metrics["accuracy"])
+    log.info("score_pairs: %d of %d pairs (those the alignment draws), mean log-prob chosen %.3f, rejected %.3f "
+             "(the reference prefers the chosen answer in %.1f%% of them)", len(seen), len(pairs),
+             metrics["mean_logps_chosen"], metrics["mean_logps_rejected"], 100 * metrics["accuracy"])
     return metrics
 
 
@@ -130,8 +143,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "model directory (align.source's, e.g. results/<name>/sft)")
     parser.add_argument("--data", required=True, metavar="DIR", help="prepare's output (reads preference/train.json)")
     parser.add_argument("--out", required=True, metavar="DIR", help="output directory, written atomically")
-    parser.add_argument("--config", metavar="JSON", help="the align section as one JSON object (src_length, "
-                        "max_length and per_device_eval_batch_size are read)")
+    parser.add_argument("--config", metavar="JSON", help="the align section as one JSON object (read: src_length "
+                        "and max_length, the encoding; seed, max_steps and the global batch of pairs, which pairs "
+                        "are scored; per_device_eval_batch_size)")
     args = parser.parse_args(argv)
     configure_logging()
     return run(args.model, args.data, args.out, json.loads(args.config) if args.config else None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from stages.data.preference import PreferenceRecord
@@ -59,6 +60,18 @@ def encode_pairs(records: Sequence[PreferenceRecord], tokenizer, src_length: int
         raise InputError(f"{where}: no pair keeps an answer token of both sides within max_length={max_length}; "
                          "raise align.max_length or lower align.src_length")
     return pairs, index
+
+
+def global_batch_of(section) -> int:
+    """Pairs per optimizer step of a training section: per device x accumulation x data parallel."""
+    dp = section.world_size // (section.tensor_parallel_degree * section.pipeline_parallel_degree)
+    return section.per_device_train_batch_size * section.gradient_accumulation_steps * dp
+
+
+def pairs_seen(num_pairs: int, section) -> np.ndarray:
+    """The sorted indices of the pairs a run of `section` draws in its max_steps global batches
+    (`PreferenceBatches`' seeded order): all of them once the run passes an epoch."""
+    return np.unique(_epoch_order(0, section.max_steps * global_batch_of(section), num_pairs, section.seed))
 
 
 def pad_rows(examples: Sequence[Example], width: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,8 +13,15 @@ import pandas as pd
 import pytest
 import yaml
 from served_answers import served_and_predicted
-from workflow_helpers import DEBUG_CONFIG, TARGET, artifact_hashes, planned_jobs, repo_copy, snakemake
-
+from workflow_helpers import (
+    DEBUG_CONFIG,
+    TARGET,
+    artifact_hashes,
+    debug_config_with_align,
+    planned_jobs,
+    repo_copy,
+    snakemake,
+)
 
 # Snakemake's linter asks every rule for a conda environment or a container. The rules name none: no
 # conda channel and no container registry is reachable where the project is built and tested, so
@@ -33,16 +40,17 @@ def test_lint_is_clean(tmp_path):
 def test_dry_run_plans_every_stage(tmp_path):
     proc = snakemake(tmp_path, "-n", "results/llama/quant_eval.json")
     jobs = planned_jobs(proc.stdout)
-    # evaluate: pretrain, sft, lora, prefix, lora-merged, 4 quantized and onnx-int8; deploy: config.yaml's section
-    assert jobs == {"prepare": 1, "plan_job": 4, "plan": 1, "pretrain": 1, "finetune": 3, "merge_lora": 1, "quantize": 4,
-                    "export": 1, "evaluate": 10, "deploy_gguf": 2, "deploy_compressed_tensors": 1,
-                    "deploy_manifest": 1, "report": 1}, proc.stdout
+    # evaluate: pretrain, sft, lora, prefix, lora-merged, align, 4 quantized and onnx-int8; deploy: config.yaml's
+    assert jobs == {"prepare": 1, "plan_job": 5, "plan": 1, "pretrain": 1, "finetune": 3, "score_pairs": 1, "align": 1,
+                    "merge_lora": 1, "quantize": 4, "export": 1, "evaluate": 11, "deploy_gguf": 2,
+                    "deploy_compressed_tensors": 1, "deploy_manifest": 1, "report": 1}, proc.stdout
 
 
-# The debug experiment's jobs (align off, as in the whole-DAG test below).
+# The debug experiment's jobs (align off); with align on, ALIGN_JOBS instead of these counts.
 CI_JOBS = {"prepare": 1, "plan_job": 4, "plan": 1, "pretrain": 1, "finetune": 3, "merge_lora": 1, "quantize": 4,
            "export": 1, "evaluate": 10, "deploy_gguf": 2, "deploy_compressed_tensors": 1, "deploy_manifest": 1,
            "report": 1}
+ALIGN_JOBS = {"plan_job": 5, "evaluate": 11, "score_pairs": 1, "align": 1}
 
 
 def _job_lines(stdout: str, rule: str) -> list[str]:
@@ -60,12 +68,20 @@ def test_align_joins_the_chain_when_enabled(tmp_path):
                                    "comparisons": {"aligned": {"experiments": ["ci"], "variants": ["sft", "align"]}}}))
     proc = snakemake(tmp_path, "--configfile", str(DEBUG_CONFIG), str(dpo), "-n", TARGET,
                      "results/comparisons/aligned/compare.md")
-    added = {"plan_job": 5, "evaluate": 11, "score_pairs": 1, "align": 1, "compare": 1}
-    assert planned_jobs(proc.stdout) == {**CI_JOBS, **added}, proc.stdout
+    assert planned_jobs(proc.stdout) == {**CI_JOBS, **ALIGN_JOBS, "compare": 1}, proc.stdout
     [score] = _job_lines(proc.stdout, "score_pairs")
     assert "--model results/ci/sft " in score
+    # which pairs are drawn (the defaults: 100 steps of 8 pairs, one process), not beta or the learning rate
     assert json.loads(re.search(r"--config '(.*?)'", score).group(1)) == {
-        "source": "sft", "src_length": 64, "max_length": 128, "per_device_eval_batch_size": 32}
+        "source": "sft", "src_length": 64, "max_length": 128, "per_device_eval_batch_size": 32, "seed": 42,
+        "max_steps": 100, "per_device_train_batch_size": 8}
+    layout = tmp_path / "layout.yaml"  # the same global batch of pairs on two ranks: the same scoring
+    layout.write_text(yaml.safe_dump({"experiments": {"ci": {"align": {
+        "enabled": True, "beta": 0.2, "world_size": 2, "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 2}}}}))
+    [same] = _job_lines(snakemake(tmp_path, "--configfile", str(DEBUG_CONFIG), str(layout), "-n", TARGET).stdout,
+                        "score_pairs")
+    assert re.search(r"--config '(.*?)'", same).group(1) == re.search(r"--config '(.*?)'", score).group(1)
     [align] = _job_lines(proc.stdout, "align")
     assert "-- stages.align --model results/ci/sft --data results/ci/data --reference results/ci/align_reference " \
            "--out results/ci/align " in align and "--plan results/ci/plan/align.json" in align
@@ -128,11 +144,12 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
     repo = repo_copy(tmp_path / "repo")
     work = tmp_path / "work"
     work.mkdir()
+    config = debug_config_with_align(tmp_path)  # debug.yaml with DPO after SFT
 
     def sm(workdir: Path, *args: str, **kwargs):
         return snakemake(workdir, *args, root=repo, **kwargs)
 
-    sm(work, "--configfile", str(DEBUG_CONFIG), "--cores", "2", TARGET)
+    sm(work, "--configfile", str(config), "--cores", "2", TARGET)
     exp = work / "results" / "ci"
 
     # Every stage's artifact exists and follows its contract.
@@ -149,7 +166,7 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
         assert log["loss"].iloc[-5:].mean() < log["loss"].iloc[:5].mean(), stage
     from transformers import AutoModelForCausalLM
 
-    # DPO (debug.yaml: two ranks, ZeRO-2) logs the preference statistics; its first policy is its reference
+    # DPO (DEBUG_ALIGN: two ranks, ZeRO-2) logs the preference statistics; its first policy is its reference
     align_log = pd.read_csv(exp / "align" / "train_log.csv")
     assert align_log["loss"].iloc[0] == pytest.approx(0.693147, abs=1e-5)
     assert align_log["rewards_margin"].iloc[-5:].mean() > 0 and align_log["rewards_accuracy"].iloc[-5:].mean() > 0.5
@@ -197,7 +214,7 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
                  "stages.csv"):
         assert (exp / "report" / name).stat().st_size > 0, name
     assert set(pd.read_csv(exp / "report" / "quality.csv")["variant"]) == set(report["variant"])
-    sm(work, "--configfile", str(DEBUG_CONFIG), "--report", "report.html", TARGET)
+    sm(work, "--configfile", str(config), "--report", "report.html", TARGET)
     html = (work / "report.html").read_text()
     assert all(f"filename={name}" in html for name in ("training.png", "quantization.png", "stages.png"))
 
@@ -214,13 +231,13 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
     # (slow), whose module and S3 runs are two runs of this DAG.
 
     # A second run finds nothing to do.
-    proc = sm(work, "--configfile", str(DEBUG_CONFIG), "-n", TARGET)
+    proc = sm(work, "--configfile", str(config), "-n", TARGET)
     assert planned_jobs(proc.stdout) == {}, proc.stdout
 
     # Changing a LoRA hyperparameter reruns the LoRA branch and what depends on it, nothing else
     # (LoRA's memory estimate and the whole plan are redone; the other jobs' estimates are not).
     before = _mtimes(work)
-    cfg = yaml.safe_load(DEBUG_CONFIG.read_text())
+    cfg = yaml.safe_load(config.read_text())
     cfg["experiments"]["ci"]["finetune"]["lora"]["lora_rank"] = 8
     changed = work / "changed.yaml"
     changed.write_text(yaml.safe_dump(cfg))

@@ -10,10 +10,25 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG_CONFIG = ROOT / "tests" / "integration" / "debug.yaml"
 TARGET = "results/ci/quant_eval.json"
+# DPO after SFT on two ranks (ZeRO-2), from the reference log-probs of rule score_pairs: test_workflow's
+# DAG adds it to debug.yaml's (the other integration tests run the chain without it). The debug model's
+# loss moves ~0.03 in 20 steps of 16 pairs at 1e-3; at 1e-4 it stayed within batch noise.
+DEBUG_ALIGN = {"enabled": True, "max_steps": 20, "warmup_steps": 2, "per_device_train_batch_size": 8,
+               "world_size": 2, "sharding": "stage2", "learning_rate": 1.0e-3, "save_steps": 10}
+
+
+def debug_config_with_align(directory: Path) -> Path:
+    """debug.yaml with DEBUG_ALIGN as experiment ci's align section, written into `directory`."""
+    config = yaml.safe_load(DEBUG_CONFIG.read_text())
+    config["experiments"]["ci"]["align"] = dict(DEBUG_ALIGN)
+    path = Path(directory) / "debug_align.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
 
 
 def repo_copy(dest: Path) -> Path:

@@ -42,7 +42,7 @@ def data_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference_dir(tmp_path_factory, debug_model_dir, data_dir):
     out = tmp_path_factory.mktemp("reference") / "align_reference"
-    score_pairs.run(debug_model_dir, data_dir, out, align_section())
+    score_pairs.run(debug_model_dir, data_dir, out, align_section(max_steps=100))  # every pair drawn
     return out
 
 
@@ -94,7 +94,7 @@ def test_the_first_step_loss_is_the_objective_on_the_first_batch(method, tmp_pat
                                                                  reference_dir):
     section = align_section(method=method, max_steps=1, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                             label_smoothing=0.1 if method in ("dpo", "simpo") else 0.0)
-    reference = score_pairs.read_reference(reference_dir, _encoded(debug_model_dir, section)[0])
+    reference = score_pairs.read_reference(reference_dir, _encoded(debug_model_dir, section)[0], section)
     metrics = align.run(debug_model_dir, data_dir, tmp_path / "out", section,
                         reference_dir if method in ("dpo", "ipo") else None)
     expected = _first_batch_loss(debug_model_dir, section, reference)
@@ -174,3 +174,21 @@ def test_sigterm_saves_a_checkpoint_and_the_rerun_ends_bit_identical(tuning, tmp
 
 def _all_weights(out) -> dict[str, torch.Tensor]:
     return {f"{f.name}:{k}": v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def test_score_pairs_scores_only_the_pairs_the_run_draws(tmp_path, debug_model_dir, data_dir, reference_dir):
+    """2 steps of 8 pairs draw 16 of the 48: only those are scored (the same values as when every
+    pair is), and a run drawing more is refused with the rule to rerun."""
+    from safetensors.torch import load_file
+
+    section = align_section(max_steps=2)
+    out = tmp_path / "some"
+    metrics = score_pairs.run(debug_model_dir, data_dir, out, section)
+    some, every = load_file(out / score_pairs.REFERENCE_FILE)["logps"], load_file(
+        reference_dir / score_pairs.REFERENCE_FILE)["logps"]
+    scored = ~torch.isnan(some).any(dim=1)
+    assert metrics["pairs_scored"] == int(scored.sum()) == 16 and len(some) == 48
+    torch.testing.assert_close(some[scored], every[scored], rtol=1e-6, atol=1e-6)  # batched in other company
+    align.run(debug_model_dir, data_dir, tmp_path / "ok", section, out)
+    with pytest.raises(InputError, match="were not scored"):
+        align.run(debug_model_dir, data_dir, tmp_path / "more", align_section(max_steps=3), out)

@@ -60,7 +60,7 @@ def data_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference_dir(tmp_path_factory, debug_model_dir, data_dir):
     out = tmp_path_factory.mktemp("scores") / "align_reference"
-    score_pairs.run(debug_model_dir, data_dir, out, align_section())
+    score_pairs.run(debug_model_dir, data_dir, out, align_section(max_steps=100))  # every pair drawn
     return out
 
 

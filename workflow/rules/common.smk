@@ -202,11 +202,16 @@ def scoring_inputs(wildcards):
 
 
 def scoring_section(wildcards):
-    """The align keys the scores depend on (JSON): the source and the pairs' encoding; the batch
-    size does not change them, and no training key (beta, method, learning_rate, ...) is here."""
+    """The align keys the scores depend on (JSON): the source, the pairs' encoding and which pairs
+    the run draws (seed, max_steps, its global batch of pairs, given as one process's batch so that
+    another layout of the same batch is the same scoring); no training key (beta, method,
+    learning_rate, ...) is here."""
     align = align_section(wildcards)
-    return json.dumps({k: align[k] for k in ("source", "src_length", "max_length", "per_device_eval_batch_size")},
-                      sort_keys=True)
+    dp = align["world_size"] // (align["tensor_parallel_degree"] * align["pipeline_parallel_degree"])
+    keys = {k: align[k] for k in ("source", "src_length", "max_length", "per_device_eval_batch_size", "seed",
+                                  "max_steps")}
+    keys["per_device_train_batch_size"] = align["per_device_train_batch_size"] * align["gradient_accumulation_steps"] * dp
+    return json.dumps(keys, sort_keys=True)
 
 
 def reference_flag(wildcards, input):

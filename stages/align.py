@@ -38,6 +38,7 @@ import torch.distributed as dist
 from stages import settings
 from stages.adapters.trainable import count_parameters
 from stages.checkpoint.integrity import sha256_file
+from stages.config import check_align_section
 from stages.data.tokenizer import load_model_tokenizer, pad_id
 from stages.errors import InputError, run_cli
 from stages.model.preference_loss import PreferenceObjective
@@ -62,16 +63,8 @@ def check_section(config: Mapping[str, Any] | None) -> tuple[AlignSettings, Pref
     """The align section with the schema's defaults filled and checked, and its objective;
     InputError naming the key for what the schema cannot say."""
     config = AlignSettings.of(config)
-    try:
-        objective = PreferenceObjective(config.method, config.beta, config.label_smoothing, config.simpo_gamma)
-    except ValueError as exc:
-        raise InputError(str(exc)) from None
-    if config.src_length >= config.max_length:
-        raise InputError(f"align.src_length={config.src_length} leaves no room for the answer within "
-                         f"align.max_length={config.max_length}; raise max_length or lower src_length")
-    if config.pipeline_parallel_degree > 1:
-        raise InputError("align.pipeline_parallel_degree: preference training under pipeline parallelism is not "
-                         "supported yet; set it to 1 (data parallel, ZeRO and tensor parallelism are)")
+    check_align_section("align", config.as_dict())  # as the workflow checks it: lengths, warmup, smoothing, pp
+    objective = PreferenceObjective(config.method, config.beta, config.label_smoothing, config.simpo_gamma)
     return config, objective
 
 

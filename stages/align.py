@@ -42,7 +42,6 @@ from stages.config import check_align_section
 from stages.data.tokenizer import load_model_tokenizer, pad_id
 from stages.errors import InputError, run_cli
 from stages.model.preference_loss import PreferenceObjective
-from stages.score_pairs import REFERENCE_FILE, encoded_pairs, read_reference
 from stages.sections import AlignSettings, LoraSettings
 from stages.stage_logs import configure_logging, log_io
 from stages.training.checkpointing import model_identity
@@ -52,6 +51,11 @@ from stages.training.families import load_causal_lm
 from stages.training.parallelize import parallel_degrees
 from stages.training.peak_memory import log_memory_against_plan
 from stages.training.preference_batches import PreferenceBatches
+from stages.training.reference_logps import (
+    REFERENCE_FILE,
+    encoded_pairs,
+    read_reference,
+)
 from stages.training.seed import set_seed
 
 log = logging.getLogger(__name__)
@@ -119,7 +123,7 @@ def run(model_dir: str | Path, data_dir: str | Path, out_dir: str | Path, config
     if reference is not None:  # other reference log-probs are another run
         identity["reference"] = sha256_file(Path(reference_dir) / REFERENCE_FILE)
     writer = None
-    if config.tuning == "lora":
+    if config.tuning == "lora":  # peft and transformers: only LoRA alignments load them
         from stages.adapters.peft_files import adapter_writer
 
         writer = adapter_writer("lora", lora_section(config), model, model_dir)

@@ -28,6 +28,7 @@ from stages.adapters.prefix import build_prefix_config
 from stages.adapters.prefix_kv import PEFT_KEY, prefix_names, projected_table, to_peft
 from stages.checkpoint.integrity import write_tensors
 from stages.errors import InputError
+from stages.model import LlamaForCausalLM
 from stages.sections import FINETUNE
 from stages.checkpoint.weights import model_weight_files, read_header
 
@@ -156,8 +157,6 @@ def adapter_writer(method: str, section: Mapping[str, Any], model: torch.nn.Modu
     """What the training engine calls with the trained adapter's whole tensors (by the training
     model's names) to write them as a peft adapter dir: for our model with the config peft would
     write for `method` and `section` on `model_dir`'s model, for a peft-wrapped model with its own."""
-    from stages.model import LlamaForCausalLM
-
     if isinstance(model, LlamaForCausalLM):
         peft_config = peft_config_for(method, section, model_dir)
         num_layers = model.config.num_hidden_layers

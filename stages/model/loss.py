@@ -65,6 +65,16 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *,
     return loss if normalizer is None else loss / normalizer
 
 
+def per_token_loss(logits: torch.Tensor, targets: torch.Tensor,
+                   per_token: PerTokenLoss | None = None) -> torch.Tensor:
+    """(N,) fp32 cross-entropy of each row of `logits` (N, V or V/tp) against `targets` (N,), 0
+    where the target is IGNORE_INDEX: what a sequence's log-probability sums (preference training)."""
+    logits = logits.float()
+    if per_token is None:
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="none")
+    return per_token(logits, targets)
+
+
 def token_loss(logits: torch.Tensor, targets: torch.Tensor, *, reduction: Literal["mean", "sum"] = "mean",
                per_token: PerTokenLoss | None = None) -> torch.Tensor:
     """Cross-entropy of `logits` (N, V or V/tp) against `targets` (N,), those equal to IGNORE_INDEX

@@ -12,13 +12,13 @@ logits equal the whole ones'.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from stages.model import LlamaForCausalLM
-from stages.model.loss import learned_positions
+from stages.model.loss import counted_tokens, learned_positions, per_token_loss
 from stages.model.preference_loss import PreferenceObjective, SequenceLogps
 from stages.parallel.mappings import collective_device
 from stages.parallel.tensor import vocab_parallel_cross_entropy
@@ -38,10 +38,8 @@ def row_logps(model, ids: torch.Tensor, labels: torch.Tensor, tp_group=None) -> 
     else:
         output = model(input_ids=ids)
         logits = (output if torch.is_tensor(output) else output.logits)[where]
-    if tp_group is None:
-        nll = F.cross_entropy(logits.float(), targets, reduction="none")  # (N,)
-    else:
-        nll = vocab_parallel_cross_entropy(logits.float(), targets, group=tp_group)
+    per_token = None if tp_group is None else functools.partial(vocab_parallel_cross_entropy, group=tp_group)
+    nll = per_token_loss(logits, targets, per_token)  # (N,)
     rows = where.nonzero()[:, 0]  # the row of each learned position, in logits' row-major order
     total = torch.zeros(len(ids), dtype=nll.dtype, device=nll.device).index_add(0, rows, -nll)
     return SequenceLogps(total=total, tokens=where.sum(-1))
@@ -57,9 +55,7 @@ def chosen_tokens(batches: list[tuple[torch.Tensor, ...]], dp_group) -> int:
     """Learned tokens of the chosen rows of the global batch (ORPO's NLL is their mean)."""
     import torch.distributed as dist
 
-    count = 0
-    for _, labels, _ in batches:
-        count += int((labels[:len(labels) // 2, 1:] != -100).sum())
+    count = sum(int(counted_tokens(labels[:len(labels) // 2])) for _, labels, _ in batches)
     count = torch.tensor(count, device=collective_device(dp_group))
     dist.all_reduce(count, group=dp_group)
     return max(int(count), 1)

@@ -29,6 +29,7 @@ from stages.model.preference_loss import (
     orpo_nll,
     sequence_logps,
 )
+from stages.training import reference_logps
 from stages.training.families import load_causal_lm
 from stages.training.preference_batches import PreferenceBatches, encode_pairs, pad_rows
 from stages.training.preference_step import STATS, row_logps
@@ -94,7 +95,7 @@ def test_the_first_step_loss_is_the_objective_on_the_first_batch(method, tmp_pat
                                                                  reference_dir):
     section = align_section(method=method, max_steps=1, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                             label_smoothing=0.1 if method in ("dpo", "simpo") else 0.0)
-    reference = score_pairs.read_reference(reference_dir, _encoded(debug_model_dir, section)[0], section)
+    reference = reference_logps.read_reference(reference_dir, _encoded(debug_model_dir, section)[0], section)
     metrics = align.run(debug_model_dir, data_dir, tmp_path / "out", section,
                         reference_dir if method in ("dpo", "ipo") else None)
     expected = _first_batch_loss(debug_model_dir, section, reference)

@@ -126,7 +126,7 @@ def test_prepare_log(tmp_path, caplog):
         prepare.run(tmp_path / "data", DATA)
     assert caplog.messages[0] == (
         "prepare: reads builtin:pydoc (corpus), builtin:attributes (SFT records); writes "
-        f"{tmp_path / 'data'} (tokenizer, train/validation tokens, sft/train.json, sft/dev.json)")
+        f"{tmp_path / 'data'} (tokenizer, train/validation tokens, sft/train.json, sft/dev.json, preference/*.json)")
     texts = _matching(caplog.messages, rf"tokenizer training texts read \d+/(\d+) \(\d+%\), {TIME} elapsed.*")
     assert 1 <= len(texts) <= 10 and re.match(r"tokenizer training texts read (\d+)/\1 \(100%\)", texts[-1])
     assert _matching(caplog.messages, rf"documents tokenized (\d+)/\1 \(100%\), {TIME} elapsed")
@@ -137,7 +137,7 @@ def test_evaluate_log(chain, tmp_path, caplog):
     with caplog.at_level(logging.INFO):
         evaluate.run(chain / "model", chain / "data", out, "debug", EVALUATE)
     assert caplog.messages[0] == (f"evaluate: reads {chain / 'model'} (model), {chain / 'data'} (validation and "
-                                  f"train tokens, sft/dev.json); writes {out} (metrics)")
+                                  f"train tokens, sft/dev.json, preference/dev.json); writes {out} (metrics)")
     for what, n in (("perplexity windows", 5), ("dev answer perplexity examples", 6),
                     ("generation on dev examples", 6)):
         lines = _matching(caplog.messages, rf"{what} \d+/{n} \(\d+%\), {TIME} elapsed(, ~{TIME} left)?")

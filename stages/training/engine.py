@@ -263,7 +263,7 @@ def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: 
                flops_per_token=fpt, logits_flops_per_token=logits_fpt, peak_flops=peak, start_step=start_step,
                losses=losses, evaluations=evaluations, stops=stops, objective=objective,
                rows_per_item=getattr(source, "rows_per_item", 1),
-               pair_stats=PairStats() if objective is not None else None)
+               pair_stats=PairStats(topology.get_data_parallel_group()) if objective is not None else None)
 
 
 def _bf16_decided(section: TrainingSettings, stage: str) -> TrainingSettings:
@@ -296,7 +296,7 @@ def step(run: Run, source, index: int) -> tuple[float, float | None]:
         chosen = chosen_tokens(batches, dp_group) if run.objective.method == "orpo" else 1
         step_loss, grad_norm, stats = preference_train_step(run.engine, run.objective, batches, run.global_batch,
                                                             chosen, dp, run.clip, tp_output_group(run))
-        run.pair_stats.add(stats, dp_group)
+        run.pair_stats.add(stats)
     else:
         step_loss, grad_norm = train_step(run.engine, run.runner, batches, num_tokens, dp, run.clip,
                                           tp_output_group(run))

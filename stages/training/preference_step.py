@@ -95,22 +95,25 @@ def preference_train_step(engine, objective: PreferenceObjective, batches: list[
 
 
 class PairStats:
-    """The `STATS` sums of the pairs stepped since the last logged row, over every data-parallel rank."""
+    """The `STATS` sums of this rank's pairs stepped since the last logged row; `means` sums them
+    over the data-parallel ranks, once per logged row rather than once per step."""
 
-    def __init__(self):
+    def __init__(self, dp_group):
+        self.dp_group = dp_group
         self.sums = torch.zeros(len(STATS) + 1, dtype=torch.float64)
 
-    def add(self, stats: torch.Tensor, dp_group) -> None:
-        """Add this rank's sums of one step (collective over `dp_group`)."""
-        import torch.distributed as dist
-
-        stats = stats.to(collective_device(dp_group))
-        dist.all_reduce(stats, group=dp_group)
-        self.sums += stats.cpu()
+    def add(self, stats: torch.Tensor) -> None:
+        """Add this rank's sums of one step (local, no collective)."""
+        self.sums += stats
 
     def means(self) -> dict[str, float]:
-        """The means per pair since the last call (then reset)."""
-        count = max(float(self.sums[-1]), 1.0)
-        out = {name: float(value) / count for name, value in zip(STATS, self.sums[:-1])}
+        """The means per pair since the last call, over every data-parallel rank (collective over
+        the group: every rank calls it at the same steps), then reset."""
+        import torch.distributed as dist
+
+        sums = self.sums.to(collective_device(self.dp_group), copy=True)  # not an alias: reset below
+        dist.all_reduce(sums, group=self.dp_group)
+        sums = sums.cpu()
+        count = max(float(sums[-1]), 1.0)
         self.sums.zero_()
-        return out
+        return {name: float(value) / count for name, value in zip(STATS, sums[:-1])}

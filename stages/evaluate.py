@@ -40,11 +40,12 @@ Metrics JSON (`eval/<variant>.json`, written atomically), one object:
   num_dev_examples   int    dev records scored
   preference_accuracy
                      float  [0, 1] share of the preference dev pairs (data/preference/dev.json, the first
-                            PREFERENCE_PAIRS) whose chosen answer the model gives the higher summed
-                            log-prob (stages.metrics.preference); null without that file
+                            num_preference_pairs) whose chosen answer the model gives the higher
+                            summed log-prob (stages.metrics.preference); null without that file or
+                            with num_preference_pairs: 0
   preference_margin  float  mean of log p(chosen) - log p(rejected) over those pairs, nats summed over
                             the answer tokens; null without the file
-  preference_pairs   int    pairs scored (null without the file)
+  preference_pairs   int    pairs scored (null when none were asked for)
   gen_tokens         int    tokens generated (up to and including each eos)
   gen_seconds        float  wall seconds spent in generate
   gen_tokens_per_s   float  gen_tokens / gen_seconds (greedy, batched, left padding)
@@ -72,8 +73,8 @@ Metrics JSON (`eval/<variant>.json`, written atomically), one object:
   settings           dict   the evaluate settings used (defaults filled)
   samples            list   first 5 dev records: {"src", "reference", "prediction"}
 
-Settings: the schema's `evaluate` keys (max_new_tokens, num_dev_examples, ppl_max_length,
-ppl_max_windows, per_device_eval_batch_size, speed_prefill_tokens, speed_batch_sizes,
+Settings: the schema's `evaluate` keys (max_new_tokens, num_dev_examples, num_preference_pairs,
+ppl_max_length, ppl_max_windows, per_device_eval_batch_size, speed_prefill_tokens, speed_batch_sizes,
 speed_decode_tokens, speed_repeats) plus `src_length` (default: finetune.sft's, 64; the rule passes
 finetune.sft.src_length with `--src-length`, so prompts are cut as in training).
 
@@ -121,7 +122,6 @@ log = logging.getLogger(__name__)
 
 _WEIGHT_PATTERNS = ("*.safetensors", "*.onnx", "*.onnx.data")
 _NUM_SAMPLES = 5
-PREFERENCE_PAIRS = 256  # dev pairs scored at most: two forwards a pair, no generation
 NO_PREFERENCE = {"preference_accuracy": None, "preference_margin": None, "preference_pairs": None}
 
 
@@ -234,13 +234,16 @@ def _dev_metrics(model, tokenizer, records: list[SftRecord], chat: bool, src_len
 
 def _preference(model, tokenizer, data_dir: Path, chat: bool, src_length: int,
                 settings: EvaluateSettings) -> dict[str, Any]:
-    """preference_accuracy, preference_margin, preference_pairs on the first PREFERENCE_PAIRS pairs of
-    data/preference/dev.json; all null when prepare wrote no pairs."""
+    """preference_accuracy, preference_margin, preference_pairs on the first num_preference_pairs
+    pairs of data/preference/dev.json; all null when prepare wrote no pairs or none are asked for."""
     path = data_dir / "preference" / "dev.json"
+    if not settings.num_preference_pairs:
+        log.info("evaluate.num_preference_pairs: 0: preference metrics skipped")
+        return dict(NO_PREFERENCE)
     if not path.exists():
         log.info("no %s: preference metrics skipped", path)
         return dict(NO_PREFERENCE)
-    records = read_preference_file(path)[:PREFERENCE_PAIRS]
+    records = read_preference_file(path)[:settings.num_preference_pairs]
     return preference_metrics(model, tokenizer, records, src_length, src_length + settings.max_new_tokens, chat,
                               pad_or_eos(tokenizer), settings.per_device_eval_batch_size)
 

@@ -241,6 +241,7 @@ class EvaluateSettings(Section):
     SECTION: ClassVar[str] = "evaluate"
     max_new_tokens: int
     num_dev_examples: int
+    num_preference_pairs: int
     ppl_max_length: int
     ppl_max_windows: int
     per_device_eval_batch_size: int

@@ -33,7 +33,7 @@ def test_smollm2_goes_through_the_chain_intact(tmp_path, smollm2_dir):
     # (bench/finetune_quality.py measures mixing on this model with the full recipes)
     preset["finetune"]["lora"]["mix_ratio"] = 0.0
     # speeds are measured but not checked here: one repeat of the shortest measurements
-    preset["evaluate"].update(num_dev_examples=16, ppl_max_windows=8, speed_repeats=1,
+    preset["evaluate"].update(num_dev_examples=16, num_preference_pairs=16, ppl_max_windows=8, speed_repeats=1,
                               speed_decode_tokens=8, speed_prefill_tokens=32)
     extra = tmp_path / "smollm2.yaml"
     extra.write_text(yaml.safe_dump({"experiments": {"smollm2": preset}}))

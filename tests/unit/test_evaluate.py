@@ -297,3 +297,21 @@ def test_preference_pairs_are_scored_for_every_torch_variant(workspace, tmp_path
         assert metrics["preference_pairs"] == 7 and want["preference_pairs"] == 7
         assert metrics["preference_accuracy"] == want["preference_accuracy"]
         assert metrics["preference_margin"] == pytest.approx(want["preference_margin"], abs=1e-6)
+
+
+def test_num_preference_pairs_caps_the_pairs_scored_and_zero_skips_them(workspace, tmp_path):
+    """evaluate.num_preference_pairs: the first N dev pairs are scored (as stages.metrics.preference
+    scores exactly those), and 0 leaves the preference keys null."""
+    from stages.inference.loading import load_variant
+    from stages.metrics.preference import preference_metrics
+
+    pairs = _data_with_pairs(workspace, tmp_path / "data")
+    capped = evaluate.run(workspace / "sft", tmp_path / "data", tmp_path / "three.json", "sft",
+                          {**CONFIG, "num_preference_pairs": 3}, src_length=64)
+    model, tokenizer, _ = load_variant(workspace / "sft")
+    want = preference_metrics(model, tokenizer, pairs[:3], 64, 64 + CONFIG["max_new_tokens"], False, 0, 4)
+    assert capped["preference_pairs"] == want["preference_pairs"] == 3
+    assert capped["preference_margin"] == pytest.approx(want["preference_margin"], abs=1e-6)
+    skipped = evaluate.run(workspace / "sft", tmp_path / "data", tmp_path / "none.json", "sft",
+                           {**CONFIG, "num_preference_pairs": 0}, src_length=64)
+    assert [skipped[k] for k in ("preference_accuracy", "preference_margin", "preference_pairs")] == [None] * 3

@@ -24,7 +24,6 @@ rerun resumes from the newest complete checkpoint there, in any layout.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -39,7 +38,7 @@ from stages.adapters import ADAPTER_METHODS
 from stages.adapters.trainable import count_parameters
 from stages.checkpoint.integrity import sha256_file
 from stages.config import check_finetune_section
-from stages.data.mix_sources import load_mix_sources
+from stages.data.mix_sources import mix_digests, section_mix_sources
 from stages.data.sft import encode_example, read_sft_file
 from stages.data.sft_format import data_chat_format
 from stages.data.tokenizer import load_model_tokenizer, pad_id
@@ -56,7 +55,7 @@ from stages.training.dev_eval import DevEvaluator
 from stages.training.distributed import finish_distributed, init_distributed
 from stages.training.engine import train as engine_train
 from stages.training.families import load_causal_lm, own_families
-from stages.training.mixed_batches import MixedSftBatches, reserve_for
+from stages.training.mixed_batches import MixedSftBatches, mixing_metrics, reserve_for
 from stages.training.parallelize import parallel_degrees
 from stages.training.peak_memory import log_memory_against_plan
 from stages.training.seed import set_seed
@@ -179,21 +178,7 @@ def build_source(config: SftSettings, examples: Sequence[Example], pad: int,
         source = SftBatches(list(examples), config.max_length, pad, config.seed, reserve)
     if not ratio:
         return source
-    weights = config.mix_weights or [1.0] * len(mix_sources)
-    return MixedSftBatches(source, mix_sources, weights, ratio, config.seed)
-
-
-def mixing_metrics(config: SftSettings, source, global_batch: int) -> dict[str, Any]:
-    """meta.json's record of the mixing: the share of learned tokens that was general text over
-    the run's global batches, as trained (the setting is in the section)."""
-    if not isinstance(source, MixedSftBatches):
-        return {}
-    share = source.token_share(config.max_steps, global_batch)
-    if abs(share - config.mix_ratio) > 0.02:
-        log.warning("mix_ratio=%.3f but general text was %.3f of the learned tokens: the rows (max_length=%d) "
-                    "have too little room after the examples; raise max_length", config.mix_ratio, share,
-                    config.max_length)
-    return {"mix_token_share": share, "mix_rows_length": source.seq_len}
+    return MixedSftBatches(source, mix_sources, config.mix_weights, ratio, config.seed)
 
 
 def dev_evaluator(config: SftSettings, dev: Sequence[Example] | None, dev_records, tokenizer, pad: int,
@@ -229,12 +214,6 @@ def _dev_set(dev_path: Path, config: SftSettings, tokenizer, chat: bool) -> tupl
     return dev, dev_records
 
 
-def _mix_sources(method: str, config: SftSettings, data_dir: Path, tokenizer) -> list[np.ndarray]:
-    """The general text of `mix_datasets` as token arrays (`load_mix_sources`); none without `mix_ratio`."""
-    return load_mix_sources(config.mix_datasets, data_dir, tokenizer, f"finetune.{method}.mix_datasets") \
-        if config.mix_ratio else []
-
-
 def _training_model(method: str, config: SftSettings, model_dir: Path, examples: Sequence[Example]) -> torch.nn.Module:
     """The base model of `model_dir` to train: whole for sft, with the method's adapter attached
     (the base frozen) for lora and prefix. InputError when packing meets transformers' model."""
@@ -260,7 +239,7 @@ def _identity(model_dir: Path, train_path: Path, method: str, mix: Sequence[np.n
     training records, the method and the general text mixed in."""
     identity = {"base": model_identity(model_dir), "train": sha256_file(train_path), "method": method}
     if mix:  # other general text is another run: never resumed from this one's checkpoints
-        identity["mix"] = [hashlib.sha256(np.ascontiguousarray(tokens).tobytes()).hexdigest() for tokens in mix]
+        identity["mix"] = mix_digests(mix)
     return identity
 
 
@@ -299,7 +278,7 @@ def run(method: str, model_dir: str | Path, data_dir: str | Path, out_dir: str |
     pad = pad_id(tokenizer)
     examples = load_examples(train_path, tokenizer, config.src_length, config.max_length, chat)
     dev, dev_records = _dev_set(dev_path, config, tokenizer, chat)
-    mix = _mix_sources(method, config, data_dir, tokenizer)
+    mix = section_mix_sources(config, data_dir, tokenizer, f"finetune.{method}")
 
     model = _training_model(method, config, model_dir, examples)
     trainable, total = count_parameters(model)

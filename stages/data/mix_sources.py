@@ -1,4 +1,5 @@
-"""The general text that fine-tuning mixes in (`mix_datasets`), as flat token arrays.
+"""The general text that fine-tuning and preference alignment mix in (`mix_datasets`), as flat
+token arrays.
 
 - `corpus`: the experiment's pretraining train split as prepare tokenized it (`train.bin`), which
   is already in the model's tokenizer: prepare checks that before fine-tuning starts;
@@ -9,9 +10,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -40,3 +43,17 @@ def _tokenize(source: str, tokenizer, key: str) -> np.ndarray:
         raise InputError(f"{key}: the model's tokenizer has no eos token to separate the documents of {source!r}")
     docs = encode_documents(tokenizer, read_documents([source], Path.cwd(), key))
     return np.fromiter((t for doc in docs for t in (*doc, tokenizer.eos_token_id)), dtype=np.int64)
+
+
+def section_mix_sources(section: Mapping[str, Any], data_dir: str | Path, tokenizer, key: str) -> list[np.ndarray]:
+    """The general text a training section mixes in (its `mix_datasets` as token arrays, errors
+    naming `<key>.mix_datasets[i]`); none without `mix_ratio`."""
+    if not section["mix_ratio"]:
+        return []
+    return load_mix_sources(section["mix_datasets"], data_dir, tokenizer, f"{key}.mix_datasets")
+
+
+def mix_digests(arrays: Sequence[np.ndarray]) -> list[str]:
+    """The sha256 of each token array: part of a run's identity (other general text is another run,
+    never resumed from this one's checkpoints)."""
+    return [hashlib.sha256(np.ascontiguousarray(tokens).tobytes()).hexdigest() for tokens in arrays]

@@ -19,9 +19,11 @@ atomically:
 - tuning lora: a peft adapter dir on `--model` (meta.json's parent);
 plus `train_log.csv` (loss and, per logged row, the mean rewards of the chosen and rejected
 answers, reward accuracy and margin, the policy's log-probs; TensorBoard scalars beside it) and
-`meta.json` (stage "align"). With `--checkpoints DIR`, checkpoints every `save_steps` steps and a
-rerun resumes from the newest complete one (any layout); SIGTERM saves one and stops, as every
-training stage does.
+`meta.json` (stage "align"). With `mix_ratio` > 0, general text from `mix_datasets` follows the
+answers in their rows and is learned as fine-tuning's mixing learns it, its mean NLL added to the
+loss (`stages.training.preference_batches`); meta.json records `mix_token_share`. With
+`--checkpoints DIR`, checkpoints every `save_steps` steps and a rerun resumes from the newest
+complete one (any layout); SIGTERM saves one and stops, as every training stage does.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from stages import settings
 from stages.adapters.trainable import count_parameters
 from stages.checkpoint.integrity import sha256_file
 from stages.config import check_align_section
+from stages.data.mix_sources import mix_digests, section_mix_sources
 from stages.data.tokenizer import load_model_tokenizer, pad_id
 from stages.errors import InputError, run_cli
 from stages.model.preference_loss import PreferenceObjective
@@ -48,9 +51,10 @@ from stages.training.checkpointing import model_identity
 from stages.training.distributed import finish_distributed, init_distributed
 from stages.training.engine import train as engine_train
 from stages.training.families import load_causal_lm
+from stages.training.mixed_batches import GeneralText, mixing_metrics
 from stages.training.parallelize import parallel_degrees
 from stages.training.peak_memory import log_memory_against_plan
-from stages.training.preference_batches import PreferenceBatches
+from stages.training.preference_batches import PreferenceBatches, global_batch_of
 from stages.training.reference_logps import (
     REFERENCE_FILE,
     encoded_pairs,
@@ -112,7 +116,9 @@ def run(model_dir: str | Path, data_dir: str | Path, out_dir: str | Path, config
     tokenizer = load_model_tokenizer(model_dir)
     pairs, _ = encoded_pairs(model_dir, data_dir, config, tokenizer)
     reference = read_reference(reference_dir, pairs, config) if objective.needs_reference else None
-    source = PreferenceBatches(pairs, pad_id(tokenizer), config.seed, reference)
+    mix = section_mix_sources(config, data_dir, tokenizer, "align")
+    general = GeneralText(mix, config.mix_weights, config.mix_ratio, config.seed) if mix else None
+    source = PreferenceBatches(pairs, pad_id(tokenizer), config.seed, reference, general, config.max_length)
 
     model = _training_model(config, model_dir)
     trainable, total = count_parameters(model)
@@ -122,6 +128,8 @@ def run(model_dir: str | Path, data_dir: str | Path, out_dir: str | Path, config
     identity = {"base": model_identity(model_dir), "train": sha256_file(data_dir / "preference" / "train.json")}
     if reference is not None:  # other reference log-probs are another run
         identity["reference"] = sha256_file(Path(reference_dir) / REFERENCE_FILE)
+    if mix:  # other general text is another run
+        identity["mix"] = mix_digests(mix)
     writer = None
     if config.tuning == "lora":  # peft and transformers: only LoRA alignments load them
         from stages.adapters.peft_files import adapter_writer
@@ -130,7 +138,8 @@ def run(model_dir: str | Path, data_dir: str | Path, out_dir: str | Path, config
     metrics = engine_train(model, source, config, out_dir, stage="align", tokenizer_dir=model_dir, parent=model_dir,
                            meta_config=config, checkpoint_dir=checkpoint_dir, identity=identity,
                            adapter_writer=writer, objective=objective,
-                           extra_metrics={"trainable_params": trainable, "total_params": total, "pairs": len(pairs)})
+                           extra_metrics={"trainable_params": trainable, "total_params": total, "pairs": len(pairs),
+                                          **mixing_metrics(config, source, global_batch_of(config))})
     if dist.get_rank() == 0:
         log.info("align: loss %.4f -> %.4f, reward accuracy %.3f, margin %.3f (last logged row)",
                  metrics["first_loss"], metrics["final_loss"], metrics["final_rewards_accuracy"],

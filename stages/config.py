@@ -99,6 +99,9 @@ def check_align_section(key: str, section: dict[str, Any]) -> None:
         raise ConfigError(f"{key}: label_smoothing={smoothing:g} with method={method}: only "
                           f"{' and '.join(LABEL_SMOOTHING_METHODS)} have a share of mislabelled pairs; set "
                           "label_smoothing: 0 (or method: dpo)")
+    mixing = mixing_conflict(section)
+    if mixing:
+        raise ConfigError(f"{key}: {mixing}")
     if section["pipeline_parallel_degree"] > 1:
         raise ConfigError(f"{key}: pipeline parallelism is not supported yet; set "
                           f"{key}.pipeline_parallel_degree: 1 (split a large model with tensor_parallel_degree "
@@ -246,7 +249,7 @@ def prefix_projection_conflict(sec: dict[str, Any]) -> str | None:
 
 
 def mixing_conflict(sec: dict[str, Any]) -> str | None:
-    """What is wrong with a fine-tuning section's data mixing (mix_ratio, mix_datasets,
+    """What is wrong with a fine-tuning or align section's data mixing (mix_ratio, mix_datasets,
     mix_weights), or None."""
     names, weights = sec["mix_datasets"], sec["mix_weights"]
     if weights is not None and len(weights) != len(names):

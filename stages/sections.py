@@ -204,6 +204,9 @@ class AlignSettings(TrainingSettings):
     src_length: int
     max_length: int
     per_device_eval_batch_size: int
+    mix_ratio: float
+    mix_datasets: list[str]
+    mix_weights: list[float] | None
 
 
 @dataclasses.dataclass(frozen=True)

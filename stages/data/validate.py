@@ -254,15 +254,25 @@ def _mix_entries(section: Mapping[str, Any]) -> list[str]:
     return [name for name in section.get("mix_datasets", []) if name != MIX_CORPUS]
 
 
-def check_mix_datasets(finetune: Mapping[str, Any], experiment: str, base_dir: str | os.PathLike | None) -> None:
-    """Every fine-tuning method's mix_datasets entries resolve to readable corpus files (the rules
-    of data.corpus), or DataConfigError naming `experiments.<name>.finetune.<method>.mix_datasets`."""
-    for method, section in finetune.items():
-        key = f"experiments.{experiment}.finetune.{method}.mix_datasets"
+def mixing_sections(exp: Mapping[str, Any]) -> dict[str, Mapping[str, Any]]:
+    """The sections of a complete experiment that mix general text in, by their key below it: every
+    `finetune.<method>`, and `align` when it runs."""
+    sections = {f"finetune.{method}": section for method, section in exp["finetune"].items()}
+    if exp["align"]["enabled"]:
+        sections["align"] = exp["align"]
+    return sections
+
+
+def check_mix_datasets(exp: Mapping[str, Any], experiment: str, base_dir: str | os.PathLike | None) -> None:
+    """The mix_datasets entries of every section of the complete experiment `exp` that mixes
+    (`mixing_sections`) resolve to readable corpus files (the rules of data.corpus), or
+    DataConfigError naming `experiments.<name>.<section>.mix_datasets`."""
+    for where, section in mixing_sections(exp).items():
+        key = f"experiments.{experiment}.{where}.mix_datasets"
         for i, name in enumerate(_mix_entries(section)):
             resolve_corpus_source(name, base_dir, f"{key}[{i}]")
 
 
 def mix_files(section: Mapping[str, Any], base_dir: str | os.PathLike | None) -> list[str]:
-    """The files a fine-tuning section mixes in (its rule's inputs)."""
+    """The files a fine-tuning or align section mixes in (its rule's inputs)."""
     return [str(p) for name in _mix_entries(section) for p in resolve_corpus_source(name, base_dir, "mix_datasets")]

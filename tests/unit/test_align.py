@@ -75,7 +75,7 @@ def _first_batch_loss(model_dir, section, reference: torch.Tensor | None) -> flo
     pairs, pad = _encoded(model_dir, section)
     source = PreferenceBatches(pairs, pad, section.seed, reference)
     global_batch = section.per_device_train_batch_size * section.gradient_accumulation_steps
-    (ids, labels, ref), = source.micro_batches(0, global_batch, 0, 1, global_batch)
+    (ids, labels, ref, _), = source.micro_batches(0, global_batch, 0, 1, global_batch)  # no mixing: no general text
     model = load_causal_lm(model_dir).eval()
     with torch.no_grad():
         logps = sequence_logps(_logits(model, ids), labels)

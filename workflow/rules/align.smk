@@ -6,6 +6,7 @@
 # - align: training on the engine in the align section's layout, launched as finetune is; nodes,
 #   tasks and memory from the experiment's plan (plan/align.json). tuning full writes a model,
 #   tuning lora a peft adapter whose base is the source (the `align` variant is evaluated with it).
+#   With align.mix_ratio, the files of align.mix_datasets are inputs too (editing one reruns it).
 #   Checkpoints go to checkpoints/align/ beside the output, as pretraining's (pretrain.smk says why).
 
 
@@ -32,6 +33,7 @@ rule score_pairs:
 rule align:
     input:
         unpack(align_inputs),
+        mix=align_mix_files,
     output:
         directory("results/{experiment}/align"),
     log:

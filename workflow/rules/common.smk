@@ -39,7 +39,7 @@ DEFAULT_TARGETS = [f"results/{name}/quant_eval.json" for name in _USER_EXPERIMEN
 
 for _name, _experiment in config["experiments"].items():
     check_data_section(_experiment["data"], _name, Path.cwd())  # paths are relative to the workdir
-    check_mix_datasets(_experiment["finetune"], _name, Path.cwd())
+    check_mix_datasets(_experiment, _name, Path.cwd())  # finetune.<method> and align
 
 # The memory plan of every experiment (stages/plan.py): a training layout that cannot fit the declared
 # device (or node) memory is refused here, before any job is submitted, with the nearest layout that
@@ -118,6 +118,11 @@ def finetune_section(wildcards):
 def finetune_mix_files(wildcards):
     """The text files the method mixes into fine-tuning (mix_datasets; editing one reruns it)."""
     return [local(f) for f in mix_files(experiment(wildcards)["finetune"][wildcards.method], Path.cwd())]
+
+
+def align_mix_files(wildcards):
+    """The text files align mixes into its rows (its mix_datasets; editing one reruns it)."""
+    return [local(f) for f in mix_files(align_section(wildcards), Path.cwd())]
 
 
 def corpus_files(wildcards):

@@ -9,8 +9,8 @@ training engine.
 Reads `<data>/preference/train.json` (pairs: a prompt, a chosen and a rejected answer), encodes
 both sides of every pair as fine-tuning encodes a conversation (loss positions: the answer), and
 trains the model of `--model` with the align section's `method` (`stages.model.preference_loss`)
-on the shared engine in the section's layout: world_size processes = data x tensor parallel, ZeRO
-from `sharding` (pipeline parallelism is refused). A step's loss is the mean pair loss over its
+on the shared engine in the section's layout: world_size processes = data x tensor x pipeline
+parallel (pipeline for tuning full), ZeRO from `sharding`. A step's loss is the mean pair loss over its
 global batch of pairs, so every layout follows the one-process run. dpo and ipo compare the
 policy's log-probs with the reference model's, read from `--reference` (the score_pairs artifact,
 computed once from the same model: a change of beta or method reruns only this stage). Writes

@@ -102,10 +102,12 @@ def check_align_section(key: str, section: dict[str, Any]) -> None:
     mixing = mixing_conflict(section)
     if mixing:
         raise ConfigError(f"{key}: {mixing}")
-    if section["pipeline_parallel_degree"] > 1:
-        raise ConfigError(f"{key}: pipeline parallelism is not supported yet; set "
-                          f"{key}.pipeline_parallel_degree: 1 (split a large model with tensor_parallel_degree "
-                          "or sharding instead)")
+    pp = section["pipeline_parallel_degree"]
+    if pp > 1 and section["tuning"] == "lora":
+        raise ConfigError(f"{key}: pipeline_parallel_degree={pp} with tuning: lora: LoRA trains under data parallel, "
+                          "ZeRO and tensor parallelism (its frozen base needs no pipeline to fit; the adapter is "
+                          "small); set pipeline_parallel_degree: 1 and use tensor_parallel_degree to split the base, "
+                          "or tuning: full")
 
 
 def check_finetune_section(key: str, method: str, section: dict[str, Any]) -> None:

@@ -198,8 +198,9 @@ class PipelineRunner:
 
         self._user_loss = loss_fn
         self._normalizer = 1.0
+        self._step_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # train_step(loss=)
         if loss_fn is None:
-            schedule_loss, scale_grads = (lambda out, tgt: token_sum_loss(out, tgt, self._normalizer)), False
+            schedule_loss, scale_grads = self._micro_batch_loss, False
         else:
             schedule_loss, scale_grads = loss_fn, True
         if vpp == 1:
@@ -208,6 +209,17 @@ class PipelineRunner:
         else:
             self.schedule = ScheduleInterleaved1F1B(self.stages, n_microbatches, loss_fn=schedule_loss,
                                                     scale_grads=scale_grads)
+
+    @property
+    def last_rank(self) -> int:
+        """The pipeline-group rank holding the last chunk (the logits and the loss)."""
+        return (self.pp * self.vpp - 1) % self.pp
+
+    def _micro_batch_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The default schedule's loss of one micro-batch: this step's `loss`, else its share of the token mean."""
+        if self._step_loss is not None:
+            return self._step_loss(output, target)
+        return token_sum_loss(output, target, self._normalizer)
 
     def named_parameters(self):
         """(name, parameter) of this rank's chunks, with the single-device model's names."""
@@ -226,18 +238,25 @@ class PipelineRunner:
         for m in self.modules:
             m.zero_grad(set_to_none=True)
 
-    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor,
-                   normalizer: float | None = None) -> torch.Tensor:
+    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, normalizer: float | None = None,
+                   loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """Forward and backward of one batch (B, T) over the micro-batches; returns the batch loss
         (detached, a 0-d tensor) on every rank of the pipeline group. Gradients *accumulate* into
         the local parameters' .grad: call zero_grad() (or the optimizer's) before each step.
         Every rank passes the same batch; only the first chunk reads input_ids and only the last
         reads labels. `normalizer` replaces the default divisor of the summed loss (this batch's
-        learned-token count)."""
+        learned-token count). `loss` (runners built without `loss_fn` only) replaces the token mean
+        for this step: callable(logits of a micro-batch, its rows of `labels`) -> that micro-batch's
+        share of the batch loss (the shares add up to the loss returned); `labels` is then any
+        tensor with the batch's rows in dim 0, e.g. labels and per-row values side by side."""
         B = input_ids.shape[0]
         if B % self.n_microbatches:
             raise ValueError(f"batch size {B} is not divisible by n_microbatches={self.n_microbatches}")
-        if self._user_loss is None and normalizer is not None:
+        if loss is not None and self._user_loss is not None:
+            raise ValueError("train_step(loss=...) needs a runner built without loss_fn (the schedule sums shares)")
+        if loss is not None:
+            pass  # the step's own loss needs no token count
+        elif self._user_loss is None and normalizer is not None:
             self._normalizer = float(normalizer)  # e.g. the global batch's count under data parallel
         elif self._user_loss is None:
             counted = int(counted_tokens(labels))
@@ -246,12 +265,15 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         args = (input_ids.to(self.device),) if self.is_first else ()
         target = labels.to(self.device) if self.is_last else None
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        self._step_loss = loss
+        try:
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        finally:
+            self._step_loss = None
         if self.is_last:
             total = torch.stack([l.detach().float() for l in losses]).sum()
-            loss = total if self._user_loss is None else total / self.n_microbatches
+            batch_loss = total if self._user_loss is None else total / self.n_microbatches
         else:
-            loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        last_rank = (self.pp * self.vpp - 1) % self.pp
-        dist.broadcast(loss, group=self.group, group_src=last_rank)
-        return loss
+            batch_loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        dist.broadcast(batch_loss, group=self.group, group_src=self.last_rank)
+        return batch_loss

@@ -71,7 +71,7 @@ from stages.training.log import TrainLog, event_files
 from stages.training.materialize import ResumeWeights, is_lazy, materialize
 from stages.training.parallelize import check_model_fits, layout_metrics, parallel_degrees, parallelize
 from stages.training.preemption import StopWatch, reason_name, requeue_slurm_job
-from stages.training.preference_step import STATS, PairStats, chosen_tokens, preference_train_step
+from stages.training.preference_step import STATS, PairStats, global_counts, preference_train_step
 from stages.training.step import learned_tokens, train_step
 
 log = logging.getLogger(__name__)
@@ -200,9 +200,6 @@ def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: 
     import torch.distributed as dist
 
     section = _bf16_decided(training_section(section), stage)
-    if objective is not None and section.pipeline_parallel_degree > 1:
-        raise ValueError(f"{stage}: preference training under pipeline parallelism is not supported yet; "
-                         "set pipeline_parallel_degree: 1")
     keep_freed_host_memory()  # every step reuses the pages the last one freed (stages.training.allocator)
     degrees = parallel_degrees(section)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -253,9 +250,11 @@ def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: 
     staging.mkdir(parents=True, exist_ok=True)
     peak = _peak_flops(section, engine.device, world) if rank == 0 else None
     dist.barrier()  # the peak was measured while the other ranks waited
+    pair_stats = None if objective is None else PairStats(topology.get_data_parallel_group(),
+                                                          mixing=getattr(source, "mix_ratio", 0.0) > 0)
     train_log = TrainLog(staging / "train_log.csv", section.max_steps, enabled=rank == 0, desc=stage,
                          flops_per_token=fpt, logits_flops_per_token=logits_fpt, peak_flops=peak, previous=rows,
-                         columns=STATS if objective is not None else ())
+                         columns=pair_stats.columns if pair_stats is not None else ())
     return Run(section=section, stage=stage, topology=topology, engine=engine, scheduler=scheduler, access=access,
                clip=clip, runner=runner, names=names, config=config, generation_config=generation_config,
                checkpointer=checkpointer, train_log=train_log, staging=staging, global_batch=global_batch,
@@ -263,7 +262,7 @@ def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: 
                flops_per_token=fpt, logits_flops_per_token=logits_fpt, peak_flops=peak, start_step=start_step,
                losses=losses, evaluations=evaluations, stops=stops, objective=objective,
                rows_per_item=getattr(source, "rows_per_item", 1),
-               pair_stats=PairStats(topology.get_data_parallel_group()) if objective is not None else None)
+               pair_stats=pair_stats)
 
 
 def _bf16_decided(section: TrainingSettings, stage: str) -> TrainingSettings:
@@ -293,9 +292,10 @@ def step(run: Run, source, index: int) -> tuple[float, float | None]:
     num_tokens = learned_tokens(batches, dp_group)
     run.learned_tokens += num_tokens
     if run.objective is not None:  # a global batch of pairs
-        chosen = chosen_tokens(batches, dp_group) if run.objective.method == "orpo" else 1
-        step_loss, grad_norm, stats = preference_train_step(run.engine, run.objective, batches, run.global_batch,
-                                                            chosen, dp, run.clip, tp_output_group(run))
+        counts = global_counts(batches, run.objective, run.global_batch, dp_group)
+        run.learned_tokens += counts.mix_tokens  # the general text mixed in is learned too
+        step_loss, grad_norm, stats = preference_train_step(run.engine, run.objective, batches, counts, dp, run.clip,
+                                                            tp_output_group(run), run.runner)
         run.pair_stats.add(stats)
     else:
         step_loss, grad_norm = train_step(run.engine, run.runner, batches, num_tokens, dp, run.clip,

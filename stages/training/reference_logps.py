@@ -41,7 +41,7 @@ def score(model: torch.nn.Module, pairs: Sequence[Pair], pad_token_id: int, batc
         chunk = pairs[start:start + batch_size]
         width = max(len(ids) for pair in chunk for ids, _ in pair)
         ids, labels = pad_rows([c for c, _ in chunk] + [r for _, r in chunk], width, pad_token_id)
-        total = row_logps(model, ids, labels).total.double()
+        total = row_logps(model, ids, labels).logps.total.double()
         out.append(torch.stack([total[:len(chunk)], total[len(chunk):]], dim=1))
     return torch.cat(out)
 

@@ -23,6 +23,8 @@ from stages import align, score_pairs
 from stages.data.preference import write_preference_file
 from stages.data.tokenizer import load_model_tokenizer
 from stages.errors import InputError, StopRequested
+from stages.model.labels import IGNORE_INDEX
+from stages.model.loss import causal_lm_loss, counted_tokens
 from stages.model.preference_loss import (
     PreferenceObjective,
     SequenceLogps,
@@ -64,10 +66,34 @@ def test_row_logps_equal_sequence_logps(debug_model_dir):
     model = load_causal_lm(debug_model_dir).eval()
     ids, labels = pad_rows([c for c, _ in pairs[:6]] + [r for _, r in pairs[:6]], 24, pad)
     with torch.no_grad():
-        ours = row_logps(model, ids, labels)
+        ours = row_logps(model, ids, labels).logps
         theirs = sequence_logps(_logits(model, ids), labels)
     assert torch.equal(ours.tokens, theirs.tokens) and bool((ours.tokens > 0).all())
     torch.testing.assert_close(ours.total, theirs.total, rtol=1e-5, atol=1e-5)
+
+
+def test_general_text_after_the_answers_leaves_their_logps_and_is_scored_apart(debug_model_dir):
+    """Data mixing's rows: general text in the room after each answer (mix_labels) changes no
+    answer's log-prob (causal attention), and its summed NLL is the causal LM loss of those tokens."""
+    section = align_section()
+    pairs, pad = _encoded(debug_model_dir, section)
+    model = load_causal_lm(debug_model_dir).eval()
+    rows = [c for c, _ in pairs[:4]] + [r for _, r in pairs[:4]]
+    ids, labels = pad_rows(rows, 40, pad)
+    mixed, mix_labels = ids.clone(), torch.full_like(labels, IGNORE_INDEX)
+    generator = torch.Generator().manual_seed(0)
+    for row, (x, _) in enumerate(rows):  # a chunk of random tokens after the row's eos, its first not learned
+        chunk = torch.randint(3, model.config.vocab_size, (40 - len(x) - 2,), generator=generator)
+        mixed[row, len(x):len(x) + len(chunk)] = chunk
+        mix_labels[row, len(x) + 1:len(x) + len(chunk)] = chunk[1:]
+    with torch.no_grad():
+        plain, with_text = row_logps(model, ids, labels), row_logps(model, mixed, labels, mix_labels=mix_labels)
+        lm_nll = causal_lm_loss(_logits(model, mixed), mix_labels, reduction="sum")
+    assert plain.mix_tokens == 0 and float(plain.mix_nll) == 0.0
+    assert torch.equal(with_text.logps.tokens, plain.logps.tokens)
+    torch.testing.assert_close(with_text.logps.total, plain.logps.total, rtol=1e-5, atol=1e-5)
+    assert with_text.mix_tokens == int(counted_tokens(mix_labels)) > 0
+    torch.testing.assert_close(with_text.mix_nll, lm_nll, rtol=1e-5, atol=1e-4)
 
 
 def _first_batch_loss(model_dir, section, reference: torch.Tensor | None) -> float:

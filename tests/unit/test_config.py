@@ -271,9 +271,9 @@ def test_align_is_off_by_default_and_then_checks_nothing():
     ({"method": "orpo", "label_smoothing": 0.2}, r"label_smoothing=0\.2 with method=orpo"),
     ({"src_length": 128, "max_length": 128}, r"experiments\.x\.align: src_length=128 must be smaller than max_length"),
     ({"warmup_steps": 20, "max_steps": 10}, r"experiments\.x\.align: warmup_steps=20 exceeds max_steps=10"),
-    ({"world_size": 2, "pipeline_parallel_degree": 2, "gradient_accumulation_steps": 2},
-     (r"experiments\.x\.align: pipeline parallelism is not supported yet; set "
-      r"experiments\.x\.align\.pipeline_parallel_degree: 1")),
+    ({"world_size": 2, "pipeline_parallel_degree": 2, "gradient_accumulation_steps": 2, "tuning": "lora"},
+     (r"experiments\.x\.align: pipeline_parallel_degree=2 with tuning: lora: .* set "
+      r"pipeline_parallel_degree: 1 .* or tuning: full")),
     ({"world_size": 3, "tensor_parallel_degree": 2}, r"experiments\.x\.align: world_size=3 is not divisible"),
     ({"world_size": 2, "tensor_parallel_degree": 2},
      r"experiments\.x\.align: tensor_parallel_degree=2 does not divide data\.vocab_size=511"),

@@ -475,15 +475,18 @@ def _check_align(name: str, exp: dict[str, Any], source: dict[str, Any] | None) 
     relations and layout hold), and a quantize.source of `align` that can be quantized."""
     key = f"experiments.{name}.align"
     align = exp["align"]
-    if exp["quantize"]["source"] == "align":
+    quantized = exp["quantize"]["source"]
+    if quantized in ("align", "align-merged"):
         if not align["enabled"]:
-            raise ConfigError(f"experiments.{name}.quantize.source=align needs {key}.enabled: true (the aligned "
-                              "model it quantizes)")
-        if align["tuning"] == "lora":
+            raise ConfigError(f"experiments.{name}.quantize.source={quantized} needs {key}.enabled: true (the "
+                              "aligned model it quantizes)")
+        if quantized == "align" and align["tuning"] == "lora":
             raise ConfigError(f"experiments.{name}.quantize.source=align with {key}.tuning=lora: the aligned "
-                              "variant is then a LoRA adapter, which quantize, export and deploy do not take "
-                              "(no merge of it yet); set align.tuning: full, or quantize another source "
-                              "(lora-merged, sft)")
+                              "variant is then a LoRA adapter, which quantize, export and deploy do not take; "
+                              "set quantize.source: align-merged (the adapter folded into align.source)")
+        if quantized == "align-merged" and align["tuning"] != "lora":
+            raise ConfigError(f"experiments.{name}.quantize.source=align-merged with {key}.tuning={align['tuning']}: "
+                              "only a LoRA alignment is merged; set quantize.source: align")
     if not align["enabled"]:
         return
     missing = align_source_missing(name, exp)

@@ -264,8 +264,8 @@ def align_config(evals: dict[str, dict[str, Any]], source: str | None = None) ->
 # -- markdown ------------------------------------------------------------------------------------
 def variant_order(evals: dict[str, dict[str, Any]], reference: str, source: str, variants: Sequence[str]) -> list[str]:
     """The report's row order: the starting model, the fine-tuned variants in chain order, the aligned
-    one, the quantization source, its quantized variants, then anything else evaluated (sorted)."""
-    first = [reference, *FINETUNED, ALIGNED, source, *variants]
+    one and its merge, the quantization source, its quantized variants, then anything else evaluated (sorted)."""
+    first = [reference, *FINETUNED, ALIGNED, f"{ALIGNED}-merged", source, *variants]
     order = list(dict.fromkeys(v for v in first if v in evals))
     return order + sorted(v for v in evals if v not in order)
 

@@ -54,7 +54,7 @@ def rank_layout(exp: dict[str, Any], section: dict[str, Any], key: str) -> RankL
 # A rule without a limit of its own in cluster.runtime_minutes takes its kin's before `default`:
 # align trains as fine-tuning does (the schema gives finetune a default, not align: a default for it
 # would change every experiment's cluster section, and so its plan's params).
-RUNTIME_KIN = {"align": "finetune"}
+RUNTIME_KIN = {"align": "finetune", "merge_align": "merge_lora"}
 
 
 def runtime_minutes(exp: dict[str, Any], rule: str) -> int:

@@ -93,12 +93,17 @@ def test_align_joins_the_chain_when_enabled(tmp_path):
         (pairs / f"{split}.jsonl").write_text(json.dumps({"src": "2+2?", "chosen": "4", "rejected": "5"}) + "\n")
     general = tmp_path / "general.txt"  # text mixed into the alignment: an input, so that editing it reruns it
     general.write_text("Some general text.\n")
-    simpo = tmp_path / "simpo.yaml"  # reference-free, and a LoRA adapter on lora-merged
+    # reference-free, a LoRA adapter on lora-merged, merged and quantized
+    simpo = tmp_path / "simpo.yaml"
     simpo.write_text(yaml.safe_dump({"experiments": {"ci": {"data": {"preference": str(pairs)}, "align": {
         "enabled": True, "method": "simpo", "tuning": "lora", "source": "lora-merged", "mix_ratio": 0.2,
-        "mix_datasets": ["corpus", str(general)]}}}}))
+        "mix_datasets": ["corpus", str(general)]}, "quantize": {"source": "align-merged"}}}}))
     proc = snakemake(tmp_path, "--configfile", str(DEBUG_CONFIG), str(simpo), "-n", TARGET)
-    assert planned_jobs(proc.stdout) == {**CI_JOBS, "plan_job": 5, "evaluate": 11, "align": 1}, proc.stdout
+    assert planned_jobs(proc.stdout) == {**CI_JOBS, "plan_job": 5, "evaluate": 12, "align": 1,
+                                         "merge_align": 1}, proc.stdout
+    [merge] = _job_lines(proc.stdout, "merge_align")
+    assert "--adapter results/ci/align --base results/ci/lora-merged --out results/ci/align-merged " in merge
+    assert all("--source results/ci/align-merged " in line for line in _job_lines(proc.stdout, "quantize"))
     prepare = re.search(r"rule prepare:\n\s+input: (.*)", proc.stdout).group(1)
     assert f"{pairs}/train.jsonl" in prepare and f"{pairs}/dev.jsonl" in prepare
     assert str(general) in re.search(r"rule align:\n\s+input: (.*)", proc.stdout).group(1)

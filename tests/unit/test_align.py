@@ -19,7 +19,7 @@ from align_fixtures import align_section, toy_pairs, write_preference_data
 from safetensors.torch import load_file
 from sft_fixtures import signal_after
 
-from stages import align, score_pairs
+from stages import align, merge, score_pairs
 from stages.data.preference import write_preference_file
 from stages.data.tokenizer import load_model_tokenizer
 from stages.errors import InputError, StopRequested
@@ -162,6 +162,12 @@ def test_lora_alignment_writes_an_adapter_peft_loads(tmp_path, debug_model_dir, 
         moved = adapted(input_ids=ids).logits
         plain = _logits(ours, ids)
     assert not torch.allclose(moved, plain, atol=1e-4)  # the adapter changed the model
+    # the align-merged variant: stages.merge folds it into the model it aligned, as merge_align runs it
+    metrics = merge.main(["--adapter", str(out), "--base", str(debug_model_dir), "--out", str(tmp_path / "merged")])
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, moved, rtol=1e-4, atol=1e-4)
+    assert metrics["rel_err"] <= metrics["rtol"]
 
 
 def test_stale_or_missing_reference_is_refused(tmp_path, debug_model_dir, data_dir, reference_dir):

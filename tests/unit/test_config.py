@@ -310,15 +310,21 @@ def test_align_source_pretrain_needs_pretraining_and_base_a_checkpoint(tmp_path)
                                              "align": {"enabled": True, "source": source}}}})
 
 
-@pytest.mark.parametrize("align, message", [
-    ({}, r"experiments\.x\.quantize\.source=align needs experiments\.x\.align\.enabled: true"),
-    ({"enabled": True, "tuning": "lora"},
-     r"experiments\.x\.quantize\.source=align with experiments\.x\.align\.tuning=lora: .*set align\.tuning: full"),
+@pytest.mark.parametrize("source, align, message", [
+    ("align", {}, r"experiments\.x\.quantize\.source=align needs experiments\.x\.align\.enabled: true"),
+    ("align", {"enabled": True, "tuning": "lora"},
+     r"experiments\.x\.quantize\.source=align with experiments\.x\.align\.tuning=lora: .*set quantize\.source: "
+     r"align-merged"),
+    ("align-merged", {"enabled": True},
+     r"experiments\.x\.quantize\.source=align-merged with experiments\.x\.align\.tuning=full: .*set "
+     r"quantize\.source: align"),
 ])
-def test_quantizing_the_aligned_model_needs_a_full_one(align, message):
+def test_quantizing_the_aligned_model_needs_a_model_not_an_adapter(source, align, message):
     with pytest.raises(ConfigError, match=message):
-        check_config({"experiments": {"x": {"quantize": {"source": "align"}, "align": align}}})
+        check_config({"experiments": {"x": {"quantize": {"source": source}, "align": align}}})
     check_config({"experiments": {"x": {"quantize": {"source": "align"}, "align": {"enabled": True}}}})
+    check_config({"experiments": {"x": {"quantize": {"source": "align-merged"},
+                                         "align": {"enabled": True, "tuning": "lora"}}}})
 
 
 def test_the_reference_methods_are_the_loss_modules_other_methods():

@@ -69,6 +69,7 @@ UNIFIED_PRETRAIN = _one_of([n for n, e in _OWNERS.items() if not sharded_output(
 FROM_CHECKPOINT = _one_of([n for n, e in _OWNERS.items() if e["model"]["model_name_or_path"]])
 COMPARISON_NAMES = _one_of(list(COMPARISONS))
 FINETUNED_VARIANTS = ["sft", "lora", "prefix", "lora-merged"]
+ALIGNED_VARIANTS = ("align", "align-merged")  # the aligned model, and its merge when it is a LoRA adapter
 
 
 wildcard_constraints:
@@ -145,10 +146,13 @@ def corpus_files(wildcards):
 
 def model_variants(wildcards):
     """Variants evaluated from their own dirs: the starting checkpoint (`base`), the pretrained
-    model when pretraining runs, every fine-tuned one, and the aligned one (`align`) when enabled."""
+    model when pretraining runs, every fine-tuned one, and the aligned one (`align`) when enabled,
+    with its merge (`align-merged`) when it is a LoRA adapter."""
     exp = experiment(wildcards)
     start = ["base"] if exp["model"]["model_name_or_path"] else []
-    aligned = ["align"] if align_enabled(exp) else []
+    aligned = []
+    if align_enabled(exp):
+        aligned = ["align"] + (["align-merged"] if exp["align"]["tuning"] == "lora" else [])
     return start + (["pretrain"] if pretrain_enabled(exp) else []) + FINETUNED_VARIANTS + aligned
 
 
@@ -159,7 +163,8 @@ def finetune_priority(wildcards):
     method (the default DAG: LoRA, 190 s, had waited 40 s for prefix tuning; SFT, then score_pairs,
     align and its evaluation, 39 s for prefix tuning and an evaluation, 2026-11-29)."""
     exp = experiment(wildcards)
-    source = exp["align"]["source"] if exp["quantize"]["source"] == "align" else exp["quantize"]["source"]
+    quantized = exp["quantize"]["source"]
+    source = exp["align"]["source"] if quantized in ALIGNED_VARIANTS else quantized
     aligned = exp["align"]["source"] if align_enabled(exp) else None
     return int(wildcards.method in (source.removesuffix("-merged"), (aligned or "").removesuffix("-merged")))
 
@@ -232,8 +237,8 @@ def align_source_flag(wildcards):
 
 
 def align_priority(wildcards):
-    """1 when the quantized chain waits on the aligned model (quantize.source: align), else 0."""
-    return int(experiment(wildcards)["quantize"]["source"] == "align")
+    """1 when the quantized chain waits on the aligned model (quantize.source: align or align-merged), else 0."""
+    return int(experiment(wildcards)["quantize"]["source"] in ALIGNED_VARIANTS)
 
 
 def start_variant(wildcards):
@@ -444,6 +449,7 @@ def report_benchmarks(wildcards):
     jobs += ["plan"] + [f"plan_finetune_{m}" for m in FINETUNE_METHODS] + [f"finetune_{m}" for m in FINETUNE_METHODS]
     if align_enabled(exp):
         jobs += ["plan_align"] + (["score_pairs"] if needs_reference(exp["align"]) else []) + ["align"]
+        jobs += ["merge_align"] if exp["align"]["tuning"] == "lora" else []
     jobs += ["merge_lora"] + [f"quantize_{v}" for v in quant_variants(wildcards)] + ["export"]
     jobs += [f"deploy_gguf-{t}" for t in exp["deploy"]["gguf"]]
     jobs += [f"deploy_compressed-tensors-{v}" for v in exp["deploy"]["compressed_tensors"]]

@@ -254,14 +254,12 @@ class PipelineRunner:
             raise ValueError(f"batch size {B} is not divisible by n_microbatches={self.n_microbatches}")
         if loss is not None and self._user_loss is not None:
             raise ValueError("train_step(loss=...) needs a runner built without loss_fn (the schedule sums shares)")
-        if loss is not None:
-            pass  # the step's own loss needs no token count
-        elif self._user_loss is None and normalizer is not None:
-            self._normalizer = float(normalizer)  # e.g. the global batch's count under data parallel
-        elif self._user_loss is None:
-            counted = int(counted_tokens(labels))
-            # all labels ignored: the single-process loss is nan (0/0); keep the gradients finite at 0
-            self._normalizer = float(max(counted, 1))
+        if loss is None and self._user_loss is None:  # the token mean: its divisor
+            if normalizer is not None:
+                self._normalizer = float(normalizer)  # e.g. the global batch's count under data parallel
+            else:
+                # all labels ignored: the single-process loss is nan (0/0); keep the gradients finite at 0
+                self._normalizer = float(max(int(counted_tokens(labels)), 1))
         losses: list[torch.Tensor] = []
         args = (input_ids.to(self.device),) if self.is_first else ()
         target = labels.to(self.device) if self.is_last else None

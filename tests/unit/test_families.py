@@ -97,8 +97,9 @@ def tokenizer_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def chain(request, tmp_path_factory, tokenizer_dir):
-    """One family's chain: base -> LoRA ("all-linear") -> merge -> wint8, wint4 -> ONNX, and the
-    evaluation of the merged and wint4 models. Returns (family, root dir, {stage: metrics})."""
+    """One family's chain: base -> LoRA ("all-linear") -> merge -> wint8, wint4, and the evaluation
+    of the merged and wint4 models (the ONNX export is `exported`'s, which only its tests wait on:
+    the slow tests below run without it). Returns (family, root dir, {stage: metrics})."""
     family = request.param
     root = tmp_path_factory.mktemp(family)
     vocab_size = len(transformers.AutoTokenizer.from_pretrained(tokenizer_dir))
@@ -119,9 +120,16 @@ def chain(request, tmp_path_factory, tokenizer_dir):
     m["merge"] = merge.run(root / "lora", root / "merged")
     for variant in ("wint8", "wint4"):
         m[variant] = quantize.run(root / "merged", root / variant, variant, GROUP)
-    m["export"] = export.run(root / "merged", root / "onnx", {"opset_version": 18, "int8": False})
     for name in ("merged", "wint4"):
         m[f"eval_{name}"] = evaluate.run(root / name, data, root / "eval" / f"{name}.json", name, EVAL_CONFIG)
+    return family, root, m
+
+
+@pytest.fixture(scope="module")
+def exported(chain):
+    """The chain's merged model exported to ONNX (adds `export` to the chain's metrics)."""
+    family, root, m = chain
+    m["export"] = export.run(root / "merged", root / "onnx", {"opset_version": 18, "int8": False})
     return family, root, m
 
 
@@ -239,9 +247,9 @@ def test_dequantized_model_is_close_to_float(chain):
     assert err["wint8"] < 0.2 * err["wint4"], err
 
 
-def test_onnx_agrees_with_transformers(chain):
+def test_onnx_agrees_with_transformers(exported):
     """The exported graph against transformers' own model (whichever torch model export used)."""
-    family, root, m = chain
+    family, root, m = exported
     e = m["export"]
     assert e["torch_model"] == EXPORT_MODEL.get(family, e["torch_model"])
     assert e["rel_err"] < 1e-5 and e["top1_agreement"] == 1.0
@@ -253,11 +261,11 @@ def test_onnx_agrees_with_transformers(chain):
     assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
 
 
-def test_onnxruntime_genai_runs_the_export(chain):
+def test_onnxruntime_genai_runs_the_export(exported):
     """onnxruntime-genai opens the cache graph's directory as written (genai_config.json: GLM's and
     GLM-4's model.type is its generic "decoder", it knows no "glm") and generates its greedy tokens
     (eos held off: the fine-tuned models end their answers at once)."""
-    family, root, m = chain
+    family, root, m = exported
     if not m["export"]["genai_config"]:
         pytest.skip(f"{family} exports transformers' cache-free graph: no genai_config.json")
     og = pytest.importorskip("onnxruntime_genai")

@@ -71,7 +71,8 @@ def learned_logps(logits: torch.Tensor, where: torch.Tensor, targets: torch.Tens
     answers = next_tokens(labels) != IGNORE_INDEX  # (R, T)
     answer = answers[where]  # (N,) which learned positions are the answers'
     rows = where.nonzero()[:, 0]  # the row of each learned position, in logits' row-major order
-    total = torch.zeros(len(labels), dtype=nll.dtype, device=nll.device).index_add(0, rows, -nll.masked_fill(~answer, 0))
+    answer_logps = -nll.masked_fill(~answer, 0)
+    total = torch.zeros(len(labels), dtype=nll.dtype, device=nll.device).index_add(0, rows, answer_logps)
     return RowTerms(SequenceLogps(total=total, tokens=answers.sum(-1)), nll[~answer].sum(), int((~answer).sum()))
 
 
@@ -225,8 +226,8 @@ def _pipeline_step(engine, runner: PipelineRunner, objective: PreferenceObjectiv
     def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # the last stage, per micro-batch
         labels, mix_labels = target[:, :width].long(), target[:, width:2 * width].long()
         where, targets = learned_positions(learned_labels(labels, mix_labels))
-        micro, micro_stats = micro_batch_loss(objective, learned_logps(logits[where], where, targets, labels, per_token),
-                                              target[:, 2 * width], counts)
+        rows = learned_logps(logits[where], where, targets, labels, per_token)
+        micro, micro_stats = micro_batch_loss(objective, rows, target[:, 2 * width], counts)
         calls.append(micro_stats)
         return micro * dp  # DeepSpeed's reduction averages the gradients over dp
 

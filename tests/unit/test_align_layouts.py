@@ -6,10 +6,11 @@ losses), DPO with general text mixed in (mix_ratio 0.2) under dp2 x ZeRO-2 and p
 dp2 x pp2 x ZeRO-1 and ORPO under tp2 x pp2 (4 ranks), and SimPO with LoRA under tp2 (real
 torchrun, gloo; the layouts of one world size one after another in one torchrun).
 Same weights and reference log-probs, the same global batch of 8 pairs per step, fp32: the loss
-curve within 1e-5 relative, the logged rewards and log-probs within 1e-4, and the written weights within 1e-4 (docs/parallel.md's tolerances;
-dp2 under ZeRO-1 and -2 came out bit-identical, ZeRO-3, tp2 and accumulation, whose sums run in
-another order, 1.6e-5 to 4e-5 apart on weights of magnitude 0.09 after five Adam steps). In bf16, DPO in one process and
-under dp2 x ZeRO-1 follow the fp32 curve within BF16_RTOL."""
+curve within 1e-5 relative, the logged rewards and log-probs within 1e-4, and the written weights
+within 1e-4 (docs/parallel.md's tolerances; dp2 under ZeRO-1 and -2 came out bit-identical,
+ZeRO-3, tp2 and accumulation, whose sums run in another order, 1.6e-5 to 4e-5 apart on weights of
+magnitude 0.09 after five Adam steps). In bf16, DPO in one process and under dp2 x ZeRO-1 follow
+the fp32 curve within BF16_RTOL."""
 
 from __future__ import annotations
 

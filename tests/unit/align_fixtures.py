@@ -31,6 +31,16 @@ def write_preference_data(data_dir: Path) -> Path:
     return data_dir
 
 
+def write_preference_and_general_text(data_dir: Path) -> Path:
+    """`write_preference_data` plus data_dir/general.txt: general text for data mixing, in the debug
+    model's tokenizer (Python's pydoc topics, as test_finetune_mixing mixes in)."""
+    from pydoc_data.topics import topics  # stdlib text, imported only by the mixing tests
+
+    write_preference_data(data_dir)
+    (data_dir / "general.txt").write_text("\n\n".join(topics[k] for k in sorted(topics)[:12]))
+    return data_dir
+
+
 def align_section(**overrides) -> AlignSettings:
     """The align section (typed) with schema defaults, small-run settings and `overrides`."""
     small = dict(enabled=True, max_steps=5, warmup_steps=1, per_device_train_batch_size=8, src_length=16,

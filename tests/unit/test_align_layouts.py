@@ -18,7 +18,7 @@ import csv
 
 import pytest
 import torch
-from align_fixtures import align_section, write_preference_data
+from align_fixtures import align_section, write_preference_and_general_text
 from pretrain_fixtures import BF16_RTOL
 from runs_in_one_world import start_world
 from safetensors.torch import load_file
@@ -75,11 +75,7 @@ def needs_reference(recipe: str) -> bool:
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    data = write_preference_data(tmp_path_factory.mktemp("data"))
-    from pydoc_data.topics import topics  # general text in the debug model's tokenizer, as in test_align_mixing
-
-    (data / "general.txt").write_text("\n\n".join(topics[k] for k in sorted(topics)[:12]))
-    return data
+    return write_preference_and_general_text(tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from align_fixtures import align_section, toy_pairs, write_preference_data
+from align_fixtures import align_section, toy_pairs, write_preference_and_general_text
 
 from stages import align
 from stages.config import ConfigError, check_config
@@ -29,11 +29,7 @@ from stages.training.preference_batches import PreferenceBatches, encode_pairs
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    data = write_preference_data(tmp_path_factory.mktemp("data"))
-    from pydoc_data.topics import topics  # general text in the debug model's tokenizer, as in test_finetune_mixing
-
-    (data / "general.txt").write_text("\n\n".join(topics[k] for k in sorted(topics)[:12]))
-    return data
+    return write_preference_and_general_text(tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture(scope="module")

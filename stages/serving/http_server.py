@@ -162,9 +162,10 @@ class Handler(BaseHTTPRequestHandler):
                     raise ConnectionResetError("the client closed its connection") from None
 
     def _client_gone(self) -> bool:
+        poller = select.poll()  # not select.select: it refuses a socket numbered 1024 or above (FD_SETSIZE)
+        poller.register(self.connection, select.POLLIN)
         try:
-            readable, _, _ = select.select([self.connection], [], [], 0)
-            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
+            return bool(poller.poll(0)) and self.connection.recv(1, socket.MSG_PEEK) == b""
         except OSError:
             return True
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import resource
 import threading
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import torch
 
 from checkpoint_fixtures import chat_tokenizer, save_checkpoint
 from stages import predict, serve
+from stages.serving.http_server import POLL_S
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import copy_tokenizer
 from stages.checkpoint.meta import write_meta
@@ -446,3 +449,25 @@ def test_a_failure_before_generation_is_answered_with_500_not_a_dropped_connecti
     assert status == 500 and "SftDataError" in body["error"]["message"]
     monkeypatch.undo()
     assert _chat(full_server.client(), "full", "one", max_tokens=2).usage.completion_tokens <= 2
+
+
+def test_a_connection_numbered_above_1024_waits_for_its_answer(full_server):
+    """A long-lived process (a pytest worker, a server that ran for days) hands out socket numbers
+    above select()'s FD_SETSIZE (1024); the check for a client that left must still work there, or
+    the server drops the connection without an answer while the request waits for its tokens."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard limit on open files ({hard}) keeps sockets below 1024")
+    if soft != resource.RLIM_INFINITY and soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1200, hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # the next socket is numbered above 1024
+    gate = Gate(full_server.server.served.model)  # the request waits > POLL_S: the server checks its client
+    try:
+        threading.Timer(4 * POLL_S, gate.open).start()
+        answer = _chat(full_server.client(), "full", "one", max_tokens=2)
+        assert answer.usage.completion_tokens <= 2 and answer.choices[0].finish_reason in ("stop", "length")
+    finally:
+        gate.remove()
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

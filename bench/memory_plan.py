@@ -5,7 +5,7 @@
 Each case is a few real optimizer steps of the training engine (`stages.training.engine`:
 `parallelize`, `build_engine` with the stage's own DeepSpeed config, `train_step`). On CPU: 2 gloo
 processes, for sharding none / stage1 / stage2 / stage3 (2 data-parallel ranks), tensor
-parallelism 2, pipeline parallelism 2 (1F1B), activation recompute, bf16 (DeepSpeed's
+parallelism 2 (also with sequence parallelism), pipeline parallelism 2 (1F1B), activation recompute, bf16 (DeepSpeed's
 mixed-precision paths, as a GPU runs them) and LoRA / prefix tuning on a frozen base. All cases of
 a run share one pair of processes (importing torch and DeepSpeed takes ~45 s per process on this
 machine), one case after the other, those with ZeRO-3 last (it replaces
@@ -75,6 +75,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "stage2": ("full", dict(sharding="stage2")),
     "stage3": ("full", dict(sharding="stage3")),
     "tp2": ("full", dict(sharding="none", tensor_parallel_degree=2)),
+    "tp2_sp": ("full", dict(sharding="none", tensor_parallel_degree=2, sequence_parallel=True)),
+    "tp2_sp_recompute": ("full", dict(sharding="none", tensor_parallel_degree=2, sequence_parallel=True,
+                                      recompute=True)),
     "pp2": ("full", dict(sharding="none", pipeline_parallel_degree=2)),
     "stage1_recompute": ("full", dict(sharding="stage1", recompute=True)),
     # mixed precision: the DeepSpeed paths a GPU run takes (bf16 weights, fp32 masters)
@@ -92,7 +95,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "prefix_stage3": ("prefix", dict(sharding="stage3")),
 }
 DEFAULT_CASES = {
-    "cpu": ["none", "stage1", "stage2", "stage3", "tp2", "pp2", "stage1_recompute", "none_bf16", "stage2_bf16",
+    "cpu": ["none", "stage1", "stage2", "stage3", "tp2", "tp2_sp", "tp2_sp_recompute", "pp2", "stage1_recompute",
+            "none_bf16", "stage2_bf16",
             "lora_stage1", "prefix_tp2", "prefix_stage3"],
     "cuda": ["none", "none_bf16", "stage1_bf16", "stage2_bf16", "stage3_bf16", "stage1_bf16_recompute",
              "stage2_bf16_offload", "lora_bf16"],

@@ -40,8 +40,8 @@ GB = 1e9
 # A GPU's memory is not all the tensors': the CUDA context, cuBLAS/NCCL workspaces and the caching
 # allocator's fragmentation take their share, which the memory model does not count.
 GPU_RESERVED_FRACTION = 0.10
-LAYOUT_KEYS = ("world_size", "tensor_parallel_degree", "pipeline_parallel_degree", "virtual_pp_degree",
-               "sharding", "sharding_offload", "recompute", "per_device_train_batch_size",
+LAYOUT_KEYS = ("world_size", "tensor_parallel_degree", "sequence_parallel", "pipeline_parallel_degree",
+               "virtual_pp_degree", "sharding", "sharding_offload", "recompute", "per_device_train_batch_size",
                "gradient_accumulation_steps", "max_length", "bf16", "fp16")
 METHOD_TRAINS = {"sft": "full", "lora": "lora", "prefix": "prefix"}
 
@@ -221,7 +221,8 @@ def format_plan(plan: dict[str, Any]) -> str:
         lay, b = entry["layout"], entry["per_device_bytes"]
         shape = (f"{entry['data_parallel_degree']}x{lay['tensor_parallel_degree']}x"
                  f"{lay['pipeline_parallel_degree']}, {lay['sharding']}"
-                 + (" +offload" if lay.get("sharding_offload") else "") + (" +recompute" if lay.get("recompute") else ""))
+                 + (" +offload" if lay.get("sharding_offload") else "") + (" +recompute" if lay.get("recompute") else "")
+                 + (" +sp" if lay.get("sequence_parallel") and lay["tensor_parallel_degree"] > 1 else ""))
         res = entry["resources"]
         limit = "-" if entry["limit_gb"] is None else f"{entry['limit_gb']:.1f}"
         fits = {None: "-", True: "yes", False: "NO"}[entry["fits"]]

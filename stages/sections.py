@@ -114,6 +114,7 @@ class TrainingSettings(Section):
     sharding: str
     tensor_parallel_degree: int
     tensor_parallel_output: bool
+    sequence_parallel: bool
     pipeline_parallel_degree: int
     virtual_pp_degree: int
     recompute: bool

@@ -147,12 +147,13 @@ class Attention(nn.Module):
         """q (B, H, T, hd), k and v (B, K, T, hd) of x (B, T, d): projected, each query and key head
         normalised (Qwen3), then rotated (not with learned positions: cos is None). Head counts are
         read from the projection widths, so a tensor-parallel shard whose projections hold heads/tp
-        heads runs this on its local heads."""
-        B, T, _ = x.shape
+        heads runs this on its local heads; the sequence length is read from the projections too
+        (under sequence parallelism x holds a rank's tokens, the projections gather them all)."""
         if self.fused_qkv:
             q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        B, T = q.shape[:2]
         q = q.view(B, T, -1, self.head_dim)  # (B, T, H, hd)
         k = k.view(B, T, -1, self.head_dim)  # (B, T, K, hd)
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, K, T, hd)
@@ -165,8 +166,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 segments: torch.Tensor | None = None) -> torch.Tensor:
-        B, T, _ = x.shape
         q, k, v = self.project(x, cos, sin)
+        B, T = q.shape[0], q.shape[2]  # the whole sequence, also when x holds a rank's tokens
         prefix_key = getattr(self, "prefix_key", None)
         prefix_len = 0 if prefix_key is None else prefix_key.shape[1]
         if prefix_len:  # (K, P, hd) -> (B, K, P, hd) before the real keys and values
@@ -316,6 +317,9 @@ class LlamaForCausalLM(nn.Module):
         self.gradient_checkpointing = False  # activation recompute, one block at a time
         # Replaced by tensor parallelism with the vocab-parallel loss when logits stay split.
         self.loss_function = causal_lm_loss
+        # Set by tensor parallelism's sequence_parallel switch (stages.parallel.sequence.SequenceSplit):
+        # the decoder layers' residual stream then holds each rank's share of the tokens (run_layers).
+        self.sequence_parallel = None
 
     def init_order(self) -> Iterator[tuple[nn.Parameter, str]]:
         """(parameter, "normal" | "zeros" | "ones") in the order `init_weights` fills them: matrices
@@ -354,8 +358,8 @@ class LlamaForCausalLM(nn.Module):
             encoder.place([layer.self_attn for layer in self.model.layers.values()], encoder())
         layers = self.model.layers.values()
         x = self.model.embed(input_ids, position_ids, prefix_length(list(layers)))  # (B, T, d)
-        x = run_layers(layers, x, self.rotary_emb,
-                       recompute=self.gradient_checkpointing and self.training, position_ids=position_ids)
+        x = run_layers(layers, x, self.rotary_emb, recompute=self.gradient_checkpointing and self.training,
+                       position_ids=position_ids, sequence_parallel=self.sequence_parallel)
         if logits_at is not None:
             x = x[logits_at]  # (N, d)
         logits = self.lm_head(self.model.norm(x))  # (B, T, V) or (N, V)
@@ -365,14 +369,20 @@ class LlamaForCausalLM(nn.Module):
 
 
 def run_layers(layers: Iterable[DecoderLayer], x: torch.Tensor, rotary_emb: RotaryEmbedding | None,
-               recompute: bool = False, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+               recompute: bool = False, position_ids: torch.Tensor | None = None,
+               sequence_parallel=None) -> torch.Tensor:
     """Hidden states (B, T, d) through `layers` in order, with the RoPE tables of T positions (of
     `position_ids` (B, T) when given: packed rows, each example from position 0 and attending only
     to itself). With a prefix (prefix tuning) the real tokens start at position P, after the P
     prefix slots, as transformers numbers them behind peft's prefix cache. The one code path of
     the whole model and of each pipeline stage; `recompute` checkpoints one block at a time
-    (activations are recomputed in backward)."""
+    (activations are recomputed in backward). `sequence_parallel` (a
+    `stages.parallel.sequence.SequenceSplit`, from tensor parallelism) pads the sequence to a multiple
+    of the tensor-parallel degree, runs the layers on this rank's tokens and gathers them back."""
     layers = list(layers)
+    length = x.shape[1]
+    if sequence_parallel is not None:
+        x, position_ids = sequence_parallel.pad(x, position_ids)
     offset = prefix_length(layers)
     segments = None if position_ids is None else segment_ids(position_ids)  # (B, T)
     cos = sin = None  # learned positions (GPT-2): added to the embeddings, nothing to rotate
@@ -382,10 +392,12 @@ def run_layers(layers: Iterable[DecoderLayer], x: torch.Tensor, rotary_emb: Rota
             cos, sin = cos[position_ids + offset].unsqueeze(1), sin[position_ids + offset].unsqueeze(1)
         else:
             cos, sin = cos[offset:], sin[offset:]  # (T, rd)
+    if sequence_parallel is not None:
+        x = sequence_parallel.enter(x)  # (B, T/tp, d)
     for layer in layers:
         x = (checkpoint(layer, x, cos, sin, segments, use_reentrant=False) if recompute
              else layer(x, cos, sin, segments))
-    return x
+    return x if sequence_parallel is None else sequence_parallel.leave(x, length)
 
 
 def prefix_length(layers: list[DecoderLayer]) -> int:

@@ -5,14 +5,22 @@ functions whose backward is the forward's adjoint, and lowercase public wrappers
 process group explicitly. "Parallel region" means the activations between a column-parallel and a
 row-parallel layer, where each rank holds its own slice of the features.
 
-Sequence-parallel variants (scatter / gather on the sequence dimension with reduce-scatter) are
-not provided: gloo has no reduce-scatter, and the CPU/debug path does not need them.
+Sequence parallelism (Megatron-LM's, Korthikanti et al. 2022) adds three pairs on the sequence
+dimension (dim 1 of (B, T, d)): the residual stream, norms and dropout hold a rank's T/tp tokens;
+entering a column-parallel layer all-gathers the tokens (backward: reduce-scatter), leaving a
+row-parallel one reduce-scatters its partial sums (backward: all-gather), so the all-reduce of
+plain TP becomes a reduce-scatter plus an all-gather of the same volume. A column-parallel layer
+gathers inside its own autograd function (`linear_on_gathered_sequence`), so that backward keeps
+only the rank's tokens and gathers them again, as Megatron's linear does. Gloo has no reduce-scatter:
+there it is an all-reduce and a slice (the same result, twice the traffic; NCCL runs
+`reduce_scatter_tensor`).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 
 # -- collectives ---------------------------------------------------------------------------------
@@ -56,6 +64,42 @@ def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=-1)
+
+
+def _split_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's contiguous slice of dimension `dim`."""
+    world = _world(group)
+    if world == 1:
+        return x
+    if x.shape[dim] % world:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the group size {world}")
+    return x.chunk(world, dim=dim)[dist.get_rank(group=group)].contiguous()
+
+
+def _gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """The concatenation of every rank's x along `dim`, in group-rank order."""
+    world = _world(group)
+    if world == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's slice along `dim` of the sum of x over the group."""
+    world = _world(group)
+    if world == 1:
+        return x
+    if x.shape[dim] % world:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} is not divisible by the group size {world}")
+    if dist.get_backend(group) == "nccl":
+        whole = x.movedim(dim, 0).contiguous()
+        out = torch.empty((whole.shape[0] // world, *whole.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, whole, op=dist.ReduceOp.SUM, group=group)
+        return out.movedim(0, dim).contiguous()
+    return _split_dim(_all_reduce(x, group), dim, group)  # gloo: no reduce-scatter
 
 
 # -- autograd functions --------------------------------------------------------------------------
@@ -110,6 +154,80 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
         return _split_last_dim(grad, ctx.group), None
 
 
+SEQUENCE_DIM = 1  # of the (B, T, d) hidden states
+
+
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Forward: keep this rank's tokens. Backward: all-gather the tokens' gradients."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split_dim(x, SEQUENCE_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_dim(grad, SEQUENCE_DIM, ctx.group), None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    """Forward: all-gather the tokens. Backward: reduce-scatter when every rank's use of the whole
+    sequence contributes part of its gradient (the input of a column-parallel layer), else keep
+    this rank's tokens of a gradient every rank holds whole (a replicated consumer)."""
+
+    @staticmethod
+    def forward(ctx, x, group, partial_grad):
+        ctx.group, ctx.partial_grad = group, partial_grad
+        return _gather_dim(x, SEQUENCE_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.partial_grad:
+            return _reduce_scatter_dim(grad, SEQUENCE_DIM, ctx.group), None, None
+        return _split_dim(grad, SEQUENCE_DIM, ctx.group), None, None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    """Forward: sum the partial results and keep this rank's tokens. Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_dim(x, SEQUENCE_DIM, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_dim(grad, SEQUENCE_DIM, ctx.group), None
+
+
+class _LinearOnGatheredSequence(torch.autograd.Function):
+    """Y = gather(X) W^T + b for X this rank's tokens (B, T/tp, in): the input of a column-parallel
+    layer under sequence parallelism, as Megatron-LM's linear computes it. Forward all-gathers the
+    tokens and saves only this rank's (the whole sequence is not kept for backward); backward
+    all-gathers them again for W's gradient and reduce-scatters the input's gradient (each rank's
+    is a partial sum over its own output columns)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(_gather_dim(x, SEQUENCE_DIM, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _reduce_scatter_dim(grad.matmul(weight), SEQUENCE_DIM, ctx.group)
+        rows = grad.reshape(-1, grad.shape[-1])  # (B*T, out)
+        if ctx.needs_input_grad[1]:
+            whole = _gather_dim(x, SEQUENCE_DIM, ctx.group)
+            grad_weight = rows.t().matmul(whole.reshape(-1, whole.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = rows.sum(0)
+        return grad_x, grad_weight, grad_bias, None
+
+
 # -- public wrappers -----------------------------------------------------------------------------
 def copy_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Enter the parallel region with a replicated input (before a column-parallel matmul)."""
@@ -129,3 +247,28 @@ def scatter_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
 def gather_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Leave the parallel region by concatenating the ranks' last-dimension slices."""
     return _GatherFromTensorParallelRegion.apply(x, group)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Split the replicated hidden states (B, T, d) into this rank's tokens (B, T/tp, d)."""
+    return _ScatterToSequenceParallelRegion.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group, partial_grad: bool = True) -> torch.Tensor:
+    """All ranks' tokens (B, T, d) from this rank's (B, T/tp, d). `partial_grad`: the consumer is
+    a column-parallel layer (each rank's gradient is a partial sum: reduce-scattered back); False
+    for a consumer every rank runs whole (its gradient is split back)."""
+    return _GatherFromSequenceParallelRegion.apply(x, group, partial_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Leave the parallel region by summing partial outputs (B, T, d) into this rank's tokens (B, T/tp, d)."""
+    return _ReduceScatterToSequenceParallelRegion.apply(x, group)
+
+
+def linear_on_gathered_sequence(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                group) -> torch.Tensor:
+    """F.linear of the whole sequence all-gathered from this rank's tokens x (B, T/tp, in) ->
+    (B, T, out): a column-parallel layer's matmul under sequence parallelism, keeping only x for
+    backward (`_LinearOnGatheredSequence`)."""
+    return _LinearOnGatheredSequence.apply(x, weight, bias, group)

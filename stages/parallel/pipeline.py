@@ -115,12 +115,14 @@ class PipelineStageModule(nn.Module):
             self.lm_head = model.lm_head
         self.rotary_emb = model.rotary_emb  # the same object: one RoPE for the model and its stages
         self.gradient_checkpointing = model.gradient_checkpointing
+        self.sequence_parallel = model.sequence_parallel  # each stage's layers on this rank's tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
             x = self.model.embed(x, None, prefix_length(list(self.model.layers.values())))  # (B, T) ids -> (B, T, d)
         x = run_layers(self.model.layers.values(), x, self.rotary_emb,
-                       recompute=self.gradient_checkpointing and self.training)
+                       recompute=self.gradient_checkpointing and self.training,
+                       sequence_parallel=self.sequence_parallel)
         if self.is_last:
             x = self.lm_head(self.model.norm(x))  # (B, T, V)
         return x

@@ -27,7 +27,7 @@ from torch import nn
 
 from stages.parallel.tensor import (
     ColumnParallelLinear,
-    HeadSharedRMSNorm,
+    GroupSummedNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
     _TensorParallelModule,
@@ -38,9 +38,10 @@ from stages.parallel.tensor import (
     shard_tensor,
     vocab_parallel_causal_lm_loss,
 )
+from stages.parallel.sequence import SequenceSplit
 from stages.parallel.topology import ParallelDegrees, Topology
 
-COLUMN, ROW, VOCAB, OUTPUT, HEAD_NORM = "column", "row", "vocab", "output", "head_norm"
+COLUMN, ROW, VOCAB, OUTPUT, HEAD_NORM, SEQUENCE_NORM = "column", "row", "vocab", "output", "head_norm", "sequence_norm"
 COLUMN_FUSED2, COLUMN_FUSED3 = "column_fused2", "column_fused3"
 FUSED_BLOCKS = {COLUMN_FUSED2: 2, COLUMN_FUSED3: 3}  # fused column styles -> blocks stacked in the layer
 
@@ -50,7 +51,9 @@ FUSED_BLOCKS = {COLUMN_FUSED2: 2, COLUMN_FUSED3: 3}  # fused column styles -> bl
 # [gate_r | up_r] and the SwiGLU product stays local, as for separate gate/up layers (transformers'
 # own plan gathers GLM's whole gate_up output on every rank instead); COLUMN_FUSED3 likewise splits each
 # third of GPT-2's fused [q; k; v] projection, so a rank holds its heads' q, k and v. HEAD_NORM: a norm shared by the
-# split heads (Qwen3's q_norm / k_norm), replicated with its gradient summed over the group.
+# split heads (Qwen3's q_norm / k_norm), replicated with its gradient summed over the group. SEQUENCE_NORM: a norm
+# of the residual stream, left as it is without sequence parallelism; with it each rank normalises its own tokens,
+# the replicated weights' gradient summed over the group as HEAD_NORM's.
 LLAMA_TP_PLAN: dict[str, str] = {
     "model.embed_tokens": VOCAB,
     "model.layers.*.self_attn.q_proj": COLUMN,
@@ -64,6 +67,10 @@ LLAMA_TP_PLAN: dict[str, str] = {
     "model.layers.*.mlp.up_proj": COLUMN,
     "model.layers.*.mlp.gate_up_proj": COLUMN_FUSED2,
     "model.layers.*.mlp.down_proj": ROW,
+    "model.layers.*.input_layernorm": SEQUENCE_NORM,
+    "model.layers.*.post_attention_layernorm": SEQUENCE_NORM,
+    "model.layers.*.post_self_attn_layernorm": SEQUENCE_NORM,
+    "model.layers.*.post_mlp_layernorm": SEQUENCE_NORM,
     "lm_head": OUTPUT,
 }
 
@@ -75,32 +82,44 @@ def _style_of(name: str, plan: dict[str, str]) -> str | None:
     return styles.pop() if styles else None
 
 
-def _parallel_module(module: nn.Module, style: str, group, tensor_parallel_output: bool) -> nn.Module:
+def _parallel_module(module: nn.Module, style: str, group, tensor_parallel_output: bool,
+                     sequence_parallel: bool) -> nn.Module | None:
+    """The parallel counterpart of `module` in `style`; None where the style leaves it as it is."""
+    sp = sequence_parallel
     if style == VOCAB:
         return VocabParallelEmbedding.from_dense(module, group)
     if style == COLUMN:
-        return ColumnParallelLinear.from_dense(module, group, gather_output=False)
+        return ColumnParallelLinear.from_dense(module, group, gather_output=False, sequence_parallel=sp)
     if style in FUSED_BLOCKS:
-        return ColumnParallelLinear.from_dense(module, group, gather_output=False, chunks=FUSED_BLOCKS[style])
+        return ColumnParallelLinear.from_dense(module, group, gather_output=False, chunks=FUSED_BLOCKS[style],
+                                               sequence_parallel=sp)
     if style == HEAD_NORM:
-        return HeadSharedRMSNorm.from_dense(module, group)
-    if style == OUTPUT:
+        return GroupSummedNorm.from_dense(module, group)
+    if style == SEQUENCE_NORM:
+        return GroupSummedNorm.from_dense(module, group) if sp else None
+    if style == OUTPUT:  # after the residual stream's tokens are gathered (SequenceSplit.leave)
         return ColumnParallelLinear.from_dense(module, group, gather_output=not tensor_parallel_output)
     if style == ROW:
-        return RowParallelLinear.from_dense(module, group, input_is_parallel=True)
-    raise ValueError(f"tensor-parallel style {style!r} is unknown; choose one of "
-                     f"{COLUMN, COLUMN_FUSED2, COLUMN_FUSED3, ROW, VOCAB, OUTPUT, HEAD_NORM}")
+        return RowParallelLinear.from_dense(module, group, input_is_parallel=True, sequence_parallel=sp)
+    styles = (COLUMN, COLUMN_FUSED2, COLUMN_FUSED3, ROW, VOCAB, OUTPUT, HEAD_NORM, SEQUENCE_NORM)
+    raise ValueError(f"tensor-parallel style {style!r} is unknown; choose one of {styles}")
 
 
 def apply_tensor_parallel(model: nn.Module, topology_or_group, tensor_parallel_output: bool = False,
-                          plan: dict[str, str] | None = None) -> nn.Module:
+                          plan: dict[str, str] | None = None, sequence_parallel: bool = False) -> nn.Module:
     """Shard `model` (built with its full weights) over the tensor-parallel group, in place.
 
     Each planned module is replaced by its parallel counterpart holding this rank's slice of the
     full weights; names are unchanged. With `tensor_parallel_output` the logits stay split along
     the vocabulary and the model's `loss_function` becomes the vocab-parallel loss; otherwise
     the logits are gathered and the model's own loss applies. Tied embeddings stay tied (both are split by vocabulary rows).
-    Returns the model.
+    With `sequence_parallel` (Megatron's, a switch of TP) the decoder layers' residual stream,
+    norms and dropout hold T/tp tokens per rank: `model.sequence_parallel` (a `SequenceSplit`)
+    splits the embeddings' output into the ranks' tokens before the first layer and gathers them
+    after the last (`stages.model.llama.run_layers`); the column-parallel projections all-gather
+    the tokens inside their matmul (keeping only this rank's for backward), the row-parallel ones
+    reduce-scatter their output, and the layers' norms sum their weights' gradient over the group. Parameter
+    names and shapes do not change, so checkpoints are those of plain TP. Returns the model.
     """
     group = topology_or_group.tp_group if isinstance(topology_or_group, Topology) else topology_or_group
     tp = dist.get_world_size(group=group)
@@ -115,9 +134,11 @@ def apply_tensor_parallel(model: nn.Module, topology_or_group, tensor_parallel_o
             continue
         if isinstance(module, _TensorParallelModule):
             raise ValueError(f"module {name!r} is already tensor-parallel")
+        replacement = _parallel_module(module, style, group, tensor_parallel_output, sequence_parallel and tp > 1)
+        if replacement is None:
+            continue
         parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, _parallel_module(module, style, group, tensor_parallel_output))
+        setattr(model.get_submodule(parent_name), child, replacement)
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight  # same rows on this rank
     rank = dist.get_rank(group=group)
@@ -128,6 +149,8 @@ def apply_tensor_parallel(model: nn.Module, topology_or_group, tensor_parallel_o
             _shard_prefix(module, rank, tp)
 
     model.tensor_parallel_degree = tp
+    if sequence_parallel and tp > 1:
+        model.sequence_parallel = SequenceSplit(group)
     if tensor_parallel_output and tp > 1:
         # the model's forward(input_ids, labels) then returns the vocab-parallel loss
         model.loss_function = functools.partial(_causal_lm_loss_with_group, group=group)

@@ -13,7 +13,11 @@ LoRA (`stages.adapters.lora_linear.LoraLinear`) is split the way its base weight
 column-parallel keeps A whole and splits B by output rows, Y_r += s B_r (A x), the r-wide A x
 entering the parallel region like x (its gradient all-reduced); row-parallel splits A by input
 columns and keeps B whole, Y += s B (sum_r A_r x_r), the r-wide partial products all-reduced
-before B. Replicated factors thus get the same, full gradient on every rank.
+before B. Replicated factors thus get the same, full gradient on every rank. Under sequence
+parallelism the column-parallel A x is computed on the gathered sequence and the row-parallel sum is
+reduce-scattered r wide; a replicated tensor whose gradient a rank then sees only in part (column's
+A, whose output gradient is this rank's share; row's B and bias, applied to this rank's tokens) has
+it summed over the group (`_replicated`).
 Shapes: N tokens (any leading dims), tp the group size, r this rank's index in it.
 """
 
@@ -32,7 +36,9 @@ from stages.model.loss import causal_lm_loss
 from stages.parallel.mappings import (
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
+    linear_on_gathered_sequence,
     reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
 
@@ -86,6 +92,7 @@ class _TensorParallelModule(nn.Module):
         self.tp_rank = dist.get_rank(group=group)
         self.tp_size = dist.get_world_size(group=group)
         self.lora_A = self.lora_B = None  # LoRA factors, from attach_lora
+        self.sequence_parallel = False  # the linear layers' switch (apply_tensor_parallel's sequence_parallel)
 
     def attach_lora(self, dense: nn.Module, split_a: bool) -> None:
         """Take over `dense`'s LoRA factors (a LoraLinear), A split along its input (`split_a`,
@@ -103,6 +110,14 @@ class _TensorParallelModule(nn.Module):
         self.lora_B = nn.Linear(b.shape[1], b.shape[0], bias=False, device="meta")
         self.lora_A.weight, self.lora_B.weight = a, b
         self.lora_dropout, self.lora_scaling = dense.lora_dropout, dense.lora_scaling
+
+    def _replicated(self, param: torch.Tensor) -> torch.Tensor:
+        """A replicated parameter as this layer applies it: under sequence parallelism to this rank's
+        tokens only, so its gradient is summed over the group (copy_to_tensor_parallel_region's
+        backward); else to every token, its gradient already whole."""
+        if self.sequence_parallel:
+            return copy_to_tensor_parallel_region(param, self.group)
+        return param
 
     def _freeze_like(self, dense: nn.Module) -> None:
         for name in ("weight", "bias"):
@@ -124,16 +139,21 @@ class _TensorParallelModule(nn.Module):
 class ColumnParallelLinear(_TensorParallelModule):
     """Y = XA + b with A split along its output (column) dimension: rank r computes Y_r = X A_r + b_r.
 
-    The input X is replicated. With gather_output the full Y is all-gathered on every rank;
-    without it Y stays split along its last dimension (to feed a RowParallelLinear).
+    The input X is replicated. With `sequence_parallel` X is this rank's tokens (B, T/tp, in): the
+    matmul all-gathers them and reduce-scatters X's gradient, keeping only X for backward
+    (`linear_on_gathered_sequence`; Y holds the whole sequence). With gather_output the full Y is
+    all-gathered on every rank; without it Y stays split along its last dimension (to feed a
+    RowParallelLinear).
     Weight (out/tp, in), partition_dim 0; bias (out/tp,), partition_dim 0. A fused layer of
     `chunks` stacked outputs (GLM's gate_up_proj, chunks=2) splits each block: rank r computes
     [gate_r | up_r], and its `.chunk(2, -1)` gives the gate and up channels that pair up on it.
     """
 
     def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
-                 gather_output: bool = False, dtype: torch.dtype | None = None, chunks: int = 1):
+                 gather_output: bool = False, dtype: torch.dtype | None = None, chunks: int = 1,
+                 sequence_parallel: bool = False):
         super().__init__(group)
+        self.sequence_parallel = sequence_parallel
         if out_features % (self.tp_size * chunks):
             raise ValueError(f"out_features={out_features} ({chunks} fused block(s)) is not divisible by "
                              f"tensor_parallel_degree={self.tp_size}")
@@ -147,10 +167,11 @@ class ColumnParallelLinear(_TensorParallelModule):
 
     @classmethod
     def from_dense(cls, dense: nn.Linear, group, gather_output: bool = False,
-                   chunks: int = 1) -> "ColumnParallelLinear":
+                   chunks: int = 1, sequence_parallel: bool = False) -> "ColumnParallelLinear":
         with torch.device(dense.weight.device):  # built in place: a move would drop the partition tags
             layer = cls(dense.in_features, dense.out_features, group, bias=dense.bias is not None,
-                        gather_output=gather_output, dtype=dense.weight.dtype, chunks=chunks)
+                        gather_output=gather_output, dtype=dense.weight.dtype, chunks=chunks,
+                        sequence_parallel=sequence_parallel)
         layer._load_shards({"weight": dense.weight, "bias": dense.bias})
         layer._freeze_like(dense)
         if getattr(dense, "lora_A", None) is not None:
@@ -158,15 +179,23 @@ class ColumnParallelLinear(_TensorParallelModule):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)  # (N, out/tp)
+        if self.sequence_parallel:  # x: this rank's tokens, gathered inside the matmul
+            y = linear_on_gathered_sequence(x, self.weight, self.bias, self.group)  # (B, T, out/tp)
+        else:
+            y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)  # (N, out/tp)
         if self.lora_A is not None:
-            h = copy_to_tensor_parallel_region(self.lora_A(self.lora_dropout(x)), self.group)  # (N, r)
+            if self.sequence_parallel:  # A's gradient from this rank's B_r only: summed by _replicated
+                h = linear_on_gathered_sequence(self.lora_dropout(x), self._replicated(self.lora_A.weight), None,
+                                                self.group)
+            else:
+                h = copy_to_tensor_parallel_region(self.lora_A(self.lora_dropout(x)), self.group)  # (N, r)
             y = y + self.lora_B(h) * self.lora_scaling
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (local "
-                f"{self.weight.shape[0]}), bias={self.bias is not None}, gather_output={self.gather_output}")
+                f"{self.weight.shape[0]}), bias={self.bias is not None}, gather_output={self.gather_output}"
+                + (", sequence_parallel" if self.sequence_parallel else ""))
 
 
 class RowParallelLinear(_TensorParallelModule):
@@ -174,13 +203,19 @@ class RowParallelLinear(_TensorParallelModule):
 
     X arrives split along its last dimension (input_is_parallel, the output of a
     ColumnParallelLinear) or replicated (it is scattered first). The partial products are
-    all-reduced, then the replicated bias is added once.
+    all-reduced, then the replicated bias is added once. With `sequence_parallel` they are
+    reduce-scattered instead: Y is this rank's tokens (B, T/tp, out), and the bias, added to those
+    tokens only, has its gradient summed over the group.
     Weight (out, in/tp), partition_dim 1; bias (out,) replicated.
     """
 
     def __init__(self, in_features: int, out_features: int, group, bias: bool = True,
-                 input_is_parallel: bool = True, dtype: torch.dtype | None = None):
+                 input_is_parallel: bool = True, dtype: torch.dtype | None = None, sequence_parallel: bool = False):
         super().__init__(group)
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("a sequence-parallel row-parallel layer takes the output of a column-parallel one "
+                             "(input_is_parallel=True)")
+        self.sequence_parallel = sequence_parallel
         if in_features % self.tp_size:
             raise ValueError(f"in_features={in_features} is not divisible by tensor_parallel_degree={self.tp_size}")
         self.in_features, self.out_features = in_features, out_features
@@ -190,10 +225,12 @@ class RowParallelLinear(_TensorParallelModule):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
 
     @classmethod
-    def from_dense(cls, dense: nn.Linear, group, input_is_parallel: bool = True) -> "RowParallelLinear":
+    def from_dense(cls, dense: nn.Linear, group, input_is_parallel: bool = True,
+                   sequence_parallel: bool = False) -> "RowParallelLinear":
         with torch.device(dense.weight.device):  # built in place: a move would drop the partition tags
             layer = cls(dense.in_features, dense.out_features, group, bias=dense.bias is not None,
-                        input_is_parallel=input_is_parallel, dtype=dense.weight.dtype)
+                        input_is_parallel=input_is_parallel, dtype=dense.weight.dtype,
+                        sequence_parallel=sequence_parallel)
         layer._load_shards({"weight": dense.weight, "bias": dense.bias})
         layer._freeze_like(dense)
         if getattr(dense, "lora_A", None) is not None:
@@ -204,43 +241,61 @@ class RowParallelLinear(_TensorParallelModule):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)
         partial = F.linear(x, self.weight)  # (N, out), this rank's share of the sum
-        y = reduce_from_tensor_parallel_region(partial, self.group)
+        y = self._leave(partial)
         if self.lora_A is not None:
-            h = reduce_from_tensor_parallel_region(self.lora_A(self.lora_dropout(x)), self.group)  # (N, r)
-            y = y + self.lora_B(h) * self.lora_scaling
-        return y if self.bias is None else y + self.bias
+            h = self._leave(self.lora_A(self.lora_dropout(x)))  # (N, r)
+            y = y + F.linear(h, self._replicated(self.lora_B.weight)) * self.lora_scaling
+        return y if self.bias is None else y + self._replicated(self.bias)
+
+    def _leave(self, partial: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(partial, self.group)
+        return reduce_from_tensor_parallel_region(partial, self.group)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features="
-                f"{self.out_features}, bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}")
+                f"{self.out_features}, bias={self.bias is not None}, input_is_parallel={self.input_is_parallel}"
+                + (", sequence_parallel" if self.sequence_parallel else ""))
 
 
-class HeadSharedRMSNorm(_TensorParallelModule):
-    """Qwen3's q_norm / k_norm (one RMSNorm over head_dim, shared by every head) when the heads are
-    split over the group. The weight is replicated, but each rank's gradient of it covers only its
-    own heads: it enters the forward through copy_to_tensor_parallel_region, whose backward sums the
-    gradient over the group, so every rank holds the full gradient as the single device computes it.
-    Weight (head_dim,), replicated, under the dense module's name.
+class GroupSummedNorm(_TensorParallelModule):
+    """A norm with replicated weights whose ranks each see part of what the single device
+    normalises: Qwen3's q_norm / k_norm (one RMSNorm over head_dim shared by every head) when the
+    heads are split over the group, and under sequence parallelism the norms of the residual stream
+    (RMSNorm, or GPT-2's LayerNorm), each rank holding its own tokens. Each rank's gradient of the
+    weights covers only its heads or tokens: they enter the forward through
+    copy_to_tensor_parallel_region, whose backward sums the gradient over the group, so every rank
+    holds the full gradient as the single device computes it. Weight (and LayerNorm's bias) keep
+    the dense module's names and shapes, replicated.
     """
 
-    def __init__(self, dim: int, eps: float, group, dtype: torch.dtype | None = None):
+    def __init__(self, dim: int, eps: float, group, dtype: torch.dtype | None = None, layer_norm: bool = False):
         super().__init__(group)
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(dim, dtype=dtype)) if layer_norm else None
         self.eps = eps
 
     @classmethod
-    def from_dense(cls, dense: nn.Module, group) -> "HeadSharedRMSNorm":
+    def from_dense(cls, dense: nn.Module, group) -> "GroupSummedNorm":
+        layer_norm = isinstance(dense, nn.LayerNorm)
+        if layer_norm and (dense.weight is None or dense.bias is None):
+            raise ValueError("a LayerNorm without affine weight and bias has nothing to sum over the group")
         with torch.device(dense.weight.device):
-            layer = cls(dense.weight.shape[0], dense.eps, group, dtype=dense.weight.dtype)
-        layer._load_shards({"weight": dense.weight})
+            layer = cls(dense.weight.shape[0], dense.eps, group, dtype=dense.weight.dtype, layer_norm=layer_norm)
+        layer._load_shards({"weight": dense.weight, "bias": dense.bias if layer_norm else None})
         layer._freeze_like(dense)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, copy_to_tensor_parallel_region(self.weight, self.group), self.eps)
+        weight = copy_to_tensor_parallel_region(self.weight, self.group)
+        if self.bias is None:
+            return rms_norm(x, weight, self.eps)
+        bias = copy_to_tensor_parallel_region(self.bias, self.group)
+        return F.layer_norm(x, self.weight.shape, weight, bias, self.eps)
 
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}, gradient summed over the tensor-parallel group"
+        kind = "LayerNorm" if self.bias is not None else "RMSNorm"
+        return f"{kind} {tuple(self.weight.shape)}, eps={self.eps}, gradient summed over the tensor-parallel group"
 
 
 class VocabParallelEmbedding(_TensorParallelModule):

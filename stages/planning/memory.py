@@ -27,7 +27,9 @@ against a real run in tests/unit/test_memory_plan.py and bench/memory_plan.py):
   SwiGLU's gate, silu(gate), up and their product; with a frozen base only what the input gradients
   and the adapter need (under ZeRO-3 every projection's input: DeepSpeed swaps in a linear that
   saves it). With recompute a layer keeps only its input, and one layer is rebuilt at a time. Tensor
-  parallelism splits the attention and MLP parts, not the norms (no sequence parallelism). The loss:
+  parallelism splits the attention and MLP parts; sequence parallelism also the norms' inputs,
+  outputs and statistics (the projections save their rank's tokens, not the sequence they gather)
+  and a recomputed layer's input (the residual stream is gathered before the final norm). The loss:
   logits (gathered over the vocabulary unless tensor_parallel_output), their fp32 copy and
   log-softmax, then three fp32 (tokens x vocab) tensors when backward starts.
 - Pipeline parallelism (1F1B, interleaved 1F1B as torch.distributed.pipelining schedules them):
@@ -112,7 +114,7 @@ GPT_LIKE_KEYS: dict[str, dict[str, tuple[str, Any]]] = {
     "gpt_neox": {"tie_word_embeddings": ("tie_word_embeddings", False)},
 }
 # nearest_fitting_layout's order of preference: the knobs it turns, cheapest first.
-PREFERENCE = ("sharding", "recompute", "tensor_parallel_degree", "pipeline_parallel_degree",
+PREFERENCE = ("sequence_parallel", "sharding", "recompute", "tensor_parallel_degree", "pipeline_parallel_degree",
               "sharding_offload", "per_device_train_batch_size")
 
 
@@ -185,10 +187,16 @@ class _Layout:
     param_bytes: int  # 2 with bf16/fp16, else 4
     tp_output: bool
     packing: bool
+    sp: bool = False  # sequence parallelism (a switch of tp)
 
     @property
     def dp(self) -> int:
         return self.world // (self.tp * self.pp)
+
+    @property
+    def token_split(self) -> int:
+        """How many ranks share the tokens of the decoder layers' residual stream and norms."""
+        return self.tp if self.sp else 1
 
 
 @dataclass(frozen=True)
@@ -295,7 +303,8 @@ def _layout(section: TrainingSettings, bf16: bool | None = None) -> _Layout:
                    seq=section.max_length, recompute=section.recompute,
                    param_bytes=2 if bf16 or section.fp16 else 4,
                    tp_output=section.tensor_parallel_output,
-                   packing=isinstance(section, SftSettings) and section.packing)
+                   packing=isinstance(section, SftSettings) and section.packing,
+                   sp=section.sequence_parallel and section.tensor_parallel_degree > 1)
 
 
 # -- parameters ---------------------------------------------------------------------------------
@@ -439,12 +448,15 @@ def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str) 
     kv_saved = kv if device == "cpu" else q
     attention = (2 * q * sdpa + 2 * kv_saved * kv_len * sdpa + s.heads * 4) / tp
     mask = _mask_bytes(lay, ad, sdpa)
+    # Sequence parallelism: the residual stream's norms run on this rank's tokens (1/sp of them), and
+    # the column-parallel projections save those tokens, not the sequence they gather
+    sp = lay.token_split
     # Norms whose output no Linear saves: Qwen3's q/k head norms (RoPE follows) and GLM-4's norms of
     # each sub-block's output (the residual add follows); widths summed
-    unread_norms = (q + kv) / tp * s.qk_norm + 2 * d * s.sandwich_norms
+    unread_norms = (q + kv) / tp * s.qk_norm + 2 * d * s.sandwich_norms / sp
     # each RMSNorm's fp32 1/rms; GPT-2's LayerNorm keeps mean and 1/std in the activations' dtype
-    rms_norms = 2 + 2 * s.sandwich_norms + (s.heads + s.kv_heads) / tp * s.qk_norm
-    stats = 2 * 2 * a if s.gpt_blocks else 4 * rms_norms
+    rms_norms = (2 + 2 * s.sandwich_norms) / sp + (s.heads + s.kv_heads) / tp * s.qk_norm
+    stats = 2 * 2 * a / sp if s.gpt_blocks else 4 * rms_norms
     layer_projections = frozenset(s.projections)
     targets = ad.targets & layer_projections
     reads = layer_projections if ad.full or lay.zero == 3 else targets  # projections that save their input
@@ -452,14 +464,14 @@ def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str) 
         attention += q * a / tp
     if ad.full:
         # RMSNorm: fp32 input, normalised x, output (the next Linear's input); LayerNorm: input, output
-        norms = 2 * d * (2 * a if s.gpt_blocks else 4 + 2 * a)
+        norms = 2 * d * (2 * a if s.gpt_blocks else 4 + 2 * a) / sp
         norms += unread_norms * (4 + a)  # fp32 input, normalised x
         mlp_saved = (2 if s.gpt_blocks else 4) * f * a / tp  # GELU: up, gelu(up); SwiGLU: gate, silu, up, product
         return int(tokens * (norms + stats + attention + mlp_saved)) + mask
     norm_outputs = sum(any(f"{part}.{leaf}" in reads for leaf in leaves)
                        for part, leaves in (("self_attn", ("q_proj", "k_proj", "v_proj")),
                                             ("mlp", ("gate_proj", "up_proj", "gate_up_proj"))))
-    norms = d * (2 * 4 + a * norm_outputs) + unread_norms * 4  # fp32 inputs; an output a projection saves
+    norms = d * (2 * 4 + a * norm_outputs) / sp + unread_norms * 4  # fp32 inputs; an output a projection saves
     mlp = (3 + ("mlp.down_proj" in reads)) * f * a / tp  # gate, silu(gate), up; down's input
     return int(tokens * (norms + stats + attention + mlp + len(targets) * ad.rank * a)) + mask
 
@@ -508,7 +520,7 @@ def _activation_bytes(s: _Shape, lay: _Layout, rank: int, ad: _Adapter, device: 
     chunks, mine = lay.pp * lay.vpp, _chunks_of(lay, rank)
     per_chunk = max(_chunk_layers(s.layers, chunks)[c] for c in mine)
     layer = _layer_activation_bytes(s, lay, ad, device)
-    kept = lay.micro * lay.seq * s.hidden * lay.param_bytes if lay.recompute else layer
+    kept = lay.micro * lay.seq * s.hidden * lay.param_bytes // lay.token_split if lay.recompute else layer
     saved = _in_flight(lay, rank) * per_chunk * kept
     norm, loss = _head_bytes(s, lay, ad, keeps_logits=lay.pp > 1) if chunks - 1 in mine else (0, 0)
     return saved + norm, loss, layer if lay.recompute else 0
@@ -700,6 +712,7 @@ def _moves(section: TrainingSettings, s: _Shape, devices_per_node: int, trained:
     micro = section.per_device_train_batch_size  # examples (cur.micro counts rows)
     batch = micro * cur.accum
     options = {
+        "sequence_parallel": sorted({section.sequence_parallel, True}),
         "sharding": [z for z in range(cur.zero, 4)],
         "recompute": sorted({cur.recompute, True}),
         "tensor_parallel_degree": [t for t in _divisors(cur.world) if t == cur.tp or cur.tp < t <= devices_per_node],
@@ -709,15 +722,18 @@ def _moves(section: TrainingSettings, s: _Shape, devices_per_node: int, trained:
         "per_device_train_batch_size": [m for m in _divisors(batch) if m <= micro],
     }
     stage_names = {v: k for k, v in ZERO_STAGES.items()}
-    for zero, recompute, tp, pp, offload, examples in product(*options.values()):
-        trial = dataclasses.replace(section, sharding=stage_names[zero], recompute=recompute,
+    for sp, zero, recompute, tp, pp, offload, examples in product(*options.values()):
+        if sp and not section.sequence_parallel and tp == 1:
+            continue  # a switch of tensor parallelism: nothing to turn on without it
+        trial = dataclasses.replace(section, sequence_parallel=sp, sharding=stage_names[zero], recompute=recompute,
                                     tensor_parallel_degree=tp, pipeline_parallel_degree=pp, sharding_offload=offload,
                                     per_device_train_batch_size=examples, gradient_accumulation_steps=batch // examples)
         if not _allowed(s, _layout(trial), trial, trained):
             continue
         changes = {k: getattr(trial, k) for k in (*PREFERENCE, "gradient_accumulation_steps")
                    if getattr(trial, k) != getattr(section, k)}
-        steps = (zero - cur.zero, int(recompute) - int(cur.recompute), math.log2(tp / cur.tp),
+        steps = (int(sp) - int(section.sequence_parallel), zero - cur.zero, int(recompute) - int(cur.recompute),
+                 math.log2(tp / cur.tp),
                  math.log2(pp / cur.pp), int(offload) - int(cur.offload), math.log2(micro / examples))
         turned = tuple(i for i, step in enumerate(steps) if step)
         yield (len(turned), turned, steps), changes, trial
@@ -729,8 +745,9 @@ def nearest_fitting_layout(arch: dict[str, Any], section: Mapping[str, Any], *, 
     """The layout closest to `section` whose estimate fits `device_memory` bytes, as the section
     keys to change (`{}`: the section fits as it is; None: no layout of this world size does).
 
-    Keeps world_size and the global batch. Turns, in this order of preference (PREFERENCE): the
-    ZeRO stage up, recompute on, tensor parallelism up within a node (`devices_per_node`; dividing
+    Keeps world_size and the global batch. Turns, in this order of preference (PREFERENCE):
+    sequence parallelism on (with tensor parallelism: no extra compute, the same traffic), the ZeRO
+    stage up, recompute on, tensor parallelism up within a node (`devices_per_node`; dividing
     the heads, KV heads, intermediate size and vocabulary), pipeline parallelism up (dividing the
     layers; sharding none/stage1, gradient_accumulation_steps >= pp, full training only), ZeRO-Offload
     on, and the micro-batch down with gradient_accumulation_steps up. The closest layout turns the

@@ -59,7 +59,8 @@ def parallelize(model: torch.nn.Module, section: Mapping[str, Any],
         return model, None
     degrees = topology.degrees
     if degrees.tensor_parallel_degree > 1:
-        apply_tensor_parallel(model, topology, tensor_parallel_output=section.tensor_parallel_output)
+        apply_tensor_parallel(model, topology, tensor_parallel_output=section.tensor_parallel_output,
+                              sequence_parallel=section.sequence_parallel)
     model.gradient_checkpointing = section.recompute
     if section.torch_compile:
         # In place, layer by layer, so parameter names stay those of the single-device model;

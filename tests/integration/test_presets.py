@@ -77,12 +77,13 @@ def test_the_planner_refuses_a_70b_layout_that_cannot_fit_80gb_and_names_one_tha
     with pytest.raises(ConfigError) as err:
         check_plan("llama2-70b", _preset_experiment("llama2-70b-pretrain.yaml", "llama2-70b", world_size=64,
                                                     pipeline_parallel_degree=1, virtual_pp_degree=1,
-                                                    recompute=False, gradient_accumulation_steps=8))
+                                                    recompute=False, sequence_parallel=False,
+                                                    gradient_accumulation_steps=8))
     message = str(err.value)
     print(message)
     assert message.startswith("experiments.llama2-70b.pretrain: the layout needs")
     assert "more than the 72.0 GB usable: cluster.device_memory_gb=80, less 10%" in message
-    assert "the nearest layout that fits:" in message
+    assert "the nearest layout that fits: sequence_parallel: true" in message
     plan = check_plan("llama2-70b", _preset_experiment("llama2-70b-pretrain.yaml", "llama2-70b"))
     job = plan["jobs"]["pretrain"]
     print(json.dumps({k: job[k] for k in ("per_device_total_gb", "limit_gb", "fits")}))
@@ -102,3 +103,26 @@ def test_the_planner_refuses_ranks_whose_host_memory_exceeds_the_node():
     print(message)
     assert message.startswith("experiments.llama2-70b.finetune.sft: the 8 ranks of a node need 296 GB of host memory")
     assert "more than cluster.node_memory_gb=200" in message
+
+
+def test_a_long_sequence_layout_fits_24gb_devices_only_with_sequence_parallelism():
+    """Llama-2-7B pretraining at 32k tokens on one node of 8 x 24 GB, tp 8 with recompute: the
+    layers' saved inputs (32 x 32,768 x 4,096 bf16 values a rank) fit only split over the tensor-
+    parallel ranks; without sequence_parallel the planner refuses the layout, naming the numbers."""
+    def experiment(sequence_parallel: bool) -> dict:
+        exp = {"model": {"flavour": "7b"}, "data": {"vocab_size": 32000},
+               "pretrain": dict(world_size=8, tensor_parallel_degree=8, sequence_parallel=sequence_parallel,
+                                tensor_parallel_output=True, sharding="stage1", recompute=True, bf16=True,
+                                max_length=32768, per_device_train_batch_size=1, gradient_accumulation_steps=8),
+               "finetune": {method: dict(world_size=8, tensor_parallel_degree=8, sequence_parallel=True, bf16=True,
+                                         recompute=True, max_length=2048, src_length=1024,
+                                         per_device_train_batch_size=1, gradient_accumulation_steps=16)
+                            for method in ("sft", "lora", "prefix")},
+               "cluster": {"gpus_per_node": 8, "device_memory_gb": 24, "node_memory_gb": 1000}}
+        return check_config({"experiments": {"long": exp}})["experiments"]["long"]
+
+    job = check_plan("long", experiment(True))["jobs"]["pretrain"]
+    assert job["fits"] is True and job["per_device_total_gb"] < 0.9 * 24
+    with pytest.raises(ConfigError, match="experiments.long.pretrain: the layout needs") as err:
+        check_plan("long", experiment(False))
+    print(err.value)

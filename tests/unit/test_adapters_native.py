@@ -145,7 +145,7 @@ def test_a_projection_trains_its_mlp_and_leaves_the_base(debug_model_dir):
     assert all(p.grad is None for n, p in model.named_parameters() if n not in trained)
 
 
-def _tp_forward_backward(rank, world, model_dir, method, overrides):
+def _tp_forward_backward(rank, world, model_dir, method, overrides, sequence_parallel=False):
     """Our adapted model, tensor-parallel over the group: logits and adapter gradients, gathered whole."""
     import torch.distributed as dist
 
@@ -153,7 +153,7 @@ def _tp_forward_backward(rank, world, model_dir, method, overrides):
     from stages.parallel.plan import gather_full_state_dict
 
     model, _ = _adapted(model_dir, method, **overrides)
-    apply_tensor_parallel(model, dist.group.WORLD)
+    apply_tensor_parallel(model, dist.group.WORLD, sequence_parallel=sequence_parallel)
     ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
     logits = model(ids)
     logits.pow(2).mean().backward()
@@ -168,10 +168,12 @@ def _tp_forward_backward(rank, world, model_dir, method, overrides):
 @pytest.mark.multiproc
 @pytest.mark.parametrize("method, overrides", [("lora", {"target_modules": "all-linear"}),
                                                ("prefix", {"num_prefix_tokens": 3})])
-def test_tensor_parallel_adapter_matches_the_single_device_one(debug_model_dir, method, overrides):
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sequence_parallel"])
+def test_tensor_parallel_adapter_matches_the_single_device_one(debug_model_dir, method, overrides, sequence_parallel):
     """tp2: LoRA's A whole / B split (column) and A split / B whole (row), the prefix split by KV
-    heads: the same logits and the same whole gradients as one device, the base frozen."""
-    _check_tensor_parallel_adapter(debug_model_dir, method, overrides)
+    heads: the same logits and the same whole gradients as one device, the base frozen; with
+    sequence parallelism too (9 tokens: padded to 10 inside the layers)."""
+    _check_tensor_parallel_adapter(debug_model_dir, method, overrides, sequence_parallel)
 
 
 @pytest.mark.multiproc
@@ -180,14 +182,15 @@ def test_tensor_parallel_lora_splits_each_half_of_glm_s_gate_up_proj(newer_model
     _check_tensor_parallel_adapter(newer_model_dirs["glm4"], "lora", {"target_modules": "all-linear"})
 
 
-def _check_tensor_parallel_adapter(debug_model_dir, method, overrides):
+def _check_tensor_parallel_adapter(debug_model_dir, method, overrides, sequence_parallel=False):
     model, _ = _adapted(debug_model_dir, method, **overrides)
     model.train()
     ids = torch.randint(3, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
     logits = model(ids)
     logits.pow(2).mean().backward()
     expected = {n: p.grad for n, p in trained_parameters(model)}
-    for rank_logits, grads, frozen in run_gloo(_tp_forward_backward, 2, debug_model_dir, method, overrides):
+    for rank_logits, grads, frozen in run_gloo(_tp_forward_backward, 2, debug_model_dir, method, overrides,
+                                               sequence_parallel):
         assert torch.allclose(rank_logits, logits.detach(), atol=TOL, rtol=TOL)
         assert grads.keys() == expected.keys()
         for name, grad in grads.items():

@@ -228,6 +228,24 @@ def test_recompute_keeps_one_input_per_layer():
     assert kept.activations - inputs < full.activations / 10
 
 
+def test_sequence_parallelism_splits_the_norms_and_a_recomputed_layers_input():
+    """The norms' share of a layer's activations (and under recompute the layer's saved input)
+    divides by tp with sequence_parallel; at tp 1 it changes nothing. The bytes themselves are
+    checked against real tp2 runs by bench/memory_plan.py (cases tp2_sp, tp2_sp_recompute)."""
+    common = dict(world_size=8, tensor_parallel_degree=8, sharding="stage1", per_device_train_batch_size=1,
+                  gradient_accumulation_steps=4, max_length=4096, bf16=True)
+
+    def activations(**section):
+        return estimate_phases(FLAVOURS["70b"], pretrain_section(**{**common, **section}), vocab_size=32000)[
+            "backward"].activations
+
+    assert activations(sequence_parallel=True) < activations()
+    inputs = 80 * 4096 * 8192 * 2  # every layer's bf16 input
+    assert activations(recompute=True) - activations(recompute=True, sequence_parallel=True) == inputs - inputs // 8
+    alone = dict(world_size=1, tensor_parallel_degree=1)
+    assert activations(sequence_parallel=True, **alone) == activations(**alone)
+
+
 def _saved_bytes_of_one_layer(config: LlamaConfig, dtype_name: str, tokens: int) -> int:
     """Bytes of the distinct storages autograd saves in one forward of our decoder layer 0 (one row
     of `tokens`), its input included, its weights and the shared cos / sin not."""
@@ -319,8 +337,15 @@ def test_a_70b_layout_that_cannot_fit_80gb_is_rejected_with_the_nearest_that_fit
                                      devices_per_node=8)
     fitted = estimate_memory(FLAVOURS["70b"], {**section, **nearest}, vocab_size=32000)
     print(f"nearest: {nearest}: {fitted.total / GB:.1f} GB")
-    assert nearest == {"sharding": "stage3"}  # the first knob of PREFERENCE is enough
+    # the first knob of PREFERENCE is enough: sequence parallelism (the norms' activations / 8, no extra
+    # compute); with it already on and twice the micro-batch, the next one, ZeRO-2
+    assert nearest == {"sequence_parallel": True}
     assert fitted.total <= 80 * GB
+    with_sp = pretrain_section(**{**LAYOUT_70B, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 4},
+                               sequence_parallel=True)
+    assert estimate_memory(FLAVOURS["70b"], with_sp, vocab_size=32000).total > 80 * GB
+    assert nearest_fitting_layout(FLAVOURS["70b"], with_sp, vocab_size=32000, device_memory=80 * GB,
+                                  devices_per_node=8) == {"sharding": "stage2"}
 
 
 PARTS = ("parameters", "gradients", "optimizer", "activations", "buffers")

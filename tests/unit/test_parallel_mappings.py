@@ -9,8 +9,11 @@ import torch.distributed as dist
 from parallel_fixtures import run_gloo
 from stages.parallel.mappings import (
     copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region,
 )
 
@@ -53,10 +56,39 @@ def _mapping_worker(rank: int, world: int) -> dict[str, float]:
     y, gx = _forward_backward(gather_from_tensor_parallel_region, _seeded(20 + rank, 4, 3), g, group)
     diffs["gather_fwd"] = _max_diff(y, torch.cat([_seeded(20 + r, 4, 3) for r in range(world)], dim=-1))
     diffs["gather_bwd"] = _max_diff(gx, g[:, 3 * rank:3 * (rank + 1)])
+    # the sequence-parallel pairs, on dim 1 of (B, T, d) = (2, 4, 3): rank r holds tokens [2r, 2r + 2)
+    h, mine = _seeded(30, 2, 4, 3), slice(2 * rank, 2 * rank + 2)
+    y, gx = _forward_backward(scatter_to_sequence_parallel_region, h, _seeded(300 + rank, 2, 2, 3), group)
+    diffs["seq_scatter_fwd"] = _max_diff(y, h[:, mine])
+    diffs["seq_scatter_bwd"] = _max_diff(gx, torch.cat([_seeded(300 + r, 2, 2, 3) for r in range(world)], dim=1))
+    # gather into a column-parallel layer: each rank's grad of the whole sequence is a partial sum
+    y, gx = _forward_backward(gather_from_sequence_parallel_region, _seeded(40 + rank, 2, 2, 3),
+                              _seeded(400 + rank, 2, 4, 3), group)
+    diffs["seq_gather_fwd"] = _max_diff(y, torch.cat([_seeded(40 + r, 2, 2, 3) for r in range(world)], dim=1))
+    diffs["seq_gather_bwd"] = _max_diff(gx, sum(_seeded(400 + r, 2, 4, 3) for r in range(world))[:, mine])
+    # gather into a replicated consumer: the grad every rank holds whole, this rank's tokens of it
+    y, gx = _forward_backward(lambda t, grp: gather_from_sequence_parallel_region(t, grp, partial_grad=False),
+                              _seeded(40 + rank, 2, 2, 3), _seeded(50, 2, 4, 3), group)
+    diffs["seq_gather_replicated_fwd"] = _max_diff(y, torch.cat([_seeded(40 + r, 2, 2, 3) for r in range(world)],
+                                                                dim=1))
+    diffs["seq_gather_replicated_bwd"] = _max_diff(gx, _seeded(50, 2, 4, 3)[:, mine])
+    # reduce-scatter out of a row-parallel layer: partial sums in, this rank's tokens of the sum out
+    y, gx = _forward_backward(reduce_scatter_to_sequence_parallel_region, _seeded(60 + rank, 2, 4, 3),
+                              _seeded(600 + rank, 2, 2, 3), group)
+    diffs["seq_reduce_scatter_fwd"] = _max_diff(y, sum(_seeded(60 + r, 2, 4, 3) for r in range(world))[:, mine])
+    diffs["seq_reduce_scatter_bwd"] = _max_diff(gx, torch.cat([_seeded(600 + r, 2, 2, 3) for r in range(world)],
+                                                              dim=1))
     # a group of one: every mapping is the identity both ways
     alone = singletons[rank]
     for name, fn in [("copy", copy_to_tensor_parallel_region), ("reduce", reduce_from_tensor_parallel_region),
-                     ("scatter", scatter_to_tensor_parallel_region), ("gather", gather_from_tensor_parallel_region)]:
+                     ("scatter", scatter_to_tensor_parallel_region), ("gather", gather_from_tensor_parallel_region),
+                     ("seq_scatter", scatter_to_sequence_parallel_region),
+                     ("seq_gather", gather_from_sequence_parallel_region),
+                     ("seq_reduce_scatter", reduce_scatter_to_sequence_parallel_region)]:
+        if name.startswith("seq_"):
+            y, gx = _forward_backward(fn, h, h, alone)
+            diffs[f"{name}_single"] = max(_max_diff(y, h), _max_diff(gx, h))
+            continue
         y, gx = _forward_backward(fn, x, g, alone)
         diffs[f"{name}_single"] = max(_max_diff(y, x), _max_diff(gx, g))
     return diffs
@@ -69,13 +101,15 @@ def mapping_diffs() -> dict[str, float]:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("mapping", ["copy", "reduce", "scatter", "gather"])
+@pytest.mark.parametrize("mapping", ["copy", "reduce", "scatter", "gather", "seq_scatter", "seq_gather",
+                                     "seq_gather_replicated", "seq_reduce_scatter"])
 def test_mapping_matches_single_process_maths(mapping_diffs, mapping):
     assert mapping_diffs[f"{mapping}_fwd"] <= 1e-6
     assert mapping_diffs[f"{mapping}_bwd"] <= 1e-6
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("mapping", ["copy", "reduce", "scatter", "gather"])
+@pytest.mark.parametrize("mapping", ["copy", "reduce", "scatter", "gather", "seq_scatter", "seq_gather",
+                                     "seq_reduce_scatter"])
 def test_mapping_is_identity_for_a_group_of_one(mapping_diffs, mapping):
     assert mapping_diffs[f"{mapping}_single"] == 0.0

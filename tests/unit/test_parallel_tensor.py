@@ -204,6 +204,74 @@ def _model_checks(rank: int, world: int, group, flavour: str) -> dict:
             losses.append(loss.item())
         curves[kind] = losses
     out["curves"] = curves
+    out["sequence_parallel"] = _sequence_parallel_checks(rank, world, group, cfg)
+    return out
+
+
+def _with_lora(model: nn.Module) -> nn.Module:
+    """LoRA (r 4, B != 0) on every layer's q_proj and o_proj (column and row) and GPT-2's fused qkv
+    and down projection; the base frozen, as the fine-tuning engine leaves it."""
+    from stages.adapters.lora_linear import lora_linear
+
+    torch.manual_seed(5)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for layer in model.model.layers.values():
+        for parent, name in ((layer.self_attn, "qkv_proj" if hasattr(layer.self_attn, "qkv_proj") else "q_proj"),
+                             (layer.self_attn, "o_proj"), (layer.mlp, "down_proj")):
+            adapted = lora_linear(getattr(parent, name), 4, 8, 0.0)
+            nn.init.normal_(adapted.lora_B.weight, std=0.1)
+            setattr(parent, name, adapted)
+    return model
+
+
+def _sequence_parallel_checks(rank: int, world: int, group, cfg) -> dict[str, float]:
+    """tp2 with sequence_parallel against the dense model: logits, loss and every gradient, for a
+    length tp divides (16), one it does not (15: padded inside the layers) in two packed
+    examples, with activation recompute, with LoRA, and with the vocab-split logits' loss."""
+    out = {}
+    cases = {"even": (16, False, False, False), "odd_packed": (15, True, False, False),
+             "recompute": (16, False, True, False), "lora": (15, True, False, True)}
+    for case, (length, packed, recompute, lora) in cases.items():
+        ids = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(11))
+        labels = ids.clone()
+        labels[:, :2] = -100
+        positions = torch.cat([torch.arange(7), torch.arange(length - 7)]).expand(2, -1) if packed else None
+        models = []
+        for kind in ("dense", "sp"):
+            model = _built(cfg)
+            if lora:
+                model = _with_lora(model)
+            if kind == "sp":
+                model = apply_tensor_parallel(model, group, sequence_parallel=True)
+                model.gradient_checkpointing = recompute
+                seen = []  # the tokens a layer's norm normalises on this rank
+                model.model.layers["1"].post_attention_layernorm.register_forward_hook(
+                    lambda module, args, output: seen.append(args[0].shape[1]))
+            model.train(recompute)  # recompute checkpoints in training only (no dropout in these configs)
+            logits, loss = model(ids, labels=labels, position_ids=positions)
+            loss.backward()
+            models.append((model, logits, loss))
+        (dense, logits_d, loss_d), (sp, logits_p, loss_p) = models
+        out[f"{case}_logits"] = _diff(logits_p, logits_d)
+        out[f"{case}_loss"] = _diff(loss_p, loss_d)
+        dense_grads = {n: p.grad for n, p in dense.named_parameters() if p.requires_grad}
+        grads = {n: p.grad for n, p in sp.named_parameters() if p.requires_grad}
+        assert sorted(grads) == sorted(dense_grads), case
+        diff = 0.0
+        for name, p in sp.named_parameters():
+            if p.requires_grad:
+                full = dense_grads[name]
+                if getattr(p, "tensor_model_parallel", False):
+                    full = shard_tensor(full, p.partition_dim, rank, world, partition_chunks(p))
+                diff = max(diff, _diff(p.grad, full))
+        out[f"{case}_grads"] = diff
+        out[f"{case}_split"] = repr(sp.sequence_parallel)
+        out[f"{case}_norm_tokens"] = seen[0]  # of the padded length
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(12))
+    _, loss_d = _built(cfg)(ids, labels=ids)
+    tpo = apply_tensor_parallel(_built(cfg), group, tensor_parallel_output=True, sequence_parallel=True)
+    out["vocab_split_loss"] = _diff(tpo(ids, labels=ids)[1], loss_d)
     return out
 
 
@@ -218,8 +286,8 @@ def results() -> list[dict]:
     return run_gloo(_worker, 2)
 
 
-def _max(results, section, key):
-    return max(r[section][key] for r in results)
+def _max(results, section, key, inner=None):
+    return max(r[section][key] if inner is None else r[section][key][inner] for r in results)
 
 
 @pytest.mark.multiproc
@@ -292,3 +360,23 @@ def test_tp2_adamw_loss_curve_matches_single_process(results, flavour):
         curves = r[flavour]["curves"]
         torch.testing.assert_close(torch.tensor(curves["tp"]), torch.tensor(curves["dense"]), rtol=1e-5, atol=0)
     assert results[0][flavour]["curves"]["dense"][-1] < results[0][flavour]["curves"]["dense"][0]
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("flavour", list(CONFIGS))
+@pytest.mark.parametrize("case", ["even", "odd_packed", "recompute", "lora"])
+def test_sequence_parallel_logits_loss_and_grads_match_single_process(results, flavour, case):
+    """Megatron's sequence parallelism as a switch of tp2: the residual stream, norms (their weights'
+    gradient summed over the group) and row-parallel biases on each rank's tokens; the same numbers
+    as one process, to fp32's summation order."""
+    assert all(r[flavour]["sequence_parallel"][f"{case}_split"] == "SequenceSplit(tp=2)" for r in results)
+    assert _max(results, flavour, "sequence_parallel", f"{case}_logits") <= 1e-5
+    assert _max(results, flavour, "sequence_parallel", f"{case}_loss") <= 1e-5
+    assert _max(results, flavour, "sequence_parallel", f"{case}_grads") <= 1e-6
+    assert results[0][flavour]["sequence_parallel"][f"{case}_norm_tokens"] == 8  # 16 tokens, or 15 and a pad
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("flavour", list(CONFIGS))
+def test_sequence_parallel_with_the_vocab_parallel_loss(results, flavour):
+    assert _max(results, flavour, "sequence_parallel", "vocab_split_loss") <= 1e-5

@@ -119,6 +119,8 @@ LAYOUTS = {
                     gradient_accumulation_steps=4)),
     "tp2_vocab_parallel_loss": (2, dict(sharding="none", tensor_parallel_degree=2, tensor_parallel_output=True,
                                         per_device_train_batch_size=2, gradient_accumulation_steps=4)),
+    "tp2_sequence_parallel_zero1": (2, dict(sharding="stage1", tensor_parallel_degree=2, sequence_parallel=True,
+                                            per_device_train_batch_size=2, gradient_accumulation_steps=4)),
     "pp2_1f1b": (2, dict(sharding="none", pipeline_parallel_degree=2, per_device_train_batch_size=2,
                          gradient_accumulation_steps=4)),
     "pp2_interleaved": (2, dict(sharding="none", pipeline_parallel_degree=2, virtual_pp_degree=2,
@@ -128,6 +130,9 @@ LAYOUTS = {
                         gradient_accumulation_steps=2)),
     "tp2_pp2": (4, dict(sharding="none", tensor_parallel_degree=2, pipeline_parallel_degree=2,
                         per_device_train_batch_size=2, gradient_accumulation_steps=4)),
+    "tp2_sequence_parallel_pp2": (4, dict(sharding="none", tensor_parallel_degree=2, sequence_parallel=True,
+                                          pipeline_parallel_degree=2, per_device_train_batch_size=2,
+                                          gradient_accumulation_steps=4)),
     "pp2_dp2_zero1": (4, dict(sharding="stage1", pipeline_parallel_degree=2, per_device_train_batch_size=2,
                               gradient_accumulation_steps=2)),
     "tp2_sharding_stage2": (4, dict(sharding="stage2", tensor_parallel_degree=2, per_device_train_batch_size=2,
@@ -163,6 +168,9 @@ BF16_LAYOUTS = {
                                   per_device_train_batch_size=2, gradient_accumulation_steps=4)),
     "bf16_tp2_pp2": (4, dict(sharding="none", bf16=True, tensor_parallel_degree=2, pipeline_parallel_degree=2,
                              per_device_train_batch_size=2, gradient_accumulation_steps=4)),
+    "bf16_tp2_sequence_parallel": (2, dict(sharding="none", bf16=True, tensor_parallel_degree=2,
+                                           sequence_parallel=True, per_device_train_batch_size=2,
+                                           gradient_accumulation_steps=4)),
 }
 
 

@@ -1,0 +1,54 @@
+"""Sequence parallelism's entry into and exit from the decoder layers: the residual stream between
+the embeddings and the final norm holds T/tp tokens per tensor-parallel rank.
+
+`apply_tensor_parallel(..., sequence_parallel=True)` sets `model.sequence_parallel` to a
+`SequenceSplit`; `stages.model.llama.run_layers` (the one code path of the whole model and of each
+pipeline stage) pads the hidden states to a multiple of tp tokens, computes the RoPE tables, masks
+and segments of the padded length, hands each rank its tokens (`enter`), runs the layers and
+gathers the tokens back (`leave`). The embeddings, the final norm and lm_head see the whole
+sequence as under plain TP, and pipeline stages pass the whole sequence to each other.
+
+Padding: a length that tp does not divide gets zero hidden states at its end, with positions that
+continue the last example's. Causal attention never lets a real token see a later one, so the
+real tokens' outputs, and every gradient, equal the unpadded run's; `leave` cuts the pads off.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from stages.parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
+
+
+class SequenceSplit:
+    """The tensor-parallel group's split of the sequence dimension of (B, T, d) hidden states."""
+
+    def __init__(self, group):
+        self.group = group
+        self.world = dist.get_world_size(group=group)
+
+    def pad(self, x: torch.Tensor, position_ids: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x (B, T, d) and position_ids (B, T) padded at the end to a multiple of the group's size."""
+        length = x.shape[1]
+        extra = -length % self.world
+        if not extra:
+            return x, position_ids
+        x = F.pad(x, (0, 0, 0, extra))  # (B, T + extra, d), zeros after the last token
+        if position_ids is not None:  # the pads continue the last example: never a new one at 0
+            steps = torch.arange(1, extra + 1, device=position_ids.device, dtype=position_ids.dtype)
+            position_ids = torch.cat([position_ids, position_ids[:, -1:] + steps], dim=1)
+        return x, position_ids
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens (B, T/tp, d) of the padded hidden states every rank holds."""
+        return scatter_to_sequence_parallel_region(x, self.group)
+
+    def leave(self, x: torch.Tensor, length: int) -> torch.Tensor:
+        """Every rank's tokens gathered, cut back to the `length` real ones: (B, length, d)."""
+        return gather_from_sequence_parallel_region(x, self.group, partial_grad=False)[:, :length]
+
+    def __repr__(self) -> str:
+        return f"SequenceSplit(tp={self.world})"

@@ -37,7 +37,8 @@ With `--device cuda` (one GPU) each case runs in a fresh process as a world of o
 still partitions, over one rank), the peak read from `torch.cuda.max_memory_allocated` over the
 training steps, against the estimate for `device="cuda"`.
 
-    .venv/bin/python bench/memory_plan.py                      # tiny + debug, 12 cases each, ~1.5-4 min
+    .venv/bin/python bench/memory_plan.py                      # tiny + debug, 13 cases each, ~1.5-4 min
+    .venv/bin/python bench/memory_plan.py --cases tp2 tp2_sp tp2_sp_recompute   # sequence parallelism
     .venv/bin/python bench/memory_plan.py --flavours debug --cases stage1 stage3 --steps 2
     .venv/bin/python bench/memory_plan.py --device cuda        # 1b on one GPU, ~6 min
     .venv/bin/python bench/memory_plan.py --help
@@ -95,9 +96,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "prefix_stage3": ("prefix", dict(sharding="stage3")),
 }
 DEFAULT_CASES = {
-    "cpu": ["none", "stage1", "stage2", "stage3", "tp2", "tp2_sp", "tp2_sp_recompute", "pp2", "stage1_recompute",
-            "none_bf16", "stage2_bf16",
-            "lora_stage1", "prefix_tp2", "prefix_stage3"],
+    "cpu": ["none", "stage1", "stage2", "stage3", "tp2", "tp2_sp", "pp2", "stage1_recompute", "none_bf16",
+            "stage2_bf16", "lora_stage1", "prefix_tp2", "prefix_stage3"],
     "cuda": ["none", "none_bf16", "stage1_bf16", "stage2_bf16", "stage3_bf16", "stage1_bf16_recompute",
              "stage2_bf16_offload", "lora_bf16"],
 }

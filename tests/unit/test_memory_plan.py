@@ -231,7 +231,8 @@ def test_recompute_keeps_one_input_per_layer():
 def test_sequence_parallelism_splits_the_norms_and_a_recomputed_layers_input():
     """The norms' share of a layer's activations (and under recompute the layer's saved input)
     divides by tp with sequence_parallel; at tp 1 it changes nothing. The bytes themselves are
-    checked against real tp2 runs by bench/memory_plan.py (cases tp2_sp, tp2_sp_recompute)."""
+    checked against real tp2 runs by bench/memory_plan.py (tp2_sp in its default run, which the
+    slow test below holds within 20%; tp2_sp_recompute with --cases)."""
     common = dict(world_size=8, tensor_parallel_degree=8, sharding="stage1", per_device_train_batch_size=1,
                   gradient_accumulation_steps=4, max_length=4096, bf16=True)
 

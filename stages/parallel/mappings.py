@@ -5,13 +5,14 @@ functions whose backward is the forward's adjoint, and lowercase public wrappers
 process group explicitly. "Parallel region" means the activations between a column-parallel and a
 row-parallel layer, where each rank holds its own slice of the features.
 
-Sequence parallelism (Megatron-LM's, Korthikanti et al. 2022) adds three pairs on the sequence
-dimension (dim 1 of (B, T, d)): the residual stream, norms and dropout hold a rank's T/tp tokens;
-entering a column-parallel layer all-gathers the tokens (backward: reduce-scatter), leaving a
-row-parallel one reduce-scatters its partial sums (backward: all-gather), so the all-reduce of
-plain TP becomes a reduce-scatter plus an all-gather of the same volume. A column-parallel layer
-gathers inside its own autograd function (`linear_on_gathered_sequence`), so that backward keeps
-only the rank's tokens and gathers them again, as Megatron's linear does. Gloo has no reduce-scatter:
+Sequence parallelism (Megatron-LM's, Korthikanti et al. 2022) works on the sequence dimension
+(dim 1 of (B, T, d)): the residual stream, norms and dropout hold a rank's T/tp tokens. Split and
+gather are the TP pair on that dimension (in and out of the decoder layers); a column-parallel
+layer all-gathers the tokens inside its own autograd function (`linear_on_gathered_sequence`:
+backward keeps only the rank's tokens, gathers them again and reduce-scatters the input's
+gradient, as Megatron's linear does); a row-parallel one reduce-scatters its partial sums
+(backward: all-gather), so the all-reduce of plain TP becomes a reduce-scatter plus an all-gather
+of the same volume. Gloo has no reduce-scatter:
 there it is an all-reduce and a slice (the same result, twice the traffic; NCCL runs
 `reduce_scatter_tensor`).
 """
@@ -21,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+SEQUENCE_DIM = 1  # of the (B, T, d) hidden states
 
 
 # -- collectives ---------------------------------------------------------------------------------
@@ -43,27 +46,6 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     out = x.contiguous().clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
-
-
-def _split_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    """This rank's contiguous slice of the last dimension."""
-    world = _world(group)
-    if world == 1:
-        return x
-    if x.shape[-1] % world:
-        raise ValueError(f"last dimension {x.shape[-1]} is not divisible by the group size {world}")
-    return x.chunk(world, dim=-1)[dist.get_rank(group=group)].contiguous()
-
-
-def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
-    """The concatenation of every rank's x along the last dimension, in group-rank order."""
-    world = _world(group)
-    if world == 1:
-        return x
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(parts, x, group=group)
-    return torch.cat(parts, dim=-1)
 
 
 def _split_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -128,63 +110,31 @@ class _ReduceFromTensorParallelRegion(torch.autograd.Function):
         return grad, None
 
 
-class _ScatterToTensorParallelRegion(torch.autograd.Function):
-    """Forward: keep this rank's slice of the last dim. Backward: all-gather the last dim."""
+class _Split(torch.autograd.Function):
+    """Forward: keep this rank's slice of dimension `dim`. Backward: all-gather that dimension."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last_dim(grad, ctx.group), None
-
-
-class _GatherFromTensorParallelRegion(torch.autograd.Function):
-    """Forward: all-gather the last dim. Backward: keep this rank's slice of the last dim."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last_dim(x, group)
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _split_dim(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split_last_dim(grad, ctx.group), None
+        return _gather_dim(grad, ctx.dim, ctx.group), None, None
 
 
-SEQUENCE_DIM = 1  # of the (B, T, d) hidden states
-
-
-class _ScatterToSequenceParallelRegion(torch.autograd.Function):
-    """Forward: keep this rank's tokens. Backward: all-gather the tokens' gradients."""
+class _Gather(torch.autograd.Function):
+    """Forward: all-gather dimension `dim`. Backward: keep this rank's slice of it (every rank's
+    consumer of the whole tensor is the same computation, so each holds the whole gradient)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_dim(x, SEQUENCE_DIM, group)
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _gather_dim(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_dim(grad, SEQUENCE_DIM, ctx.group), None
-
-
-class _GatherFromSequenceParallelRegion(torch.autograd.Function):
-    """Forward: all-gather the tokens. Backward: reduce-scatter when every rank's use of the whole
-    sequence contributes part of its gradient (the input of a column-parallel layer), else keep
-    this rank's tokens of a gradient every rank holds whole (a replicated consumer)."""
-
-    @staticmethod
-    def forward(ctx, x, group, partial_grad):
-        ctx.group, ctx.partial_grad = group, partial_grad
-        return _gather_dim(x, SEQUENCE_DIM, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.partial_grad:
-            return _reduce_scatter_dim(grad, SEQUENCE_DIM, ctx.group), None, None
-        return _split_dim(grad, SEQUENCE_DIM, ctx.group), None, None
+        return _split_dim(grad, ctx.dim, ctx.group), None, None
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
@@ -241,24 +191,24 @@ def reduce_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
 
 def scatter_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Enter the parallel region by splitting a replicated input along its last dimension."""
-    return _ScatterToTensorParallelRegion.apply(x, group)
+    return _Split.apply(x, -1, group)
 
 
 def gather_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Leave the parallel region by concatenating the ranks' last-dimension slices."""
-    return _GatherFromTensorParallelRegion.apply(x, group)
+    return _Gather.apply(x, -1, group)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Split the replicated hidden states (B, T, d) into this rank's tokens (B, T/tp, d)."""
-    return _ScatterToSequenceParallelRegion.apply(x, group)
+    return _Split.apply(x, SEQUENCE_DIM, group)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group, partial_grad: bool = True) -> torch.Tensor:
-    """All ranks' tokens (B, T, d) from this rank's (B, T/tp, d). `partial_grad`: the consumer is
-    a column-parallel layer (each rank's gradient is a partial sum: reduce-scattered back); False
-    for a consumer every rank runs whole (its gradient is split back)."""
-    return _GatherFromSequenceParallelRegion.apply(x, group, partial_grad)
+def gather_from_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
+    """All ranks' tokens (B, T, d) from this rank's (B, T/tp, d), for a consumer every rank runs
+    whole (the final norm and lm_head); its gradient is split back. A column-parallel layer gathers
+    inside `linear_on_gathered_sequence` instead."""
+    return _Gather.apply(x, SEQUENCE_DIM, group)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:

@@ -48,7 +48,7 @@ class SequenceSplit:
 
     def leave(self, x: torch.Tensor, length: int) -> torch.Tensor:
         """Every rank's tokens gathered, cut back to the `length` real ones: (B, length, d)."""
-        return gather_from_sequence_parallel_region(x, self.group, partial_grad=False)[:, :length]
+        return gather_from_sequence_parallel_region(x, self.group)[:, :length]
 
     def __repr__(self) -> str:
         return f"SequenceSplit(tp={self.world})"

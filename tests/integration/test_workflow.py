@@ -23,18 +23,12 @@ from workflow_helpers import (
     snakemake,
 )
 
-# Snakemake's linter asks every rule for a conda environment or a container. The rules name none: no
-# conda channel and no container registry is reachable where the project is built and tested, so
-# neither could be created and checked (docs/workflow.md, "Software"); every other lint must be clean.
-SOFTWARE_LINT = "Specify a conda environment or container for each rule."
-
-
 def test_lint_is_clean(tmp_path):
+    """Snakemake's linter finds nothing, the conda environment of every rule (environment.yml) included."""
     proc = snakemake(tmp_path, "--lint", check=False)
     out = proc.stdout + proc.stderr
-    titles = re.findall(r"^    \* (.+?):?$", out, flags=re.M)
-    assert "Lints for" in out and titles, out  # the linter ran and printed its findings
-    assert set(titles) == {SOFTWARE_LINT}, out
+    assert proc.returncode == 0 and "Congratulations, your workflow is in a good condition!" in out, out
+    assert "Lints for" not in out, out
 
 
 def test_dry_run_plans_every_stage(tmp_path):

@@ -11,6 +11,7 @@
 
 
 rule score_pairs:
+    conda: ENVIRONMENT
     input:
         unpack(scoring_inputs),
     output:
@@ -31,6 +32,7 @@ rule score_pairs:
 
 
 rule align:
+    conda: ENVIRONMENT
     input:
         unpack(align_inputs),
         mix=align_mix_files,

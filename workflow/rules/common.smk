@@ -18,6 +18,12 @@ from stages.provenance.code import closure, file_digest, fingerprint, source_pat
 from stages.quant.variants import BUILTIN_VARIANTS, CALIBRATED_METHODS, METHOD_MODULES, spec_method, variant_settings
 from stages.sweeps import expand as expand_sweeps
 
+# The software of every job, environment.yml: the conda twin of pyproject.toml's pins (tests/unit/
+# test_environment.py checks they agree), relative to the rule files in workflow/rules/. Used only with
+# `--software-deployment-method conda`; jobs run `python -m stages.<verb>` from the working directory,
+# so run Snakemake from the repository root then (docs/workflow.md, "Software").
+ENVIRONMENT = "../../environment.yml"
+
 # Sweeps (and plain comparisons) first: each sweep's rows become ordinary experiments, members that
 # share their upstream (model, data, pretraining) link to one hidden `shared-<hash>` experiment
 # that makes it (stages/sweeps.py). Then everything is validated once, here: unknown keys (closest

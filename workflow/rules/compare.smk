@@ -1,6 +1,7 @@
 # A sweep's members (or a comparison's listed experiments) side by side: the chosen metrics of the
 # chosen variants per experiment, and their mean and spread over seeds (stages/compare.py).
 rule compare:
+    conda: ENVIRONMENT
     input:
         comparison_inputs,
     output:

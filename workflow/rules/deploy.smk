@@ -5,6 +5,7 @@
 # validation text before its directory appears. deploy/manifest.json lists them with the ONNX
 # graphs of export/ and their checks: `snakemake --cores all results/llama/deploy/manifest.json`.
 rule deploy_gguf:
+    conda: ENVIRONMENT
     input:
         model=quant_source_dir,
         data="results/{experiment}/data",
@@ -27,6 +28,7 @@ rule deploy_gguf:
 
 
 rule deploy_compressed_tensors:
+    conda: ENVIRONMENT
     input:
         model="results/{experiment}/quant/{variant}",
         data="results/{experiment}/data",
@@ -47,6 +49,7 @@ rule deploy_compressed_tensors:
 
 
 rule deploy_manifest:
+    conda: ENVIRONMENT
     input:
         export="results/{experiment}/export",
         artifacts=deploy_artifacts,

@@ -1,5 +1,6 @@
 # Perplexity, exact match, BLEU-4, ROUGE-L, size and generation speed of one variant.
 rule evaluate:
+    conda: ENVIRONMENT
     input:
         unpack(variant_inputs),
         data="results/{experiment}/data",

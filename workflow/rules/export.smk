@@ -1,5 +1,6 @@
 # The deployable artifact of the quantization source: ONNX, checked in onnxruntime against torch.
 rule export:
+    conda: ENVIRONMENT
     input:
         quant_source_dir,
     output:

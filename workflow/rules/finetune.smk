@@ -4,6 +4,7 @@
 # module itself for one rank; srun inside a SLURM job); nodes, tasks and memory come from the experiment's plan.
 # Checkpoints go to checkpoints/<method>/ beside the output, as pretraining's (pretrain.smk says why).
 rule finetune:
+    conda: ENVIRONMENT
     input:
         model=finetune_base,
         data="results/{experiment}/data",

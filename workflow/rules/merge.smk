@@ -1,5 +1,6 @@
 # Fold the LoRA adapter into its base model (plain HF weights, logits checked against the adapter).
 rule merge_lora:
+    conda: ENVIRONMENT
     input:
         adapter="results/{experiment}/lora",
         base=finetune_base,

@@ -7,6 +7,7 @@
 # - plan: the whole plan with every job's SLURM resources, results/{experiment}/plan.json (the report
 #   takes it, so the default target records it).
 rule plan_job:
+    conda: ENVIRONMENT
     output:
         "results/{experiment}/plan/{job}.json",
     wildcard_constraints:
@@ -26,6 +27,7 @@ rule plan_job:
 
 
 rule plan:
+    conda: ENVIRONMENT
     output:
         "results/{experiment}/plan.json",
     log:

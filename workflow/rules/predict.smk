@@ -8,6 +8,7 @@ from stages.serving.generation_settings import settings_flags
 
 
 rule predict:
+    conda: ENVIRONMENT
     input:
         unpack(variant_inputs),
         data="results/{experiment}/data",

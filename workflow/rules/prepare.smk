@@ -1,6 +1,7 @@
 # Tokenizer + tokenized corpus + normalised SFT data. With model.model_name_or_path the imported
 # checkpoint's own tokenizer is used (no tokenizer is trained).
 rule prepare:
+    conda: ENVIRONMENT
     input:
         unpack(prepare_inputs),
     output:
@@ -25,6 +26,7 @@ rule prepare:
 # A local pretrained checkpoint (model.model_name_or_path), checked and copied into the experiment:
 # supported architecture, safetensors only, a tokenizer, our Llama's logits equal transformers'.
 rule import_base:
+    conda: ENVIRONMENT
     input:
         base_source_files,
     output:
@@ -53,6 +55,7 @@ rule import_base:
 # symlink, which a storage provider cannot hold and a module prefix would break. The copy's
 # .snakemake_timestamp (Snakemake's mark of a directory's time) is its own file, not a link.
 rule share_upstream:
+    conda: ENVIRONMENT
     input:
         shared_artifact,
     output:

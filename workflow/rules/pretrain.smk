@@ -15,6 +15,7 @@
 # With unified_checkpoint: false and tp or pp > 1 the ranks write their slices to pretrain_shards/
 # (rule pretrain_sharded) and merge_tp makes pretrain/ of them.
 rule pretrain:
+    conda: ENVIRONMENT
     input:
         unpack(pretrain_inputs),
     output:
@@ -49,6 +50,7 @@ use rule pretrain as pretrain_sharded with:
 
 # PaddleNLP's merge_tp_params: the tensor/pipeline-parallel slices -> the single-device HF layout.
 rule merge_tp:
+    conda: ENVIRONMENT
     input:
         "results/{experiment}/pretrain_shards",
     output:

@@ -1,6 +1,7 @@
 # Weight-only post-training quantization of `quantize.source`, one output per variant
 # (GPTQ variants also read the experiment's data for calibration).
 rule quantize:
+    conda: ENVIRONMENT
     input:
         unpack(quantize_input),
     output:

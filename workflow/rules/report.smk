@@ -1,6 +1,7 @@
 # pandas aggregates every variant's metrics and the rules' benchmark TSVs; matplotlib draws the
 # plots. The report()-tagged files make `snakemake --report report.html` a page per experiment.
 rule report:
+    conda: ENVIRONMENT
     input:
         evals=all_eval_files,
         export="results/{experiment}/export",

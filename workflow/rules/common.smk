@@ -18,11 +18,13 @@ from stages.provenance.code import closure, file_digest, fingerprint, source_pat
 from stages.quant.variants import BUILTIN_VARIANTS, CALIBRATED_METHODS, METHOD_MODULES, spec_method, variant_settings
 from stages.sweeps import expand as expand_sweeps
 
-# The software of every job, environment.yml: the conda twin of pyproject.toml's pins (tests/unit/
-# test_environment.py checks they agree), relative to the rule files in workflow/rules/. Used only with
+# The software of every job, workflow/envs/environment.yml (the repository's environment.yml links to
+# it): the conda twin of pyproject.toml's pins (tests/unit/test_environment.py checks they agree),
+# relative to the rule files in workflow/rules/ and inside workflow/, so a copy of the workflow or a
+# module import has it too (Snakemake reads it when it records a job's metadata). Used only with
 # `--software-deployment-method conda`; jobs run `python -m stages.<verb>` from the working directory,
 # so run Snakemake from the repository root then (docs/workflow.md, "Software").
-ENVIRONMENT = "../../environment.yml"
+ENVIRONMENT = "../envs/environment.yml"
 
 # Sweeps (and plain comparisons) first: each sweep's rows become ordinary experiments, members that
 # share their upstream (model, data, pretraining) link to one hidden `shared-<hash>` experiment

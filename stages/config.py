@@ -102,6 +102,12 @@ def check_align_section(key: str, section: dict[str, Any]) -> None:
     mixing = mixing_conflict(section)
     if mixing:
         raise ConfigError(f"{key}: {mixing}")
+    cp = section["context_parallel_degree"]
+    if cp > 1:
+        raise ConfigError(f"{key}: context_parallel_degree={cp}: preference alignment sums each sequence's "
+                          "log-probability, which a context-parallel split does not yet gather; set "
+                          "context_parallel_degree: 1 (tensor_parallel_degree with sequence_parallel also "
+                          "splits long sequences' activations)")
     pp = section["pipeline_parallel_degree"]
     if pp > 1 and section["tuning"] == "lora":
         raise ConfigError(f"{key}: pipeline_parallel_degree={pp} with tuning: lora: LoRA trains under data parallel, "
@@ -374,10 +380,15 @@ def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any], source: di
                   full_training: bool = False) -> None:
     world, tp, pp, vpp = (sec["world_size"], sec["tensor_parallel_degree"], sec["pipeline_parallel_degree"],
                           sec["virtual_pp_degree"])
-    if world % (tp * pp):
+    cp = sec["context_parallel_degree"]
+    if world % (tp * cp * pp):
         raise ConfigError(f"{key}: world_size={world} is not divisible by tensor_parallel_degree={tp} x "
-                          f"pipeline_parallel_degree={pp} = {tp * pp}; the data-parallel degree is "
-                          "world_size / (tp x pp)")
+                          f"context_parallel_degree={cp} x pipeline_parallel_degree={pp} = {tp * cp * pp}; the "
+                          "data-parallel degree is world_size / (tp x cp x pp)")
+    if cp > 1 and pp > 1:
+        raise ConfigError(f"{key}: context_parallel_degree={cp} with pipeline_parallel_degree={pp}: the pipeline's "
+                          "stages do not pass a split sequence yet; use context parallelism with data parallel, "
+                          "ZeRO and tensor parallelism (pipeline_parallel_degree: 1)")
     if pp > 1 and sec["sharding"] in ("stage2", "stage3"):
         raise ConfigError(f"{key}: sharding={sec['sharding']} with pipeline_parallel_degree={pp}: ZeRO-2/3 "
                           "partition gradients during backward, which the pipeline schedule runs outside "
@@ -427,14 +438,15 @@ def _check_layout_for_source(key: str, sec: dict[str, Any], source: dict[str, An
     pretraining and full SFT also for GPT-2) and degrees that divide the checkpoint's real head
     counts and layers."""
 
-    tp, pp = sec["tensor_parallel_degree"], sec["pipeline_parallel_degree"]
-    if tp == 1 and pp == 1:
+    tp, pp, cp = sec["tensor_parallel_degree"], sec["pipeline_parallel_degree"], sec["context_parallel_degree"]
+    if tp == 1 and pp == 1 and cp == 1:
         return
     family = family_of(source)
     if not (family.full_training_on_ours if full_training else family.ours):
         ours = ", ".join(f.name for f in FAMILIES.values() if f.ours)
         also = [f.name for f in FAMILIES.values() if f.trains_ours and not f.ours]
-        raise ConfigError(f"{key}: tensor_parallel_degree={tp} / pipeline_parallel_degree={pp} with a "
+        raise ConfigError(f"{key}: tensor_parallel_degree={tp} / pipeline_parallel_degree={pp} / "
+                          f"context_parallel_degree={cp} with a "
                           f"{family.name} checkpoint: model parallelism runs on the project's own model "
                           f"({ours}; for pretraining and full SFT also {', '.join(also)}); {family.name} "
                           f"{'trains adapters' if family.trains_ours else 'trains'} through transformers with "

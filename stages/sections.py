@@ -115,6 +115,7 @@ class TrainingSettings(Section):
     tensor_parallel_degree: int
     tensor_parallel_output: bool
     sequence_parallel: bool
+    context_parallel_degree: int
     pipeline_parallel_degree: int
     virtual_pp_degree: int
     recompute: bool

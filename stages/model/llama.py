@@ -165,9 +165,14 @@ class Attention(nn.Module):
         return apply_rope(q, cos, sin, self.rope_interleaved), apply_rope(k, cos, sin, self.rope_interleaved), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                segments: torch.Tensor | None = None) -> torch.Tensor:
+                segments: torch.Tensor | None = None, context=None) -> torch.Tensor:
+        """`context` (context parallelism's `ContextAttention`): x holds this rank's tokens of a
+        sequence split over ranks; the keys and values of all of them are gathered and the mask
+        follows the tokens' places in the whole sequence."""
         q, k, v = self.project(x, cos, sin)
         B, T = q.shape[0], q.shape[2]  # the whole sequence, also when x holds a rank's tokens
+        if context is not None:
+            k, v = context.keys_values(k, v)  # (B, K, cp x T, hd)
         prefix_key = getattr(self, "prefix_key", None)
         prefix_len = 0 if prefix_key is None else prefix_key.shape[1]
         if prefix_len:  # (K, P, hd) -> (B, K, P, hd) before the real keys and values
@@ -181,7 +186,10 @@ class Attention(nn.Module):
             q, k, v = q.float(), k.float(), v.float()
         dropout = self.attention_dropout if self.training else 0.0
         window = self.sliding_window if self.sliding_window is not None and T > self.sliding_window else None
-        if window is None and segments is None and not prefix_len:
+        if context is not None:
+            mask = context.mask(self.sliding_window, prefix_len)  # (B, 1, T, P + cp x T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
+        elif window is None and segments is None and not prefix_len:
             # plain causal attention: SDPA's causal fast path, no mask tensor
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
         else:
@@ -250,8 +258,8 @@ class DecoderLayer(nn.Module):
         self.resid_pdrop = config.resid_pdrop  # GPT-2: dropout on each sub-block's output, in training
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                segments: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.add_attention(x, self.self_attn(self.input_layernorm(x), cos, sin, segments))
+                segments: torch.Tensor | None = None, context=None) -> torch.Tensor:
+        x = self.add_attention(x, self.self_attn(self.input_layernorm(x), cos, sin, segments, context))
         return self.add_mlp(x)
 
     def add_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
@@ -320,6 +328,9 @@ class LlamaForCausalLM(nn.Module):
         # Set by tensor parallelism's sequence_parallel switch (stages.parallel.sequence.SequenceSplit):
         # the decoder layers' residual stream then holds each rank's share of the tokens (run_layers).
         self.sequence_parallel = None
+        # Set by context parallelism (stages.parallel.context.ContextSplit): forward takes this rank's
+        # tokens of sequences split over ranks (ContextSplit.split_batch), with their position ids.
+        self.context_parallel = None
 
     def init_order(self) -> Iterator[tuple[nn.Parameter, str]]:
         """(parameter, "normal" | "zeros" | "ones") in the order `init_weights` fills them: matrices
@@ -353,13 +364,17 @@ class LlamaForCausalLM(nn.Module):
         if logits_at is not None and labels is not None:
             raise ValueError("logits_at with labels: the loss needs every position's logits; score the kept "
                              "logits with stages.model.loss.token_loss instead")
+        if self.context_parallel is not None and (position_ids is None or labels is not None):
+            raise ValueError("a context-parallel model takes this rank's tokens and position ids from "
+                             "ContextSplit.split_batch, and no labels (their targets are split with them)")
         encoder = getattr(self, "prefix_encoder", None)
         if encoder is not None:  # prefix tuning through a projection: this step's prefix from its MLP
             encoder.place([layer.self_attn for layer in self.model.layers.values()], encoder())
         layers = self.model.layers.values()
         x = self.model.embed(input_ids, position_ids, prefix_length(list(layers)))  # (B, T, d)
         x = run_layers(layers, x, self.rotary_emb, recompute=self.gradient_checkpointing and self.training,
-                       position_ids=position_ids, sequence_parallel=self.sequence_parallel)
+                       position_ids=position_ids, sequence_parallel=self.sequence_parallel,
+                       context_parallel=self.context_parallel)
         if logits_at is not None:
             x = x[logits_at]  # (N, d)
         logits = self.lm_head(self.model.norm(x))  # (B, T, V) or (N, V)
@@ -370,7 +385,7 @@ class LlamaForCausalLM(nn.Module):
 
 def run_layers(layers: Iterable[DecoderLayer], x: torch.Tensor, rotary_emb: RotaryEmbedding | None,
                recompute: bool = False, position_ids: torch.Tensor | None = None,
-               sequence_parallel=None) -> torch.Tensor:
+               sequence_parallel=None, context_parallel=None) -> torch.Tensor:
     """Hidden states (B, T, d) through `layers` in order, with the RoPE tables of T positions (of
     `position_ids` (B, T) when given: packed rows, each example from position 0 and attending only
     to itself). With a prefix (prefix tuning) the real tokens start at position P, after the P
@@ -378,16 +393,23 @@ def run_layers(layers: Iterable[DecoderLayer], x: torch.Tensor, rotary_emb: Rota
     the whole model and of each pipeline stage; `recompute` checkpoints one block at a time
     (activations are recomputed in backward). `sequence_parallel` (a
     `stages.parallel.sequence.SequenceSplit`, from tensor parallelism) pads the sequence to a multiple
-    of the tensor-parallel degree, runs the layers on this rank's tokens and gathers them back."""
+    of the tensor-parallel degree, runs the layers on this rank's tokens and gathers them back.
+    `context_parallel` (a `stages.parallel.context.ContextSplit`): x holds this rank's tokens of
+    sequences split over ranks, `position_ids` their positions; attention reads the keys of all."""
     layers = list(layers)
     length = x.shape[1]
     if sequence_parallel is not None:
         x, position_ids = sequence_parallel.pad(x, position_ids)
     offset = prefix_length(layers)
-    segments = None if position_ids is None else segment_ids(position_ids)  # (B, T)
+    context = segments = None
+    if context_parallel is not None:  # packed examples are found in the whole sequence
+        context = context_parallel.attention(position_ids)
+    elif position_ids is not None:
+        segments = segment_ids(position_ids)  # (B, T)
     cos = sin = None  # learned positions (GPT-2): added to the embeddings, nothing to rotate
     if rotary_emb is not None:
-        cos, sin = rotary_emb(x.shape[1] + offset, x.device, x.dtype)  # (P+T, rd) each
+        whole = x.shape[1] * (1 if context_parallel is None else context_parallel.world)  # every rank's tokens
+        cos, sin = rotary_emb(whole + offset, x.device, x.dtype)  # (P+T, rd) each
         if position_ids is not None:  # (B, 1, T, rd)
             cos, sin = cos[position_ids + offset].unsqueeze(1), sin[position_ids + offset].unsqueeze(1)
         else:
@@ -395,8 +417,8 @@ def run_layers(layers: Iterable[DecoderLayer], x: torch.Tensor, rotary_emb: Rota
     if sequence_parallel is not None:
         x = sequence_parallel.enter(x)  # (B, T/tp, d)
     for layer in layers:
-        x = (checkpoint(layer, x, cos, sin, segments, use_reentrant=False) if recompute
-             else layer(x, cos, sin, segments))
+        x = (checkpoint(layer, x, cos, sin, segments, context, use_reentrant=False) if recompute
+             else layer(x, cos, sin, segments, context))
     return x if sequence_parallel is None else sequence_parallel.leave(x, length)
 
 

@@ -15,6 +15,10 @@ gradient, as Megatron's linear does); a row-parallel one reduce-scatters its par
 of the same volume. Gloo has no reduce-scatter:
 there it is an all-reduce and a slice (the same result, twice the traffic; NCCL runs
 `reduce_scatter_tensor`).
+
+Context parallelism (`stages.parallel.context`) gathers every rank's keys and values along the
+sequence; each rank's queries read all of them, so the backward reduce-scatters (sums) their
+gradients (`gather_from_context_parallel_region`).
 """
 
 from __future__ import annotations
@@ -137,6 +141,20 @@ class _Gather(torch.autograd.Function):
         return _split_dim(grad, ctx.dim, ctx.group), None, None
 
 
+class _GatherSummingGradients(torch.autograd.Function):
+    """Forward: all-gather dimension `dim` (rank-major). Backward: reduce-scatter it (every rank's
+    consumer of the whole tensor is a different computation: the gradients add up)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _gather_dim(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_dim(grad, ctx.dim, ctx.group), None, None
+
+
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     """Forward: sum the partial results and keep this rank's tokens. Backward: all-gather."""
 
@@ -222,3 +240,10 @@ def linear_on_gathered_sequence(x: torch.Tensor, weight: torch.Tensor, bias: tor
     (B, T, out): a column-parallel layer's matmul under sequence parallelism, keeping only x for
     backward (`_LinearOnGatheredSequence`)."""
     return _LinearOnGatheredSequence.apply(x, weight, bias, group)
+
+
+def gather_from_context_parallel_region(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Every rank's slices of dimension `dim` concatenated in group-rank order, for a consumer that
+    differs on each rank (context parallelism's queries of the rank's own tokens): backward sums the
+    group's gradients and keeps this rank's slice."""
+    return _GatherSummingGradients.apply(x, dim, group)

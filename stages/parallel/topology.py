@@ -1,19 +1,24 @@
 """Parallel degrees, the rank grid, and the process groups that serve DeepSpeed's `mpu`.
 
-Rank order (fastest-varying first): tensor, sharding, data, pipeline, i.e. Megatron's `tp-dp-pp`
-with ZeRO sharding folded into the data dimension next to TP:
+Rank order (fastest-varying first): tensor, context, sharding, data, pipeline, i.e. Megatron's
+`tp-cp-dp-pp` with ZeRO sharding folded into the data dimension next to CP:
 
-    rank = t + tp * (s + sharding * (d + dp * p))
+    rank = t + tp * (c + cp * (s + sharding * (d + dp * p)))
 
 Why this order: tensor-parallel ranks exchange activations in every layer, so they sit on
-neighbouring ranks (one node, fastest links); ZeRO sharding all-gathers and reduce-scatters every
-step, so it comes next; replicated data parallelism only all-reduces gradients; pipeline stages
-only pass activations point to point, so they are the slowest-varying coordinate.
+neighbouring ranks (one node, fastest links); context-parallel ranks exchange keys and values in
+every layer, so they come next; ZeRO sharding all-gathers and reduce-scatters every step;
+replicated data parallelism only all-reduces gradients; pipeline stages only pass activations
+point to point, so they are the slowest-varying coordinate.
 
 DeepSpeed ZeRO partitions over the whole data-parallel group it is given, so the `mpu` data group
-is `data x sharding` (every rank of it sees different samples; ZeRO shards across all of them).
-With DeepSpeed, `sharding_parallel_degree` therefore only names how the data group splits; the
-ZeRO stage itself comes from the `sharding` config key.
+is `data x sharding x context`: every rank of it holds the same weights and computes gradients
+of its own tokens (different samples along data x sharding, different tokens of the same samples
+along context, as Megatron's "data-parallel group with context parallelism"); DeepSpeed averages
+the gradients and ZeRO shards across all of them. The samples a rank reads come from its `batch`
+coordinates (data x sharding, `get_batch_rank`): the context-parallel ranks of one batch rank read
+the same samples. With DeepSpeed, `sharding_parallel_degree` only names how the data group splits;
+the ZeRO stage itself comes from the `sharding` config key.
 
 `rank_groups` is a pure function of the degrees (testable without processes); `Topology` creates
 the torch.distributed groups from it and holds them. No process group lives in module state.
@@ -27,7 +32,7 @@ import torch
 
 from stages.model.config import LlamaConfig
 
-GROUP_KINDS = ("tensor", "sharding", "data", "pipeline", "model")
+GROUP_KINDS = ("tensor", "context", "sharding", "data", "pipeline", "model")
 
 
 @dataclass
@@ -36,20 +41,23 @@ class ParallelDegrees:
     tensor_parallel_degree: int = 1  # ranks that split every weight matrix (Megatron TP)
     pipeline_parallel_degree: int = 1  # ranks that split the layers into stages
     sharding_parallel_degree: int = 1  # ranks that split optimizer state / grads / params (ZeRO)
-    data_parallel_degree: int = field(init=False)  # derived: world / (tp * pp * sharding)
+    context_parallel_degree: int = 1  # ranks that split every sequence (attention over all of them)
+    data_parallel_degree: int = field(init=False)  # derived: world / (tp * cp * pp * sharding)
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tensor_parallel_degree", "pipeline_parallel_degree",
-                     "sharding_parallel_degree"):
+                     "sharding_parallel_degree", "context_parallel_degree"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         tp, pp, sh = self.tensor_parallel_degree, self.pipeline_parallel_degree, self.sharding_parallel_degree
-        if self.world_size % (tp * pp * sh):
+        cp = self.context_parallel_degree
+        if self.world_size % (tp * cp * pp * sh):
             raise ValueError(
                 f"world_size={self.world_size} is not divisible by tensor_parallel_degree={tp} x "
-                f"pipeline_parallel_degree={pp} x sharding_parallel_degree={sh} = {tp * pp * sh}")
-        self.data_parallel_degree = self.world_size // (tp * pp * sh)
+                f"context_parallel_degree={cp} x pipeline_parallel_degree={pp} x "
+                f"sharding_parallel_degree={sh} = {tp * cp * pp * sh}")
+        self.data_parallel_degree = self.world_size // (tp * cp * pp * sh)
 
     def validate_for_model(self, config: LlamaConfig) -> None:
         """Raise ValueError (listing every violated rule, with the numbers) if this layout cannot
@@ -68,27 +76,30 @@ class ParallelDegrees:
 
 
 def _grid(degrees: ParallelDegrees) -> torch.Tensor:
-    """Global ranks laid out as (pp, dp, sharding, tp): tp varies fastest."""
+    """Global ranks laid out as (pp, dp, sharding, cp, tp): tp varies fastest."""
     d = degrees
     return torch.arange(d.world_size).reshape(
-        d.pipeline_parallel_degree, d.data_parallel_degree, d.sharding_parallel_degree, d.tensor_parallel_degree)
+        d.pipeline_parallel_degree, d.data_parallel_degree, d.sharding_parallel_degree,
+        d.context_parallel_degree, d.tensor_parallel_degree)
 
 
 def rank_groups(degrees: ParallelDegrees) -> dict[str, list[list[int]]]:
     """Every group of each kind, as lists of global ranks (a partition of range(world_size)).
 
-    tensor: same (p, d, s); sharding: same (p, d, t); data: same (p, t), i.e. dp x sharding, the
-    group DeepSpeed averages gradients and partitions ZeRO state over; pipeline: same (d, s, t),
-    in stage order; model: same (d, s), i.e. tp x pp, the group DeepSpeed sums gradient norms over.
+    tensor: same (p, d, s, c); context: same (p, d, s, t); sharding: same (p, d, c, t); data: same
+    (p, t), i.e. dp x sharding x cp, the group DeepSpeed averages gradients and partitions ZeRO
+    state over; pipeline: same (d, s, c, t), in stage order; model: same (d, s, c), i.e. tp x pp,
+    the group DeepSpeed sums gradient norms over.
     """
     g = _grid(degrees)
-    P, D, S, T = g.shape
+    P, D, S, C, T = g.shape
     layouts = {
         "tensor": g.reshape(-1, T),
-        "sharding": g.permute(0, 1, 3, 2).reshape(-1, S),
-        "data": g.permute(0, 3, 1, 2).reshape(-1, D * S),
-        "pipeline": g.permute(1, 2, 3, 0).reshape(-1, P),
-        "model": g.permute(1, 2, 0, 3).reshape(-1, P * T),
+        "context": g.permute(0, 1, 2, 4, 3).reshape(-1, C),
+        "sharding": g.permute(0, 1, 3, 4, 2).reshape(-1, S),
+        "data": g.permute(0, 4, 1, 2, 3).reshape(-1, D * S * C),
+        "pipeline": g.permute(1, 2, 3, 4, 0).reshape(-1, P),
+        "model": g.permute(1, 2, 3, 0, 4).reshape(-1, P * T),
     }
     return {kind: rows.tolist() for kind, rows in layouts.items()}
 
@@ -99,11 +110,13 @@ def rank_coordinates(rank: int, degrees: ParallelDegrees) -> dict[str, int]:
         raise ValueError(f"rank={rank} is outside world_size={degrees.world_size}")
     t = rank % degrees.tensor_parallel_degree
     rest = rank // degrees.tensor_parallel_degree
+    c = rest % degrees.context_parallel_degree
+    rest //= degrees.context_parallel_degree
     s = rest % degrees.sharding_parallel_degree
     rest //= degrees.sharding_parallel_degree
     d = rest % degrees.data_parallel_degree
     p = rest // degrees.data_parallel_degree
-    return {"tensor": t, "sharding": s, "data": d, "pipeline": p}
+    return {"tensor": t, "context": c, "sharding": s, "data": d, "pipeline": p}
 
 
 class Topology:
@@ -175,7 +188,17 @@ class Topology:
     def get_pipeline_model_parallel_world_size(self) -> int:
         return self.degrees.pipeline_parallel_degree
 
-    # -- data parallel (dp x sharding: what DeepSpeed averages over and ZeRO partitions over) ---
+    # -- context parallel ----------------------------------------------------------------------
+    def get_context_parallel_group(self):
+        return self._groups["context"]
+
+    def get_context_parallel_rank(self) -> int:
+        return self._rank_in("context")
+
+    def get_context_parallel_world_size(self) -> int:
+        return self.degrees.context_parallel_degree
+
+    # -- data parallel (dp x sharding x cp: what DeepSpeed averages over and ZeRO partitions over) ---
     def get_data_parallel_group(self):
         return self._groups["data"]
 
@@ -183,6 +206,14 @@ class Topology:
         return self._rank_in("data")
 
     def get_data_parallel_world_size(self) -> int:
+        d = self.degrees
+        return d.data_parallel_degree * d.sharding_parallel_degree * d.context_parallel_degree
+
+    # -- the samples a rank reads (dp x sharding; the context-parallel ranks of one read the same) ---
+    def get_batch_rank(self) -> int:
+        return self.coordinates["data"] * self.degrees.sharding_parallel_degree + self.coordinates["sharding"]
+
+    def get_batch_world_size(self) -> int:
         return self.degrees.data_parallel_degree * self.degrees.sharding_parallel_degree
 
     def get_data_parallel_group_ranks(self) -> list[int]:

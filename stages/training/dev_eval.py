@@ -9,7 +9,9 @@ row has produced eos or `max_new_tokens` are made; the ranks agree on the stop t
 (every rank runs the same collectives). The tokens after a row's eos are cut, so stopping there
 changes no result. Our model is told where the padding ends through its position ids (the pad tokens
 form a packed example of their own, which the prompt does not attend to); a transformers model gets
-the attention mask.
+the attention mask. Under context parallelism the dev loss is split like the training batches (each
+rank's share summed over the group) and generation runs whole sequences on every rank
+(`whole_sequences`): the weights are the same on each.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from stages.model.labels import IGNORE_INDEX
 from stages.model.loss import counted_tokens
 from stages.metrics.text import corpus_bleu, exact_match, rouge_l
 from stages.model import LlamaForCausalLM
+from stages.parallel.context import whole_sequences
 from stages.training.step import token_sum_loss
 
 Example = tuple[list[int], list[int]]
@@ -75,6 +78,11 @@ class DevEvaluator:
             device = next(_unwrap(engine).parameters()).device
             total += float(token_sum_loss(engine, ids.to(device), labels.to(device), self.tp_group))
             count += int(counted_tokens(labels))
+        context = getattr(_unwrap(engine), "context_parallel", None)
+        if context is not None:  # each rank summed the terms of its own tokens
+            summed = torch.tensor([total], dtype=torch.float64)
+            dist.all_reduce(summed, group=context.group)
+            total = float(summed)
         return total / max(count, 1)
 
     def generate_and_score(self, engine) -> dict[str, float]:
@@ -83,8 +91,9 @@ class DevEvaluator:
         prompts = [encode_prompt(tokenizer, r, g["src_length"], g["chat"]) for r in records]
         eos = tokenizer.eos_token_id
         outputs: list[list[int]] = []
-        for start in range(0, len(prompts), self.batch_size):
-            outputs += self.greedy(engine, prompts[start:start + self.batch_size], g["max_new_tokens"], eos)
+        with whole_sequences(_unwrap(engine)):
+            for start in range(0, len(prompts), self.batch_size):
+                outputs += self.greedy(engine, prompts[start:start + self.batch_size], g["max_new_tokens"], eos)
         predictions = [tokenizer.decode(o, skip_special_tokens=True) for o in outputs]
         references = [target_text(r) for r in records]
         return {"eval_exact_match": exact_match(predictions, references),

@@ -174,8 +174,10 @@ class Run:
 
     def layout(self) -> dict[str, Any]:
         d = self.topology.degrees
-        return {"world_size": d.world_size, "data_parallel_degree": self.topology.get_data_parallel_world_size(),
-                "tensor_parallel_degree": d.tensor_parallel_degree, "pipeline_parallel_degree": d.pipeline_parallel_degree,
+        return {"world_size": d.world_size, "data_parallel_degree": self.topology.get_batch_world_size(),
+                "tensor_parallel_degree": d.tensor_parallel_degree,
+                "context_parallel_degree": d.context_parallel_degree,
+                "pipeline_parallel_degree": d.pipeline_parallel_degree,
                 "virtual_pp_degree": self.section.virtual_pp_degree, "sharding": self.section.sharding}
 
     def trainer_state(self, step: int) -> dict[str, Any]:
@@ -207,11 +209,16 @@ def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: 
         raise ValueError(f"world_size={degrees.world_size} but {world} processes were launched; launch "
                          "with torchrun --nproc_per_node equal to world_size")
     topology = Topology(degrees)
-    dp = topology.get_data_parallel_world_size()
     check_model_fits(model, section, degrees)
     if section.fp16 and fp16_unsupported_reason():  # the config check, for runs outside Snakemake
         raise ValueError(f"fp16=true: {fp16_unsupported_reason()}")
-    global_batch = section.per_device_train_batch_size * section.gradient_accumulation_steps * dp
+    if degrees.context_parallel_degree > 1 and (objective is not None or degrees.pipeline_parallel_degree > 1):
+        raise ValueError(f"context_parallel_degree={degrees.context_parallel_degree} with "
+                         f"{'preference alignment' if objective is not None else 'pipeline parallelism'}: not "
+                         "supported yet; set context_parallel_degree: 1")
+    # the context-parallel ranks of one batch rank read the same samples (their own tokens of them)
+    global_batch = section.per_device_train_batch_size * section.gradient_accumulation_steps * \
+        topology.get_batch_world_size()
 
     checkpointer = resume = None
     if checkpoint_dir is not None:
@@ -286,10 +293,12 @@ def step(run: Run, source, index: int) -> tuple[float, float | None]:
     import torch.distributed as dist
 
     topology, section = run.topology, run.section
-    dp, dp_rank = topology.get_data_parallel_world_size(), topology.get_data_parallel_rank()
-    batches = source.micro_batches(index, run.global_batch, dp_rank, dp, section.per_device_train_batch_size)
-    dp_group = topology.get_data_parallel_group()
-    num_tokens = learned_tokens(batches, dp_group)
+    batches = source.micro_batches(index, run.global_batch, topology.get_batch_rank(), topology.get_batch_world_size(),
+                                   section.per_device_train_batch_size)
+    # DeepSpeed averages the gradients over its data group (dp x sharding x cp), whose context ranks
+    # hold the same samples
+    dp, dp_group = topology.get_data_parallel_world_size(), topology.get_data_parallel_group()
+    num_tokens = learned_tokens(batches, dp_group, copies=topology.get_context_parallel_world_size())
     run.learned_tokens += num_tokens
     if run.objective is not None:  # a global batch of pairs
         counts = global_counts(batches, run.objective, run.global_batch, dp_group)

@@ -1,6 +1,6 @@
 """A training section's layout applied to a built model: the parallel degrees, the checks that
-the model fits them, and tensor parallel, recompute, compile and the pipeline split in torchtitan's
-order. Parameter names stay those of the single-device model. The functions a caller outside the
+the model fits them, and tensor parallel, context parallel, recompute, compile and the pipeline
+split in torchtitan's order. Parameter names stay those of the single-device model. The functions a caller outside the
 engine calls take a typed training section or a mapping (`stages.sections.training_section`)."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 
 from stages.model import LlamaForCausalLM
 from stages.parallel import ParallelDegrees, Topology, apply_tensor_parallel
+from stages.parallel.context import apply_context_parallel
 from stages.parallel.pipeline import PipelineRunner
 from stages.sections import TrainingSettings, training_section
 from stages.training.deepspeed_engine import ZERO_STAGES
@@ -22,7 +23,8 @@ def parallel_degrees(section: Mapping[str, Any]) -> ParallelDegrees:
     """The parallel degrees of a training section (data parallel derived)."""
     section = training_section(section)
     return ParallelDegrees(world_size=section.world_size, tensor_parallel_degree=section.tensor_parallel_degree,
-                           pipeline_parallel_degree=section.pipeline_parallel_degree)
+                           pipeline_parallel_degree=section.pipeline_parallel_degree,
+                           context_parallel_degree=section.context_parallel_degree)
 
 
 class PipelineModules(torch.nn.Module):
@@ -43,6 +45,10 @@ def check_model_fits(model: torch.nn.Module, section: Mapping[str, Any], degrees
     divide its shapes; a transformers model takes data parallel and ZeRO only."""
     if isinstance(model, LlamaForCausalLM):
         degrees.validate_for_model(model.config)
+    elif degrees.context_parallel_degree > 1:
+        raise ValueError(f"context_parallel_degree={degrees.context_parallel_degree}: {type(model).__name__} "
+                         "trains through transformers, whose attention does not read keys split over ranks; "
+                         "context parallelism runs on the project's own model (set context_parallel_degree: 1)")
     else:
         check_transformers_model(model, training_section(section), degrees.tensor_parallel_degree,
                                  degrees.pipeline_parallel_degree)
@@ -61,6 +67,9 @@ def parallelize(model: torch.nn.Module, section: Mapping[str, Any],
     if degrees.tensor_parallel_degree > 1:
         apply_tensor_parallel(model, topology, tensor_parallel_output=section.tensor_parallel_output,
                               sequence_parallel=section.sequence_parallel)
+    if degrees.context_parallel_degree > 1:
+        sp = degrees.tensor_parallel_degree if section.sequence_parallel else 1
+        apply_context_parallel(model, topology.get_context_parallel_group(), sequence_parallel_degree=sp)
     model.gradient_checkpointing = section.recompute
     if section.torch_compile:
         # In place, layer by layer, so parameter names stay those of the single-device model;
@@ -77,7 +86,8 @@ def parallelize(model: torch.nn.Module, section: Mapping[str, Any],
 def layout_metrics(section: TrainingSettings, topology: Topology) -> dict[str, int]:
     """The degrees of the run, for meta.json."""
     degrees = topology.degrees
-    return {"world_size": degrees.world_size, "data_parallel_degree": topology.get_data_parallel_world_size(),
+    return {"world_size": degrees.world_size, "data_parallel_degree": topology.get_batch_world_size(),
             "tensor_parallel_degree": degrees.tensor_parallel_degree,
+            "context_parallel_degree": degrees.context_parallel_degree,
             "pipeline_parallel_degree": degrees.pipeline_parallel_degree,
             "zero_stage": ZERO_STAGES[section.sharding]}

@@ -10,6 +10,7 @@ from typing import Callable
 import torch
 
 from stages.model import LlamaForCausalLM, causal_lm_loss, counted_tokens
+from stages.model.labels import IGNORE_INDEX
 from stages.model.loss import learned_positions, token_loss
 from stages.parallel.mappings import collective_device
 from stages.parallel.pipeline import PipelineRunner
@@ -24,10 +25,18 @@ def token_sum_loss(engine, ids: torch.Tensor, labels: torch.Tensor, tp_group,
     positions only (a prompt's and padding positions are not: 35% of the default SFT run's positions,
     63% of LoRA's; bench/learned_logits.py); a transformers model returns a ModelOutput holding all
     of them. Right padding needs no attention mask under causal attention. `position_ids` marks
-    packed rows (our model only)."""
-    inputs = {"input_ids": ids} if position_ids is None else {"input_ids": ids, "position_ids": position_ids}
+    packed rows (our model only). Under context parallelism the rows are split first and the sum is
+    this rank's share: of the learned tokens it holds (`ContextSplit.split_batch`)."""
     per_token = None if tp_group is None else functools.partial(vocab_parallel_cross_entropy, group=tp_group)
-    if isinstance(getattr(engine, "module", engine), LlamaForCausalLM):  # a DeepSpeed engine holds it as .module
+    model = getattr(engine, "module", engine)  # a DeepSpeed engine holds it as .module
+    context = getattr(model, "context_parallel", None)
+    if context is not None:
+        ids, targets, position_ids = context.split_batch(ids, labels, position_ids)
+        where = targets != IGNORE_INDEX
+        logits = engine(input_ids=ids, position_ids=position_ids, logits_at=where)
+        return token_loss(logits, targets[where], reduction="sum", per_token=per_token)
+    inputs = {"input_ids": ids} if position_ids is None else {"input_ids": ids, "position_ids": position_ids}
+    if isinstance(model, LlamaForCausalLM):
         where, targets = learned_positions(labels)
         return token_loss(engine(**inputs, logits_at=where), targets, reduction="sum", per_token=per_token)
     output = engine(**inputs)
@@ -74,11 +83,12 @@ def train_step(engine, runner: PipelineRunner | None, batches: list[tuple[torch.
     return share, grad_norm
 
 
-def learned_tokens(batches: list[tuple[torch.Tensor, ...]], dp_group) -> int:
-    """Learned (next-token) positions in the global batch: this rank's count summed over dp."""
+def learned_tokens(batches: list[tuple[torch.Tensor, ...]], dp_group, copies: int = 1) -> int:
+    """Learned (next-token) positions in the global batch: this rank's count summed over dp, where
+    `copies` ranks hold each batch (the context-parallel ranks, each learning its share of it)."""
     import torch.distributed as dist
 
     count = torch.tensor(sum(int(counted_tokens(b[1])) for b in batches),
                          device=collective_device(dp_group))
     dist.all_reduce(count, group=dp_group)
-    return max(int(count), 1)
+    return max(int(count) // copies, 1)

@@ -83,7 +83,11 @@ def test_unknown_quantize_variant_lists_the_valid_names():
 
 @pytest.mark.parametrize("pretrain, message", [
     ({"world_size": 3, "tensor_parallel_degree": 2},
-     r"world_size=3 is not divisible by tensor_parallel_degree=2 x pipeline_parallel_degree=1 = 2"),
+     r"world_size=3 is not divisible by tensor_parallel_degree=2 x context_parallel_degree=1 x "
+     r"pipeline_parallel_degree=1 = 2"),
+    ({"world_size": 4, "context_parallel_degree": 2, "pipeline_parallel_degree": 2, "gradient_accumulation_steps": 2},
+     r"context_parallel_degree=2 with pipeline_parallel_degree=2: the pipeline's stages do not pass a split"),
+    ({"world_size": 4, "context_parallel_degree": 2, "tensor_parallel_degree": 2, "sequence_parallel": True}, None),
     ({"world_size": 2, "pipeline_parallel_degree": 2, "sharding": "stage2", "gradient_accumulation_steps": 2},
      r"sharding=stage2 with pipeline_parallel_degree=2"),
     ({"world_size": 2, "tensor_parallel_degree": 2, "sharding": "none"} , None),
@@ -275,6 +279,8 @@ def test_align_is_off_by_default_and_then_checks_nothing():
      (r"experiments\.x\.align: pipeline_parallel_degree=2 with tuning: lora: .* set "
       r"pipeline_parallel_degree: 1 .* or tuning: full")),
     ({"world_size": 3, "tensor_parallel_degree": 2}, r"experiments\.x\.align: world_size=3 is not divisible"),
+    ({"world_size": 2, "context_parallel_degree": 2},
+     r"experiments\.x\.align: context_parallel_degree=2: preference alignment sums each sequence's log-probability"),
     ({"world_size": 2, "tensor_parallel_degree": 2},
      r"experiments\.x\.align: tensor_parallel_degree=2 does not divide data\.vocab_size=511"),
 ])

@@ -1,5 +1,5 @@
-"""LoRA and prefix tuning in parallel layouts (LoRA tp2 and dp2 x ZeRO-2, prefix dp2 x ZeRO-1 and
-tp2, a prefix projection under dp2 x ZeRO-3) on the training engine (real torchrun, gloo; the
+"""LoRA and prefix tuning in parallel layouts (LoRA tp2, dp2 x ZeRO-2 and cp2 on packed rows, prefix dp2 x ZeRO-1,
+tp2 and cp2 x ZeRO-1, a prefix projection under dp2 x ZeRO-3) on the training engine (real torchrun, gloo; the
 layouts one after another in one torchrun) follow the one-process run of the same engine: same
 adapter init, same global batch of 8 examples per step, fp32, loss curve within 1e-5 relative; the
 tp2 LoRA adapter is peft's whole-tensor adapter (equal to the one-process adapter within 1e-5) and,
@@ -7,6 +7,9 @@ merged, gives the unmerged model's logits. In bf16, one-process LoRA (ZeRO off) 
 and one-process prefix tuning, follow the fp32 curve within BF16_RTOL."""
 
 from __future__ import annotations
+
+import csv
+import json
 
 import peft
 import pytest
@@ -23,6 +26,9 @@ pytestmark = pytest.mark.multiproc
 
 RECIPE = {"lora": ("lora", dict(learning_rate=1e-2, lora_rank=4, target_modules="all-linear")),
           "lora_bf16": ("lora", dict(learning_rate=1e-2, lora_rank=4, target_modules="all-linear", bf16=True)),
+          # packed rows, evaluated every 2 steps with greedy generation (the dev metrics compared too)
+          "lora_packed": ("lora", dict(learning_rate=1e-2, lora_rank=4, target_modules="all-linear", packing=True,
+                                       eval_steps=2, eval_with_do_generation=True)),
           "prefix": ("prefix", dict(learning_rate=1e-1, num_prefix_tokens=4)),
           "prefix_bf16": ("prefix", dict(learning_rate=1e-1, num_prefix_tokens=4, bf16=True)),
           "prefix_projection": ("prefix", dict(learning_rate=1e-2, num_prefix_tokens=4, prefix_projection=True,
@@ -37,6 +43,11 @@ LAYOUTS = {  # name -> (recipe, layout)
                                   gradient_accumulation_steps=2)),
     "prefix_projection_dp2_zero3": ("prefix_projection", dict(world_size=2, sharding="stage3",
                                                               per_device_train_batch_size=4)),
+    # context parallelism: both ranks read the same 4 x 2 examples, each learns its half of their tokens
+    "lora_packed_cp2": ("lora_packed", dict(world_size=2, context_parallel_degree=2, per_device_train_batch_size=4,
+                                            gradient_accumulation_steps=2)),
+    "prefix_cp2_zero1": ("prefix", dict(world_size=2, context_parallel_degree=2, sharding="stage1",
+                                        per_device_train_batch_size=4, gradient_accumulation_steps=2)),
 }
 
 
@@ -83,6 +94,19 @@ def test_layout_follows_the_one_process_curve(name, runs, references):
     for key in ours:  # whole tensors under peft's names, whatever the layout
         assert ours[key].shape == theirs[key].shape
         assert torch.allclose(ours[key], theirs[key], atol=1e-5, rtol=1e-4), key
+
+
+def test_context_parallel_dev_metrics_equal_the_one_process_run(runs, references):
+    """The dev loss (each rank's share of the tokens, summed over the group) and the greedy answers
+    (whole sequences on every rank) of a cp2 run are the one-process run's."""
+    ours = json.loads((runs["lora_packed_cp2"] / "meta.json").read_text())["metrics"]
+    theirs = json.loads((references["lora_packed"] / "meta.json").read_text())["metrics"]
+    assert ours["dev_loss"] == pytest.approx(theirs["dev_loss"], rel=1e-5)
+    assert ours["dev_exact_match"] == theirs["dev_exact_match"] and ours["dev_rouge_l"] == theirs["dev_rouge_l"]
+    logged = [row for row in csv.DictReader((runs["lora_packed_cp2"] / "train_log.csv").open()) if row["eval_loss"]]
+    reference = [row for row in csv.DictReader((references["lora_packed"] / "train_log.csv").open()) if row["eval_loss"]]
+    assert len(logged) == len(reference) >= 2
+    assert [float(r["eval_loss"]) for r in logged] == pytest.approx([float(r["eval_loss"]) for r in reference], rel=1e-5)
 
 
 def test_bf16_lora_keeps_fp32_masters_in_one_process_and_under_zero(runs, references):

@@ -46,7 +46,7 @@ def test_groups_tp2_dp2():
     assert groups["pipeline"] == [[0], [1], [2], [3]]
     assert groups["model"] == [[0, 1], [2, 3]]
     assert rank_coordinates(3, ParallelDegrees(world_size=4, tensor_parallel_degree=2)) == \
-        {"tensor": 1, "sharding": 0, "data": 1, "pipeline": 0}
+        {"tensor": 1, "context": 0, "sharding": 0, "data": 1, "pipeline": 0}
 
 
 def test_groups_tp2_pp2():
@@ -70,6 +70,28 @@ def test_groups_partition_the_world_and_sharding_folds_into_data():
     for rank in range(16):  # rank = t + tp * (s + sharding * (d + dp * p))
         c = rank_coordinates(rank, d)
         assert rank == c["tensor"] + 2 * (c["sharding"] + 2 * (c["data"] + 2 * c["pipeline"]))
+
+
+def test_context_ranks_sit_next_to_tensor_ranks_and_share_the_gradient_group():
+    d = ParallelDegrees(world_size=16, tensor_parallel_degree=2, context_parallel_degree=2,
+                        sharding_parallel_degree=2, pipeline_parallel_degree=2)
+    assert d.data_parallel_degree == 1
+    groups = rank_groups(d)
+    for kind, rows in groups.items():
+        assert sorted(r for row in rows for r in row) == list(range(16)), kind
+    assert groups["tensor"][0] == [0, 1]
+    assert groups["context"][:2] == [[0, 2], [1, 3]]  # cp next to tp: keys and values move every layer
+    assert groups["sharding"][0] == [0, 4]
+    # DeepSpeed averages gradients and ZeRO shards over dp x sharding x cp: every rank of it holds
+    # the same weights and its own tokens
+    assert groups["data"][0] == [0, 2, 4, 6]
+    assert groups["pipeline"][0] == [0, 8]
+    assert groups["model"][0] == [0, 1, 8, 9]  # tp x pp, as without cp
+    for rank in range(16):  # rank = t + tp * (c + cp * (s + sharding * (d + dp * p)))
+        c = rank_coordinates(rank, d)
+        assert rank == c["tensor"] + 2 * (c["context"] + 2 * (c["sharding"] + 2 * (c["data"] + c["pipeline"])))
+    with pytest.raises(ValueError, match="context_parallel_degree=3"):
+        ParallelDegrees(world_size=4, context_parallel_degree=3)
 
 
 def _topology_worker(rank: int, world: int) -> dict:

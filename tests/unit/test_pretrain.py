@@ -121,6 +121,11 @@ LAYOUTS = {
                                         per_device_train_batch_size=2, gradient_accumulation_steps=4)),
     "tp2_sequence_parallel_zero1": (2, dict(sharding="stage1", tensor_parallel_degree=2, sequence_parallel=True,
                                             per_device_train_batch_size=2, gradient_accumulation_steps=4)),
+    # context parallelism: both ranks read the same 2 x 4 windows, each learns its half of their tokens
+    "cp2": (2, dict(sharding="none", context_parallel_degree=2, per_device_train_batch_size=2,
+                    gradient_accumulation_steps=4)),
+    "cp2_sharding_stage3": (2, dict(sharding="stage3", context_parallel_degree=2, per_device_train_batch_size=2,
+                                    gradient_accumulation_steps=4)),
     "pp2_1f1b": (2, dict(sharding="none", pipeline_parallel_degree=2, per_device_train_batch_size=2,
                          gradient_accumulation_steps=4)),
     "pp2_interleaved": (2, dict(sharding="none", pipeline_parallel_degree=2, virtual_pp_degree=2,
@@ -134,6 +139,11 @@ LAYOUTS = {
                                           pipeline_parallel_degree=2, per_device_train_batch_size=2,
                                           gradient_accumulation_steps=4)),
     "pp2_dp2_zero1": (4, dict(sharding="stage1", pipeline_parallel_degree=2, per_device_train_batch_size=2,
+                              gradient_accumulation_steps=2)),
+    "cp2_tp2_sequence_parallel": (4, dict(sharding="stage1", context_parallel_degree=2, tensor_parallel_degree=2,
+                                          sequence_parallel=True, per_device_train_batch_size=2,
+                                          gradient_accumulation_steps=4)),
+    "cp2_dp2_zero1": (4, dict(sharding="stage1", context_parallel_degree=2, per_device_train_batch_size=2,
                               gradient_accumulation_steps=2)),
     "tp2_sharding_stage2": (4, dict(sharding="stage2", tensor_parallel_degree=2, per_device_train_batch_size=2,
                                     gradient_accumulation_steps=2)),
@@ -171,6 +181,8 @@ BF16_LAYOUTS = {
     "bf16_tp2_sequence_parallel": (2, dict(sharding="none", bf16=True, tensor_parallel_degree=2,
                                            sequence_parallel=True, per_device_train_batch_size=2,
                                            gradient_accumulation_steps=4)),
+    "bf16_cp2": (2, dict(sharding="none", bf16=True, context_parallel_degree=2, per_device_train_batch_size=2,
+                         gradient_accumulation_steps=4)),
 }
 
 

@@ -1,0 +1,152 @@
+"""Context parallelism: every sequence split over the ranks of a context group, attention over all
+of it (`context_parallel_degree`).
+
+Each rank holds T/cp tokens of every row from the embeddings to the loss: the residual stream,
+norms, MLPs, logits and loss terms of its own tokens. Attention is the one place where a token
+needs the others: each layer all-gathers the keys and values of the group (the way Llama 3 trained
+its long-context stage; backward reduce-scatters their gradients, each rank's queries having read
+every rank's keys) and attends its own queries to them, causal by the tokens' places in the whole
+sequence. A ring (ring attention) would hold one neighbour's keys at a time instead of all of them;
+this module gathers them whole, which the memory plan counts.
+
+Balance (zigzag): causal attention makes a late token's work larger than an early one's, so the
+sequence is cut into 2 x cp chunks and rank r holds chunks r and 2cp - 1 - r: every rank has the
+same number of query-key pairs (Megatron-LM's and torchtitan's load-balanced order).
+
+The batch is split on the data side (`ContextSplit.split_batch`, before the model): the targets
+are shifted over the whole sequence first (position t learns token t + 1, which may live on
+another rank), the rows padded at their end to a multiple of 2 x cp (x tp with sequence
+parallelism), then each rank keeps its chunks of the ids, targets and position ids. Positions
+are the tokens' places in their row (or their packed example), so RoPE, learned positions, sliding
+windows and packed rows (attention inside each example: `ContextAttention.mask`) are those of the
+unsplit run. Pads come after every real token and are never learned nor seen by one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from stages.model.labels import IGNORE_INDEX
+from stages.model.llama import segment_ids
+from stages.model.loss import next_tokens
+from stages.parallel.mappings import gather_from_context_parallel_region
+
+HEAD_SEQUENCE_DIM = 2  # of the (B, heads, T, hd) keys and values
+
+
+def zigzag_order(length: int, world: int, rank: int) -> torch.Tensor:
+    """The places (in the whole sequence of `length`) of rank `rank`'s tokens: chunks `rank` and
+    2 x world - 1 - rank of 2 x world equal chunks. (length / world,) int64."""
+    if length % (2 * world):
+        raise ValueError(f"a sequence of {length} tokens does not split into 2 x {world} equal chunks")
+    chunk = length // (2 * world)
+    first, second = rank * chunk, (2 * world - 1 - rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+
+
+class ContextAttention:
+    """One forward's view of the split sequence for every attention layer: where this rank's
+    queries and the gathered keys sit in the whole sequence, and the packed example of each."""
+
+    def __init__(self, group, query_places: torch.Tensor, key_places: torch.Tensor,
+                 query_segments: torch.Tensor, key_segments: torch.Tensor):
+        self.group = group
+        self.query_places, self.key_places = query_places, key_places  # (Tl,), (T,) int64
+        self.query_segments, self.key_segments = query_segments, key_segments  # (B, Tl), (B, T)
+
+    def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's keys and values (B, K, T, hd) from this rank's (B, K, T/cp, hd), rank-major."""
+        return (gather_from_context_parallel_region(k, HEAD_SEQUENCE_DIM, self.group),
+                gather_from_context_parallel_region(v, HEAD_SEQUENCE_DIM, self.group))
+
+    def mask(self, window: int | None, prefix_len: int) -> torch.Tensor:
+        """(B, 1, Tl, P+T) bool, True where a query may attend a key: causal by place in the whole
+        sequence (within `window` places when given), inside the query's packed example, and always
+        to the `prefix_len` prefix keys before the real ones."""
+        distance = self.query_places[:, None] - self.key_places[None, :]  # (Tl, T)
+        allowed = distance >= 0
+        if window is not None:
+            allowed = allowed & (distance < window)
+        same = self.query_segments[:, :, None] == self.key_segments[:, None, :]  # (B, Tl, T)
+        allowed = (allowed & same)[:, None]
+        if prefix_len:
+            prefix = torch.ones((*allowed.shape[:-1], prefix_len), dtype=torch.bool, device=allowed.device)
+            allowed = torch.cat([prefix, allowed], dim=-1)
+        return allowed
+
+
+class ContextSplit:
+    """The context-parallel group's split of every sequence; set as `model.context_parallel` by
+    `apply_context_parallel`. `pad_multiple` is 2 x cp, times tp under sequence parallelism (whose
+    split of a rank's tokens must then need no padding of its own)."""
+
+    def __init__(self, group, pad_multiple: int | None = None):
+        self.group = group
+        self.world = dist.get_world_size(group=group)
+        self.rank = dist.get_rank(group=group)
+        self.pad_multiple = pad_multiple or 2 * self.world
+
+    def split_batch(self, ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids, labels, position ids or None for unpacked rows), each (B, T) of the whole rows
+        every rank of the group holds -> this rank's (ids, targets, position ids), each (B, T'/cp):
+        targets are the labels shifted over the whole row (`next_tokens`), T' is T padded to
+        `pad_multiple` (pad ids 0, targets IGNORE_INDEX, positions continuing the last example)."""
+        targets = next_tokens(labels)
+        length = ids.shape[1]
+        extra = -length % self.pad_multiple
+        if position_ids is None:
+            position_ids = torch.arange(length + extra, device=ids.device).expand(ids.shape[0], -1)
+        elif extra:
+            steps = torch.arange(1, extra + 1, device=position_ids.device, dtype=position_ids.dtype)
+            position_ids = torch.cat([position_ids, position_ids[:, -1:] + steps], dim=1)
+        if extra:
+            ids = F.pad(ids, (0, extra))
+            targets = F.pad(targets, (0, extra), value=IGNORE_INDEX)
+        order = zigzag_order(length + extra, self.world, self.rank).to(ids.device)
+        return ids[:, order], targets[:, order], position_ids[:, order]
+
+    def attention(self, position_ids: torch.Tensor) -> ContextAttention:
+        """The layers' view of this forward from this rank's position ids (B, T/cp): the group's
+        position ids are gathered once (small integers, no gradient) to find every token's packed
+        example in the whole row."""
+        local = position_ids.shape[1]
+        length = local * self.world
+        query_places = zigzag_order(length, self.world, self.rank).to(position_ids.device)
+        key_places = torch.cat([zigzag_order(length, self.world, r) for r in range(self.world)]).to(position_ids.device)
+        gathered = gather_from_context_parallel_region(position_ids, 1, self.group)  # (B, T) rank-major
+        whole = torch.empty_like(gathered)
+        whole[:, key_places] = gathered  # in place order
+        segments = segment_ids(whole)
+        return ContextAttention(self.group, query_places, key_places, segments[:, query_places],
+                                segments[:, key_places])
+
+    def __repr__(self) -> str:
+        return f"ContextSplit(cp={self.world}, rank={self.rank})"
+
+
+def apply_context_parallel(model, group, sequence_parallel_degree: int = 1) -> None:
+    """Make `model` (our LlamaForCausalLM, already tensor-parallel if it is) run on this rank's
+    tokens of every sequence: `model.context_parallel`; its forward then takes the output of
+    `split_batch` (ids and position ids) and returns the logits of this rank's tokens."""
+    if dist.get_world_size(group=group) > 1:
+        model.context_parallel = ContextSplit(group, 2 * dist.get_world_size(group=group) * sequence_parallel_degree)
+
+
+@contextlib.contextmanager
+def whole_sequences(model) -> Iterator[None]:
+    """Within it, a context-parallel `model` runs whole sequences on every rank (generation: each
+    rank holds the same weights and the same prompts, so each computes the same tokens)."""
+    split = getattr(model, "context_parallel", None)
+    if split is not None:
+        model.context_parallel = None
+    try:
+        yield
+    finally:
+        if split is not None:
+            model.context_parallel = split

@@ -79,6 +79,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "tp2_sp": ("full", dict(sharding="none", tensor_parallel_degree=2, sequence_parallel=True)),
     "tp2_sp_recompute": ("full", dict(sharding="none", tensor_parallel_degree=2, sequence_parallel=True,
                                       recompute=True)),
+    "cp2": ("full", dict(sharding="none", context_parallel_degree=2)),
+    "cp2_recompute": ("full", dict(sharding="none", context_parallel_degree=2, recompute=True)),
     "pp2": ("full", dict(sharding="none", pipeline_parallel_degree=2)),
     "stage1_recompute": ("full", dict(sharding="stage1", recompute=True)),
     # mixed precision: the DeepSpeed paths a GPU run takes (bf16 weights, fp32 masters)
@@ -96,19 +98,27 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "prefix_stage3": ("prefix", dict(sharding="stage3")),
 }
 DEFAULT_CASES = {
-    "cpu": ["none", "stage1", "stage2", "stage3", "tp2", "tp2_sp", "pp2", "stage1_recompute", "none_bf16",
+    "cpu": ["none", "stage1", "stage2", "stage3", "tp2", "tp2_sp", "cp2", "pp2", "stage1_recompute", "none_bf16",
             "stage2_bf16", "lora_stage1", "prefix_tp2", "prefix_stage3"],
     "cuda": ["none", "none_bf16", "stage1_bf16", "stage2_bf16", "stage3_bf16", "stage1_bf16_recompute",
              "stage2_bf16_offload", "lora_bf16"],
 }
-# Per flavour: the vocabulary and the batch of every case (micro-batch x accumulation x tokens).
+# Per flavour: the vocabulary and the batch of every case (micro-batch x accumulation x tokens);
+# "<flavour>@<tokens>" is that model flavour at another length (`model_flavour`).
 FLAVOURS: dict[str, dict[str, int]] = {
     "tiny": dict(vocab_size=4096, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_length=256),
+    # long rows, for context parallelism's activations against one rank's (`--cases none cp2`)
+    "tiny@4k": dict(vocab_size=4096, per_device_train_batch_size=1, gradient_accumulation_steps=2, max_length=4096),
     "debug": dict(vocab_size=512, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_length=64),
     "1b": dict(vocab_size=32000, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_length=1024),
 }
 DEFAULT_FLAVOURS = {"cpu": ["tiny", "debug"], "cuda": ["1b"]}
 TARGET = 0.20  # |estimate / measured - 1| at most this, for every case
+
+
+def model_flavour(flavour: str) -> str:
+    """The model flavour of a FLAVOURS entry: "tiny@4k" is the tiny model."""
+    return flavour.split("@")[0]
 
 
 def training_section(flavour: str, case: str, steps: int, device: str = "cpu") -> dict[str, Any]:
@@ -314,7 +324,8 @@ def build(flavour: str, case: str, section: dict[str, Any], topology):
     from stages.training.deepspeed_engine import build_engine
     from stages.training.parallelize import parallelize
 
-    model = build_model(config_for_flavour(flavour, vocab_size=FLAVOURS[flavour]["vocab_size"]), seed=0)
+    model = build_model(config_for_flavour(model_flavour(flavour), vocab_size=FLAVOURS[flavour]["vocab_size"]),
+                        seed=0)
     if CASES[case][0] != "full":
         from stages.adapters import attach_adapter
 
@@ -331,7 +342,7 @@ def random_batches(flavour: str, section: dict[str, Any], topology, steps: int, 
 
     micro, accum, seq = (section["per_device_train_batch_size"], section["gradient_accumulation_steps"],
                          section["max_length"])
-    generator = torch.Generator().manual_seed(seed + topology.get_data_parallel_rank())
+    generator = torch.Generator().manual_seed(seed + topology.get_batch_rank())  # context ranks: the same rows
     vocab = FLAVOURS[flavour]["vocab_size"]
     return [[(ids, ids) for ids in (torch.randint(0, vocab, (micro, seq), generator=generator) for _ in range(accum))]
             for _ in range(steps)]
@@ -365,7 +376,8 @@ def train(engine, runner, clip, batches: list, topology, section: dict[str, Any]
     for index, step_batches in enumerate(batches):
         with record_function(f"phase:step{index}"):
             if engine.device.type == "cpu":
-                tokens = learned_tokens(step_batches, topology.get_data_parallel_group())
+                tokens = learned_tokens(step_batches, topology.get_data_parallel_group(),
+                                        copies=topology.get_context_parallel_world_size())
             else:  # NCCL takes no CPU tensor for learned_tokens' all-reduce; a world of one counts alone
                 tokens = sum(int(counted_tokens(labels)) for _, labels in step_batches)
             train_step(engine, runner, step_batches, tokens, dp, clip, tp_group)
@@ -476,7 +488,8 @@ def estimates(flavour: str, case: str, steps: int, device: str, rank: int | None
     from stages.config import architecture
 
     section, trained = training_section(flavour, case, steps, device), CASES[case][0]
-    return estimate_phases(architecture({"flavour": flavour}), section, vocab_size=FLAVOURS[flavour]["vocab_size"],
+    return estimate_phases(architecture({"flavour": model_flavour(flavour)}), section,
+                           vocab_size=FLAVOURS[flavour]["vocab_size"],
                            trained=trained, lora_rank=section.get("lora_rank"),
                            num_prefix_tokens=section.get("num_prefix_tokens"), device=device, pipeline_rank=rank,
                            reduce_bucket_size=REDUCE_BUCKET_SIZE if bucket else 0)
@@ -498,11 +511,16 @@ def compare(rows: list[dict[str, Any]], steps: int, device: str = "cpu") -> list
                   "ratio_without_buckets": None}
         errors = [abs(record["ratio"] - 1)]
         if device == "cpu":
-            bare = max(e.total for e in estimates(flavour, case, steps, device, bucket=False).values())
+            peak = max(estimates(flavour, case, steps, device, bucket=False).values(), key=lambda e: e.total)
+            bare = peak.total
             measured_bare = max(r["measured_without_buckets"]["train_peak"] for r in ranks)
             record.update(estimate_without_buckets_bytes=bare, measured_without_buckets_bytes=measured_bare,
                           ratio_without_buckets=bare / measured_bare)
             errors.append(abs(record["ratio_without_buckets"] - 1))
+            # the activations at the peak: the measured peak less what the estimate holds beside them
+            # (the model states, which the census below checks)
+            record.update(estimate_activation_bytes=peak.activations,
+                          measured_activation_bytes=measured_bare - (bare - peak.activations))
         states = []
         for r in ranks:
             step = estimates(flavour, case, steps, device, rank=r["rank"] if pp > 1 else None)["step"]
@@ -529,7 +547,24 @@ def format_report(records: list[dict[str, Any]]) -> str:
                      f"{mib(r['measured_without_buckets_bytes']):>9}{bare:>9}  "
                      f"{r['estimate']['phase']:<9}{'yes' if r['within_target'] else 'NO':>11}")
     lines.append("(-- : without DeepSpeed's 5e8-element gradient bucket, on both sides; ratio = estimate / measured)")
+    lines += [f"{flavour}: {ratio}" for flavour, ratio in activation_ratios(records).items()]
     return "\n".join(lines)
+
+
+def activation_ratios(records: list[dict[str, Any]], case: str = "cp2", against: str = "none") -> dict[str, str]:
+    """Per flavour measured with both: the activations per rank of `case` over those of `against`,
+    estimated and measured (CPU records, without buckets)."""
+    by = {(r["flavour"], r["case"]): r for r in records if r.get("measured_activation_bytes") is not None}
+    out = {}
+    for flavour in dict.fromkeys(f for f, _ in by):
+        if (flavour, case) in by and (flavour, against) in by:
+            one, other = by[(flavour, case)], by[(flavour, against)]
+            est = one["estimate_activation_bytes"] / other["estimate_activation_bytes"]
+            meas = one["measured_activation_bytes"] / other["measured_activation_bytes"]
+            out[flavour] = (f"activations per rank {case} / {against}: estimated {est:.3f}, measured {meas:.3f} "
+                            f"({one['measured_activation_bytes'] / MiB:.1f} / "
+                            f"{other['measured_activation_bytes'] / MiB:.1f} MiB)")
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

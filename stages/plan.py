@@ -107,7 +107,8 @@ def estimate_job(exp: dict[str, Any], section: Mapping[str, Any], trained: str) 
         "trained": trained,
         "device": device,
         "layout": {k: getattr(section, k) for k in LAYOUT_KEYS},
-        "data_parallel_degree": section.world_size // (section.tensor_parallel_degree * section.pipeline_parallel_degree),
+        "data_parallel_degree": section.world_size // (section.tensor_parallel_degree * section.pipeline_parallel_degree
+                                                       * section.context_parallel_degree),
         "per_device_bytes": estimate.as_dict(),
         "per_device_total_gb": round(estimate.total / GB, 3),
     }
@@ -223,7 +224,8 @@ def format_plan(plan: dict[str, Any]) -> str:
         shape = (f"{entry['data_parallel_degree']}x{lay['tensor_parallel_degree']}x"
                  f"{lay['pipeline_parallel_degree']}, {lay['sharding']}"
                  + (" +offload" if lay.get("sharding_offload") else "") + (" +recompute" if lay.get("recompute") else "")
-                 + (" +sp" if lay.get("sequence_parallel") and lay["tensor_parallel_degree"] > 1 else ""))
+                 + (" +sp" if lay.get("sequence_parallel") and lay["tensor_parallel_degree"] > 1 else "")
+                 + (f" +cp{lay['context_parallel_degree']}" if lay.get("context_parallel_degree", 1) > 1 else ""))
         res = entry["resources"]
         limit = "-" if entry["limit_gb"] is None else f"{entry['limit_gb']:.1f}"
         fits = {None: "-", True: "yes", False: "NO"}[entry["fits"]]

@@ -167,9 +167,17 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 segments: torch.Tensor | None = None, context=None) -> torch.Tensor:
         """`context` (context parallelism's `ContextAttention`): x holds this rank's tokens of a
-        sequence split over ranks; the keys and values of all of them are gathered and the mask
-        follows the tokens' places in the whole sequence."""
+        sequence split over ranks; `attend` runs through the context (`ContextAttention.core`), which
+        gathers the keys and values of all of them."""
         q, k, v = self.project(x, cos, sin)
+        y = self.attend(q, k, v, segments) if context is None else context.core(self.attend, q, k, v)
+        return self.o_proj(y)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None = None,
+               context=None) -> torch.Tensor:
+        """Attention's core: (B, T, H*hd) of q (B, H, T, hd), k and v (B, K, T, hd), causal (within
+        the layer's window), inside each packed example (`segments`), after the prefix keys; with
+        `context`, the keys and values of every rank's tokens, masked by place in the whole sequence."""
         B, T = q.shape[0], q.shape[2]  # the whole sequence, also when x holds a rank's tokens
         if context is not None:
             k, v = context.keys_values(k, v)  # (B, K, cp x T, hd)
@@ -193,10 +201,9 @@ class Attention(nn.Module):
             # plain causal attention: SDPA's causal fast path, no mask tensor
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
         else:
-            mask = attention_mask(T, window, segments, prefix_len, x.device)  # (T, P+T) or (B, 1, T, P+T)
+            mask = attention_mask(T, window, segments, prefix_len, q.device)  # (T, P+T) or (B, 1, T, P+T)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)
-        y = y.to(dtype).transpose(1, 2).reshape(B, T, -1)  # (B, T, H*hd)
-        return self.o_proj(y)
+        return y.to(dtype).transpose(1, 2).reshape(B, T, -1)  # (B, T, H*hd)
 
 
 class MLP(nn.Module):
@@ -403,7 +410,7 @@ def run_layers(layers: Iterable[DecoderLayer], x: torch.Tensor, rotary_emb: Rota
     offset = prefix_length(layers)
     context = segments = None
     if context_parallel is not None:  # packed examples are found in the whole sequence
-        context = context_parallel.attention(position_ids)
+        context = context_parallel.attention(position_ids, recompute=recompute)
     elif position_ids is not None:
         segments = segment_ids(position_ids)  # (B, T)
     cos = sin = None  # learned positions (GPT-2): added to the embeddings, nothing to rotate

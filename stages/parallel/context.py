@@ -6,8 +6,12 @@ norms, MLPs, logits and loss terms of its own tokens. Attention is the one place
 needs the others: each layer all-gathers the keys and values of the group (the way Llama 3 trained
 its long-context stage; backward reduce-scatters their gradients, each rank's queries having read
 every rank's keys) and attends its own queries to them, causal by the tokens' places in the whole
-sequence. A ring (ring attention) would hold one neighbour's keys at a time instead of all of them;
-this module gathers them whole, which the memory plan counts.
+sequence. The core (gather, mask, SDPA) is recomputed in backward, Megatron's selective recompute:
+a layer keeps only its rank's q, k and v, not the gathered keys and values nor the mask, so every
+activation a layer saves is divided by cp; backward gathers the keys again and runs the core's
+forward once more. Under full recompute (`recompute: true`) the layer is rebuilt whole instead. A
+ring (ring attention) would also hold one neighbour's keys at a time while computing; this module
+holds the group's during one layer's core, which the memory plan counts.
 
 Balance (zigzag): causal attention makes a late token's work larger than an early one's, so the
 sequence is cut into 2 x cp chunks and rank r holds chunks r and 2cp - 1 - r: every rank has the
@@ -30,6 +34,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from torch.utils.checkpoint import checkpoint
 
 from stages.model.labels import IGNORE_INDEX
 from stages.model.llama import segment_ids
@@ -54,10 +60,18 @@ class ContextAttention:
     queries and the gathered keys sit in the whole sequence, and the packed example of each."""
 
     def __init__(self, group, query_places: torch.Tensor, key_places: torch.Tensor,
-                 query_segments: torch.Tensor, key_segments: torch.Tensor):
-        self.group = group
+                 query_segments: torch.Tensor, key_segments: torch.Tensor, recompute_core: bool = True):
+        self.group, self.recompute_core = group, recompute_core
         self.query_places, self.key_places = query_places, key_places  # (Tl,), (T,) int64
         self.query_segments, self.key_segments = query_segments, key_segments  # (B, Tl), (B, T)
+
+    def core(self, attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """`attend(q, k, v, context=self)` (the attention layer's core, which gathers the keys and
+        values through `keys_values`) on this rank's q, k and v, recomputed in backward unless the
+        whole layer is (`recompute_core`)."""
+        if not self.recompute_core or not torch.is_grad_enabled():
+            return attend(q, k, v, context=self)
+        return checkpoint(attend, q, k, v, None, self, use_reentrant=False)
 
     def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every rank's keys and values (B, K, T, hd) from this rank's (B, K, T/cp, hd), rank-major."""
@@ -111,10 +125,11 @@ class ContextSplit:
         order = zigzag_order(length + extra, self.world, self.rank).to(ids.device)
         return ids[:, order], targets[:, order], position_ids[:, order]
 
-    def attention(self, position_ids: torch.Tensor) -> ContextAttention:
+    def attention(self, position_ids: torch.Tensor, recompute: bool = False) -> ContextAttention:
         """The layers' view of this forward from this rank's position ids (B, T/cp): the group's
         position ids are gathered once (small integers, no gradient) to find every token's packed
-        example in the whole row."""
+        example in the whole row. `recompute`: the layers are rebuilt whole in backward (their
+        attention core then is not recomputed on its own)."""
         local = position_ids.shape[1]
         length = local * self.world
         query_places = zigzag_order(length, self.world, self.rank).to(position_ids.device)
@@ -124,7 +139,7 @@ class ContextSplit:
         whole[:, key_places] = gathered  # in place order
         segments = segment_ids(whole)
         return ContextAttention(self.group, query_places, key_places, segments[:, query_places],
-                                segments[:, key_places])
+                                segments[:, key_places], recompute_core=not recompute)
 
     def __repr__(self) -> str:
         return f"ContextSplit(cp={self.world}, rank={self.rank})"

@@ -29,7 +29,11 @@ against a real run in tests/unit/test_memory_plan.py and bench/memory_plan.py):
   saves it). With recompute a layer keeps only its input, and one layer is rebuilt at a time. Tensor
   parallelism splits the attention and MLP parts; sequence parallelism also the norms' inputs,
   outputs and statistics (the projections save their rank's tokens, not the sequence they gather)
-  and a recomputed layer's input (the residual stream is gathered before the final norm). The loss:
+  and a recomputed layer's input (the residual stream is gathered before the final norm). Context
+  parallelism divides every token's tensors by cp (the rank's zigzag share of each padded row, to
+  the loss): attention's core is recomputed in backward, so a layer keeps its rank's q, k and v,
+  and one core at a time holds the keys and values gathered from the group and its mask, (B, 1,
+  T/cp, T) in the attention's dtype (with recompute, the rebuilt layer holds them). The loss:
   logits (gathered over the vocabulary unless tensor_parallel_output), their fp32 copy and
   log-softmax, then three fp32 (tokens x vocab) tensors when backward starts.
 - Pipeline parallelism (1F1B, interleaved 1F1B as torch.distributed.pipelining schedules them):
@@ -188,10 +192,26 @@ class _Layout:
     tp_output: bool
     packing: bool
     sp: bool = False  # sequence parallelism (a switch of tp)
+    cp: int = 1  # context parallelism: ranks that split every sequence
 
     @property
     def dp(self) -> int:
+        """The ranks ZeRO shards over and DeepSpeed averages gradients over: data x sharding x context."""
         return self.world // (self.tp * self.pp)
+
+    @property
+    def local_seq(self) -> int:
+        """Tokens of a row this rank holds: all of them, or under context parallelism its zigzag
+        share of the row padded to 2 x cp (x tp with sequence parallelism) tokens."""
+        if self.cp == 1:
+            return self.seq
+        multiple = 2 * self.cp * self.token_split
+        return -(-self.seq // multiple) * multiple // self.cp
+
+    @property
+    def key_seq(self) -> int:
+        """Keys every query may read: the whole (padded) row, gathered under context parallelism."""
+        return self.local_seq * self.cp
 
     @property
     def token_split(self) -> int:
@@ -304,7 +324,8 @@ def _layout(section: TrainingSettings, bf16: bool | None = None) -> _Layout:
                    param_bytes=2 if bf16 or section.fp16 else 4,
                    tp_output=section.tensor_parallel_output,
                    packing=isinstance(section, SftSettings) and section.packing,
-                   sp=section.sequence_parallel and section.tensor_parallel_degree > 1)
+                   sp=section.sequence_parallel and section.tensor_parallel_degree > 1,
+                   cp=section.context_parallel_degree)
 
 
 # -- parameters ---------------------------------------------------------------------------------
@@ -428,20 +449,30 @@ def _attention_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str) -> int:
     a bf16 model's attention runs in fp32 on a CPU (stages.model.attention_precision). Counted
     wherever 2-byte activations have those shapes on a CPU, the larger figure: also on AMX CPUs,
     which keep bf16, for fp16 and for transformers models, whose attention is their own."""
-    if device == "cpu" and lay.param_bytes == 2 and fp32_attention_shape(s.head_dim, lay.seq + ad.prefix):
+    if device == "cpu" and lay.param_bytes == 2 and fp32_attention_shape(s.head_dim, lay.key_seq + ad.prefix):
         return 4
     return lay.param_bytes
 
 
-def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str) -> int:
-    """Bytes autograd saves in one decoder layer for one micro-batch (see the module docstring).
+def _core_recomputed(lay: _Layout) -> bool:
+    """Whether attention's core is recomputed in backward on its own: under context parallelism,
+    unless the whole layer is (`stages.parallel.context.ContextAttention.core`)."""
+    return lay.cp > 1 and not lay.recompute
+
+
+def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str, core_only: bool = False) -> int:
+    """Bytes autograd saves in one decoder layer for one micro-batch (see the module docstring);
+    `core_only`: those of attention's core alone (SDPA's and its mask), which a layer whose core is
+    recomputed holds for one layer at a time in backward.
     With a frozen base a norm's normalised x is not saved (its weight gets no gradient), and a
     projection saves its input only when LoRA trains beside it (plus LoRA's r-wide A x), or
     always under ZeRO-3, whose memory-efficient linear (it replaces torch.nn.functional.linear)
     saves its input whatever trains."""
-    a, tp, tokens = lay.param_bytes, lay.tp, lay.micro * lay.seq
+    a, tp, tokens = lay.param_bytes, lay.tp, lay.micro * lay.local_seq
     d, f, q, kv = s.hidden, s.intermediate, s.heads * s.head_dim, s.kv_heads * s.head_dim
-    kv_len = (lay.seq + ad.prefix) / lay.seq  # prefix keys/values come before the real ones
+    # keys per query token: prefix keys/values come before the real ones; under context parallelism
+    # SDPA saves the group's gathered keys and values, cp times this rank's tokens
+    kv_len = (lay.key_seq + ad.prefix) / lay.local_seq
     sdpa = _attention_bytes(s, lay, ad, device)
     # q, output; k, v; log-sum-exp. Under GQA a CPU's flash kernel saves k and v of the KV heads (it
     # reads them in place); on the H100 measured they were as wide as q (bench/README, memory_plan)
@@ -460,7 +491,11 @@ def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str) 
     layer_projections = frozenset(s.projections)
     targets = ad.targets & layer_projections
     reads = layer_projections if ad.full or lay.zero == 3 else targets  # projections that save their input
-    if sdpa != a and "self_attn.o_proj" in reads:  # o_proj's input: the output cast back, not SDPA's own
+    if core_only:
+        return int(tokens * attention) + mask
+    if _core_recomputed(lay):  # the core keeps this rank's q, k and v; o_proj the output if it reads it
+        attention, mask = (q + 2 * kv) * a / tp + q * a / tp * ("self_attn.o_proj" in reads), 0
+    elif sdpa != a and "self_attn.o_proj" in reads:  # o_proj's input: the output cast back, not SDPA's own
         attention += q * a / tp
     if ad.full:
         # RMSNorm: fp32 input, normalised x, output (the next Linear's input); LayerNorm: input, output
@@ -479,7 +514,9 @@ def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str) 
 def _mask_bytes(lay: _Layout, ad: _Adapter, value_bytes: int) -> int:
     """The attention mask SDPA keeps when the causal fast path is off, in the dtype attention runs
     in (`value_bytes`; it turns the boolean mask into an additive one): (B, 1, T, T) for packed
-    rows, (T, P + T) with a prefix."""
+    rows, (T, P + T) with a prefix; under context parallelism always, (B, 1, T/cp, P + T)."""
+    if lay.cp > 1:
+        return lay.micro * lay.local_seq * (lay.key_seq + ad.prefix) * value_bytes
     if lay.packing:
         return lay.micro * lay.seq * (lay.seq + ad.prefix) * value_bytes
     return lay.seq * (lay.seq + ad.prefix) * value_bytes if ad.prefix else 0
@@ -491,10 +528,11 @@ def _head_bytes(s: _Shape, lay: _Layout, ad: _Adapter, keeps_logits: bool) -> tu
     instead makes the shifted logits, their exp and the softmax it saves); the all-gather of
     tensor-parallel logits. When backward starts: log-softmax (softmax), its gradient and the
     logits' gradient, fp32 tokens x vocab each; a pipeline's last stage still holds its logits."""
-    a, tokens = lay.param_bytes, lay.micro * lay.seq
+    a, tokens = lay.param_bytes, lay.micro * lay.local_seq
     vocab = s.vocab // lay.tp if lay.tp_output else s.vocab
     logits = tokens * vocab * a
-    fp32 = lay.micro * (lay.seq - 1) * vocab * 4
+    # the last position of a row learns nothing; under context parallelism the rank's share of the rest
+    fp32 = lay.micro * (lay.seq - 1 if lay.cp == 1 else lay.local_seq) * vocab * 4
     gather = logits // lay.tp + 2 * logits if lay.tp > 1 and not lay.tp_output else 0
     forward = logits + (4 if lay.tp_output and lay.tp > 1 else 2) * fp32
     loss = max(forward, 3 * fp32 + (logits if keeps_logits else 0), gather)
@@ -516,13 +554,16 @@ def _activation_bytes(s: _Shape, lay: _Layout, rank: int, ad: _Adapter, device: 
     """(saved, loss, rebuilt) activations of pipeline rank `rank` at its busiest moment (the most
     micro-batches in flight): what its layers and the final norm keep saved (with recompute only
     each layer's input), the loss's tensors on top when its backward starts (last stage only), and
-    with recompute the one layer rebuilt at a time once the loss's tensors are gone."""
+    with recompute the one layer rebuilt at a time once the loss's tensors are gone (under context
+    parallelism without it, one attention core)."""
     chunks, mine = lay.pp * lay.vpp, _chunks_of(lay, rank)
     per_chunk = max(_chunk_layers(s.layers, chunks)[c] for c in mine)
     layer = _layer_activation_bytes(s, lay, ad, device)
-    kept = lay.micro * lay.seq * s.hidden * lay.param_bytes // lay.token_split if lay.recompute else layer
+    kept = lay.micro * lay.local_seq * s.hidden * lay.param_bytes // lay.token_split if lay.recompute else layer
     saved = _in_flight(lay, rank) * per_chunk * kept
     norm, loss = _head_bytes(s, lay, ad, keeps_logits=lay.pp > 1) if chunks - 1 in mine else (0, 0)
+    if _core_recomputed(lay):
+        return saved + norm, loss, _layer_activation_bytes(s, lay, ad, device, core_only=True)
     return saved + norm, loss, layer if lay.recompute else 0
 
 
@@ -690,7 +731,9 @@ def _divisors(n: int) -> list[int]:
 def _allowed(s: _Shape, lay: _Layout, section: TrainingSettings, trained: str) -> bool:
     """The project's layout rules (`stages.config._check_layout`, `_check_finetune`, the engine's
     checks) for a candidate layout."""
-    if lay.world % (lay.tp * lay.pp) or lay.accum < 1 or (lay.offload and not lay.zero):
+    if lay.world % (lay.tp * lay.cp * lay.pp) or lay.accum < 1 or (lay.offload and not lay.zero):
+        return False
+    if lay.cp > 1 and (lay.pp > 1 or isinstance(section, AlignSettings)):  # stages.config._check_layout
         return False
     if any(n % lay.tp for n in (s.heads, s.kv_heads, s.intermediate, s.vocab)):
         return False

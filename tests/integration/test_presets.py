@@ -126,3 +126,29 @@ def test_a_long_sequence_layout_fits_24gb_devices_only_with_sequence_parallelism
     with pytest.raises(ConfigError, match="experiments.long.pretrain: the layout needs") as err:
         check_plan("long", experiment(False))
     print(err.value)
+
+
+def test_a_128k_token_layout_fits_80gb_devices_with_context_parallelism():
+    """Llama-2-7B at 128k tokens on 2 nodes of 8 x 80 GB, tp 4 with sequence parallelism, ZeRO-3
+    and recompute: each rank's layers keep 32 x 131,072 x 4,096 bf16 inputs / (tp x cp). Split over
+    4 context-parallel ranks a device needs ~26 GB; with cp 1 (the 16 ranks then 4 data-parallel
+    replicas) 73 GB, over the 72 GB the planner allows, and it refuses, naming the numbers and the
+    nearest layout it finds by its own knobs (tp 8: 68.3 GB; context parallelism is not one of them,
+    it changes how the global batch is split)."""
+    def experiment(cp: int) -> dict:
+        exp = {"model": {"flavour": "7b"}, "data": {"vocab_size": 32000},
+               "pretrain": dict(world_size=16, tensor_parallel_degree=4, sequence_parallel=True,
+                                context_parallel_degree=cp, sharding="stage3", recompute=True, bf16=True,
+                                max_length=131072, per_device_train_batch_size=1, gradient_accumulation_steps=8),
+               "finetune": {method: dict(world_size=8, tensor_parallel_degree=8, sequence_parallel=True, bf16=True,
+                                         recompute=True, max_length=2048, src_length=1024,
+                                         per_device_train_batch_size=1, gradient_accumulation_steps=16)
+                            for method in ("sft", "lora", "prefix")},
+               "cluster": {"gpus_per_node": 8, "device_memory_gb": 80, "node_memory_gb": 2000}}
+        return check_config({"experiments": {"long": exp}})["experiments"]["long"]
+
+    job = check_plan("long", experiment(4))["jobs"]["pretrain"]
+    assert job["fits"] is True and job["per_device_total_gb"] < 30
+    with pytest.raises(ConfigError, match="experiments.long.pretrain: the layout needs 73.0 GB") as err:
+        check_plan("long", experiment(1))
+    print(err.value)

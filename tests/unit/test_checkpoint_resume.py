@@ -36,18 +36,21 @@ LAYOUTS = {
                     gradient_accumulation_steps=4)),
     "tp2sp": (2, dict(world_size=2, tensor_parallel_degree=2, sequence_parallel=True, per_device_train_batch_size=4,
                       gradient_accumulation_steps=2)),
+    "cp2": (2, dict(world_size=2, context_parallel_degree=2, per_device_train_batch_size=2,
+                    gradient_accumulation_steps=4)),
     "tp2xpp2": (4, dict(world_size=4, tensor_parallel_degree=2, pipeline_parallel_degree=2,
                         per_device_train_batch_size=2, gradient_accumulation_steps=4)),
     "pp2xstage1x2": (4, dict(world_size=4, pipeline_parallel_degree=2, sharding="stage1",
                              per_device_train_batch_size=2, gradient_accumulation_steps=2)),
 }
-PAIRS = [("tp2sp", "dp2"), ("pp2", "tp2"), ("stage3x2", "single"), ("single", "tp2xpp2"), ("dp2", "stage1x2"),
+PAIRS = [("tp2sp", "dp2"), ("pp2", "tp2"), ("stage3x2", "single"), ("single", "tp2xpp2"), ("cp2", "stage1x2"),
          ("tp2xpp2", "pp2xstage1x2")]  # the last: ZeRO's fragments under a pipeline, both ways sliced
 
 
 # the uninterrupted two-rank runs the tests below resume from or compare: (layout, extra settings)
-TWO_RANK_RUNS = [("tp2", {}), ("pp2", {}), ("stage3x2", {}), ("dp2", {}), ("tp2", {"unified_checkpoint": False}),
-                 ("tp2sp", {})]  # tp2sp: tp2 with sequence parallelism, whose checkpoint resumes in dp2
+TWO_RANK_RUNS = [("tp2", {}), ("pp2", {}), ("stage3x2", {}), ("cp2", {}), ("tp2", {"unified_checkpoint": False}),
+                 ("tp2sp", {})]  # tp2sp: tp2 with sequence parallelism, whose checkpoint resumes in dp2; cp2:
+# context parallelism (ZeRO-1 over its 2 context ranks), whose checkpoint resumes in ZeRO-1 over 2 data ranks
 
 
 @pytest.fixture(scope="module")

@@ -385,10 +385,6 @@ def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any], source: di
         raise ConfigError(f"{key}: world_size={world} is not divisible by tensor_parallel_degree={tp} x "
                           f"context_parallel_degree={cp} x pipeline_parallel_degree={pp} = {tp * cp * pp}; the "
                           "data-parallel degree is world_size / (tp x cp x pp)")
-    if cp > 1 and pp > 1:
-        raise ConfigError(f"{key}: context_parallel_degree={cp} with pipeline_parallel_degree={pp}: the pipeline's "
-                          "stages do not pass a split sequence yet; use context parallelism with data parallel, "
-                          "ZeRO and tensor parallelism (pipeline_parallel_degree: 1)")
     if pp > 1 and sec["sharding"] in ("stage2", "stage3"):
         raise ConfigError(f"{key}: sharding={sec['sharding']} with pipeline_parallel_degree={pp}: ZeRO-2/3 "
                           "partition gradients during backward, which the pipeline schedule runs outside "

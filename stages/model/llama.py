@@ -371,9 +371,12 @@ class LlamaForCausalLM(nn.Module):
         if logits_at is not None and labels is not None:
             raise ValueError("logits_at with labels: the loss needs every position's logits; score the kept "
                              "logits with stages.model.loss.token_loss instead")
-        if self.context_parallel is not None and (position_ids is None or labels is not None):
-            raise ValueError("a context-parallel model takes this rank's tokens and position ids from "
-                             "ContextSplit.split_batch, and no labels (their targets are split with them)")
+        if self.context_parallel is not None:
+            if labels is not None:
+                raise ValueError("a context-parallel model takes this rank's tokens from ContextSplit.split_batch "
+                                 "and no labels (their targets are split with them)")
+            if position_ids is None:  # unpacked rows: the tokens' places in them
+                position_ids = self.context_parallel.local_positions(*input_ids.shape, input_ids.device)
         encoder = getattr(self, "prefix_encoder", None)
         if encoder is not None:  # prefix tuning through a projection: this step's prefix from its MLP
             encoder.place([layer.self_attn for layer in self.model.layers.values()], encoder())

@@ -125,6 +125,10 @@ class ContextSplit:
         order = zigzag_order(length + extra, self.world, self.rank).to(ids.device)
         return ids[:, order], targets[:, order], position_ids[:, order]
 
+    def local_positions(self, batch: int, local: int, device: torch.device) -> torch.Tensor:
+        """(batch, local) positions of this rank's tokens of unpacked rows: their places in the row."""
+        return zigzag_order(local * self.world, self.world, self.rank).to(device).expand(batch, -1)
+
     def attention(self, position_ids: torch.Tensor, recompute: bool = False) -> ContextAttention:
         """The layers' view of this forward from this rank's position ids (B, T/cp): the group's
         position ids are gathered once (small integers, no gradient) to find every token's packed

@@ -116,13 +116,17 @@ class PipelineStageModule(nn.Module):
         self.rotary_emb = model.rotary_emb  # the same object: one RoPE for the model and its stages
         self.gradient_checkpointing = model.gradient_checkpointing
         self.sequence_parallel = model.sequence_parallel  # each stage's layers on this rank's tokens
+        self.context_parallel = model.context_parallel  # every stage on this rank's tokens of each row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = None  # under context parallelism this rank's tokens' places in their (unpacked) rows
+        if self.context_parallel is not None:
+            positions = self.context_parallel.local_positions(x.shape[0], x.shape[1], x.device)
         if self.is_first:
-            x = self.model.embed(x, None, prefix_length(list(self.model.layers.values())))  # (B, T) ids -> (B, T, d)
+            x = self.model.embed(x, positions, prefix_length(list(self.model.layers.values())))  # (B, T) -> (B, T, d)
         x = run_layers(self.model.layers.values(), x, self.rotary_emb,
-                       recompute=self.gradient_checkpointing and self.training,
-                       sequence_parallel=self.sequence_parallel)
+                       recompute=self.gradient_checkpointing and self.training, position_ids=positions,
+                       sequence_parallel=self.sequence_parallel, context_parallel=self.context_parallel)
         if self.is_last:
             x = self.lm_head(self.model.norm(x))  # (B, T, V)
         return x
@@ -197,6 +201,7 @@ class PipelineRunner:
                        for m, c in zip(self.modules, self.stage_ids)]
         self.is_last = any(m.is_last for m in self.modules)
         self.is_first = any(m.is_first for m in self.modules)
+        self.context_parallel = model.context_parallel  # the batch is split before the schedule (training step)
 
         self._user_loss = loss_fn
         self._normalizer = 1.0

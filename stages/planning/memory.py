@@ -575,7 +575,7 @@ def _pipeline_buffers(s: _Shape, lay: _Layout, rank: int) -> int:
     if lay.pp == 1:
         return 0
     chunks = lay.pp * lay.vpp
-    hidden = lay.micro * lay.seq * s.hidden * lay.param_bytes
+    hidden = lay.micro * lay.local_seq * s.hidden * lay.param_bytes
     return lay.accum * hidden * sum((c > 0) + (c < chunks - 1) for c in _chunks_of(lay, rank))
 
 
@@ -733,7 +733,7 @@ def _allowed(s: _Shape, lay: _Layout, section: TrainingSettings, trained: str) -
     checks) for a candidate layout."""
     if lay.world % (lay.tp * lay.cp * lay.pp) or lay.accum < 1 or (lay.offload and not lay.zero):
         return False
-    if lay.cp > 1 and (lay.pp > 1 or isinstance(section, AlignSettings)):  # stages.config._check_layout
+    if lay.cp > 1 and isinstance(section, AlignSettings):  # stages.config.check_align_section
         return False
     if any(n % lay.tp for n in (s.heads, s.kv_heads, s.intermediate, s.vocab)):
         return False

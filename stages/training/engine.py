@@ -212,10 +212,9 @@ def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: 
     check_model_fits(model, section, degrees)
     if section.fp16 and fp16_unsupported_reason():  # the config check, for runs outside Snakemake
         raise ValueError(f"fp16=true: {fp16_unsupported_reason()}")
-    if degrees.context_parallel_degree > 1 and (objective is not None or degrees.pipeline_parallel_degree > 1):
-        raise ValueError(f"context_parallel_degree={degrees.context_parallel_degree} with "
-                         f"{'preference alignment' if objective is not None else 'pipeline parallelism'}: not "
-                         "supported yet; set context_parallel_degree: 1")
+    if degrees.context_parallel_degree > 1 and objective is not None:
+        raise ValueError(f"context_parallel_degree={degrees.context_parallel_degree} with preference alignment: "
+                         "not supported yet; set context_parallel_degree: 1")
     # the context-parallel ranks of one batch rank read the same samples (their own tokens of them)
     global_batch = section.per_device_train_batch_size * section.gradient_accumulation_steps * \
         topology.get_batch_world_size()

@@ -44,6 +44,13 @@ def token_sum_loss(engine, ids: torch.Tensor, labels: torch.Tensor, tp_group,
     return causal_lm_loss(logits, labels, reduction="sum", per_token=per_token)
 
 
+def shifted_token_loss(logits: torch.Tensor, targets: torch.Tensor, normalizer: float) -> torch.Tensor:
+    """Summed cross-entropy of logits (B, T, V) against targets (B, T) already shifted (position t's
+    own next token; IGNORE_INDEX skipped), divided by `normalizer`: a pipeline micro-batch's share
+    under context parallelism."""
+    return token_loss(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum") / normalizer
+
+
 def train_step(engine, runner: PipelineRunner | None, batches: list[tuple[torch.Tensor, ...]],
                num_tokens: int, dp: int, clip: Callable[[torch.nn.Module], float] | None,
                tp_group=None) -> tuple[torch.Tensor, float | None]:
@@ -66,7 +73,12 @@ def train_step(engine, runner: PipelineRunner | None, batches: list[tuple[torch.
         ids = torch.cat([b[0] for b in batches]).to(engine.device)
         labels = torch.cat([b[1] for b in batches]).to(engine.device)
         engine.zero_grad()
-        share = runner.train_step(ids, labels, normalizer=num_tokens / dp).cpu() / dp
+        if runner.context_parallel is None:
+            share = runner.train_step(ids, labels, normalizer=num_tokens / dp).cpu() / dp
+        else:  # this rank's tokens of each row, their targets already shifted over the whole row
+            ids, targets, _ = runner.context_parallel.split_batch(ids, labels)
+            loss = functools.partial(shifted_token_loss, normalizer=num_tokens / dp)
+            share = runner.train_step(ids, targets, loss=loss).cpu() / dp
         engine.allreduce_gradients()  # the schedule ran backward, not engine.backward
         grad_norm = clip(engine.module) if clip else None
         engine.step()

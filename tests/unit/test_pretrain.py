@@ -145,6 +145,8 @@ LAYOUTS = {
                                           gradient_accumulation_steps=4)),
     "cp2_dp2_zero1": (4, dict(sharding="stage1", context_parallel_degree=2, per_device_train_batch_size=2,
                               gradient_accumulation_steps=2)),
+    "cp2_pp2_1f1b": (4, dict(sharding="stage1", context_parallel_degree=2, pipeline_parallel_degree=2,
+                             per_device_train_batch_size=2, gradient_accumulation_steps=4)),
     "tp2_sharding_stage2": (4, dict(sharding="stage2", tensor_parallel_degree=2, per_device_train_batch_size=2,
                                     gradient_accumulation_steps=2)),
     "tp2_recompute": (2, dict(sharding="stage1", tensor_parallel_degree=2, recompute=True,

@@ -175,17 +175,28 @@ def test_permute_qk_is_the_inverse_of_the_readers_unpermute():
 
 
 def test_quantized_files_keep_top1_agreement(trained_dir, tmp_path):
+    """f16 and q8_0 keep the source's top-1 token wherever it is decided (its lead over the second
+    exceeds 0.1, twice q8_0's largest logit error here): a near-tie flips with the machine's float
+    sums (on a 2-core AMD EPYC, 2 of 192 positions flipped in q8_0 at leads of 3e-4 and 1.6e-3, and
+    1 in f16; 10 of the 192 lead by less than 0.05)."""
     source = AutoModelForCausalLM.from_pretrained(trained_dir, dtype=torch.float32).eval()
     ids = _probe_ids(load_model_tokenizer(trained_dir))
-    reference = _logits(source, ids).argmax(-1)
-    agreement, sizes = {}, {}
+    logits = _logits(source, ids)
+    reference = logits.argmax(-1)
+    best, second = logits.topk(2, dim=-1).values.unbind(-1)
+    decided = best - second > 0.1
+    agreement, on_decided, sizes = {}, {}, {}
     for file_type in ("f16", "q8_0", "q4_0"):
         metrics = write_gguf(trained_dir, tmp_path / f"{file_type}.gguf", file_type)
         model, _ = _load_gguf(tmp_path / f"{file_type}.gguf")
-        agreement[file_type] = (_logits(model, ids).argmax(-1) == reference).float().mean().item()
+        same = _logits(model, ids).argmax(-1) == reference
+        agreement[file_type], on_decided[file_type] = same.float().mean().item(), same[decided].float().mean().item()
         sizes[file_type] = metrics["gguf_bytes"]
-    print(f"top-1 agreement on {ids.numel()} positions: {agreement}; bytes {sizes}")
-    assert agreement["f16"] >= 0.99 and agreement["q8_0"] >= 0.99
+    print(f"top-1 agreement on {ids.numel()} positions: {agreement}; on the {int(decided.sum())} decided ones: "
+          f"{on_decided}; bytes {sizes}")
+    assert decided.float().mean() > 0.9  # the check covers most positions
+    assert on_decided["f16"] == on_decided["q8_0"] == 1.0
+    assert agreement["f16"] >= 0.97 and agreement["q8_0"] >= 0.97
     assert agreement["q4_0"] >= 0.8
     assert sizes["q4_0"] < sizes["q8_0"] < sizes["f16"]
 

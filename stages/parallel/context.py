@@ -34,7 +34,6 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from torch.utils.checkpoint import checkpoint
 
 from stages.model.labels import IGNORE_INDEX

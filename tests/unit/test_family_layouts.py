@@ -55,6 +55,8 @@ LAYOUTS = {
                               per_device_train_batch_size=2, gradient_accumulation_steps=4)),
     "tp2_sequence_parallel": (2, dict(sharding="stage1", tensor_parallel_degree=2, sequence_parallel=True,
                                       per_device_train_batch_size=2, gradient_accumulation_steps=4)),
+    "cp2_sharding_stage3": (2, dict(sharding="stage3", context_parallel_degree=2, per_device_train_batch_size=2,
+                                    gradient_accumulation_steps=4)),
 }
 # The written weights, element by element. test_pretrain.py's atol of 2e-5 is below Adam's noise
 # floor here: an element whose gradient (nearly) cancels has its rounding, which differs with the
@@ -68,12 +70,13 @@ WEIGHTS_RTOL, WEIGHTS_ATOL = 1e-4, 5e-5
 DEFAULT = ("glm4", "tp2")  # the one pair of the default run
 # The slow run's pairs: every layout for some family, and what each family adds under the layouts it
 # touches (Qwen3's head norms and GLM's fused gate_up under tensor parallelism; GLM-4's extra norms
-# move with their layer under the pipeline, and run on each rank's tokens under sequence parallelism).
+# move with their layer under the pipeline, and run on each rank's tokens under sequence parallelism;
+# its partial interleaved RoPE turns each rank's tokens by their places under context parallelism).
 # The whole 3 x 6 product passed on 2026-11-26 (numbers in the commit's note); it takes ~10 min on 2
 # cores, this selection ~3.
 SLOW_PAIRS = [("qwen3", "tp2"), ("qwen3", "tp2_vocab_parallel_loss_recompute"),
               ("glm", "pp2_interleaved"), ("glm", "sharding_stage3"), ("glm4", "tp2_pp2_zero1"),
-              ("glm4", "tp2_sequence_parallel"), ("qwen3", "tp2_sequence_parallel")]
+              ("glm4", "tp2_sequence_parallel"), ("qwen3", "tp2_sequence_parallel"), ("glm4", "cp2_sharding_stage3")]
 # The slow tests' two-rank runs, one after another in one torchrun (tests/unit/runs_in_one_world.py):
 # (family, layout, extra settings); the default pair keeps a torchrun of its own.
 SLOW_TWO_RANK_RUNS = [(family, layout, {}) for family, layout in SLOW_PAIRS if LAYOUTS[layout][0] == 2] + \

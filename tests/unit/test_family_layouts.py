@@ -80,9 +80,10 @@ SLOW_PAIRS = [("qwen3", "tp2"), ("qwen3", "tp2_vocab_parallel_loss_recompute"),
 # The slow tests' two-rank runs, one after another in one torchrun (tests/unit/runs_in_one_world.py):
 # (family, layout, extra settings); the default pair keeps a torchrun of its own.
 SLOW_TWO_RANK_RUNS = [(family, layout, {}) for family, layout in SLOW_PAIRS if LAYOUTS[layout][0] == 2] + \
-    [("glm4", "tp2", {"unified_checkpoint": False})]
+    [("glm4", "tp2", {"unified_checkpoint": False, "save_steps": 3, "save_total_limit": 0})]
 # 8 steps, saved every 3: checkpoints 3 and 6 (none at the last step)
 RESUME = dict(COMMON, save_steps=3, save_total_limit=0, unified_checkpoint=False)
+SHARDED = {"unified_checkpoint": False, "save_steps": 3, "save_total_limit": 0}  # RESUME's keys beyond COMMON
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +111,9 @@ def runs(tmp_path_factory, tiny_tokenizer_dir):
     def out_dir(family: str, layout: str, extra: dict) -> Path:
         return root / family / "_".join([layout, *(f"{k}-{v}" for k, v in sorted(extra.items()))])
 
+    def checkpoint_dir(family: str, layout: str, extra: dict) -> Path:
+        return out_dir(family, layout, extra).with_name(out_dir(family, layout, extra).name + "-checkpoints")
+
     @functools.cache
     def slow_world():
         entries = {}
@@ -117,6 +121,7 @@ def runs(tmp_path_factory, tiny_tokenizer_dir):
             nproc, section = LAYOUTS[layout]
             entries[str(out_dir(family, layout, extra))] = {
                 "stage": "pretrain", "data": data(), "out": out_dir(family, layout, extra), "init": base(family),
+                "checkpoints": checkpoint_dir(family, layout, extra) if "save_steps" in extra else None,
                 "model": model_section({"model_name_or_path": str(base(family))}),
                 "section": pretrain_section(world_size=nproc, **{**COMMON, **section, **extra})}
         return start_world(2, entries, root / "slow_world")
@@ -132,7 +137,7 @@ def runs(tmp_path_factory, tiny_tokenizer_dir):
                      world_size=nproc, **{**COMMON, **section, **extra})
         return pd.read_csv(out / "train_log.csv"), out
 
-    run.base, run.data = base, data
+    run.base, run.data, run.checkpoints = base, data, checkpoint_dir
     return run
 
 
@@ -196,7 +201,7 @@ def test_merge_tp_of_a_sharded_glm4_run_is_the_single_device_model(runs, tmp_pat
     """tp2 written as slices (`unified_checkpoint: false`): each rank's [gate_r | up_r] of the fused
     gate_up_proj is recorded with partition_chunks=2, and merge_tp joins each half; the merged model
     equals the unified tp2 run's weights exactly and loads in transformers."""
-    _, sharded = runs("glm4", "tp2", unified_checkpoint=False)
+    _, sharded = runs("glm4", "tp2", **SHARDED)
     _, unified = runs(*DEFAULT)
     index = json.loads((sharded / "checkpoint_index.json").read_text())
     assert index["format"] == "sharded"
@@ -228,8 +233,9 @@ def test_killed_tp2_run_resumes_bit_identically(runs, family, tmp_path):
     nproc, layout = LAYOUTS["tp2"]
     section = dict(world_size=nproc, **{**RESUME, **layout})
     model, base = {"model_name_or_path": str(runs.base(family))}, runs.base(family)
-    straight = torchrun(nproc, runs.data(), tmp_path / "straight", model, checkpoints=tmp_path / "ckpt_straight",
-                        init=base, **section)
+    # the uninterrupted run: the merge test's sharded tp2 run, with RESUME's settings
+    straight, straight_out = runs(family, "tp2", **SHARDED)
+    straight_checkpoints = runs.checkpoints(family, "tp2", SHARDED)
 
     cmd, env = torchrun_command(nproc, runs.data(), tmp_path / "killed", model, tmp_path / "ckpt", base, **section)
     killed = kill_after_checkpoint(cmd, env, tmp_path / "ckpt", 3)
@@ -240,12 +246,12 @@ def test_killed_tp2_run_resumes_bit_identically(runs, family, tmp_path):
     assert meta["resumed_from_step"] in (3, 6), (killed, meta["resumed_from_step"])
     assert (resumed["loss"] == straight["loss"]).all()
     assert (resumed["grad_norm"] == straight["grad_norm"]).all()
-    a, b = StateReader(tmp_path / "straight"), StateReader(tmp_path / "killed")
+    a, b = StateReader(straight_out), StateReader(tmp_path / "killed")
     assert sorted(a.tensors) == sorted(b.tensors)
     for key in a.tensors:
         assert torch.equal(a.get(key), b.get(key)), key
 
-    checkpoints = complete_checkpoints(next((tmp_path / "ckpt_straight").iterdir()))
+    checkpoints = complete_checkpoints(next(straight_checkpoints.iterdir()))
     assert [c.name for c in checkpoints] == [checkpoint_name(3), checkpoint_name(6)]
     reader = StateReader(checkpoints[-1])
     assert reader.index["format"] == "sharded"
@@ -255,7 +261,7 @@ def test_killed_tp2_run_resumes_bit_identically(runs, family, tmp_path):
     reader.close()
     reference, _ = runs(family, "reference")
     one_nproc, one = REFERENCE
-    single = torchrun(one_nproc, runs.data(), tmp_path / "single", model, checkpoints=tmp_path / "ckpt_straight",
+    single = torchrun(one_nproc, runs.data(), tmp_path / "single", model, checkpoints=straight_checkpoints,
                       init=base, world_size=1, **{**RESUME, **one})
     assert json.loads((tmp_path / "single" / "meta.json").read_text())["metrics"]["resumed_from_step"] == 6
     np.testing.assert_allclose(single["loss"], reference["loss"], rtol=1e-5)

@@ -5,8 +5,9 @@
 Each case is a few real optimizer steps of the training engine (`stages.training.engine`:
 `parallelize`, `build_engine` with the stage's own DeepSpeed config, `train_step`). On CPU: 2 gloo
 processes, for sharding none / stage1 / stage2 / stage3 (2 data-parallel ranks), tensor
-parallelism 2 (also with sequence parallelism), pipeline parallelism 2 (1F1B), activation recompute, bf16 (DeepSpeed's
-mixed-precision paths, as a GPU runs them) and LoRA / prefix tuning on a frozen base. All cases of
+parallelism 2 (also with sequence parallelism), context parallelism 2 (both modes), pipeline
+parallelism 2 (1F1B), activation recompute, bf16 (DeepSpeed's mixed-precision paths, as a GPU runs
+them) and LoRA / prefix tuning on a frozen base. All cases of
 a run share one pair of processes (importing torch and DeepSpeed takes ~45 s per process on this
 machine), one case after the other, those with ZeRO-3 last (it replaces
 `torch.nn.functional.linear` for the rest of the process). The estimate is asked for `device="cpu"`, how this machine
@@ -39,6 +40,7 @@ training steps, against the estimate for `device="cuda"`.
 
     .venv/bin/python bench/memory_plan.py                      # tiny + debug, 13 cases each, ~1.5-4 min
     .venv/bin/python bench/memory_plan.py --cases tp2 tp2_sp tp2_sp_recompute   # sequence parallelism
+    .venv/bin/python bench/memory_plan.py --flavours tiny@4k --cases none cp2 cp2_ulysses --steps 2  # 4k tokens
     .venv/bin/python bench/memory_plan.py --flavours debug --cases stage1 stage3 --steps 2
     .venv/bin/python bench/memory_plan.py --device cuda        # 1b on one GPU, ~6 min
     .venv/bin/python bench/memory_plan.py --help
@@ -81,6 +83,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                       recompute=True)),
     "cp2": ("full", dict(sharding="none", context_parallel_degree=2)),
     "cp2_recompute": ("full", dict(sharding="none", context_parallel_degree=2, recompute=True)),
+    "cp2_ulysses": ("full", dict(sharding="none", context_parallel_degree=2, context_parallel_mode="ulysses")),
     "pp2": ("full", dict(sharding="none", pipeline_parallel_degree=2)),
     "stage1_recompute": ("full", dict(sharding="stage1", recompute=True)),
     # mixed precision: the DeepSpeed paths a GPU run takes (bf16 weights, fp32 masters)

@@ -240,6 +240,20 @@ def _check_parallel(name: str, exp: dict[str, Any], source: dict[str, Any] | Non
         _check_finetune(f"experiments.{name}.finetune.{method}", method, sec, source)
 
 
+def ulysses_conflict(sec: dict[str, Any], heads: int | None, kv_heads: int | None) -> str | None:
+    """Why Ulysses context parallelism cannot split the heads of a section's layout, or None: cp must
+    divide each tensor-parallel rank's query and key-value heads (unknown counts are not checked)."""
+    cp, tp = sec["context_parallel_degree"], sec["tensor_parallel_degree"]
+    if cp == 1 or sec["context_parallel_mode"] != "ulysses":
+        return None
+    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+        if value is not None and (value // tp) % cp:
+            return (f"context_parallel_mode=ulysses with context_parallel_degree={cp}: {name}={value} / "
+                    f"tensor_parallel_degree={tp} is not divisible by {cp} (Ulysses splits each rank's heads); use "
+                    "context_parallel_mode: all_gather")
+    return None
+
+
 def prefix_projection_conflict(sec: dict[str, Any]) -> str | None:
     """Why a `finetune.prefix` section's prefix_projection cannot run in it, or None: the one MLP
     is not split by tensor parallelism, and `prefix_init: tokens` would set what it computes."""
@@ -287,6 +301,9 @@ def _check_finetune(key: str, method: str, sec: dict[str, Any], source: dict[str
     conflict = prefix_projection_conflict(sec) if method == "prefix" else None
     if conflict:
         raise ConfigError(f"{key}: {conflict}")
+    if method == "prefix" and sec["context_parallel_degree"] > 1 and sec["context_parallel_mode"] == "ulysses":
+        raise ConfigError(f"{key}: context_parallel_mode=ulysses with prefix tuning: a prefix is per head, which "
+                          "Ulysses moves between ranks; use context_parallel_mode: all_gather")
     mixing = mixing_conflict(sec)
     if mixing:
         raise ConfigError(f"{key}: {mixing}")
@@ -416,6 +433,9 @@ def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any], source: di
         if value % tp:
             raise ConfigError(f"{key}: tensor_parallel_degree={tp} does not divide {field}={value} of flavour "
                               f"{exp['model']['flavour']!r}")
+    conflict = ulysses_conflict(sec, arch["num_attention_heads"], arch["num_key_value_heads"])
+    if conflict:
+        raise ConfigError(f"{key}: {conflict} of flavour {exp['model']['flavour']!r}")
     vocab = exp["data"]["vocab_size"]
     if vocab % tp:
         raise ConfigError(f"{key}: tensor_parallel_degree={tp} does not divide data.vocab_size={vocab}: the "
@@ -455,6 +475,9 @@ def _check_layout_for_source(key: str, sec: dict[str, Any], source: dict[str, An
         if value is not None and value % tp:
             raise ConfigError(f"{key}: tensor_parallel_degree={tp} does not divide {field}={value} of the "
                               "starting checkpoint")
+    conflict = ulysses_conflict(sec, heads, source.get("num_key_value_heads", heads))
+    if conflict:
+        raise ConfigError(f"{key}: {conflict} of the starting checkpoint")
     layers = source.get("num_hidden_layers")
     if layers is not None and pp * sec["virtual_pp_degree"] > layers:
         raise ConfigError(f"{key}: pipeline_parallel_degree={pp} x virtual_pp_degree={sec['virtual_pp_degree']} "

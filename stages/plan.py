@@ -41,7 +41,7 @@ GB = 1e9
 # allocator's fragmentation take their share, which the memory model does not count.
 GPU_RESERVED_FRACTION = 0.10
 LAYOUT_KEYS = ("world_size", "tensor_parallel_degree", "sequence_parallel", "context_parallel_degree",
-               "pipeline_parallel_degree",
+               "context_parallel_mode", "pipeline_parallel_degree",
                "virtual_pp_degree", "sharding", "sharding_offload", "recompute", "per_device_train_batch_size",
                "gradient_accumulation_steps", "max_length", "bf16", "fp16")
 METHOD_TRAINS = {"sft": "full", "lora": "lora", "prefix": "prefix"}

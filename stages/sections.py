@@ -116,6 +116,7 @@ class TrainingSettings(Section):
     tensor_parallel_output: bool
     sequence_parallel: bool
     context_parallel_degree: int
+    context_parallel_mode: str
     pipeline_parallel_degree: int
     virtual_pp_degree: int
     recompute: bool

@@ -13,6 +13,15 @@ forward once more. Under full recompute (`recompute: true`) the layer is rebuilt
 ring (ring attention) would also hold one neighbour's keys at a time while computing; this module
 holds the group's during one layer's core, which the memory plan counts.
 
+Ulysses (`context_parallel_mode: ulysses`, DeepSpeed-Ulysses): instead of gathering keys, an
+all-to-all trades the split of the sequence for a split of the heads, so each rank attends the whole
+row with cp-th of the heads (causal fast path, packed examples by mask, windows), and a second
+all-to-all trades back. Per layer it moves q, k, v and the output once (4 / cp of a rank's share of
+each), against the all-gather's cp - 1 shares of k and v twice (forward and the recompute); it needs
+cp to divide the query and key-value heads of a tensor-parallel rank, and nothing is recomputed: the
+saved q, k, v and output are T x heads / cp, the bytes of the rank's own. Prefix tuning is refused
+under it (a prefix is per head).
+
 Balance (zigzag): causal attention makes a late token's work larger than an early one's, so the
 sequence is cut into 2 x cp chunks and rank r holds chunks r and 2cp - 1 - r: every rank has the
 same number of query-key pairs (Megatron-LM's and torchtitan's load-balanced order).
@@ -39,9 +48,10 @@ from torch.utils.checkpoint import checkpoint
 from stages.model.labels import IGNORE_INDEX
 from stages.model.llama import segment_ids
 from stages.model.loss import next_tokens
-from stages.parallel.mappings import gather_from_context_parallel_region
+from stages.parallel.mappings import all_to_all, gather_from_context_parallel_region
 
 HEAD_SEQUENCE_DIM = 2  # of the (B, heads, T, hd) keys and values
+CONTEXT_PARALLEL_MODES = ("all_gather", "ulysses")
 
 
 def zigzag_order(length: int, world: int, rank: int) -> torch.Tensor:
@@ -59,18 +69,38 @@ class ContextAttention:
     queries and the gathered keys sit in the whole sequence, and the packed example of each."""
 
     def __init__(self, group, query_places: torch.Tensor, key_places: torch.Tensor,
-                 query_segments: torch.Tensor, key_segments: torch.Tensor, recompute_core: bool = True):
-        self.group, self.recompute_core = group, recompute_core
-        self.query_places, self.key_places = query_places, key_places  # (Tl,), (T,) int64
+                 query_segments: torch.Tensor, key_segments: torch.Tensor, recompute_core: bool = True,
+                 mode: str = "all_gather", row_segments: torch.Tensor | None = None):
+        self.group, self.recompute_core, self.mode = group, recompute_core, mode
+        self.query_places, self.key_places = query_places, key_places  # (Tl,), (T,) int64, gathered order
         self.query_segments, self.key_segments = query_segments, key_segments  # (B, Tl), (B, T)
+        self.row_segments = row_segments  # (B, T) in place order, or None: one example per row
 
     def core(self, attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """`attend(q, k, v, context=self)` (the attention layer's core, which gathers the keys and
-        values through `keys_values`) on this rank's q, k and v, recomputed in backward unless the
-        whole layer is (`recompute_core`)."""
+        """`attend(q, k, v, segments, context)` (the attention layer's core) on this rank's q, k
+        and v (B, heads, T/cp, hd) -> (B, T/cp, heads x hd). All-gather: `attend` gathers the keys
+        and values through `keys_values`, recomputed in backward unless the whole layer is
+        (`recompute_core`); Ulysses: `ulysses`."""
+        if self.mode == "ulysses":
+            return self.ulysses(attend, q, k, v)
         if not self.recompute_core or not torch.is_grad_enabled():
             return attend(q, k, v, context=self)
         return checkpoint(attend, q, k, v, None, self, use_reentrant=False)
+
+    def ulysses(self, attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The whole row for cp-th of the heads: all-to-all q, k and v from the sequence split to a
+        head split (head group r to rank r), put the tokens in place order, attend as the unsplit
+        model does, and all-to-all the output back to this rank's tokens with every head."""
+        in_place_order = torch.argsort(self.key_places)  # gathered index of each place
+
+        def whole_row(t: torch.Tensor) -> torch.Tensor:  # (B, h, T/cp, hd) -> (B, h/cp, T, hd)
+            return all_to_all(t, 1, HEAD_SEQUENCE_DIM, self.group).index_select(HEAD_SEQUENCE_DIM, in_place_order)
+
+        y = attend(whole_row(q), whole_row(k), whole_row(v), self.row_segments)  # (B, T, h/cp x hd)
+        B, T = y.shape[:2]
+        y = y.reshape(B, T, -1, q.shape[-1]).index_select(1, self.key_places)  # gathered order: rank r's tokens r-th
+        y = all_to_all(y, 1, 2, self.group)  # (B, T/cp, h, hd): this rank's tokens, every head
+        return y.reshape(B, y.shape[1], -1)
 
     def keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every rank's keys and values (B, K, T, hd) from this rank's (B, K, T/cp, hd), rank-major."""
@@ -98,8 +128,10 @@ class ContextSplit:
     `apply_context_parallel`. `pad_multiple` is 2 x cp, times tp under sequence parallelism (whose
     split of a rank's tokens must then need no padding of its own)."""
 
-    def __init__(self, group, pad_multiple: int | None = None):
-        self.group = group
+    def __init__(self, group, pad_multiple: int | None = None, mode: str = "all_gather"):
+        if mode not in CONTEXT_PARALLEL_MODES:
+            raise ValueError(f"context_parallel_mode={mode!r} is unknown; choose one of {CONTEXT_PARALLEL_MODES}")
+        self.group, self.mode = group, mode
         self.world = dist.get_world_size(group=group)
         self.rank = dist.get_rank(group=group)
         self.pad_multiple = pad_multiple or 2 * self.world
@@ -141,19 +173,37 @@ class ContextSplit:
         whole = torch.empty_like(gathered)
         whole[:, key_places] = gathered  # in place order
         segments = segment_ids(whole)
+        packed = bool((segments[:, -1] > 1).any())  # a row holds more than one example
         return ContextAttention(self.group, query_places, key_places, segments[:, query_places],
-                                segments[:, key_places], recompute_core=not recompute)
+                                segments[:, key_places], recompute_core=not recompute, mode=self.mode,
+                                row_segments=segments if packed else None)
 
     def __repr__(self) -> str:
-        return f"ContextSplit(cp={self.world}, rank={self.rank})"
+        return f"ContextSplit(cp={self.world}, rank={self.rank}, mode={self.mode})"
 
 
-def apply_context_parallel(model, group, sequence_parallel_degree: int = 1) -> None:
+def apply_context_parallel(model, group, sequence_parallel_degree: int = 1, mode: str = "all_gather") -> None:
     """Make `model` (our LlamaForCausalLM, already tensor-parallel if it is) run on this rank's
     tokens of every sequence: `model.context_parallel`; its forward then takes the output of
-    `split_batch` (ids and position ids) and returns the logits of this rank's tokens."""
-    if dist.get_world_size(group=group) > 1:
-        model.context_parallel = ContextSplit(group, 2 * dist.get_world_size(group=group) * sequence_parallel_degree)
+    `split_batch` (ids and position ids) and returns the logits of this rank's tokens. Ulysses needs
+    cp to divide each tensor-parallel rank's query and key-value heads, and no prefix."""
+    cp = dist.get_world_size(group=group)
+    if cp == 1:
+        return
+    if mode == "ulysses":
+        config, tp = model.config, getattr(model, "tensor_parallel_degree", 1)
+        for name, heads in (("num_attention_heads", config.num_attention_heads),
+                            ("num_key_value_heads", config.num_key_value_heads)):
+            if (heads // tp) % cp:
+                raise ValueError(f"context_parallel_mode=ulysses with context_parallel_degree={cp}: {name}={heads} "
+                                 f"/ tensor_parallel_degree={tp} is not divisible by {cp}; use context_parallel_mode: "
+                                 "all_gather")
+        layers = model.model.layers.values()
+        if any(getattr(layer.self_attn, "prefix_key", None) is not None for layer in layers) \
+                or getattr(model, "prefix_encoder", None) is not None:
+            raise ValueError("context_parallel_mode=ulysses with prefix tuning: a prefix is per head, which Ulysses "
+                             "moves between ranks; use context_parallel_mode: all_gather")
+    model.context_parallel = ContextSplit(group, 2 * cp * sequence_parallel_degree, mode)
 
 
 @contextlib.contextmanager

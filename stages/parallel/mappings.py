@@ -18,7 +18,8 @@ there it is an all-reduce and a slice (the same result, twice the traffic; NCCL 
 
 Context parallelism (`stages.parallel.context`) gathers every rank's keys and values along the
 sequence; each rank's queries read all of them, so the backward reduce-scatters (sums) their
-gradients (`gather_from_context_parallel_region`).
+gradients (`gather_from_context_parallel_region`). Its Ulysses mode trades the sequence split for a
+head split and back with all-to-alls (`all_to_all`; backward: the all-to-all the other way).
 """
 
 from __future__ import annotations
@@ -71,6 +72,21 @@ def _gather_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=dim)
+
+
+def _all_to_all_dims(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+    """Slice `scatter_dim` into one part per rank, send part r to rank r, and concatenate the parts
+    received along `gather_dim`, in group-rank order."""
+    world = _world(group)
+    if world == 1:
+        return x
+    if x.shape[scatter_dim] % world:
+        raise ValueError(f"dimension {scatter_dim} of size {x.shape[scatter_dim]} is not divisible by the group "
+                         f"size {world}")
+    send = torch.stack(x.chunk(world, dim=scatter_dim)).contiguous()  # (world, ...)
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return torch.cat(received.unbind(0), dim=gather_dim)
 
 
 def _reduce_scatter_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -153,6 +169,20 @@ class _GatherSummingGradients(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _reduce_scatter_dim(grad, ctx.dim, ctx.group), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Forward: all-to-all from `scatter_dim` to `gather_dim`. Backward: the all-to-all back."""
+
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group):
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return _all_to_all_dims(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _all_to_all_dims(grad, gather_dim, scatter_dim, ctx.group), None, None, None
 
 
 class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
@@ -247,3 +277,9 @@ def gather_from_context_parallel_region(x: torch.Tensor, dim: int, group) -> tor
     differs on each rank (context parallelism's queries of the rank's own tokens): backward sums the
     group's gradients and keeps this rank's slice."""
     return _GatherSummingGradients.apply(x, dim, group)
+
+
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+    """Each rank's slice r of `scatter_dim` goes to rank r; the slices received are concatenated
+    along `gather_dim` in group-rank order (Ulysses' switch between a sequence and a head split)."""
+    return _AllToAll.apply(x, scatter_dim, gather_dim, group)

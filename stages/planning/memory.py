@@ -33,7 +33,8 @@ against a real run in tests/unit/test_memory_plan.py and bench/memory_plan.py):
   parallelism divides every token's tensors by cp (the rank's zigzag share of each padded row, to
   the loss): attention's core is recomputed in backward, so a layer keeps its rank's q, k and v,
   and one core at a time holds the keys and values gathered from the group and its mask, (B, 1,
-  T/cp, T) in the attention's dtype (with recompute, the rebuilt layer holds them). The loss:
+  T/cp, T) in the attention's dtype (with recompute, the rebuilt layer holds them); Ulysses' core
+  saves the whole row for cp-th of the heads (the same bytes) and o_proj its own input. The loss:
   logits (gathered over the vocabulary unless tensor_parallel_output), their fp32 copy and
   log-softmax, then three fp32 (tokens x vocab) tensors when backward starts.
 - Pipeline parallelism (1F1B, interleaved 1F1B as torch.distributed.pipelining schedules them):
@@ -193,6 +194,7 @@ class _Layout:
     packing: bool
     sp: bool = False  # sequence parallelism (a switch of tp)
     cp: int = 1  # context parallelism: ranks that split every sequence
+    ulysses: bool = False  # context_parallel_mode: ulysses (all-to-all to a head split) rather than all_gather
 
     @property
     def dp(self) -> int:
@@ -325,7 +327,8 @@ def _layout(section: TrainingSettings, bf16: bool | None = None) -> _Layout:
                    tp_output=section.tensor_parallel_output,
                    packing=isinstance(section, SftSettings) and section.packing,
                    sp=section.sequence_parallel and section.tensor_parallel_degree > 1,
-                   cp=section.context_parallel_degree)
+                   cp=section.context_parallel_degree,
+                   ulysses=section.context_parallel_mode == "ulysses")
 
 
 # -- parameters ---------------------------------------------------------------------------------
@@ -455,9 +458,9 @@ def _attention_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str) -> int:
 
 
 def _core_recomputed(lay: _Layout) -> bool:
-    """Whether attention's core is recomputed in backward on its own: under context parallelism,
-    unless the whole layer is (`stages.parallel.context.ContextAttention.core`)."""
-    return lay.cp > 1 and not lay.recompute
+    """Whether attention's core is recomputed in backward on its own: under all-gather context
+    parallelism, unless the whole layer is (`stages.parallel.context.ContextAttention.core`)."""
+    return lay.cp > 1 and not lay.recompute and not lay.ulysses
 
 
 def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str, core_only: bool = False) -> int:
@@ -472,7 +475,8 @@ def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str, 
     d, f, q, kv = s.hidden, s.intermediate, s.heads * s.head_dim, s.kv_heads * s.head_dim
     # keys per query token: prefix keys/values come before the real ones; under context parallelism
     # SDPA saves the group's gathered keys and values, cp times this rank's tokens
-    kv_len = (lay.key_seq + ad.prefix) / lay.local_seq
+    # (Ulysses: the whole row's keys for cp-th of the heads, the bytes of the rank's own)
+    kv_len = ((lay.local_seq if lay.ulysses else lay.key_seq) + ad.prefix) / lay.local_seq
     sdpa = _attention_bytes(s, lay, ad, device)
     # q, output; k, v; log-sum-exp. Under GQA a CPU's flash kernel saves k and v of the KV heads (it
     # reads them in place); on the H100 measured they were as wide as q (bench/README, memory_plan)
@@ -495,7 +499,8 @@ def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str, 
         return int(tokens * attention) + mask
     if _core_recomputed(lay):  # the core keeps this rank's q, k and v; o_proj the output if it reads it
         attention, mask = (q + 2 * kv) * a / tp + q * a / tp * ("self_attn.o_proj" in reads), 0
-    elif sdpa != a and "self_attn.o_proj" in reads:  # o_proj's input: the output cast back, not SDPA's own
+    elif (sdpa != a or lay.ulysses) and "self_attn.o_proj" in reads:
+        # o_proj's input is not SDPA's output: the output cast back, or Ulysses' all-to-all of it
         attention += q * a / tp
     if ad.full:
         # RMSNorm: fp32 input, normalised x, output (the next Linear's input); LayerNorm: input, output
@@ -515,6 +520,8 @@ def _mask_bytes(lay: _Layout, ad: _Adapter, value_bytes: int) -> int:
     """The attention mask SDPA keeps when the causal fast path is off, in the dtype attention runs
     in (`value_bytes`; it turns the boolean mask into an additive one): (B, 1, T, T) for packed
     rows, (T, P + T) with a prefix; under context parallelism always, (B, 1, T/cp, P + T)."""
+    if lay.cp > 1 and lay.ulysses:  # the whole row's mask on every rank, for packed rows (no prefix)
+        return lay.micro * lay.key_seq * lay.key_seq * value_bytes if lay.packing else 0
     if lay.cp > 1:
         return lay.micro * lay.local_seq * (lay.key_seq + ad.prefix) * value_bytes
     if lay.packing:
@@ -735,6 +742,8 @@ def _allowed(s: _Shape, lay: _Layout, section: TrainingSettings, trained: str) -
         return False
     if lay.cp > 1 and isinstance(section, AlignSettings):  # stages.config.check_align_section
         return False
+    if lay.cp > 1 and lay.ulysses and ((s.heads // lay.tp) % lay.cp or (s.kv_heads // lay.tp) % lay.cp):
+        return False  # stages.config.ulysses_conflict
     if any(n % lay.tp for n in (s.heads, s.kv_heads, s.intermediate, s.vocab)):
         return False
     if lay.pp * lay.vpp > s.layers or (lay.vpp > 1 and lay.accum % max(1, lay.accum // lay.pp)):

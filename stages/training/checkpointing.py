@@ -78,7 +78,8 @@ log = logging.getLogger(__name__)
 # one value resume under another.
 LAYOUT_KEYS = frozenset({
     "world_size", "sharding", "sharding_offload", "tensor_parallel_degree", "tensor_parallel_output",
-    "sequence_parallel", "context_parallel_degree", "pipeline_parallel_degree", "virtual_pp_degree", "recompute", "torch_compile",
+    "sequence_parallel", "context_parallel_degree", "context_parallel_mode",
+    "pipeline_parallel_degree", "virtual_pp_degree", "recompute", "torch_compile",
     "logging_steps",
     "per_device_train_batch_size", "gradient_accumulation_steps", "save_steps", "save_total_limit",
     "unified_checkpoint", "async_save", "resume_from_checkpoint",

@@ -69,7 +69,8 @@ def parallelize(model: torch.nn.Module, section: Mapping[str, Any],
                               sequence_parallel=section.sequence_parallel)
     if degrees.context_parallel_degree > 1:
         sp = degrees.tensor_parallel_degree if section.sequence_parallel else 1
-        apply_context_parallel(model, topology.get_context_parallel_group(), sequence_parallel_degree=sp)
+        apply_context_parallel(model, topology.get_context_parallel_group(), sequence_parallel_degree=sp,
+                               mode=section.context_parallel_mode)
     model.gradient_checkpointing = section.recompute
     if section.torch_compile:
         # In place, layer by layer, so parameter names stay those of the single-device model;

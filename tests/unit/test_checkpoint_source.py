@@ -101,7 +101,8 @@ def test_model_parallelism_needs_our_model(tmp_path, tiny_tokenizer_dir):
     check_config(experiment(gpt2, pretrain={"enabled": True, "world_size": 2, "sharding": "stage1"}))
     with pytest.raises(ConfigError, match=r"pretrain: tensor_parallel_degree=2 does not divide vocab_size=323"):
         check_config(experiment(gpt2, pretrain={"enabled": True, "world_size": 2, "tensor_parallel_degree": 2}))
-    with pytest.raises(ConfigError, match=r"lora: tensor_parallel_degree=2 / pipeline_parallel_degree=1 with a GPT-2 "
+    with pytest.raises(ConfigError, match=r"lora: tensor_parallel_degree=2 / pipeline_parallel_degree=1 / "
+                                          r"context_parallel_degree=1 with a GPT-2 "
                                           r"checkpoint: model parallelism runs on the project's own model \(Llama, "
                                           r"Qwen2, Mistral, Qwen3, GLM, GLM-4; for pretraining and full SFT also "
                                           r"GPT-2\); "

@@ -88,6 +88,10 @@ def test_unknown_quantize_variant_lists_the_valid_names():
     ({"world_size": 4, "context_parallel_degree": 2, "pipeline_parallel_degree": 2, "gradient_accumulation_steps": 2},
      None),
     ({"world_size": 4, "context_parallel_degree": 2, "tensor_parallel_degree": 2, "sequence_parallel": True}, None),
+    ({"world_size": 2, "context_parallel_degree": 2, "context_parallel_mode": "ulysses"}, None),
+    ({"world_size": 4, "context_parallel_degree": 2, "context_parallel_mode": "ulysses", "tensor_parallel_degree": 2},
+     r"context_parallel_mode=ulysses with context_parallel_degree=2: num_key_value_heads=2 / "
+     r"tensor_parallel_degree=2 is not divisible by 2 .* use context_parallel_mode: all_gather of flavour 'debug'"),
     ({"world_size": 2, "pipeline_parallel_degree": 2, "sharding": "stage2", "gradient_accumulation_steps": 2},
      r"sharding=stage2 with pipeline_parallel_degree=2"),
     ({"world_size": 2, "tensor_parallel_degree": 2, "sharding": "none"} , None),
@@ -226,6 +230,8 @@ def test_a_yaml_syntax_error_names_file_line_and_column(tmp_path, capsys):
     ({"lora": {"load_best_model_at_end": True, "eval_steps": 5, "metric_for_best_model": "eval_rouge_l"}},
      r"metric_for_best_model=eval_rouge_l is measured on generations"),
     ({"lora": {"world_size": 3, "tensor_parallel_degree": 2}}, r"finetune.lora: world_size=3 is not divisible"),
+    ({"prefix": {"world_size": 2, "context_parallel_degree": 2, "context_parallel_mode": "ulysses"}},
+     r"finetune.prefix: context_parallel_mode=ulysses with prefix tuning: a prefix is per head"),
 ])
 def test_fine_tuning_layouts_that_cannot_run_are_refused(finetune, message):
     with pytest.raises(ConfigError, match=message):

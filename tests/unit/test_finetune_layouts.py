@@ -48,6 +48,9 @@ LAYOUTS = {  # name -> (recipe, layout)
                                             gradient_accumulation_steps=2)),
     "prefix_cp2_zero1": ("prefix", dict(world_size=2, context_parallel_degree=2, sharding="stage1",
                                         per_device_train_batch_size=4, gradient_accumulation_steps=2)),
+    "lora_packed_cp2_ulysses": ("lora_packed", dict(world_size=2, context_parallel_degree=2,
+                                                    context_parallel_mode="ulysses", per_device_train_batch_size=4,
+                                                    gradient_accumulation_steps=2)),
 }
 
 
@@ -96,17 +99,20 @@ def test_layout_follows_the_one_process_curve(name, runs, references):
         assert torch.allclose(ours[key], theirs[key], atol=1e-5, rtol=1e-4), key
 
 
-def test_context_parallel_dev_metrics_equal_the_one_process_run(runs, references):
+@pytest.mark.parametrize("name", ["lora_packed_cp2", "lora_packed_cp2_ulysses"])
+def test_context_parallel_dev_metrics_equal_the_one_process_run(runs, references, name):
     """The dev loss (each rank's share of the tokens, summed over the group) and the greedy answers
     (whole sequences on every rank) of a cp2 run are the one-process run's."""
-    ours = json.loads((runs["lora_packed_cp2"] / "meta.json").read_text())["metrics"]
+    ours = json.loads((runs[name] / "meta.json").read_text())["metrics"]
     theirs = json.loads((references["lora_packed"] / "meta.json").read_text())["metrics"]
     assert ours["dev_loss"] == pytest.approx(theirs["dev_loss"], rel=1e-5)
     assert ours["dev_exact_match"] == theirs["dev_exact_match"] and ours["dev_rouge_l"] == theirs["dev_rouge_l"]
-    logged = [row for row in csv.DictReader((runs["lora_packed_cp2"] / "train_log.csv").open()) if row["eval_loss"]]
-    reference = [row for row in csv.DictReader((references["lora_packed"] / "train_log.csv").open()) if row["eval_loss"]]
+    def evaluations(out):
+        return [float(row["eval_loss"]) for row in csv.DictReader((out / "train_log.csv").open()) if row["eval_loss"]]
+
+    logged, reference = evaluations(runs[name]), evaluations(references["lora_packed"])
     assert len(logged) == len(reference) >= 2
-    assert [float(r["eval_loss"]) for r in logged] == pytest.approx([float(r["eval_loss"]) for r in reference], rel=1e-5)
+    assert logged == pytest.approx(reference, rel=1e-5)
 
 
 def test_bf16_lora_keeps_fp32_masters_in_one_process_and_under_zero(runs, references):

@@ -126,6 +126,8 @@ LAYOUTS = {
                     gradient_accumulation_steps=4)),
     "cp2_sharding_stage3": (2, dict(sharding="stage3", context_parallel_degree=2, per_device_train_batch_size=2,
                                     gradient_accumulation_steps=4)),
+    "cp2_ulysses_zero1": (2, dict(sharding="stage1", context_parallel_degree=2, context_parallel_mode="ulysses",
+                                  per_device_train_batch_size=2, gradient_accumulation_steps=4)),
     "pp2_1f1b": (2, dict(sharding="none", pipeline_parallel_degree=2, per_device_train_batch_size=2,
                          gradient_accumulation_steps=4)),
     "pp2_interleaved": (2, dict(sharding="none", pipeline_parallel_degree=2, virtual_pp_degree=2,

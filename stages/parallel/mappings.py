@@ -144,31 +144,20 @@ class _Split(torch.autograd.Function):
 
 
 class _Gather(torch.autograd.Function):
-    """Forward: all-gather dimension `dim`. Backward: keep this rank's slice of it (every rank's
-    consumer of the whole tensor is the same computation, so each holds the whole gradient)."""
+    """Forward: all-gather dimension `dim` (rank-major). Backward: this rank's slice of the gradient:
+    kept as it is where every rank's consumer of the whole tensor is the same computation (each holds
+    the whole gradient), summed over the group (reduce-scatter) with `summed` where each rank's
+    consumer differs (context parallelism's queries of the rank's own tokens)."""
 
     @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
+    def forward(ctx, x, dim, group, summed):
+        ctx.dim, ctx.group, ctx.summed = dim, group, summed
         return _gather_dim(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split_dim(grad, ctx.dim, ctx.group), None, None
-
-
-class _GatherSummingGradients(torch.autograd.Function):
-    """Forward: all-gather dimension `dim` (rank-major). Backward: reduce-scatter it (every rank's
-    consumer of the whole tensor is a different computation: the gradients add up)."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _gather_dim(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_dim(grad, ctx.dim, ctx.group), None, None
+        part = _reduce_scatter_dim if ctx.summed else _split_dim
+        return part(grad, ctx.dim, ctx.group), None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -244,7 +233,7 @@ def scatter_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
 
 def gather_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Leave the parallel region by concatenating the ranks' last-dimension slices."""
-    return _Gather.apply(x, -1, group)
+    return _Gather.apply(x, -1, group, False)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
@@ -256,7 +245,7 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor
     """All ranks' tokens (B, T, d) from this rank's (B, T/tp, d), for a consumer every rank runs
     whole (the final norm and lm_head); its gradient is split back. A column-parallel layer gathers
     inside `linear_on_gathered_sequence` instead."""
-    return _Gather.apply(x, SEQUENCE_DIM, group)
+    return _Gather.apply(x, SEQUENCE_DIM, group, False)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
@@ -276,7 +265,7 @@ def gather_from_context_parallel_region(x: torch.Tensor, dim: int, group) -> tor
     """Every rank's slices of dimension `dim` concatenated in group-rank order, for a consumer that
     differs on each rank (context parallelism's queries of the rank's own tokens): backward sums the
     group's gradients and keeps this rank's slice."""
-    return _GatherSummingGradients.apply(x, dim, group)
+    return _Gather.apply(x, dim, group, True)
 
 
 def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:

@@ -105,21 +105,28 @@ def test_the_planner_refuses_ranks_whose_host_memory_exceeds_the_node():
     assert "more than cluster.node_memory_gb=200" in message
 
 
+def long_sequence_experiment(pretrain: dict, device_memory_gb: int, node_memory_gb: int) -> dict:
+    """A validated Llama-2-7B experiment pretraining in `pretrain`'s layout on nodes of 8 GPUs,
+    fine-tuning on one node with tp 8 and sequence parallelism."""
+    exp = {"model": {"flavour": "7b"}, "data": {"vocab_size": 32000}, "pretrain": pretrain,
+           "finetune": {method: dict(world_size=8, tensor_parallel_degree=8, sequence_parallel=True, bf16=True,
+                                     recompute=True, max_length=2048, src_length=1024,
+                                     per_device_train_batch_size=1, gradient_accumulation_steps=16)
+                        for method in ("sft", "lora", "prefix")},
+           "cluster": {"gpus_per_node": 8, "device_memory_gb": device_memory_gb, "node_memory_gb": node_memory_gb}}
+    return check_config({"experiments": {"long": exp}})["experiments"]["long"]
+
+
 def test_a_long_sequence_layout_fits_24gb_devices_only_with_sequence_parallelism():
     """Llama-2-7B pretraining at 32k tokens on one node of 8 x 24 GB, tp 8 with recompute: the
     layers' saved inputs (32 x 32,768 x 4,096 bf16 values a rank) fit only split over the tensor-
     parallel ranks; without sequence_parallel the planner refuses the layout, naming the numbers."""
     def experiment(sequence_parallel: bool) -> dict:
-        exp = {"model": {"flavour": "7b"}, "data": {"vocab_size": 32000},
-               "pretrain": dict(world_size=8, tensor_parallel_degree=8, sequence_parallel=sequence_parallel,
-                                tensor_parallel_output=True, sharding="stage1", recompute=True, bf16=True,
-                                max_length=32768, per_device_train_batch_size=1, gradient_accumulation_steps=8),
-               "finetune": {method: dict(world_size=8, tensor_parallel_degree=8, sequence_parallel=True, bf16=True,
-                                         recompute=True, max_length=2048, src_length=1024,
-                                         per_device_train_batch_size=1, gradient_accumulation_steps=16)
-                            for method in ("sft", "lora", "prefix")},
-               "cluster": {"gpus_per_node": 8, "device_memory_gb": 24, "node_memory_gb": 1000}}
-        return check_config({"experiments": {"long": exp}})["experiments"]["long"]
+        return long_sequence_experiment(
+            dict(world_size=8, tensor_parallel_degree=8, sequence_parallel=sequence_parallel,
+                 tensor_parallel_output=True, sharding="stage1", recompute=True, bf16=True, max_length=32768,
+                 per_device_train_batch_size=1, gradient_accumulation_steps=8),
+            device_memory_gb=24, node_memory_gb=1000)
 
     job = check_plan("long", experiment(True))["jobs"]["pretrain"]
     assert job["fits"] is True and job["per_device_total_gb"] < 0.9 * 24
@@ -136,16 +143,11 @@ def test_a_128k_token_layout_fits_80gb_devices_with_context_parallelism():
     nearest layout it finds by its own knobs (tp 8: 68.3 GB; context parallelism is not one of them,
     it changes how the global batch is split)."""
     def experiment(cp: int) -> dict:
-        exp = {"model": {"flavour": "7b"}, "data": {"vocab_size": 32000},
-               "pretrain": dict(world_size=16, tensor_parallel_degree=4, sequence_parallel=True,
-                                context_parallel_degree=cp, sharding="stage3", recompute=True, bf16=True,
-                                max_length=131072, per_device_train_batch_size=1, gradient_accumulation_steps=8),
-               "finetune": {method: dict(world_size=8, tensor_parallel_degree=8, sequence_parallel=True, bf16=True,
-                                         recompute=True, max_length=2048, src_length=1024,
-                                         per_device_train_batch_size=1, gradient_accumulation_steps=16)
-                            for method in ("sft", "lora", "prefix")},
-               "cluster": {"gpus_per_node": 8, "device_memory_gb": 80, "node_memory_gb": 2000}}
-        return check_config({"experiments": {"long": exp}})["experiments"]["long"]
+        return long_sequence_experiment(
+            dict(world_size=16, tensor_parallel_degree=4, sequence_parallel=True, context_parallel_degree=cp,
+                 sharding="stage3", recompute=True, bf16=True, max_length=131072, per_device_train_batch_size=1,
+                 gradient_accumulation_steps=8),
+            device_memory_gb=80, node_memory_gb=2000)
 
     job = check_plan("long", experiment(4))["jobs"]["pretrain"]
     assert job["fits"] is True and job["per_device_total_gb"] < 30

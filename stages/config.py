@@ -23,6 +23,7 @@ from stages.data.validate import check_data_section, preference_source
 from stages.deployment.gguf_types import GGUF_MODEL_TYPES
 from stages.errors import ConfigError, InputError, run_cli
 from stages.model import gpt2_layout
+from stages.model.attention_shapes import ulysses_head_conflict
 from stages.model.config import FLAVOURS, LlamaConfig, config_for_flavour
 from stages.quant.variants import resolve_variant
 from stages.schema import SCHEMA_PATH, resolve_ref  # noqa: F401 (their users import them from here too)
@@ -243,15 +244,10 @@ def _check_parallel(name: str, exp: dict[str, Any], source: dict[str, Any] | Non
 def ulysses_conflict(sec: dict[str, Any], heads: int | None, kv_heads: int | None) -> str | None:
     """Why Ulysses context parallelism cannot split the heads of a section's layout, or None: cp must
     divide each tensor-parallel rank's query and key-value heads (unknown counts are not checked)."""
-    cp, tp = sec["context_parallel_degree"], sec["tensor_parallel_degree"]
+    cp = sec["context_parallel_degree"]
     if cp == 1 or sec["context_parallel_mode"] != "ulysses":
         return None
-    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
-        if value is not None and (value // tp) % cp:
-            return (f"context_parallel_mode=ulysses with context_parallel_degree={cp}: {name}={value} / "
-                    f"tensor_parallel_degree={tp} is not divisible by {cp} (Ulysses splits each rank's heads); use "
-                    "context_parallel_mode: all_gather")
-    return None
+    return ulysses_head_conflict(cp, sec["tensor_parallel_degree"], heads, kv_heads)
 
 
 def prefix_projection_conflict(sec: dict[str, Any]) -> str | None:

@@ -90,15 +90,24 @@ def attention_mask(seq_len: int, window: int | None, segments: torch.Tensor | No
     inside the query's own packed example when `segments` (B, T) is given, and always to the
     `prefix_len` prefix keys placed before the real ones. (T, P+T), or (B, 1, T, P+T) with segments."""
     pos = torch.arange(seq_len, device=device)
-    distance = pos[:, None] - pos[None, :]  # (T, T) query index minus key index
+    return places_mask(pos, pos, window, segments, segments, prefix_len)
+
+
+def places_mask(query_places: torch.Tensor, key_places: torch.Tensor, window: int | None,
+                query_segments: torch.Tensor | None, key_segments: torch.Tensor | None,
+                prefix_len: int) -> torch.Tensor:
+    """`attention_mask` for queries and keys at any places of the sequence (Tq,) and (Tk,) (context
+    parallelism: a rank's queries against every rank's keys), with their packed examples (B, Tq)
+    and (B, Tk) when given. (Tq, P+Tk), or (B, 1, Tq, P+Tk) with segments."""
+    distance = query_places[:, None] - key_places[None, :]  # (Tq, Tk) query place minus key place
     mask = distance >= 0
     if window is not None:
         mask = mask & (distance < window)
-    if segments is not None:
-        mask = mask & (segments[:, :, None] == segments[:, None, :])  # (B, T, T)
-        mask = mask[:, None]  # (B, 1, T, T): the same for every head
+    if query_segments is not None:
+        mask = mask & (query_segments[:, :, None] == key_segments[:, None, :])  # (B, Tq, Tk)
+        mask = mask[:, None]  # (B, 1, Tq, Tk): the same for every head
     if prefix_len:
-        prefix = torch.ones((*mask.shape[:-1], prefix_len), dtype=torch.bool, device=device)
+        prefix = torch.ones((*mask.shape[:-1], prefix_len), dtype=torch.bool, device=mask.device)
         mask = torch.cat([prefix, mask], dim=-1)
     return mask
 

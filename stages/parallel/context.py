@@ -45,10 +45,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from stages.model.attention_shapes import ulysses_head_conflict
 from stages.model.labels import IGNORE_INDEX
-from stages.model.llama import segment_ids
+from stages.model.llama import places_mask, segment_ids
 from stages.model.loss import next_tokens
 from stages.parallel.mappings import all_to_all, gather_from_context_parallel_region
+from stages.parallel.sequence import continued_positions
 
 HEAD_SEQUENCE_DIM = 2  # of the (B, heads, T, hd) keys and values
 CONTEXT_PARALLEL_MODES = ("all_gather", "ulysses")
@@ -111,16 +113,8 @@ class ContextAttention:
         """(B, 1, Tl, P+T) bool, True where a query may attend a key: causal by place in the whole
         sequence (within `window` places when given), inside the query's packed example, and always
         to the `prefix_len` prefix keys before the real ones."""
-        distance = self.query_places[:, None] - self.key_places[None, :]  # (Tl, T)
-        allowed = distance >= 0
-        if window is not None:
-            allowed = allowed & (distance < window)
-        same = self.query_segments[:, :, None] == self.key_segments[:, None, :]  # (B, Tl, T)
-        allowed = (allowed & same)[:, None]
-        if prefix_len:
-            prefix = torch.ones((*allowed.shape[:-1], prefix_len), dtype=torch.bool, device=allowed.device)
-            allowed = torch.cat([prefix, allowed], dim=-1)
-        return allowed
+        return places_mask(self.query_places, self.key_places, window, self.query_segments, self.key_segments,
+                           prefix_len)
 
 
 class ContextSplit:
@@ -148,8 +142,7 @@ class ContextSplit:
         if position_ids is None:
             position_ids = torch.arange(length + extra, device=ids.device).expand(ids.shape[0], -1)
         elif extra:
-            steps = torch.arange(1, extra + 1, device=position_ids.device, dtype=position_ids.dtype)
-            position_ids = torch.cat([position_ids, position_ids[:, -1:] + steps], dim=1)
+            position_ids = continued_positions(position_ids, extra)
         if extra:
             ids = F.pad(ids, (0, extra))
             targets = F.pad(targets, (0, extra), value=IGNORE_INDEX)
@@ -173,7 +166,8 @@ class ContextSplit:
         whole = torch.empty_like(gathered)
         whole[:, key_places] = gathered  # in place order
         segments = segment_ids(whole)
-        packed = bool((segments[:, -1] > 1).any())  # a row holds more than one example
+        # Ulysses attends whole rows: their causal fast path unless a row holds several examples
+        packed = self.mode == "ulysses" and bool((segments[:, -1] > 1).any())
         return ContextAttention(self.group, query_places, key_places, segments[:, query_places],
                                 segments[:, key_places], recompute_core=not recompute, mode=self.mode,
                                 row_segments=segments if packed else None)
@@ -191,13 +185,11 @@ def apply_context_parallel(model, group, sequence_parallel_degree: int = 1, mode
     if cp == 1:
         return
     if mode == "ulysses":
-        config, tp = model.config, getattr(model, "tensor_parallel_degree", 1)
-        for name, heads in (("num_attention_heads", config.num_attention_heads),
-                            ("num_key_value_heads", config.num_key_value_heads)):
-            if (heads // tp) % cp:
-                raise ValueError(f"context_parallel_mode=ulysses with context_parallel_degree={cp}: {name}={heads} "
-                                 f"/ tensor_parallel_degree={tp} is not divisible by {cp}; use context_parallel_mode: "
-                                 "all_gather")
+        config = model.config
+        conflict = ulysses_head_conflict(cp, getattr(model, "tensor_parallel_degree", 1), config.num_attention_heads,
+                                         config.num_key_value_heads)
+        if conflict:
+            raise ValueError(conflict)
         layers = model.model.layers.values()
         if any(getattr(layer.self_attn, "prefix_key", None) is not None for layer in layers) \
                 or getattr(model, "prefix_encoder", None) is not None:
@@ -211,10 +203,11 @@ def whole_sequences(model) -> Iterator[None]:
     """Within it, a context-parallel `model` runs whole sequences on every rank (generation: each
     rank holds the same weights and the same prompts, so each computes the same tokens)."""
     split = getattr(model, "context_parallel", None)
-    if split is not None:
-        model.context_parallel = None
+    if split is None:
+        yield
+        return
+    model.context_parallel = None
     try:
         yield
     finally:
-        if split is not None:
-            model.context_parallel = split
+        model.context_parallel = split

@@ -22,6 +22,13 @@ import torch.nn.functional as F
 from stages.parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 
 
+def continued_positions(position_ids: torch.Tensor, extra: int) -> torch.Tensor:
+    """position_ids (B, T) with `extra` pads' positions after them, continuing each row's last
+    example (never a new example at 0): (B, T + extra)."""
+    steps = torch.arange(1, extra + 1, device=position_ids.device, dtype=position_ids.dtype)
+    return torch.cat([position_ids, position_ids[:, -1:] + steps], dim=1)
+
+
 class SequenceSplit:
     """The tensor-parallel group's split of the sequence dimension of (B, T, d) hidden states."""
 
@@ -37,9 +44,8 @@ class SequenceSplit:
         if not extra:
             return x, position_ids
         x = F.pad(x, (0, 0, 0, extra))  # (B, T + extra, d), zeros after the last token
-        if position_ids is not None:  # the pads continue the last example: never a new one at 0
-            steps = torch.arange(1, extra + 1, device=position_ids.device, dtype=position_ids.dtype)
-            position_ids = torch.cat([position_ids, position_ids[:, -1:] + steps], dim=1)
+        if position_ids is not None:
+            position_ids = continued_positions(position_ids, extra)
         return x, position_ids
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:

@@ -75,7 +75,7 @@ from itertools import product
 from typing import Any
 
 from stages.adapters.targets import ALL_LINEAR, selected
-from stages.model.attention_shapes import fp32_attention_shape
+from stages.model.attention_shapes import fp32_attention_shape, ulysses_head_conflict
 from stages.model.registry import BY_MODEL_TYPE, Family
 from stages.sections import (
     AlignSettings,
@@ -742,8 +742,8 @@ def _allowed(s: _Shape, lay: _Layout, section: TrainingSettings, trained: str) -
         return False
     if lay.cp > 1 and isinstance(section, AlignSettings):  # stages.config.check_align_section
         return False
-    if lay.cp > 1 and lay.ulysses and ((s.heads // lay.tp) % lay.cp or (s.kv_heads // lay.tp) % lay.cp):
-        return False  # stages.config.ulysses_conflict
+    if lay.cp > 1 and lay.ulysses and ulysses_head_conflict(lay.cp, lay.tp, s.heads, s.kv_heads):
+        return False
     if any(n % lay.tp for n in (s.heads, s.kv_heads, s.intermediate, s.vocab)):
         return False
     if lay.pp * lay.vpp > s.layers or (lay.vpp > 1 and lay.accum % max(1, lay.accum // lay.pp)):

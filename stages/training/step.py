@@ -30,14 +30,14 @@ def token_sum_loss(engine, ids: torch.Tensor, labels: torch.Tensor, tp_group,
     per_token = None if tp_group is None else functools.partial(vocab_parallel_cross_entropy, group=tp_group)
     model = getattr(engine, "module", engine)  # a DeepSpeed engine holds it as .module
     context = getattr(model, "context_parallel", None)
-    if context is not None:
-        ids, targets, position_ids = context.split_batch(ids, labels, position_ids)
-        where = targets != IGNORE_INDEX
-        logits = engine(input_ids=ids, position_ids=position_ids, logits_at=where)
-        return token_loss(logits, targets[where], reduction="sum", per_token=per_token)
+    if context is not None:  # this rank's tokens, their targets shifted over the whole row
+        ids, shifted, position_ids = context.split_batch(ids, labels, position_ids)
+        where = shifted != IGNORE_INDEX
+        targets = shifted[where]
+    elif isinstance(model, LlamaForCausalLM):
+        where, targets = learned_positions(labels)
     inputs = {"input_ids": ids} if position_ids is None else {"input_ids": ids, "position_ids": position_ids}
     if isinstance(model, LlamaForCausalLM):
-        where, targets = learned_positions(labels)
         return token_loss(engine(**inputs, logits_at=where), targets, reduction="sum", per_token=per_token)
     output = engine(**inputs)
     logits = output if torch.is_tensor(output) else output.logits  # (B, T, V) or (B, T, V/tp)

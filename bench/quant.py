@@ -159,6 +159,8 @@ def quantize_section(args: argparse.Namespace) -> dict[str, Any]:
     section = {"group_size": args.group_size, "variants": list(args.variants),
                "calibration": {"num_samples": args.calib_samples, "seq_len": args.calib_seq_len,
                                "source": "corpus", "seed": 0}}
+    if getattr(args, "gptq_asym", False):
+        section["gptq"] = {"sym": False}
     return check_config({"experiments": {"bench": {"quantize": section}}})["experiments"]["bench"]["quantize"]
 
 
@@ -400,7 +402,8 @@ def heldout_windows(data: Path, seq_len: int) -> torch.Tensor:
 def heldout_quality(source: Path, dirs: dict[str, Path], windows: torch.Tensor, batch: int = 4
                     ) -> dict[str, dict[str, float]]:
     """{name: perplexity, rel_logit_err, top1, kl} on `windows`, for the float32 source ("fp32") and
-    for the source with each directory's dequantized decoder Linears swapped in (all else float32)."""
+    for the source with each directory's dequantized decoder Linears swapped in, and the float
+    tensors the directory changed (AWQ's folded norms), all in float32."""
     import copy
 
     from stages.quant import load_quantized
@@ -413,6 +416,11 @@ def heldout_quality(source: Path, dirs: dict[str, Path], windows: torch.Tensor, 
         m = copy.deepcopy(ref)
         for layer in q.quant_kernels:
             m.get_submodule(layer).weight.copy_(q.get_submodule(layer).weight)
+        quantized = {f"{layer}.weight" for layer in q.quant_kernels}
+        own = m.state_dict()
+        for key, value in q.state_dict().items():  # norms AWQ folded its scales into; the rest is equal
+            if key not in quantized and key in own and own[key].shape == value.shape:
+                own[key].copy_(value)
         models[name] = m
         del q
     sums = {n: {"nll": 0.0, "err2": 0.0, "top1": 0.0, "kl": 0.0} for n in models}
@@ -436,9 +444,11 @@ def heldout_quality(source: Path, dirs: dict[str, Path], windows: torch.Tensor, 
 
 
 def compare_gptqmodel(source: Path, data: Path, ours_dir: Path, ours: dict[str, Any], section: dict[str, Any],
-                      args: argparse.Namespace, tmp: Path, log) -> dict[str, Any]:
+                      args: argparse.Namespace, tmp: Path, log,
+                      others: dict[str, tuple[Path, dict[str, Any]]] | None = None) -> dict[str, Any]:
     """GPTQModel on the same source, windows and settings as the stage's gptq-w4 run `ours`
-    ({stage_wall_s, metrics}, written to `ours_dir`), then the held-out quality of both. With
+    ({stage_wall_s, metrics}, written to `ours_dir`), then the held-out quality of both (and of
+    `others`: {variant: (dir, its make_variant result)}, our other variants of the source). With
     `--gptqmodel-repeats` N, ours (the stage again) and each GPTQModel run go N times in turn
     (`ours` is the first of ours) and the medians are reported, every sample in the JSON."""
     from statistics import median
@@ -479,6 +489,10 @@ def compare_gptqmodel(source: Path, data: Path, ours_dir: Path, ours: dict[str, 
             "quantize_s_samples": [x["quantize_s"] for x in runs], "total_s_samples": [x["total_s"] for x in runs]}
         if name != "ours":
             rows[name]["runs"] = runs
+    for variant, (path, made) in (others or {}).items():
+        dirs[variant] = path
+        rows[variant] = {"quantizer": f"stages.quantize {variant} (ours)", "dtype": "float32",
+                         "quantize_s": made["metrics"]["quantize_seconds"], "total_s": made["stage_wall_s"]}
     windows = heldout_windows(data, args.calib_seq_len)
     quality = heldout_quality(source, dirs, windows)
     for name, row in rows.items():
@@ -500,7 +514,12 @@ def bench_source(source: Path, data: Path, args: argparse.Namespace, work: Path)
     out = work / "source" / "gptq-w4"
     ours = make_variant(source, out, "gptq-w4", section, data)
     log(f"quantized gptq-w4: {ours['metrics']['quantize_seconds']:.1f} s")
-    versus = compare_gptqmodel(source, data, out, ours, section, args, work / "source", log)
+    others = {}
+    for variant in ("awq-w4", "wint4") if args.awq else ():
+        others[variant] = (work / "source" / variant, make_variant(source, work / "source" / variant, variant,
+                                                                   section, data))
+        log(f"quantized {variant}: {others[variant][1]['metrics']['quantize_seconds']:.1f} s")
+    versus = compare_gptqmodel(source, data, out, ours, section, args, work / "source", log, others)
     return {"source": str(source), "data": str(data), "gptq_vs_gptqmodel": versus,
             "seconds": time.perf_counter() - t0}
 
@@ -690,7 +709,8 @@ def format_versus(versus: dict[str, Any]) -> str:
 
     for r in versus["rows"].values():
         table.append([r["quantizer"], r["dtype"], seconds(r, "quantize_s"), seconds(r, "total_s"),
-                      f"{r['perplexity']:.1f}", f"{r['rel_logit_err']:.4f}", f"{r['top1']:.4f}", f"{r['kl']:.2e}"])
+                      f"{r['perplexity']:.{3 if r['perplexity'] < 1000 else 1}f}", f"{r['rel_logit_err']:.4f}",
+                      f"{r['top1']:.4f}", f"{r['kl']:.2e}"])
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     fmt = lambda row: "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"  # noqa: E731
     lines += [fmt(table[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [fmt(row) for row in table[1:]]
@@ -772,6 +792,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also compare GPTQ and GPTQModel on this float model dir (e.g. a trained "
                         "results/<name>/pretrain), calibrated on --gptqmodel-data; --sizes '' for this alone")
     p.add_argument("--gptqmodel-data", type=Path, help="the prepared data dir of --gptqmodel-source")
+    p.add_argument("--awq", action="store_true",
+                   help="with --gptqmodel-source: also our awq-w4 and wint4 (RTN) of the source, in the quality table")
+    p.add_argument("--gptq-asym", action="store_true",
+                   help="gptq-w4 (ours and GPTQModel's) on AWQ's and RTN's asymmetric grid (quantize.gptq.sym false)")
     p.add_argument("--memory-worker", choices=[*BASELINES, *ALL_VARIANTS], help=argparse.SUPPRESS)
     p.add_argument("--gptqmodel-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--gptqmodel-dtype", choices=GPTQMODEL_DTYPES, help=argparse.SUPPRESS)

@@ -173,7 +173,7 @@ def _check_architecture(name: str, exp: dict[str, Any]) -> None:
 def _check_quantize(name: str, exp: dict[str, Any]) -> None:
     """Every listed variant resolves (a known name, its method's settings valid), and the group of
     each group-wise variant fits the flavour's layer widths: round-to-nearest groups must tile every
-    input width, GPTQ groups (a narrower last group is allowed) must not exceed one. Pretrained
+    input width (AWQ's too), GPTQ groups (a narrower last group is allowed) must not exceed one. Pretrained
     checkpoints are checked again by the quantize stage, which knows their real shapes."""
 
     quant = exp["quantize"]
@@ -193,7 +193,7 @@ def _check_quantize(name: str, exp: dict[str, Any]) -> None:
         if group == -1:
             continue
         too_wide = [w for w in widths if group > w]
-        bad = [w for w in widths if w % group] if spec.method == "rtn" else too_wide
+        bad = [w for w in widths if w % group] if spec.method in ("rtn", "awq") else too_wide
         if bad:
             raise ConfigError(f"{key}: variant {spec.name} has group_size={group}, which "
                               f"{'exceeds' if too_wide else 'does not divide'} the input width(s) {bad} of flavour "

@@ -1,7 +1,7 @@
 """quantize: post-training quantization of a Hugging Face model directory into one named variant.
 
 A variant is a method plus its settings (`stages.quant.variants`: built-in names such as wint8,
-wint4, gptq-w4, gptq-w4g128, gptq-w3g64, a8w8, a8w8-smooth, or `quantize.custom_variants`):
+wint4, gptq-w4, gptq-w4g128, gptq-w3g64, a8w8, a8w8-smooth, awq-w4, or `quantize.custom_variants`):
   rtn    round-to-nearest weight-only, `bits` 4 or 8, one scale (and zero point unless `sym`) per
          `group_size` input features of each row (-1: per output channel)
   gptq   GPTQ (`stages.quant.gptq`) with the options of `quantize.gptq`, bits 2/3/4/8, calibrated
@@ -9,6 +9,9 @@ wint4, gptq-w4, gptq-w4g128, gptq-w3g64, a8w8, a8w8-smooth, or `quantize.custom_
   a8w8   INT8 weights per output channel and INT8 activations (per token, or per tensor from
          calibration), with SmoothQuant (`smooth`) and Outlier Suppression+ (`shift`) from
          `quantize.a8w8` (`stages.quant.smoothquant`, `stages.quant.a8w8`), calibrated as gptq
+  awq    AWQ (`stages.quant.awq`, `quantize.awq`): activation-aware input scales folded into the
+         norms and producer rows, clipping, then round-to-nearest codes (4 or 8 bits, groups);
+         calibrated as gptq
 
 Any causal LM that transformers builds from config.json (Llama, Qwen2, Mistral, Qwen3, GLM, GLM-4,
 GPT-2, OPT, Bloom, GPT-NeoX, ...): the quantized layers are the Linear / Conv1D layers of its decoder
@@ -18,15 +21,16 @@ itself (`stages.training.families.load_causal_lm`: our Llama for our families, t
 for the others), on CPU in float32, after an estimate of the memory they need is checked against
 the memory available.
 
-Output (`quant/<variant>/`, written atomically): rtn and gptq write the GPTQ-layout safetensors
+Output (`quant/<variant>/`, written atomically): rtn, gptq and awq write the GPTQ-layout safetensors
 (`<layer>.qweight/qzeros/scales/g_idx`, see `stages.quant.gptq_format`: checkpoint format "gptq" for
 symmetric grids, "gptq_v2" for asymmetric ones), a8w8 its INT8 layout (`stages.quant.a8w8`);
-embeddings, norms and lm_head stay floating point, copied from the source files; config.json with
+embeddings, norms and lm_head stay floating point, copied from the source files (awq: the norms and
+biases it folded its scales into, changed); config.json with
 `quantization_config`, generation_config.json, the tokenizer files and meta.json.
 `stages.quant.load_quantized(dir)` reads either back on CPU with real low-bit kernels.
 
 Metrics (meta.json `metrics`):
-  method                           rtn, gptq or a8w8
+  method                           rtn, gptq, a8w8 or awq
   variant, spec                    the name and every setting applied (stages.quant.variants)
   bits, group_size                 weight code width and group (-1 = per channel)
   bits_per_weight                  bits + (16 + bits) / columns per group: codes, fp16 scale, zero
@@ -47,7 +51,10 @@ Calibrated methods add:
 GPTQ adds `gptq` (sym, desc_act, static_groups, damp_percent, true_sequential), mean_gptq_loss and
 max_gptq_loss (GPTQ's proxy loss per layer, `GPTQResult.loss`), max_gptq_loss_layer; a8w8 adds `a8w8`
 (its settings), mean_output_mse and max_output_mse (each layer's output error on its calibration
-inputs) and smooth_alphas (the alpha applied per smoothed layer).
+inputs) and smooth_alphas (the alpha applied per smoothed layer); awq adds `awq` (its settings),
+awq_scaled_layers, awq_folded_tensors and awq_error_vs_rtn (the mean over layers of its group's
+calibration output error at the chosen scale over RTN's, before clipping; its rel_weight_error
+is of the scaled weights).
 
     python -m stages.quantize --source results/llama/lora-merged --out results/llama/quant/wint4 \
         --variant wint4 --config '{"group_size": 64}'
@@ -79,7 +86,8 @@ from stages.quant import quantization_config, quantize_model
 from stages.quant.calibration import CalibrationSettings, calibration_ids, check_calibration_memory
 from stages.quant.gptq import GPTQConfig, gptq_quantize_model
 from stages.quant.layers import decoder_blocks, decoder_linear_layers, meta_model
-from stages.quant.model import check_shapes, layer_weights, pack_gptq_model
+from stages.quant.awq import AWQConfig, awq_quantize_model, awq_settings, folded_tensors
+from stages.quant.model import check_shapes, layer_weights, pack_gptq_model, pack_rtn_codes
 from stages.quant.variants import BUILTIN_VARIANTS, GPTQ_KEYS, VariantSpec, resolve_variant, variant_settings
 from stages.sections import QuantizeSettings
 from stages.stage_logs import configure_logging, log_io
@@ -160,10 +168,10 @@ def _calibration_reads(calibration: CalibrationSettings | None, data_dir: str | 
 
 def _calibrate(quantize_model: Callable[..., dict[str, Any]], config: Any, source_dir: Path, data_dir: Path | None,
                calibration: CalibrationSettings, state: dict[str, torch.Tensor], weights: dict[str, torch.Tensor],
-               ) -> tuple[dict[str, Any], dict[str, Any], dict[str, float]]:
-    """Quantize the float model in `source_dir` block by block with `quantize_model` (GPTQ's or
-    A8W8's driver) and its `config` on the calibration set: (its results by layer name, the
-    calibration description, the timing metrics)."""
+               ) -> tuple[dict[str, Any], dict[str, Any], dict[str, float], torch.nn.Module]:
+    """Quantize the float model in `source_dir` block by block with `quantize_model` (GPTQ's, A8W8's
+    or AWQ's driver) and its `config` on the calibration set: (its results by layer name, the
+    calibration description, the timing metrics, the model as the driver left it)."""
     model, blocks_path, batches, calibration_info = _calibrated_model(
         source_dir, data_dir, calibration, weights, sum(t.numel() for t in state.values()))
     seconds: dict[str, float] = {}  # block -> wall time
@@ -173,7 +181,7 @@ def _calibrate(quantize_model: Callable[..., dict[str, Any]], config: Any, sourc
     timing = {"quantize_seconds": time.perf_counter() - start,
               "seconds_per_decoder_layer": sum(seconds.values()) / len(seconds),
               "max_seconds_per_decoder_layer": max(seconds.values())}
-    return results, calibration_info, timing
+    return results, calibration_info, timing, model
 
 
 def _mean_and_worst(values: dict[str, float], what: str) -> dict[str, Any]:
@@ -191,8 +199,8 @@ def _gptq(spec: VariantSpec, source_dir: Path, data_dir: Path | None, state: dic
     config = gptq_config(spec.settings, spec.settings["group_size"])
     weights = layer_weights(state, layers)
     check_shapes(weights, config.bits, config.group_size, ragged_groups=True)
-    results, calibration_info, timing = _calibrate(gptq_quantize_model, config, source_dir, data_dir, calibration,
-                                                   state, weights)
+    results, calibration_info, timing, _ = _calibrate(gptq_quantize_model, config, source_dir, data_dir, calibration,
+                                                      state, weights)
     qcfg = quantization_config(config.bits, config.group_size, config)
     packed, errors = pack_gptq_model(state, layers, results, qcfg["format"])
     metrics = {
@@ -217,8 +225,8 @@ def _a8w8(spec: VariantSpec, source_dir: Path, data_dir: Path | None, state: dic
         config = A8W8Config(**settings)
     except ValueError as e:
         raise InputError(f"quantize variant {spec.name}: {e}") from None
-    results, calibration_info, timing = _calibrate(a8w8_quantize_model, config, source_dir, data_dir, calibration,
-                                                   state, layer_weights(state, layers))
+    results, calibration_info, timing, _ = _calibrate(a8w8_quantize_model, config, source_dir, data_dir, calibration,
+                                                      state, layer_weights(state, layers))
     packed, errors = pack_a8w8(state, layers, results)
     metrics = {
         "bits": 8,
@@ -230,6 +238,37 @@ def _a8w8(spec: VariantSpec, source_dir: Path, data_dir: Path | None, state: dic
         **timing,
     }
     return packed, errors, a8w8_quantization_config(config), metrics
+
+
+def _awq(spec: VariantSpec, source_dir: Path, data_dir: Path | None, state: dict[str, torch.Tensor],
+         layers: dict[str, bool], calibration: CalibrationSettings,
+         ) -> tuple[dict, dict, dict[str, Any], dict[str, Any]]:
+    """AWQ of the float model in `source_dir`: round-to-nearest codes of the scaled weights and the
+    norms / producers the scales were folded into, in the GPTQ layout."""
+    try:
+        config = AWQConfig(**spec.settings)
+    except ValueError as e:
+        raise InputError(f"quantize variant {spec.name}: {e}") from None
+    weights = layer_weights(state, layers)
+    check_shapes(weights, config.bits, config.group_size)
+    results, calibration_info, timing, model = _calibrate(awq_quantize_model, config, source_dir, data_dir,
+                                                          calibration, state, weights)
+    qcfg = quantization_config(config.bits, config.group_size, sym=config.sym)
+    folded = folded_tensors(model, state, results)
+    packed = pack_rtn_codes(state, layers, {name: r.quantized for name, r in results.items()}, folded,
+                            qcfg["format"])
+    scaled = [r for r in results.values() if r.scale is not None]
+    metrics = {
+        "bits": config.bits,
+        "group_size": config.group_size,
+        "awq": {k: v for k, v in awq_settings(config).items() if k not in ("bits", "group_size")},
+        "calibration": calibration_info,
+        "awq_scaled_layers": len(scaled),
+        "awq_folded_tensors": len(folded),
+        "awq_error_vs_rtn": sum(r.error / r.rtn_error for r in results.values() if r.rtn_error > 0) / len(results),
+        **timing,
+    }
+    return packed, {name: r.weight_error for name, r in results.items()}, qcfg, metrics
 
 
 def _rtn(spec: VariantSpec, state: dict[str, torch.Tensor], layers: dict[str, bool],
@@ -264,6 +303,8 @@ def _quantize(spec: VariantSpec, variant: str, source_dir: Path, data_dir: str |
             return _rtn(spec, state, layers)
         if spec.method == "gptq":
             return _gptq(spec, source_dir, data, state, layers, calibration)
+        if spec.method == "awq":
+            return _awq(spec, source_dir, data, state, layers, calibration)
         return _a8w8(spec, source_dir, data, state, layers, calibration)
     except ValueError as e:  # shapes the method cannot take: the user's group size or variant
         if isinstance(e, InputError):
@@ -319,10 +360,10 @@ def run(source_dir: str | Path, out_dir: str | Path, variant: str, group_size: i
     """Quantize `source_dir` (HF layout) into `out_dir` as `variant` and return the metrics written
     to meta.json.
 
-    `config`: the experiment's `quantize` section (group_size, custom_variants, gptq, a8w8 and
+    `config`: the experiment's `quantize` section (group_size, custom_variants, gptq, a8w8, awq and
     calibration are read; what it lacks takes the schema's default); `group_size`, when given,
     replaces its group_size; `data_dir`: the experiment's prepared data, the calibration source of
-    gptq and a8w8 variants."""
+    gptq, a8w8 and awq variants."""
     source_dir, out_dir = Path(source_dir), Path(out_dir)
     section = QuantizeSettings.of(config)
     if group_size is not None:
@@ -361,11 +402,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "custom_variants")
     parser.add_argument("--data", default=None,
                         help="the experiment's prepared data dir (results/<name>/data): the calibration "
-                             "source of gptq and a8w8 variants (quantize.calibration.source corpus or sft); "
+                             "source of gptq, a8w8 and awq variants (quantize.calibration.source corpus or sft); "
                              "not read by rtn variants")
     parser.add_argument("--config", metavar="JSON",
                         help="the experiment's `quantize` section as one JSON object (group_size, custom_variants, "
-                             "gptq, a8w8 and calibration are read)")
+                             "gptq, a8w8, awq and calibration are read)")
     settings.add_arguments(parser, "quantize")
     args = parser.parse_args(argv)
     configure_logging()

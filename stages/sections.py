@@ -221,6 +221,7 @@ class QuantizeSettings(Section):
     group_size: int
     gptq: dict[str, Any]
     a8w8: dict[str, Any]
+    awq: dict[str, Any]
     calibration: dict[str, Any]
 
 

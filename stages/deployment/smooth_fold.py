@@ -36,20 +36,8 @@ from typing import Any
 import torch
 
 from stages.errors import InputError
-from stages.model.registry import model_types
+from stages.quant.scale_folds import FOLD_FAMILIES, fold_tables
 
-# model_type of families whose decoder blocks use these names and whose norms compute g * x_hat
-# (Gemma's (1 + g) would need another fold; GPT-2 / OPT / NeoX name their layers otherwise).
-# (stages/model/registry.py: `smooth_fold`)
-FOLD_FAMILIES = model_types(smooth_fold=True)
-FUSED_GATE_UP_FAMILIES = model_types(fused_gate_up=True)  # mlp.gate_up_proj, rows [gate; up], for gate_proj and up_proj
-NORM_CONSUMERS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                  "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
-FUSED_NORM_CONSUMERS = {**NORM_CONSUMERS, "post_attention_layernorm": ("mlp.gate_up_proj",)}
-# consumer -> (producer, i, n): the consumer's input channels are the i-th of n equal blocks of the
-# producer's output rows
-ROW_PRODUCER = {"self_attn.o_proj": ("self_attn.v_proj", 0, 1), "mlp.down_proj": ("mlp.up_proj", 0, 1)}
-FUSED_ROW_PRODUCER = {**ROW_PRODUCER, "mlp.down_proj": ("mlp.gate_up_proj", 1, 2)}
 _LEAF = re.compile(r"^(?P<block>.+)\.(?P<leaf>(?:self_attn|mlp)\.[A-Za-z0-9_]+)$")
 
 
@@ -62,13 +50,6 @@ def refuse_shift(state: dict[str, torch.Tensor]) -> None:
             "with quantize.a8w8.shift (Outlier Suppression+, x - z), which compressed-tensors cannot express "
             "(no per-channel input offset, and a norm output cannot be shifted); re-quantize with shift: false "
             "(e.g. variant a8w8-smooth) to export it")
-
-
-def fold_tables(model_type: str) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, int, int]]]:
-    """(norm -> its consumers, consumer -> its row producer) of a family's decoder block."""
-    if model_type in FUSED_GATE_UP_FAMILIES:
-        return FUSED_NORM_CONSUMERS, FUSED_ROW_PRODUCER
-    return NORM_CONSUMERS, ROW_PRODUCER
 
 
 def _split(name: str, model_type: str) -> tuple[str, str]:

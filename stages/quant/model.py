@@ -20,7 +20,7 @@ import torch
 
 from stages.quant import gptq_format
 from stages.quant.gptq_config import GPTQConfig, GPTQResult
-from stages.quant.rtn import dequantize_weight, quantize_weight, relative_error
+from stages.quant.rtn import QuantizedWeight, dequantize_weight, quantize_weight, relative_error
 from stages.stage_logs import progress_iter
 
 log = logging.getLogger(__name__)
@@ -150,6 +150,28 @@ def quantize_model(
         errors[name] = relative_error(w, dequantize_weight(q))
     log.info("quantized %d layers to %d bits (group_size=%d)", len(errors), bits, group_size)
     return out, errors
+
+
+def pack_rtn_codes(
+    state: dict[str, torch.Tensor], layers: dict[str, bool], codes: dict[str, QuantizedWeight],
+    changed: dict[str, torch.Tensor], checkpoint_format: str,
+) -> dict[str, torch.Tensor]:
+    """`state` with the weight of each of `layers` replaced by its packed round-to-nearest `codes`
+    (AWQ's: of the scaled weights) and the float tensors in `changed` (the norms and biases AWQ
+    folded its scales into) replacing theirs; zero points stored as `checkpoint_format` says."""
+    missing = sorted(set(layers) - set(codes))
+    if missing:
+        raise ValueError(f"no codes for {missing[0]} ({len(missing)} of {len(layers)} decoder Linears); the "
+                         "model's blocks do not hold the checkpoint's layers")
+    unknown = sorted(set(changed) - set(state))
+    if unknown:
+        raise ValueError(f"{unknown[0]} is not a tensor of the checkpoint")
+    replaced = {f"{name}.weight" for name in layers}
+    out = {k: changed.get(k, v) for k, v in state.items() if k not in replaced}
+    for name in layers:
+        for suffix, packed in gptq_format.pack(codes[name], checkpoint_format).items():
+            out[f"{name}.{suffix}"] = packed
+    return out
 
 
 def pack_gptq_model(

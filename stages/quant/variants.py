@@ -13,8 +13,10 @@ settings override the method's section defaults:
                                                                   smooth_search, smooth_alpha_grid,
                                                                   shift, smooth_all_linears,
                                                                   shift_all_linears
+    awq     quantize.awq (group_size null = quantize.group_size)  bits, group_size, sym, n_grid,
+                                                                  duo_scaling, clip, max_shrink
 
-gptq and a8w8 are calibrated on `quantize.calibration` (the experiment's data); rtn needs no data.
+gptq, a8w8 and awq are calibrated on `quantize.calibration` (the experiment's data); rtn needs no data.
 `resolve_variant(name, section)` returns the `VariantSpec` the quantize stage applies and records;
 an unknown name, method or setting is an `InputError` that lists the valid ones.
 """
@@ -27,12 +29,13 @@ from typing import Any
 from stages import schema
 from stages.errors import InputError
 
-METHODS = ("rtn", "gptq", "a8w8")
-CALIBRATED_METHODS = ("gptq", "a8w8")  # read the experiment's data for calibration
+METHODS = ("rtn", "gptq", "a8w8", "awq")
+CALIBRATED_METHODS = ("gptq", "a8w8", "awq")  # read the experiment's data for calibration
 # The modules only one method's quantize job runs: editing one reruns that method's variants and not
 # the others' (the workflow's code params, stages/provenance/code.py); rtn is stages.quant.rtn, which
 # every method's packing uses.
-METHOD_MODULES = {"rtn": (), "gptq": ("stages.quant.gptq",), "a8w8": ("stages.quant.smoothquant", "stages.quant.a8w8")}
+METHOD_MODULES = {"rtn": (), "gptq": ("stages.quant.gptq",), "a8w8": ("stages.quant.smoothquant", "stages.quant.a8w8"),
+                  "awq": ("stages.quant.awq",)}
 
 # Each method's defaults: rtn's here (no config section of its own), gptq's and a8w8's the schema's
 # `quantize.gptq` / `quantize.a8w8` (GPTQConfig's and A8W8Config's equal them: a test holds them so).
@@ -42,9 +45,10 @@ METHOD_DEFAULTS: dict[str, dict[str, Any]] = {
     "rtn": {"bits": 4, "group_size": None, "sym": False},
     "gptq": _SECTION["gptq"],
     "a8w8": _SECTION["a8w8"],
+    "awq": _SECTION["awq"],
 }
 METHOD_KEYS = {method: tuple(defaults) for method, defaults in METHOD_DEFAULTS.items()}
-RTN_KEYS, GPTQ_KEYS, A8W8_KEYS = METHOD_KEYS["rtn"], METHOD_KEYS["gptq"], METHOD_KEYS["a8w8"]
+RTN_KEYS, GPTQ_KEYS, A8W8_KEYS, AWQ_KEYS = (METHOD_KEYS[m] for m in ("rtn", "gptq", "a8w8", "awq"))
 
 # Built-in names. The w<bits>g<group> names follow GPTQModel / Hugging Face model cards; wint8 /
 # wint4 / a8w8 follow PaddleNLP's quant types. Group sizes left out come from quantize.group_size.
@@ -62,6 +66,8 @@ BUILTIN_VARIANTS: dict[str, dict[str, Any]] = {
     "a8w8-smooth": {"method": "a8w8", "smooth": True},
     "a8w8-smooth-search": {"method": "a8w8", "smooth": True, "smooth_search": True},
     "a8w8-smooth-shift": {"method": "a8w8", "smooth": True, "shift": True},
+    "awq-w4": {"method": "awq", "bits": 4},
+    "awq-w4g128": {"method": "awq", "bits": 4, "group_size": 128},
 }
 
 
@@ -89,11 +95,11 @@ def variant_specs(section: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def spec_method(name: str, section: dict[str, Any]) -> str:
-    """The method of variant `name` (rtn, gptq, a8w8); InputError listing the names for an unknown one."""
+    """The method of variant `name` (rtn, gptq, a8w8, awq); InputError listing the names for an unknown one."""
     specs = variant_specs(section)
     if name not in specs:
         raise InputError(f"quantize variant {name!r} is unknown; choose one of {sorted(specs)} or define it "
-                         "under quantize.custom_variants ({name: {method: rtn|gptq|a8w8, ...}})")
+                         "under quantize.custom_variants ({name: {method: rtn|gptq|a8w8|awq, ...}})")
     method = specs[name].get("method")
     if method not in METHODS:
         raise InputError(f"quantize.custom_variants.{name}.method={method!r} is unknown; choose one of {list(METHODS)}")
@@ -125,8 +131,9 @@ def resolve_variant(name: str, section: dict[str, Any]) -> VariantSpec:
     settings = {**METHOD_DEFAULTS[method], **section_defaults, **spec}
     if settings.get("group_size", -1) is None:
         settings["group_size"] = section["group_size"]
-    if method == "rtn" and settings["bits"] not in (4, 8):
-        raise InputError(f"{where}: bits={settings['bits']} is not supported by round-to-nearest; choose 4 or 8 "
+    if method in ("rtn", "awq") and settings["bits"] not in (4, 8):
+        what = "round-to-nearest" if method == "rtn" else "AWQ (round-to-nearest codes)"
+        raise InputError(f"{where}: bits={settings['bits']} is not supported by {what}; choose 4 or 8 "
                          "(GPTQ also packs 2 and 3 bits)")
     if "group_size" in settings:
         if "group_size" in spec:
@@ -148,7 +155,7 @@ def variant_settings(variant: str, quant: dict[str, Any]) -> dict[str, Any]:
     settings: dict[str, Any] = {"group_size": quant["group_size"]}
     if variant in quant["custom_variants"]:
         settings["custom_variants"] = {variant: quant["custom_variants"][variant]}
-    if method in quant:  # gptq, a8w8
+    if method in quant:  # gptq, a8w8, awq
         settings[method] = quant[method]
     if method in CALIBRATED_METHODS:
         settings["calibration"] = quant["calibration"]

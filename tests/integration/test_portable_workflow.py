@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 # weight files whose bytes every run must reproduce: trained, merged, and quantized by each method
 WEIGHT_DIRS = ("pretrain", "sft", "lora", "prefix", "lora-merged", "quant/wint4", "quant/gptq-w4",
-               "quant/a8w8-smooth")
+               "quant/awq-w4", "quant/a8w8-smooth")
 ARTIFACTS = (*WEIGHT_DIRS, "data", "export", "deploy/gguf-f32", "deploy/compressed-tensors-a8w8-smooth")
 
 

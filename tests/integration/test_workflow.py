@@ -41,10 +41,10 @@ def test_dry_run_plans_every_stage(tmp_path):
 
 
 # The debug experiment's jobs (align off); with align on, ALIGN_JOBS instead of these counts.
-CI_JOBS = {"prepare": 1, "plan_job": 4, "plan": 1, "pretrain": 1, "finetune": 3, "merge_lora": 1, "quantize": 4,
-           "export": 1, "evaluate": 10, "deploy_gguf": 2, "deploy_compressed_tensors": 1, "deploy_manifest": 1,
+CI_JOBS = {"prepare": 1, "plan_job": 4, "plan": 1, "pretrain": 1, "finetune": 3, "merge_lora": 1, "quantize": 5,
+           "export": 1, "evaluate": 11, "deploy_gguf": 2, "deploy_compressed_tensors": 1, "deploy_manifest": 1,
            "report": 1}
-ALIGN_JOBS = {"plan_job": 5, "evaluate": 11, "score_pairs": 1, "align": 1}
+ALIGN_JOBS = {"plan_job": 5, "evaluate": 12, "score_pairs": 1, "align": 1}
 
 
 def _job_lines(stdout: str, rule: str) -> list[str]:
@@ -93,7 +93,7 @@ def test_align_joins_the_chain_when_enabled(tmp_path):
         "enabled": True, "method": "simpo", "tuning": "lora", "source": "lora-merged", "mix_ratio": 0.2,
         "mix_datasets": ["corpus", str(general)]}, "quantize": {"source": "align-merged"}}}}))
     proc = snakemake(tmp_path, "--configfile", str(DEBUG_CONFIG), str(simpo), "-n", TARGET)
-    assert planned_jobs(proc.stdout) == {**CI_JOBS, "plan_job": 5, "evaluate": 12, "align": 1,
+    assert planned_jobs(proc.stdout) == {**CI_JOBS, "plan_job": 5, "evaluate": 13, "align": 1,
                                          "merge_align": 1}, proc.stdout
     [merge] = _job_lines(proc.stdout, "merge_align")
     assert "--adapter results/ci/align --base results/ci/lora-merged --out results/ci/align-merged " in merge
@@ -158,7 +158,7 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
     # Every stage's artifact exists and follows its contract.
     for d in ["data", "pretrain", "sft", "lora", "prefix", "lora-merged", "align_reference", "align", "export",
               "quant/wint8", "quant/wint4",
-              "quant/gptq-w4", "quant/a8w8-smooth", "deploy/gguf-f32", "deploy/gguf-q8_0",
+              "quant/gptq-w4", "quant/awq-w4", "quant/a8w8-smooth", "deploy/gguf-f32", "deploy/gguf-q8_0",
               "deploy/compressed-tensors-a8w8-smooth"]:
         assert (exp / d / "meta.json").exists(), d
     for stage in ["pretrain", "sft", "lora", "prefix", "align"]:
@@ -189,11 +189,11 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
     AutoModelForCausalLM.from_pretrained(next((exp / "checkpoints" / "pretrain").glob("*/checkpoint-0000020")))
     quant_eval = json.loads((exp / "quant_eval.json").read_text())
     assert quant_eval["source"] == "lora-merged"
-    assert set(quant_eval["variants"]) == {"wint8", "wint4", "gptq-w4", "a8w8-smooth"}
+    assert set(quant_eval["variants"]) == {"wint8", "wint4", "gptq-w4", "awq-w4", "a8w8-smooth"}
     # every quantized variant ran on its low-bit kernels (stages.quant.load_quantized), none dequantized
     kernels = {name: v["kernels"] for name, v in quant_eval["variants"].items()}
     assert kernels == {"wint8": {"int8pack": 14}, "wint4": {"int4pack": 14}, "gptq-w4": {"int4pack": 14},
-                       "a8w8-smooth": {"int_mm": 14}}, kernels
+                       "awq-w4": {"int4pack": 14}, "a8w8-smooth": {"int_mm": 14}}, kernels
     for v in quant_eval["variants"].values():
         assert v["quantization"]["quantize_seconds"] > 0 and v["delta"]["decode_tokens_per_s_b1"] is not None
     # forgetting beside the task score: every fine-tuned variant against the pretrained model
@@ -204,7 +204,7 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
         meta = json.loads((exp / method / "meta.json").read_text())
         assert meta["metrics"]["mix_token_share"] == pytest.approx(0.5, abs=0.02), method
     report = pd.read_csv(exp / "report.csv")
-    assert len(report) == 11  # pretrain, sft, lora, prefix, lora-merged, align, 4 quantized, onnx-int8
+    assert len(report) == 12  # pretrain, sft, lora, prefix, lora-merged, align, 5 quantized, onnx-int8
     # deployable artifacts, each checked by the runtime users deploy with (stages/deploy.py)
     manifest = json.loads((exp / "deploy" / "manifest.json").read_text())["artifacts"]
     assert set(manifest) == {"onnx", "onnx-int8", "gguf-f32", "gguf-q8_0", "compressed-tensors-a8w8-smooth"}
@@ -245,9 +245,9 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
     changed = work / "changed.yaml"
     changed.write_text(yaml.safe_dump(cfg))
     proc = sm(work, "--configfile", str(changed), "-n", TARGET)
-    # evaluate: lora, lora-merged, the 4 quantized, onnx-int8; every deployable artifact is made of lora-merged
-    assert planned_jobs(proc.stdout) == {"plan_job": 1, "plan": 1, "finetune": 1, "merge_lora": 1, "quantize": 4,
-                                         "export": 1, "evaluate": 7, "deploy_gguf": 2, "deploy_compressed_tensors": 1,
+    # evaluate: lora, lora-merged, the 5 quantized, onnx-int8; every deployable artifact is made of lora-merged
+    assert planned_jobs(proc.stdout) == {"plan_job": 1, "plan": 1, "finetune": 1, "merge_lora": 1, "quantize": 5,
+                                         "export": 1, "evaluate": 8, "deploy_gguf": 2, "deploy_compressed_tensors": 1,
                                          "deploy_manifest": 1, "report": 1}, proc.stdout
     sm(work, "--configfile", str(changed), "--cores", "2", TARGET)
     after = _mtimes(work)
@@ -276,7 +276,7 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
     llama.write_text(source + "\n# an edit\n")
     proc = sm(work, "--configfile", str(changed), "-n", TARGET)
     assert planned_jobs(proc.stdout) == {"pretrain": 1, "finetune": 3, "score_pairs": 1, "align": 1, "merge_lora": 1,
-                                         "quantize": 4, "export": 1, "evaluate": 11, "deploy_gguf": 2, "deploy_compressed_tensors": 1,
+                                         "quantize": 5, "export": 1, "evaluate": 12, "deploy_gguf": 2, "deploy_compressed_tensors": 1,
                                          "deploy_manifest": 1, "report": 1}, proc.stdout
     assert "code stages/model/llama.py" in proc.stdout  # the reason names the file
     llama.write_text(source)

@@ -273,21 +273,37 @@ def test_writer_config_matches_honest_config():
 
 
 @pytest.fixture(scope="module")
-def stage_gptq_dir(debug_model_dir, tmp_path_factory):
-    """`python -m stages.quantize --variant gptq-w4` (act-order, symmetric by default) on the debug
-    model, calibrated on a corpus of random tokens."""
+def stage_data_dir(debug_model_dir, tmp_path_factory):
+    """A prepared corpus of random tokens in the debug model's vocabulary: the calibration source."""
     root = tmp_path_factory.mktemp("interop_stage")
     vocab = json.loads((debug_model_dir / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(2)
     docs = {split: [torch.randint(3, vocab, (100,), generator=g).tolist() for _ in range(n)]
             for split, n in (("train", 12), ("validation", 2))}
     write_token_files(root / "data", docs, vocab_size=vocab, bos_id=1, eos_id=2, pad_id=0)
-    section = {"group_size": GROUP, "gptq": {"desc_act": True},
-               "calibration": {"num_samples": 16, "seq_len": 64, "source": "corpus", "seed": 0}}
-    out = root / "gptq-w4"
+    return root / "data"
+
+
+CALIBRATION = {"num_samples": 16, "seq_len": 64, "source": "corpus", "seed": 0}
+
+
+@pytest.fixture(scope="module")
+def stage_gptq_dir(debug_model_dir, stage_data_dir):
+    """`python -m stages.quantize --variant gptq-w4` (act-order, symmetric by default) on the debug
+    model, calibrated on a corpus of random tokens."""
+    section = {"group_size": GROUP, "gptq": {"desc_act": True}, "calibration": CALIBRATION}
+    out = stage_data_dir.parent / "gptq-w4"
     subprocess.run([sys.executable, "-m", "stages.quantize", "--source", str(debug_model_dir), "--out", str(out),
-                    "--variant", "gptq-w4", "--data", str(root / "data"), "--config", json.dumps(section)],
+                    "--variant", "gptq-w4", "--data", str(stage_data_dir), "--config", json.dumps(section)],
                    cwd=ROOT, check=True, capture_output=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def stage_awq_dir(debug_model_dir, stage_data_dir):
+    """The awq-w4 variant of the debug model (asymmetric, group 32), calibrated as gptq-w4."""
+    out = stage_data_dir.parent / "awq-w4"
+    quantize.run(debug_model_dir, out, "awq-w4", GROUP, config={"calibration": CALIBRATION}, data_dir=stage_data_dir)
     return out
 
 
@@ -329,3 +345,21 @@ def test_gptqmodel_users_encode_prompt_text_as_the_predictor(debug_model_dir, tm
         assert prompt[0] == ours.bos_token_id and loaded.tokenizer(text)["input_ids"] == prompt
         out = loaded.generate(text, max_new_tokens=4, do_sample=False)
         assert out[0, :len(prompt)].tolist() == prompt and out.shape[1] > len(prompt)
+
+
+def test_stage_awq_output_loads_in_transformers_gptqmodel_and_our_kernels(stage_awq_dir):
+    """AWQ writes round-to-nearest codes of its scaled weights and the norms it folded the scales
+    into, in the GPTQ layout: transformers (exactly, with the float32 kernel) and GPTQModel read it
+    as our loader does, and our int4 kernels run it."""
+    path = stage_awq_dir
+    qcfg = _qcfg(path)
+    assert (qcfg["quant_method"], qcfg["sym"], qcfg["format"], qcfg["bits"]) == ("gptq", False, "gptq_v2", 4)
+    ref = load_quantized(path, kernels=False)
+    ids = _ids(ref.config.vocab_size)
+    expected = _logits(ref, ids)
+    top1 = {"transformers": _top1(_logits(_transformers(path, backend=None), ids), expected),
+            "gptqmodel": _top1(_logits(_gptqmodel(path, dtype=torch.float16), ids), expected),
+            "our int4 kernels": _top1(_logits(load_quantized(path), ids), expected)}
+    assert min(top1.values()) >= TOP1, top1
+    _round_quantized_weights(ref, _quantized_names(path))
+    torch.testing.assert_close(_logits(_transformers(path, backend="torch"), ids), _logits(ref, ids))

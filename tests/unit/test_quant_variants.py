@@ -6,6 +6,7 @@ import pytest
 
 from stages.config import load_schema
 from stages.errors import InputError
+from stages.quant.awq import AWQConfig
 from stages.quant.gptq import GPTQConfig
 from stages.quant.variants import BUILTIN_VARIANTS, METHOD_DEFAULTS, METHOD_KEYS, resolve_variant, spec_method
 
@@ -18,17 +19,18 @@ def _section(**extra) -> dict:
     """A quantize section as check_config fills it."""
     quant = _schema_quantize()
     section = {k: v["default"] for k, v in quant.items() if "default" in v}
-    for method in ("gptq", "a8w8", "calibration"):
+    for method in ("gptq", "a8w8", "awq", "calibration"):
         section[method] = {k: v["default"] for k, v in quant[method]["properties"].items()}
     return {**section, **extra}
 
 
 def test_method_defaults_are_the_schemas_and_the_configs():
     quant = _schema_quantize()
-    for method in ("gptq", "a8w8"):
+    for method in ("gptq", "a8w8", "awq"):
         assert {k: v["default"] for k, v in quant[method]["properties"].items()} == METHOD_DEFAULTS[method]
-    assert {k: getattr(GPTQConfig(), k) for k in METHOD_KEYS["gptq"] if k != "group_size"} == \
-        {k: v for k, v in METHOD_DEFAULTS["gptq"].items() if k != "group_size"}
+    for method, config in (("gptq", GPTQConfig()), ("awq", AWQConfig())):
+        assert {k: getattr(config, k) for k in METHOD_KEYS[method] if k != "group_size"} == \
+            {k: v for k, v in METHOD_DEFAULTS[method].items() if k != "group_size"}
     # the schema lists every setting a custom variant may hold
     assert set(quant["custom_variants"]["additionalProperties"]["properties"]) == \
         {"method"} | {k for keys in METHOD_KEYS.values() for k in keys}
@@ -44,6 +46,9 @@ def test_builtin_names_resolve_with_the_section_defaults():
     assert resolve_variant("gptq-w3g64", section).settings["bits"] == 3
     smooth = resolve_variant("a8w8-smooth", section)
     assert smooth.method == "a8w8" and smooth.settings["smooth"] and smooth.settings["smooth_alpha"] == 0.5
+    awq = resolve_variant("awq-w4", section)
+    assert awq.method == "awq" and awq.calibrated and awq.settings["group_size"] == 32 and not awq.settings["sym"]
+    assert resolve_variant("awq-w4g128", section).settings["group_size"] == 128
     for name in BUILTIN_VARIANTS:
         assert resolve_variant(name, section).name == name
 
@@ -63,8 +68,9 @@ def test_section_and_custom_settings_override_in_that_order():
 @pytest.mark.parametrize("name,section,expected", [
     ("wint5", {}, r"variant 'wint5' is unknown; choose one of \['a8w8', .*'wint8'\] or define it under "
                   r"quantize\.custom_variants"),
-    ("x", {"custom_variants": {"x": {"method": "awq"}}}, r"custom_variants\.x\.method='awq' is unknown; choose one "
-                                                         r"of \['rtn', 'gptq', 'a8w8'\]"),
+    ("x", {"custom_variants": {"x": {"method": "hqq"}}}, r"custom_variants\.x\.method='hqq' is unknown; choose one "
+                                                         r"of \['rtn', 'gptq', 'a8w8', 'awq'\]"),
+    ("x", {"custom_variants": {"x": {"method": "awq", "bits": 3}}}, r"bits=3 is not supported by AWQ"),
     ("x", {"custom_variants": {"x": {"method": "rtn", "desc_act": True}}},
      r"custom_variants\.x: \['desc_act'\] are not settings of method rtn; valid: \['bits', 'group_size', 'sym'\]"),
     ("x", {"custom_variants": {"x": {"method": "rtn", "bits": 3}}}, r"bits=3 is not supported by round-to-nearest"),

@@ -33,7 +33,10 @@ with each result's dequantized decoder Linears swapped in (the quantizer's effec
 results read by `stages.quant.load_quantized(kernels=False)`): perplexity, relative logit error
 ||l - l_fp32|| / ||l_fp32||, top-1 agreement and mean KL(fp32 || quantized). With random weights
 the perplexity is near the vocabulary size for every model; the logit error, top-1 and KL are the
-measures that separate them there.
+measures that separate them there. Our calibration forwards run in `--calib-dtype`
+(quantize.calibration.dtype, auto: bfloat16 where native). `--awq` adds our awq-w4 and wint4 of
+the source to that table (with the float tensors a file changed, AWQ's folded norms, swapped in
+too); `--gptq-asym` runs both GPTQs on the asymmetric grid AWQ and RTN use.
 
 Timings are medians of `--repeats` rounds after `--warmup` rounds; within a round every model runs
 once, in a rotated order, so load from other processes hits all of them alike. Ratios to fp32
@@ -158,7 +161,7 @@ def quantize_section(args: argparse.Namespace) -> dict[str, Any]:
     """The validated `quantize` section (schema defaults) the variants are made with."""
     section = {"group_size": args.group_size, "variants": list(args.variants),
                "calibration": {"num_samples": args.calib_samples, "seq_len": args.calib_seq_len,
-                               "source": "corpus", "seed": 0}}
+                               "source": "corpus", "seed": 0, "dtype": getattr(args, "calib_dtype", "auto")}}
     if getattr(args, "gptq_asym", False):
         section["gptq"] = {"sym": False}
     return check_config({"experiments": {"bench": {"quantize": section}}})["experiments"]["bench"]["quantize"]
@@ -484,14 +487,15 @@ def compare_gptqmodel(source: Path, data: Path, ours_dir: Path, ours: dict[str, 
         first = runs[0]
         rows[name] = {
             "quantizer": "stages.quantize (ours)" if name == "ours" else f"GPTQModel {first['gptqmodel']}",
-            "dtype": "float32" if name == "ours" else first["dtype"],
+            "dtype": metrics["calibration"]["dtype"] if name == "ours" else first["dtype"],
             "quantize_s": median(x["quantize_s"] for x in runs), "total_s": median(x["total_s"] for x in runs),
             "quantize_s_samples": [x["quantize_s"] for x in runs], "total_s_samples": [x["total_s"] for x in runs]}
         if name != "ours":
             rows[name]["runs"] = runs
     for variant, (path, made) in (others or {}).items():
         dirs[variant] = path
-        rows[variant] = {"quantizer": f"stages.quantize {variant} (ours)", "dtype": "float32",
+        rows[variant] = {"quantizer": f"stages.quantize {variant} (ours)",
+                         "dtype": made["metrics"].get("calibration", {}).get("dtype", "-"),
                          "quantize_s": made["metrics"]["quantize_seconds"], "total_s": made["stage_wall_s"]}
     windows = heldout_windows(data, args.calib_seq_len)
     quality = heldout_quality(source, dirs, windows)
@@ -745,7 +749,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "sizes": args.sizes, "variants": args.variants, "repeats": args.repeats, "warmup": args.warmup,
         "threads": args.threads, "batch": args.batch, "prefill_tokens": args.prefill_tokens,
         "decode_prompt": args.decode_prompt, "decode_tokens": args.decode_tokens, "group_size": args.group_size,
-        "calib_samples": args.calib_samples, "calib_seq_len": args.calib_seq_len, "vocab_size": args.vocab_size,
+        "calib_samples": args.calib_samples, "calib_seq_len": args.calib_seq_len, "calib_dtype": args.calib_dtype,
+        "vocab_size": args.vocab_size,
         "prefill_logits": "last position only (logits_to_keep=1)",
         "skip_memory": args.skip_memory, "gptqmodel": args.gptqmodel,
         "gptqmodel_dtypes": args.gptqmodel_dtypes, "gptqmodel_repeats": args.gptqmodel_repeats,
@@ -777,6 +782,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=64, help="quantize.group_size (wint4, gptq-w4; default 64)")
     p.add_argument("--calib-samples", type=int, default=8, help="calibration windows (default 8)")
     p.add_argument("--calib-seq-len", type=int, default=128, help="tokens per calibration window (default 128)")
+    p.add_argument("--calib-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="quantize.calibration.dtype: our calibration forwards' precision (default auto)")
     p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of flavour sizes (default 4096; 135m: 49152)")
     p.add_argument("--skip-memory", action="store_true", help="skip the peak-RSS subprocesses")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT.relative_to(ROOT)})")

@@ -345,12 +345,14 @@ def awq_quantize_model(
     model: nn.Module, blocks: nn.ModuleList | nn.ModuleDict | Mapping[str, nn.Module],
     calibration: Iterable[torch.Tensor], config: AWQConfig, prefix: str = "",
     on_block: Callable[[str, float, dict[str, AWQLayerResult]], None] | None = None,
+    forward_dtype: torch.dtype | None = None,
 ) -> dict[str, AWQLayerResult]:
     """AWQ of every Linear / Conv1D of `blocks` (the decoder blocks of `model`, in order), block by
     block on `calibration` (input_ids batches (B, T), unpadded), on the driver GPTQ uses. The
     blocks' layers end holding their dequantized weights and the folded norms / producers their
     new values, so `model.state_dict()` afterwards has every float tensor the checkpoint needs
-    (`folded_tensors`). Result names are f"{prefix}.{block key}.{submodule}"."""
+    (`folded_tensors`). Result names are f"{prefix}.{block key}.{submodule}". The calibration
+    forwards run in `forward_dtype` (None: float32; `stages.quant.block_calibration`)."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     heads, kv_heads = _head_counts(model)
     if model_type not in FOLD_FAMILIES:
@@ -369,7 +371,7 @@ def awq_quantize_model(
         return f"{scaled}, output error x{sum(gains) / len(gains):.3f} of RTN's" if gains else scaled
 
     return quantize_blocks_sequentially(model, blocks, calibration, step, summary, desc="AWQ", prefix=prefix,
-                                        on_block=on_block)
+                                        on_block=on_block, forward_dtype=forward_dtype)
 
 
 def folded_tensors(model: nn.Module, state: Mapping[str, torch.Tensor], results: Mapping[str, Any]

@@ -1,13 +1,20 @@
-"""The block-by-block calibration driver of GPTQ and A8W8 (SmoothQuant): the first decoder block's
-inputs are captured from the calibration batches, then each block is quantized on the outputs of
-the already-quantized blocks before it (`quantize_blocks_sequentially`)."""
+"""The block-by-block calibration driver of GPTQ, AWQ and A8W8 (SmoothQuant): the first decoder
+block's inputs are captured from the calibration batches, then each block is quantized on the
+outputs of the already-quantized blocks before it (`quantize_blocks_sequentially`).
+
+The calibration forwards (`forward_batches`, `run_block`) run in the driver's `forward_dtype`:
+bfloat16 autocast (the Linears' and attention's products in bf16, 2-3x faster than float32 on a
+CPU with AVX512-BF16 or AMX), the weights, the residual stream between blocks and whatever the
+methods compute from what their hooks record (Hessians, second moments, absolute maxima) staying
+float32. GPTQ and AWQ solve on the float32 weights; only the activations they read are rounded."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
-from contextlib import suppress
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext, suppress
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,10 +42,34 @@ class StopForward(Exception):
     """Raised from a hook to end a forward pass once the inputs it wanted are recorded."""
 
 
+FORWARD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_FORWARD_DTYPE: ContextVar[torch.dtype] = ContextVar("calibration_forward_dtype", default=torch.float32)
+
+
+@contextmanager
+def forward_precision(dtype: torch.dtype | None) -> Iterator[None]:
+    """The calibration forwards inside run in `dtype` (None: float32); see the module docstring."""
+    token = _FORWARD_DTYPE.set(torch.float32 if dtype is None else dtype)
+    try:
+        yield
+    finally:
+        _FORWARD_DTYPE.reset(token)
+
+
+def _autocast(module: nn.Module):
+    dtype = _FORWARD_DTYPE.get()
+    if dtype == torch.float32:
+        return nullcontext()
+    device = next(module.parameters()).device.type
+    return torch.autocast(device, dtype=dtype)
+
+
 def run_block(block: nn.Module, inp: BlockInput) -> torch.Tensor:
-    """The block's output hidden states (B, T, d) on one captured batch."""
-    out = block(inp.hidden, *inp.args, **inp.kwargs)
-    return out[0] if isinstance(out, tuple) else out  # transformers 4 blocks return a tuple
+    """The block's output hidden states (B, T, d) on one captured batch, float32."""
+    with _autocast(block):
+        out = block(inp.hidden, *inp.args, **inp.kwargs)
+    out = out[0] if isinstance(out, tuple) else out  # transformers 4 blocks return a tuple
+    return out.float()
 
 
 def forward_batches(block: nn.Module, inputs: Iterable[BlockInput], hooks: list,
@@ -48,7 +79,7 @@ def forward_batches(block: nn.Module, inputs: Iterable[BlockInput], hooks: list,
     what it needs. `before_batch()` runs before each batch. The hooks are removed afterwards,
     whatever happens."""
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _autocast(block):
             for inp in inputs:
                 if before_batch is not None:
                     before_batch()
@@ -115,12 +146,15 @@ def quantize_blocks_sequentially(
     step: Callable[[nn.Module, list[BlockInput], str], tuple[dict[str, Any], list[torch.Tensor]]],
     summary: Callable[[dict[str, Any]], str], *, desc: str, prefix: str = "",
     on_block: Callable[[str, float, dict[str, Any]], None] | None = None,
+    forward_dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
-    """The block-by-block calibration loop of GPTQ and A8W8: the first block's inputs are captured
-    from `calibration`, then each block is quantized by `step(block, inputs, names_prefix)`, which
-    returns its layers' results and the block's outputs on those inputs, the next block's inputs (so
-    each block sees the previous blocks quantized). `on_block(key, seconds, results)` after each
-    block; `summary(results)` ends its log line. The model is left in its training mode."""
+    """The block-by-block calibration loop of GPTQ, AWQ and A8W8: the first block's inputs are
+    captured from `calibration`, then each block is quantized by `step(block, inputs, names_prefix)`,
+    which returns its layers' results and the block's outputs on those inputs, the next block's
+    inputs (so each block sees the previous blocks quantized). `on_block(key, seconds, results)`
+    after each block; `summary(results)` ends its log line. The calibration forwards run in
+    `forward_dtype` (None: float32; see the module docstring). The model is left in its training
+    mode."""
     named = list(blocks.items()) if isinstance(blocks, (nn.ModuleDict, Mapping)) else \
         [(str(i), b) for i, b in enumerate(blocks)]
     if not named:
@@ -135,7 +169,8 @@ def quantize_blocks_sequentially(
     progress = Progress(log, f"{desc} blocks", len(named), lines=len(named), min_interval_s=0)  # every block
     for key, block in named:
         start = time.perf_counter()
-        block_results, outputs = step(block, inputs, f"{dot}{key}")
+        with forward_precision(forward_dtype):
+            block_results, outputs = step(block, inputs, f"{dot}{key}")
         if on_block is not None:
             on_block(key, time.perf_counter() - start, block_results)
         results.update(block_results)

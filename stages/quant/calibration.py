@@ -11,6 +11,10 @@ experiment's prepared data as `quantize.calibration` says.
                          packing: no pad token, every position is a real token);
                  a path: a JSON-lines file of the SFT format ({"src": ..., "tgt": ...}), treated as sft
     seed         the random choice of windows / the shuffle of the records
+    dtype        the calibration forwards' precision: float32 (the default), bfloat16 (autocast; the
+                 weights and what the methods accumulate stay float32,
+                 `stages.quant.block_calibration`), or auto: bfloat16 where this machine multiplies
+                 it natively, else float32 (decided by the quantize job and recorded in meta.json)
 
 Calibration windows are unpadded because `gptq_quantize_model` calls the model with input_ids alone,
 so every position counts in the Hessians. A source that yields no whole window is a
@@ -37,6 +41,7 @@ log = logging.getLogger(__name__)
 
 KEY = "quantize.calibration"
 SOURCES = ("corpus", "sft")  # anything else is a path
+DTYPES = ("float32", "bfloat16", "auto")
 
 
 class CalibrationError(InputError):
@@ -51,8 +56,11 @@ class CalibrationSettings:
     seq_len: int = 128  # tokens per window
     source: str = "corpus"  # corpus | sft | path to a JSON-lines SFT file
     seed: int = 0  # choice of windows, shuffle of SFT records
+    dtype: str = "float32"  # float32 | bfloat16 | auto: the calibration forwards' precision
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise CalibrationError(f"{KEY}.dtype={self.dtype!r} must be one of {list(DTYPES)}")
         if self.num_samples < 1:
             raise CalibrationError(f"{KEY}.num_samples={self.num_samples}: the calibration set would be empty; "
                                    "use at least 1 (32 is a good start for small models)")
@@ -61,7 +69,7 @@ class CalibrationSettings:
 
     @classmethod
     def from_section(cls, section: dict[str, Any]) -> "CalibrationSettings":
-        return cls(**{k: section[k] for k in ("num_samples", "seq_len", "source", "seed") if k in section})
+        return cls(**{k: section[k] for k in ("num_samples", "seq_len", "source", "seed", "dtype") if k in section})
 
 
 def corpus_windows(data_dir: str | Path, num_samples: int, seq_len: int, seed: int) -> torch.Tensor:

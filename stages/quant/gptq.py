@@ -395,6 +395,7 @@ def gptq_quantize_model(
     model: nn.Module, blocks: nn.ModuleList | nn.ModuleDict | Mapping[str, nn.Module],
     calibration: Iterable[torch.Tensor], config: GPTQConfig, prefix: str = "",
     on_block: Callable[[str, float, dict[str, GPTQResult]], None] | None = None,
+    forward_dtype: torch.dtype | None = None,
 ) -> dict[str, GPTQResult]:
     """GPTQ every Linear / Conv1D of `blocks` (the decoder blocks of `model`, in order) in place,
     block by block, calibrated on `calibration` (input_ids batches, each (B, T), unpadded: the model
@@ -405,7 +406,9 @@ def gptq_quantize_model(
     (`model.get_submodule(stages.quant.layers.decoder_blocks(model))`). Result names are
     f"{prefix}.{block key}.{submodule}", the checkpoint names when `prefix` is the blocks' path.
     `on_block(key, seconds, block_results)` is called after each block (wall time of its Hessians,
-    GPTQ and the forward that makes the next block's inputs).
+    GPTQ and the forward that makes the next block's inputs). The calibration forwards run in
+    `forward_dtype` (None: float32; bfloat16 autocast, `stages.quant.block_calibration`); GPTQ
+    solves on the float32 weights.
     """
     def step(block: nn.Module, inputs: list[BlockInput], names: str):
         outputs, block_results = quantize_layer_sequential(block, inputs, config, prefix=names)
@@ -415,4 +418,4 @@ def gptq_quantize_model(
         return f"mean loss {sum(r.loss for r in block_results.values()) / len(block_results):.4g}"
 
     return quantize_blocks_sequentially(model, blocks, calibration, step, summary, desc="GPTQ", prefix=prefix,
-                                        on_block=on_block)
+                                        on_block=on_block, forward_dtype=forward_dtype)

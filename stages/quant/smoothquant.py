@@ -163,6 +163,7 @@ def a8w8_quantize_model(
     model: nn.Module, blocks: nn.ModuleList | nn.ModuleDict | Mapping[str, nn.Module],
     calibration: Iterable[torch.Tensor], config: A8W8Config, prefix: str = "",
     on_block: Callable[[str, float, dict[str, A8W8LayerResult]], None] | None = None,
+    forward_dtype: torch.dtype | None = None,
 ) -> dict[str, A8W8LayerResult]:
     """A8W8 of every Linear / Conv1D of `blocks` (the decoder blocks of `model`, in order), block by
     block, calibrated on `calibration` (input_ids batches (B, T), unpadded), as
@@ -173,7 +174,7 @@ def a8w8_quantize_model(
     their tensors untouched, so a state dict taken before still holds the float weights for
     `stages.quant.a8w8.pack_a8w8`). Result names are f"{prefix}.{block key}.{submodule}", the
     checkpoint names when `prefix` is the blocks' path. `on_block(key, seconds, block_results)` is
-    called after each block.
+    called after each block; the calibration forwards run in `forward_dtype` (None: float32).
     """
     def step(block: nn.Module, inputs: list[BlockInput], names: str):
         block_results = quantize_block(block, inputs, config, prefix=names)
@@ -185,4 +186,4 @@ def a8w8_quantize_model(
         return f"mean output MSE {mse:.4g}, alpha {alphas or '-'}"
 
     return quantize_blocks_sequentially(model, blocks, calibration, step, summary, desc="A8W8", prefix=prefix,
-                                        on_block=on_block)
+                                        on_block=on_block, forward_dtype=forward_dtype)

@@ -61,6 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -402,11 +403,12 @@ def heldout_windows(data: Path, seq_len: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def heldout_quality(source: Path, dirs: dict[str, Path], windows: torch.Tensor, batch: int = 4
-                    ) -> dict[str, dict[str, float]]:
+def heldout_quality(source: Path, dirs: dict[str, Path], windows: torch.Tensor, batch: int = 4,
+                    folded: Iterable[str] = ()) -> dict[str, dict[str, float]]:
     """{name: perplexity, rel_logit_err, top1, kl} on `windows`, for the float32 source ("fp32") and
-    for the source with each directory's dequantized decoder Linears swapped in, and the float
-    tensors the directory changed (AWQ's folded norms), all in float32."""
+    for the source with each directory's dequantized decoder Linears swapped in, all in float32;
+    for the names in `folded` (AWQ's files) also the float tensors the file changed (its folded
+    norms; another quantizer's bf16 copies of the norms stay the source's)."""
     import copy
 
     from stages.quant import load_quantized
@@ -419,11 +421,12 @@ def heldout_quality(source: Path, dirs: dict[str, Path], windows: torch.Tensor, 
         m = copy.deepcopy(ref)
         for layer in q.quant_kernels:
             m.get_submodule(layer).weight.copy_(q.get_submodule(layer).weight)
-        quantized = {f"{layer}.weight" for layer in q.quant_kernels}
-        own = m.state_dict()
-        for key, value in q.state_dict().items():  # norms AWQ folded its scales into; the rest is equal
-            if key not in quantized and key in own and own[key].shape == value.shape:
-                own[key].copy_(value)
+        if name in folded:
+            quantized = {f"{layer}.weight" for layer in q.quant_kernels}
+            own = m.state_dict()
+            for key, value in q.state_dict().items():  # the norms AWQ folded its scales into
+                if key not in quantized and key in own and own[key].shape == value.shape:
+                    own[key].copy_(value)
         models[name] = m
         del q
     sums = {n: {"nll": 0.0, "err2": 0.0, "top1": 0.0, "kl": 0.0} for n in models}
@@ -498,7 +501,7 @@ def compare_gptqmodel(source: Path, data: Path, ours_dir: Path, ours: dict[str, 
                          "dtype": made["metrics"].get("calibration", {}).get("dtype", "-"),
                          "quantize_s": made["metrics"]["quantize_seconds"], "total_s": made["stage_wall_s"]}
     windows = heldout_windows(data, args.calib_seq_len)
-    quality = heldout_quality(source, dirs, windows)
+    quality = heldout_quality(source, dirs, windows, folded=[v for v in (others or {}) if v.startswith("awq")])
     for name, row in rows.items():
         row.update(quality[name])
     rows["fp32"] = {"quantizer": "float32 source", "dtype": "float32", **quality["fp32"]}

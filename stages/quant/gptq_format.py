@@ -149,10 +149,19 @@ def unpack_bits(words: torch.Tensor, bits: int) -> torch.Tensor:
 def _unpack_zeros(qzeros: torch.Tensor, bits: int, checkpoint_format: str) -> torch.Tensor:
     """(G, out * bits // 32) qzeros -> (out, G) zero points z = stored + offset.
 
-    Zero points are packed along the output channels, so unpack the transpose. For "gptq" the + 1
-    wraps modulo 2**bits like AutoGPTQ's torch fallback; `pack` never writes the word that would wrap.
+    Zero points are packed along the output channels, so unpack the transpose. For "gptq" at 2, 4
+    and 8 bits the + 1 is added to each 32-bit word (0x11111111 at 4 bits), as GPTQModel converts v1
+    to v2 on load: GPTQModel writes v1 by subtracting that word from v2's, so a zero point of 0 is
+    stored as a borrow from its neighbour (gptqmodel/utils/model.py, convert_gptq_v2_to_v1_format_module),
+    which only the word-wise addition undoes. Where nothing borrowed (every file `pack` writes, z >= 1)
+    it equals adding 1 to each code. At 3 bits, whose codes straddle words, each code gets its + 1
+    modulo 2**3 (AutoGPTQ's torch fallback).
     """
     offset = zero_offset(checkpoint_format)
+    if offset and bits != 3:
+        ones = pack_bits(torch.ones(_WORD // bits, 1, dtype=torch.int32), bits)[0, 0].item() & 0xFFFFFFFF
+        words = ((qzeros.to(torch.int64) & 0xFFFFFFFF) + ones) & 0xFFFFFFFF
+        return unpack_bits(words.t().contiguous(), bits).to(torch.int32)  # (out, G)
     stored = unpack_bits(qzeros.t().contiguous(), bits)  # (out, G)
     return torch.remainder(stored + offset, 2**bits).to(torch.int32)
 

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from stages.quant.gptq_format import checkpoint_format_for, dequantize_packed, format_of, pack, unpack
+from stages.quant.gptq_format import checkpoint_format_for, dequantize_packed, format_of, pack, pack_bits, unpack
 from stages.quant.rtn import QuantizedWeight, dequantize_weight, quantize_weight
 
 
@@ -70,6 +70,20 @@ def test_zero_point_zero_is_storable_only_unshifted():
         pack(q, "gptq")
     torch.testing.assert_close(dequantize_packed(pack(q, "gptq_v2"), 4, "gptq_v2"), dequantize_weight(q),
                                rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_a_gptqmodel_v1_file_with_zero_point_zero_reads_back(bits):
+    """GPTQModel writes format "gptq" by subtracting the word of ones (0x11111111 at 4 bits) from
+    each v2 qzeros word (gptqmodel/utils/model.py, convert_gptq_v2_to_v1_format_module), so a zero
+    point of 0 is stored as -1 borrowed from the next code: the reader adds the word back."""
+    q = _random_codes(bits, out_f=32)
+    q.zeros[0, 0], q.zeros[1, 0] = 0, 2 ** bits - 1  # a borrow, and a neighbour at the top of the range
+    v2 = pack(q, "gptq_v2")
+    ones = pack_bits(torch.ones(32 // bits, 1, dtype=torch.int32), bits)[0, 0].item()
+    v1 = {**v2, "qzeros": ((v2["qzeros"].to(torch.int64) - ones) & 0xFFFFFFFF).to(torch.int64)}
+    v1["qzeros"] = torch.where(v1["qzeros"] >= 2**31, v1["qzeros"] - 2**32, v1["qzeros"]).to(torch.int32)
+    torch.testing.assert_close(dequantize_packed(v1, bits, "gptq"), dequantize_weight(q), rtol=0, atol=0)
 
 
 def test_format_keys_and_unknown_formats():

@@ -85,11 +85,11 @@ from stages.checkpoint.meta import write_meta
 from stages.checkpoint.weights import refuse_quantized
 from stages.errors import InputError, run_cli
 from stages.quant import quantization_config, quantize_model
+from stages.quant.awq import AWQConfig, awq_quantize_model, awq_settings, folded_tensors
+from stages.quant.block_calibration import FORWARD_DTYPES
 from stages.quant.calibration import CalibrationSettings, calibration_ids, check_calibration_memory
 from stages.quant.gptq import GPTQConfig, gptq_quantize_model
 from stages.quant.layers import decoder_blocks, decoder_linear_layers, meta_model
-from stages.quant.awq import AWQConfig, awq_quantize_model, awq_settings, folded_tensors
-from stages.quant.block_calibration import FORWARD_DTYPES
 from stages.quant.model import check_shapes, layer_weights, pack_gptq_model, pack_rtn_codes
 from stages.quant.variants import BUILTIN_VARIANTS, GPTQ_KEYS, VariantSpec, resolve_variant, variant_settings
 from stages.sections import QuantizeSettings

@@ -407,8 +407,8 @@ def heldout_quality(source: Path, dirs: dict[str, Path], windows: torch.Tensor, 
                     folded: Iterable[str] = ()) -> dict[str, dict[str, float]]:
     """{name: perplexity, rel_logit_err, top1, kl} on `windows`, for the float32 source ("fp32") and
     for the source with each directory's dequantized decoder Linears swapped in, all in float32;
-    for the names in `folded` (AWQ's files) also the float tensors the file changed (its folded
-    norms; another quantizer's bf16 copies of the norms stay the source's)."""
+    for the names in `folded` (our own files) also the float tensors the file changed (AWQ's folded
+    norms; GPTQModel's bf16 copies of the norms stay the source's)."""
     import copy
 
     from stages.quant import load_quantized
@@ -501,7 +501,7 @@ def compare_gptqmodel(source: Path, data: Path, ours_dir: Path, ours: dict[str, 
                          "dtype": made["metrics"].get("calibration", {}).get("dtype", "-"),
                          "quantize_s": made["metrics"]["quantize_seconds"], "total_s": made["stage_wall_s"]}
     windows = heldout_windows(data, args.calib_seq_len)
-    quality = heldout_quality(source, dirs, windows, folded=[v for v in (others or {}) if v.startswith("awq")])
+    quality = heldout_quality(source, dirs, windows, folded=["ours", *(others or {})])
     for name, row in rows.items():
         row.update(quality[name])
     rows["fp32"] = {"quantizer": "float32 source", "dtype": "float32", **quality["fp32"]}

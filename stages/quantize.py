@@ -90,7 +90,7 @@ from stages.quant.block_calibration import FORWARD_DTYPES
 from stages.quant.calibration import CalibrationSettings, calibration_ids, check_calibration_memory
 from stages.quant.gptq import GPTQConfig, gptq_quantize_model
 from stages.quant.layers import decoder_blocks, decoder_linear_layers, meta_model
-from stages.quant.model import check_shapes, layer_weights, pack_gptq_model, pack_rtn_codes
+from stages.quant.model import check_shapes, layer_weights, pack_codes, pack_gptq_model
 from stages.quant.variants import BUILTIN_VARIANTS, GPTQ_KEYS, VariantSpec, resolve_variant, variant_settings
 from stages.sections import QuantizeSettings
 from stages.stage_logs import configure_logging, log_io
@@ -270,8 +270,7 @@ def _awq(spec: VariantSpec, source_dir: Path, data_dir: Path | None, state: dict
                                                           calibration, state, weights)
     qcfg = quantization_config(config.bits, config.group_size, sym=config.sym)
     folded = folded_tensors(model, state, results)
-    packed = pack_rtn_codes(state, layers, {name: r.quantized for name, r in results.items()}, folded,
-                            qcfg["format"])
+    packed = pack_codes(state, layers, {name: r.quantized for name, r in results.items()}, qcfg["format"], folded)
     scaled = [r for r in results.values() if r.scale is not None]
     metrics = {
         "bits": config.bits,

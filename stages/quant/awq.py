@@ -48,8 +48,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from stages.quant.block_calibration import (BlockInput, StopForward, forward_batches, quantize_blocks_sequentially,
-                                            run_block, sequential_groups)
+from stages.quant.block_calibration import (BlockInput, GPTQHessian, StopForward, forward_batches,
+                                            quantize_blocks_sequentially, run_block, sequential_groups)
 from stages.quant.layers import linear_weight
 from stages.quant.rtn import QuantizedWeight, dequantize_weight, quantize_weight, relative_error
 from stages.quant.scale_folds import FOLD_FAMILIES, fold_tables
@@ -113,27 +113,25 @@ def _weight_mean(weights: Sequence[torch.Tensor], group_size: int) -> torch.Tens
 
 
 class InputStatistics:
-    """What AWQ needs of one input's calibration rows x (n, in): G = X^T X / n and mean |x_j|."""
+    """What AWQ needs of one input's calibration rows x (n, in): G = X^T X / n (GPTQ's Hessian
+    halved) and mean |x_j|."""
 
     def __init__(self, width: int):
-        self.gram = torch.zeros(width, width)
+        self.hessian = GPTQHessian(width)
         self.abs_sum = torch.zeros(width)
-        self.rows = 0
 
     @torch.no_grad()
     def add(self, x: torch.Tensor) -> None:
-        x = x.detach().reshape(-1, self.gram.shape[0]).float()
-        self.gram.addmm_(x.t(), x)
-        self.abs_sum += x.abs().sum(dim=0)
-        self.rows += x.shape[0]
+        self.hessian.add_batch(x)
+        self.abs_sum += x.detach().reshape(-1, self.abs_sum.shape[0]).float().abs().sum(dim=0)
 
     @property
     def second_moment(self) -> torch.Tensor:
-        return self.gram / max(self.rows, 1)
+        return self.hessian.hessian / 2
 
     @property
     def mean_abs(self) -> torch.Tensor:
-        return self.abs_sum / max(self.rows, 1)
+        return self.abs_sum / max(self.hessian.num_rows, 1)
 
 
 def output_error(weights: Sequence[torch.Tensor], moment: torch.Tensor, s: torch.Tensor | None,
@@ -333,13 +331,6 @@ def quantize_block(block: nn.Module, inputs: Sequence[BlockInput], config: AWQCo
     return results
 
 
-def _head_counts(model: nn.Module) -> tuple[int, int]:
-    config = getattr(model, "config", None)
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 1
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return int(heads), int(kv_heads)
-
-
 @torch.no_grad()
 def awq_quantize_model(
     model: nn.Module, blocks: nn.ModuleList | nn.ModuleDict | Mapping[str, nn.Module],
@@ -353,8 +344,9 @@ def awq_quantize_model(
     new values, so `model.state_dict()` afterwards has every float tensor the checkpoint needs
     (`folded_tensors`). Result names are f"{prefix}.{block key}.{submodule}". The calibration
     forwards run in `forward_dtype` (None: float32; `stages.quant.block_calibration`)."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    heads, kv_heads = _head_counts(model)
+    model_type = model.config.model_type
+    heads = model.config.num_attention_heads  # transformers maps GPT-2's n_head to it
+    kv_heads = getattr(model.config, "num_key_value_heads", None) or heads
     if model_type not in FOLD_FAMILIES:
         log.warning("AWQ: model_type=%r has no known fold of the scales into its norms (families: %s); its "
                     "layers get AWQ's clipping and round-to-nearest without scaling", model_type,

@@ -42,6 +42,33 @@ class StopForward(Exception):
     """Raised from a hook to end a forward pass once the inputs it wanted are recorded."""
 
 
+class GPTQHessian:
+    """H = 2 X^T X / n over every calibration row x (in,) seen by one linear layer (GPTQ's Hessian;
+    AWQ scores its candidates on H / 2, the rows' second moment), kept as a running
+    mean in float32 so batches of any size (and count) can be added. The rows are the layer's inputs:
+    (..., in) is flattened to (n, in), e.g. (batch, seq, in) gives batch * seq rows. A Conv1D's input
+    is (..., in) too; only its weight is transposed, which the caller handles."""
+
+    def __init__(self, in_features: int, device: torch.device | str | None = None):
+        self.in_features = in_features
+        self.hessian = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
+        self.num_rows = 0
+
+    @torch.no_grad()
+    def add_batch(self, x: torch.Tensor) -> None:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"calibration input of shape {tuple(x.shape)} does not end in "
+                             f"in_features={self.in_features}")
+        rows = x.detach().reshape(-1, self.in_features).to(self.hessian.device, torch.float32)  # (n, in)
+        n = rows.shape[0]
+        if n == 0:
+            return
+        total = self.num_rows + n
+        self.hessian.mul_(self.num_rows / total)
+        self.hessian.addmm_(rows.t(), rows, alpha=2.0 / total)
+        self.num_rows = total
+
+
 FORWARD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _FORWARD_DTYPE: ContextVar[torch.dtype] = ContextVar("calibration_forward_dtype", default=torch.float32)
 

@@ -72,9 +72,9 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from stages.quant.block_calibration import (BlockInput, StopForward, capture_block_inputs,  # noqa: F401 (re-exported)
-                                            forward_batches, quantize_blocks_sequentially, run_block,
-                                            sequential_groups)
+from stages.quant.block_calibration import (BlockInput, GPTQHessian, StopForward,  # noqa: F401 (re-exported)
+                                            capture_block_inputs, forward_batches, quantize_blocks_sequentially,
+                                            run_block, sequential_groups)
 from stages.quant.gptq_config import SUPPORTED_BITS, GPTQConfig, GPTQResult  # noqa: F401 (re-exported)
 from stages.quant.layers import linear_weight
 from stages.quant.rtn import QuantizedWeight, asymmetric_grid, symmetric_grid
@@ -87,32 +87,6 @@ log = logging.getLogger(__name__)
 # a core: torch.outer and sub_ 0.8 ms each per column; on 1 thread 0.01-0.04 ms for both). The block
 # updates, Hessians and factorisations keep every thread.
 COLUMN_LOOP_THREADS = 1
-
-
-class GPTQHessian:
-    """H = 2 X^T X / n over every calibration row x (in,) seen by one linear layer, kept as a running
-    mean in float32 so batches of any size (and count) can be added. The rows are the layer's inputs:
-    (..., in) is flattened to (n, in), e.g. (batch, seq, in) gives batch * seq rows. A Conv1D's input
-    is (..., in) too; only its weight is transposed, which the caller handles."""
-
-    def __init__(self, in_features: int, device: torch.device | str | None = None):
-        self.in_features = in_features
-        self.hessian = torch.zeros(in_features, in_features, dtype=torch.float32, device=device)
-        self.num_rows = 0
-
-    @torch.no_grad()
-    def add_batch(self, x: torch.Tensor) -> None:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"calibration input of shape {tuple(x.shape)} does not end in "
-                             f"in_features={self.in_features}")
-        rows = x.detach().reshape(-1, self.in_features).to(self.hessian.device, torch.float32)  # (n, in)
-        n = rows.shape[0]
-        if n == 0:
-            return
-        total = self.num_rows + n
-        self.hessian.mul_(self.num_rows / total)
-        self.hessian.addmm_(rows.t(), rows, alpha=2.0 / total)
-        self.num_rows = total
 
 
 def group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:

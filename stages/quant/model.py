@@ -140,36 +140,36 @@ def quantize_model(
         raise ValueError("no decoder Linear layers were given to quantize")
     weights = layer_weights(state, layers)
     check_shapes(weights, bits, group_size)
-    replaced = {f"{name}.weight" for name in weights}
-    out = {k: v for k, v in state.items() if k not in replaced}
+    codes: dict[str, QuantizedWeight] = {}
     errors: dict[str, float] = {}
     for name, w in progress_iter(weights.items(), log, f"RTN {bits}-bit layers"):
-        q = quantize_weight(w, bits, group_size, name=name, sym=sym)
-        for suffix, packed in gptq_format.pack(q, checkpoint_format).items():
-            out[f"{name}.{suffix}"] = packed
-        errors[name] = relative_error(w, dequantize_weight(q))
+        codes[name] = quantize_weight(w, bits, group_size, name=name, sym=sym)
+        errors[name] = relative_error(w, dequantize_weight(codes[name]))
     log.info("quantized %d layers to %d bits (group_size=%d)", len(errors), bits, group_size)
-    return out, errors
+    return pack_codes(state, layers, codes, checkpoint_format), errors
 
 
-def pack_rtn_codes(
-    state: dict[str, torch.Tensor], layers: dict[str, bool], codes: dict[str, QuantizedWeight],
-    changed: dict[str, torch.Tensor], checkpoint_format: str,
+def pack_codes(
+    state: dict[str, torch.Tensor], layers: dict[str, bool], codes: dict[str, QuantizedWeight | GPTQResult],
+    checkpoint_format: str, changed: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """`state` with the weight of each of `layers` replaced by its packed round-to-nearest `codes`
-    (AWQ's: of the scaled weights) and the float tensors in `changed` (the norms and biases AWQ
-    folded its scales into) replacing theirs; zero points stored as `checkpoint_format` says."""
+    """`state` with the weight of each of `layers` replaced by its packed `codes` (RTN's or AWQ's
+    QuantizedWeight, or a GPTQResult with its g_idx: act-order and a narrower last group kept as
+    they are) and the float tensors in `changed` (the norms and biases AWQ folded its scales into)
+    replacing theirs; zero points stored as `checkpoint_format` says."""
     missing = sorted(set(layers) - set(codes))
     if missing:
         raise ValueError(f"no codes for {missing[0]} ({len(missing)} of {len(layers)} decoder Linears); the "
                          "model's blocks do not hold the checkpoint's layers")
+    changed = changed or {}
     unknown = sorted(set(changed) - set(state))
     if unknown:
         raise ValueError(f"{unknown[0]} is not a tensor of the checkpoint")
     replaced = {f"{name}.weight" for name in layers}
     out = {k: changed.get(k, v) for k, v in state.items() if k not in replaced}
     for name in layers:
-        for suffix, packed in gptq_format.pack(codes[name], checkpoint_format).items():
+        q = codes[name]
+        for suffix, packed in gptq_format.pack(q, checkpoint_format, g_idx=getattr(q, "g_idx", None)).items():
             out[f"{name}.{suffix}"] = packed
     return out
 
@@ -182,17 +182,6 @@ def pack_gptq_model(
     (same names; act-order g_idx and a narrower last group kept as they are; zero points stored as
     `checkpoint_format` says, the `format` of the matching `quantization_config`). `state` holds the
     float weights before GPTQ; the errors are ||W - W_hat||_F / ||W||_F against them."""
-    missing = sorted(set(layers) - set(results))
-    if missing:
-        raise ValueError(f"GPTQ produced no result for {missing[0]} ({len(missing)} of {len(layers)} decoder "
-                         "Linears); the model's blocks do not hold the checkpoint's layers")
-    weights = layer_weights(state, layers)
-    replaced = {f"{name}.weight" for name in weights}
-    out = {k: v for k, v in state.items() if k not in replaced}
-    errors: dict[str, float] = {}
-    for name, w in weights.items():
-        r = results[name]
-        for suffix, packed in gptq_format.pack(r, checkpoint_format, g_idx=r.g_idx).items():
-            out[f"{name}.{suffix}"] = packed
-        errors[name] = relative_error(w, r.weight.cpu())
-    return out, errors
+    packed = pack_codes(state, layers, results, checkpoint_format)
+    errors = {name: relative_error(w, results[name].weight.cpu()) for name, w in layer_weights(state, layers).items()}
+    return packed, errors

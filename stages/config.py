@@ -529,6 +529,16 @@ def _check_align(name: str, exp: dict[str, Any], source: dict[str, Any] | None) 
     _check_layout(key, align, exp, source, full_training=align["tuning"] == "full")
 
 
+def _check_evaluate(name: str, exp: dict[str, Any]) -> None:
+    """lm-eval's lifecycle_pairs needs the preference pairs it is built from."""
+    data = exp["data"]
+    if "lifecycle_pairs" in exp["evaluate"]["lm_eval_tasks"] and preference_source(data["preference"],
+                                                                                   data["sft"]) is None:
+        raise ConfigError(f"experiments.{name}.evaluate.lm_eval_tasks names lifecycle_pairs, built from the "
+                          f"preference dev pairs, and experiment {name!r} has none (data.preference is null with "
+                          f"data.sft {data['sft']!r}); drop the task or set data.preference to a directory of pairs")
+
+
 def check_config(config: dict[str, Any], schema: dict[str, Any] | None = None) -> dict[str, Any]:
     """Validate `config` and return a copy with every default filled in.
 
@@ -551,6 +561,7 @@ def check_config(config: dict[str, Any], schema: dict[str, Any] | None = None) -
         _check_deploy(name, exp, source)
         _check_parallel(name, exp, source)
         _check_align(name, exp, source)
+        _check_evaluate(name, exp)
     return config
 
 

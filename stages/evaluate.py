@@ -69,13 +69,19 @@ Metrics JSON (`eval/<variant>.json`, written atomically), one object:
                             int_mm, dequantized), from stages.quant.load_quantized; {} otherwise
   quantization       dict   quantized variants: the quantize stage's meta.json metrics (method,
                             spec, bits, group_size, quantize_seconds, calibration, ...); null otherwise
+  lm_eval            dict   lm-evaluation-harness tasks (evaluate.lm_eval_tasks) run on this variant
+                            through stages.harness.variant_lm.VariantLM: {"version", "limit",
+                            "num_fewshot", "chat_template", "seconds", "tasks": {task: {"metrics",
+                            "higher_is_better", "samples", "num_fewshot"}}} (stages.harness.tasks);
+                            null without tasks
   eval_seconds       float  wall seconds of the whole evaluation, loading included
   settings           dict   the evaluate settings used (defaults filled)
   samples            list   first 5 dev records: {"src", "reference", "prediction"}
 
 Settings: the schema's `evaluate` keys (max_new_tokens, num_dev_examples, num_preference_pairs,
 ppl_max_length, ppl_max_windows, per_device_eval_batch_size, speed_prefill_tokens, speed_batch_sizes,
-speed_decode_tokens, speed_repeats) plus `src_length` (default: finetune.sft's, 64; the rule passes
+speed_decode_tokens, speed_repeats, lm_eval_tasks, lm_eval_include_path, lm_eval_limit,
+lm_eval_num_fewshot) plus `src_length` (default: finetune.sft's, 64; the rule passes
 finetune.sft.src_length with `--src-length`, so prompts are cut as in training).
 
 Preference pairs are encoded as the dev answers are (`encode_example`, prompts cut to `src_length`,
@@ -106,6 +112,8 @@ from stages.data.preference import read_preference_file
 from stages.data.sft import SftRecord, encode_example, encode_prompt, read_sft_file, target_text
 from stages.data.sft_format import data_chat_format, format_name
 from stages.errors import InputError, run_cli
+from stages.harness.tasks import run_tasks
+from stages.harness.variant_lm import VariantLM
 # generate_greedy and adapter_base_dir are imported for those who import them from here (bench, tests)
 from stages.inference.generation import generate_greedy, pad_or_eos
 from stages.inference.loading import adapter_base_dir, load_variant, read_json
@@ -248,6 +256,16 @@ def _preference(model, tokenizer, data_dir: Path, chat: bool, src_length: int,
                               pad_or_eos(tokenizer), settings.per_device_eval_batch_size)
 
 
+def _lm_eval(model, tokenizer, data_dir: Path, chat: bool, settings: EvaluateSettings) -> dict[str, Any] | None:
+    """evaluate.lm_eval_tasks on this variant (stages.harness.tasks); None without tasks."""
+    if not settings.lm_eval_tasks:
+        return None
+    lm = VariantLM(model, tokenizer, batch_size=settings.per_device_eval_batch_size)
+    return run_tasks(lm, settings.lm_eval_tasks, data_dir=data_dir, include_path=settings.lm_eval_include_path,
+                     limit=settings.lm_eval_limit, num_fewshot=settings.lm_eval_num_fewshot,
+                     max_gen_toks=settings.max_new_tokens, chat=chat)
+
+
 # -- the stage -----------------------------------------------------------------------------------
 def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, variant: str,
         config: Mapping[str, Any] | None = None, src_length: int | None = None,
@@ -273,6 +291,7 @@ def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, varia
     records = read_sft_file(dev_path)[:settings.num_dev_examples]
     dev, samples = _dev_metrics(model, tokenizer, records, chat, src_length, _eos(tokenizer, model_dir), settings)
     preference = _preference(model, tokenizer, data_dir, chat, src_length, settings)
+    lm_eval = _lm_eval(model, tokenizer, data_dir, chat, settings)
     speed = speed_metrics(model, index["vocab_size"], settings)
 
     metrics = {
@@ -286,6 +305,7 @@ def run(model_dir: str | Path, data_dir: str | Path, out_path: str | Path, varia
         **speed,
         "kernels": _kernel_counts(model),
         "quantization": _quantization_meta(model_dir) if kind == "quantized" else None,
+        "lm_eval": lm_eval,
         "eval_seconds": time.perf_counter() - t_start,
         "settings": {"src_length": src_length, **settings},
         "samples": samples,

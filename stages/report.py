@@ -17,11 +17,13 @@ Outputs (each written atomically):
   report.csv        the metrics table: one row per variant, every scalar metric as a column
   report.md         markdown for a person: what fine-tuning did (task score beside forgetting), then
                     narrow tables in human units (stages.reporting.tables: alignment when the variant
-                    `align` was evaluated, quality, size and memory, speed, stage timings), each variant
-                    against the starting model, and the plots
+                    `align` was evaluated, quality, standard tasks when evaluate.lm_eval_tasks ran
+                    (stages.reporting.task_recovery: scores and recovery against the source), size and
+                    memory, speed, stage timings), each variant against the starting model, and the plots
   --figures-dir     (optional) training.png, quantization.png, stages.png (stages.reporting.plots)
                     and the narrow tables' numbers as quality.csv, size.csv, speed.csv, stages.csv
-                    (the alignment table's are report.csv's preference_* columns)
+                    (the alignment table's are report.csv's preference_* columns, the standard tasks'
+                    quant_eval.json's lm_eval and recovery)
   quant_eval.json   the quantization comparison, one object (schema_version 3):
     schema_version  3
     experiment      name of the experiment dir
@@ -47,6 +49,8 @@ Outputs (each written atomically):
                     speed_tokens (the lengths used), torch_threads
     counts          num_parameters, num_dev_examples, dev_ppl_tokens, ppl_tokens, gen_tokens
     kernels         {kernel: layers} the variant ran on (int8pack, int4pack, int_mm, dequantized)
+    lm_eval         {task: {metric: value}} of the lm-evaluation-harness tasks the variant ran
+                    (evaluate.lm_eval_tasks), null without them
     quantization    null for the baseline; for variants, from quant/<v>/meta.json: method, spec (every
                     setting applied), bits, group_size, bits_per_weight, compression_ratio,
                     mean_rel_weight_error, quantize_seconds, seconds_per_decoder_layer (calibrated
@@ -54,6 +58,8 @@ Outputs (each written atomically):
                     num_tokens, memory_bytes)
   delta = variant - baseline and relative = variant / baseline - 1 (null when the baseline is 0) for
   the quality, size and speed metrics only (never counts, settings or timings of the quantization).
+  recovery = {task: {metric: variant / baseline}} for the lm-eval tasks both ran (baseline / variant
+  for a lower-is-better metric; stages.reporting.task_recovery), null when either ran none.
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ from stages.errors import InputError, run_cli
 from stages.reporting import tables
 from stages.reporting.markdown import markdown_table
 from stages.reporting.tables import is_number
+from stages.reporting.task_recovery import recovery, task_scores, task_table
 from stages.sections import AlignSettings
 from stages.stage_logs import configure_logging, log_io
 
@@ -164,6 +171,7 @@ def entry(metrics: dict[str, Any]) -> dict[str, Any]:
     for key in (*QUALITY, *SIZE, *_speed_keys(metrics), *COUNTS):
         out[key] = metrics.get(key)
     out["kernels"] = metrics.get("kernels") or {}
+    out["lm_eval"] = task_scores(metrics)
     out["quantization"] = None if quantization is None else \
         {k: quantization[k] for k in _QUANTIZATION_KEYS if k in quantization}
     return out
@@ -212,7 +220,8 @@ def quant_eval(evals: dict[str, dict[str, Any]], experiment: str, source: str, v
             if is_number(value) and is_number(base):
                 delta[key] = value - base
                 relative[key] = value / base - 1.0 if base != 0 else None
-        out["variants"][name] = {**metrics, "delta": delta, "relative": relative}
+        out["variants"][name] = {**metrics, "delta": delta, "relative": relative,
+                                 "recovery": recovery(evals[name], evals[source])}
     return out
 
 
@@ -320,6 +329,9 @@ def run(experiment_dir: str | Path, source_variant: str, out_csv: str | Path, ou
     quant["summary"] = finetune_summary(evals, start_variant)
     report_tables = [tables.quality_table(evals, order, reference), tables.size_table(evals, order, reference),
                      tables.speed_table(evals, order, reference), tables.stage_table(timings)]
+    standard_tasks = task_table(evals, order, source_variant)
+    if standard_tasks is not None:
+        report_tables.insert(1, standard_tasks)
     if ALIGNED in evals:
         report_tables.insert(0, tables.alignment_table(evals, ALIGNED, *align_config(evals, align_source)))
     if deploy_manifest is not None:
@@ -329,7 +341,9 @@ def run(experiment_dir: str | Path, source_variant: str, out_csv: str | Path, ou
     if figures_dir is not None:
         figures = _write_figures(Path(figures_dir), experiment_dir, evals, [source_variant, *variants], timings)
         for t in report_tables:
-            if t.name == "alignment":  # not a declared output (it exists only with align): report.csv has its numbers
+            # not declared outputs (they exist only with align / lm-eval tasks): report.csv and
+            # quant_eval.json hold their numbers
+            if t.name in ("alignment", "tasks"):
                 continue
             with atomic_file(Path(figures_dir) / f"{t.name}.csv") as f:
                 t.numbers.to_csv(f)

@@ -256,6 +256,10 @@ class EvaluateSettings(Section):
     speed_batch_sizes: list[int]
     speed_decode_tokens: int
     speed_repeats: int
+    lm_eval_tasks: list[str]
+    lm_eval_include_path: str | None
+    lm_eval_limit: int | None
+    lm_eval_num_fewshot: int | None
 
 
 @dataclasses.dataclass(frozen=True)

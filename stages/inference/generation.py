@@ -57,12 +57,16 @@ def _engine(model, eos_token_id: int | None, pad_token_id: int) -> DecodeEngine 
 
 def _batch_tokens(model, engine: DecodeEngine | None, batch: list[list[int]], budgets: list[int], *,
                   eos_token_id: int | None, pad_token_id: int, sampling: Sampling | None = None,
-                  generator: torch.Generator | None = None) -> list[list[int]]:
+                  generator: torch.Generator | None = None, stop_strings: Sequence[str] = (),
+                  tokenizer=None) -> list[list[int]]:
     """New tokens of each prompt of one left-padded batch, row r cut at budgets[r] and after its
     first eos (eos kept): on the engine, else with the model's generate (sampling then draws from
-    torch's global generator, `_decoding` seeded it)."""
+    torch's global generator, `_decoding` seeded it). `stop_strings` (with the `tokenizer` that
+    decodes them) end a row early on the engine; `generate` runs on to eos or the budget, and the
+    caller cuts the text."""
     if engine is not None:
-        return [d.tokens for d in engine.generate(batch, budgets, sampling=sampling, generator=generator)]
+        return [d.tokens for d in engine.generate(batch, budgets, sampling=sampling, generator=generator,
+                                                  stop_strings=stop_strings, tokenizer=tokenizer)]
     device = next(model.parameters()).device
     ids, mask = left_padded(batch, pad_token_id)  # (B, T) each
     width = ids.shape[1]
@@ -78,9 +82,11 @@ def _batch_tokens(model, engine: DecodeEngine | None, batch: list[list[int]], bu
 # -- evaluate's: greedy, one budget -------------------------------------------------------------
 @torch.no_grad()
 def generate_greedy(model: torch.nn.Module, prompts: Sequence[list[int]], *, max_new_tokens: int,
-                    eos_token_id: int, pad_token_id: int, batch_size: int) -> list[list[int]]:
+                    eos_token_id: int, pad_token_id: int, batch_size: int, stop_strings: Sequence[str] = (),
+                    tokenizer=None) -> list[list[int]]:
     """Greedy continuations of `prompts` (new tokens only, cut after the first eos, eos kept), in
-    the input order, `batch_size` prompts per batch."""
+    the input order, `batch_size` prompts per batch. `stop_strings` end a row early where the
+    decode engine runs (see `_batch_tokens`); the tokens before the stop are the same either way."""
     engine = _engine(model, eos_token_id, pad_token_id)
     order = _longest_first(prompts)
     outputs: list[list[int]] = [[] for _ in prompts]
@@ -88,7 +94,8 @@ def generate_greedy(model: torch.nn.Module, prompts: Sequence[list[int]], *, max
     for start in range(0, len(order), batch_size):
         rows = order[start:start + batch_size]
         tokens = _batch_tokens(model, engine, [prompts[i] for i in rows], [max_new_tokens] * len(rows),
-                               eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+                               eos_token_id=eos_token_id, pad_token_id=pad_token_id, stop_strings=stop_strings,
+                               tokenizer=tokenizer)
         for i, t in zip(rows, tokens):
             outputs[i] = t
         progress.advance(len(rows))

@@ -109,6 +109,7 @@ def write_readme_files(workdir: Path) -> list[str]:
         if block.lang == "yaml" and block.lines and (m := re.match(r"^#\s*(\S+\.ya?ml)\s*$", block.lines[0])):
             content = "\n".join(block.lines) + "\n"
             assert written.get(m.group(1), content) == content, f"{block.page}:{block.line}: a second {m.group(1)}"
+            (workdir / m.group(1)).parent.mkdir(parents=True, exist_ok=True)  # my_tasks/colours.yaml
             (workdir / m.group(1)).write_text(content)
             written[m.group(1)] = content
     (workdir / "corpora").mkdir()

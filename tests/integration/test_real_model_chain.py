@@ -36,7 +36,8 @@ def test_smollm2_goes_through_the_chain_intact(tmp_path, smollm2_dir):
     # speeds are measured but not checked here: one repeat of the shortest measurements; a few
     # preference pairs and perplexity windows (each variant is evaluated: 9 evaluate jobs)
     preset["evaluate"].update(num_dev_examples=16, num_preference_pairs=4, ppl_max_windows=4, speed_repeats=1,
-                              speed_decode_tokens=8, speed_prefill_tokens=32, speed_batch_sizes=[1])
+                              speed_decode_tokens=8, speed_prefill_tokens=32, speed_batch_sizes=[1],
+                              lm_eval_limit=8)
     extra = tmp_path / "smollm2.yaml"
     extra.write_text(yaml.safe_dump({"experiments": {"smollm2": preset}}))
     snakemake(tmp_path, "--configfile", str(extra), "--cores", "2", "results/smollm2/quant_eval.json")
@@ -80,6 +81,13 @@ def test_smollm2_goes_through_the_chain_intact(tmp_path, smollm2_dir):
     assert gguf["pre_tokenizer"] == "smollm" and gguf["check"]["tokenizer_mismatches"] == 0
     assert gguf["check"]["top1_agreement"] >= preset["deploy"]["min_top1_agreement"]["q8_0"]
     assert evals["onnx-int8"]["exact_match"] >= evals["lora-merged"]["exact_match"] - 0.1
+    # lm-evaluation-harness through the chat template sees what LoRA learnt (its local QA task), and
+    # report.md has the standard-task table
+    tasks = {name: e["lm_eval"]["tasks"] for name, e in evals.items()}
+    assert evals["lora"]["lm_eval"]["chat_template"] is True and tasks["lora"]["lifecycle_qa"]["samples"] == 8
+    qa = {name: t["lifecycle_qa"]["metrics"]["exact_match"] for name, t in tasks.items()}
+    assert qa["lora"] >= qa["base"] + 0.5, qa
+    assert "## Standard tasks (lm-evaluation-harness)" in report
     assert "## Deployment" in report
 
     # Snakemake's HTML report as a person opens it in a browser: each plot is on the page.

@@ -196,6 +196,12 @@ def test_whole_dag_on_debug_then_nothing_then_only_the_lora_branch(tmp_path):
                        "awq-w4": {"int4pack": 14}, "a8w8-smooth": {"int_mm": 14}}, kernels
     for v in quant_eval["variants"].values():
         assert v["quantization"]["quantize_seconds"] > 0 and v["delta"]["decode_tokens_per_s_b1"] is not None
+        # the lm-eval local tasks (debug.yaml: 8 documents each), scored and recovered against the source
+        assert set(v["lm_eval"]) == set(v["recovery"]) == {"lifecycle_qa", "lifecycle_pairs"}
+        assert 0 <= v["lm_eval"]["lifecycle_pairs"]["acc"] <= 1 and "exact_match" in v["recovery"]["lifecycle_qa"]
+    lm_eval = json.loads((exp / "eval" / "onnx-int8.json").read_text())["lm_eval"]
+    assert lm_eval["limit"] == 8 and lm_eval["tasks"]["lifecycle_pairs"]["samples"] == 8
+    assert "## Standard tasks (lm-evaluation-harness)" in (exp / "report.md").read_text()
     # forgetting beside the task score: every fine-tuned variant against the pretrained model
     summary = quant_eval["summary"]
     assert summary["start"] == "pretrain" and set(summary["variants"]) == {"sft", "lora", "prefix", "lora-merged"}

@@ -296,3 +296,19 @@ def test_from_text_bench_report_has_its_keys(tmp_path, debug_model_dir):
     assert rows["transformers"]["same_prompt_ids"] == 2 and all(rows[g]["same_prompt_ids"] == 2 for g in gguf)
     assert rows["transformers, no special tokens"]["same_prompt_ids"] == 0
     assert all(rows[f"{g}, no special tokens"]["same_prompt_ids"] == 0 for g in gguf)
+
+
+def test_lm_eval_harness_bench_report_has_its_keys(tmp_path, debug_model_dir):
+    """bench/lm_eval_harness.py on the debug model, its wint8 variant scored through ours only."""
+    from stages import quantize
+
+    quantize.run(debug_model_dir, tmp_path / "wint8", "wint8")
+    out = tmp_path / "lm_eval_harness.json"
+    stdout, result = run_script("lm_eval_harness.py", out, "--model", str(debug_model_dir), "--documents", "3",
+                                "--variants", str(tmp_path / "wint8"))
+    assert "ours / HFLM time" in stdout and result["documents"] == 3
+    assert set(result["rows"]) == {"HFLM (lm-eval)", "ours", "wint8"}
+    assert result["rows"]["ours"]["max_abs_loglik_diff_vs_hflm"] <= 1e-5
+    ours, theirs = (result["rows"][k]["lm_eval"]["tasks"]["prose"]["metrics"] for k in ("ours", "HFLM (lm-eval)"))
+    assert ours["word_perplexity"] == pytest.approx(theirs["word_perplexity"], rel=1e-5)
+    assert result["rows"]["wint8"]["recovery"]["prose"]["word_perplexity"] > 0.5

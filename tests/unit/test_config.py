@@ -306,6 +306,17 @@ def test_align_needs_preference_pairs(tmp_path):
     check_config({"experiments": {"x": {**exp, "data": {"sft": str(sft), "preference": str(tmp_path)}}}})
 
 
+def test_lm_evals_pairs_task_needs_preference_pairs(tmp_path):
+    sft = tmp_path / "sft"
+    sft.mkdir()
+    exp = {"data": {"sft": str(sft)}, "evaluate": {"lm_eval_tasks": ["lifecycle_qa", "lifecycle_pairs"]}}
+    with pytest.raises(ConfigError, match=r"experiments\.x\.evaluate\.lm_eval_tasks names lifecycle_pairs, built from "
+                                          r"the preference dev pairs, and experiment 'x' has none"):
+        check_config({"experiments": {"x": exp}})
+    check_config({"experiments": {"x": {**exp, "evaluate": {"lm_eval_tasks": ["lifecycle_qa"]}}}})
+    check_config({"experiments": {"x": {"evaluate": {"lm_eval_tasks": ["lifecycle_pairs"]}}}})  # builtin pairs
+
+
 def test_label_smoothing_is_valid_for_dpo_and_simpo():
     for method in ("dpo", "simpo"):
         check_config({"experiments": {"x": {"align": {"enabled": True, "method": method, "label_smoothing": 0.1}}}})

@@ -24,7 +24,7 @@ DOCUMENTED_KEYS = {"variant", "model_dir", "kind", "sft_format", "ppl", "unigram
                    "num_dev_examples", "gen_tokens", "gen_seconds", "gen_tokens_per_s", "size_bytes", "num_parameters",
                    "eval_seconds", "settings", "samples", "model_bytes", "rss_bytes", "prefill_tokens_per_s_b1",
                    "prefill_tokens_per_s_b2", "decode_tokens_per_s_b1", "speed_tokens", "torch_threads", "kernels",
-                   "quantization", "preference_accuracy", "preference_margin", "preference_pairs"}
+                   "quantization", "preference_accuracy", "preference_margin", "preference_pairs", "lm_eval"}
 
 
 def _texts(n, seed):
@@ -315,3 +315,28 @@ def test_num_preference_pairs_caps_the_pairs_scored_and_zero_skips_them(workspac
     skipped = evaluate.run(workspace / "sft", tmp_path / "data", tmp_path / "none.json", "sft",
                            {**CONFIG, "num_preference_pairs": 0}, src_length=64)
     assert [skipped[k] for k in ("preference_accuracy", "preference_margin", "preference_pairs")] == [None] * 3
+
+
+def test_lm_eval_tasks_run_on_every_variant_kind(workspace, tmp_path):
+    """evaluate.lm_eval_tasks: the local tasks on a full model, a prefix adapter (peft's past key
+    values) and an ONNX export, which scores as its torch source."""
+    import peft
+
+    from stages import export
+
+    _data_with_pairs(workspace, tmp_path / "data")
+    export.run(workspace / "sft", tmp_path / "onnx", {"int8": False})
+    prefix = workspace / "prefix" if (workspace / "prefix").exists() else \
+        _adapter(workspace, "prefix", peft.PrefixTuningConfig(num_virtual_tokens=4, task_type="CAUSAL_LM"))
+    config = {**CONFIG, "lm_eval_tasks": ["lifecycle_qa", "lifecycle_pairs"]}
+    results = {}
+    for name, model_dir in (("sft", workspace / "sft"), ("prefix", prefix), ("onnx", tmp_path / "onnx")):
+        metrics = evaluate.run(model_dir, tmp_path / "data", tmp_path / f"{name}.json", name, config, src_length=64)
+        lm_eval = metrics["lm_eval"]
+        assert lm_eval["limit"] is None and lm_eval["chat_template"] is False and lm_eval["seconds"] > 0
+        assert lm_eval["tasks"]["lifecycle_qa"]["samples"] == 8 and lm_eval["tasks"]["lifecycle_pairs"]["samples"] == 7
+        results[name] = {task: r["metrics"] for task, r in lm_eval["tasks"].items()}
+    assert results["onnx"] == results["sft"]
+    assert set(results["prefix"]["lifecycle_pairs"]) == {"acc", "acc_norm"}
+    plain = evaluate.run(workspace / "sft", tmp_path / "data", tmp_path / "plain.json", "sft", CONFIG, src_length=64)
+    assert plain["lm_eval"] is None

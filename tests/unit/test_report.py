@@ -301,3 +301,40 @@ def test_alignment_table_sets_align_beside_its_source(experiment, meta_config, f
 def test_no_alignment_table_without_an_align_variant(experiment):
     _, out = _run(experiment)
     assert "## Alignment" not in (out / "report.md").read_text()
+
+
+def _lm_eval(acc, em, ppl):
+    """An eval JSON's lm_eval with one higher-is-better and one lower-is-better metric."""
+    return {"version": "0.4.13", "limit": 8, "num_fewshot": None, "chat_template": False, "seconds": 1.0,
+            "tasks": {"lifecycle_pairs": {"metrics": {"acc": acc, "acc_norm": acc}, "samples": 8, "num_fewshot": 0,
+                                          "higher_is_better": {"acc": True, "acc_norm": True}},
+                      "lifecycle_qa": {"metrics": {"exact_match": em}, "samples": 8, "num_fewshot": 0,
+                                       "higher_is_better": {"exact_match": True}},
+                      "prose": {"metrics": {"word_perplexity": ppl}, "samples": 8, "num_fewshot": 0,
+                                "higher_is_better": {"word_perplexity": False}}}}
+
+
+def test_lm_eval_scores_and_their_recovery(experiment):
+    """quant_eval.json: each entry's lm-eval scores, each quantized variant's recovery of the
+    source's (inverted for a lower-is-better metric, null against a zero); report.md's table."""
+    for name, scores in (("lora-merged", (0.8, 0.5, 20.0)), ("wint8", (0.8, 0.5, 20.0)), ("wint4", (0.6, 0.0, 25.0))):
+        path = experiment / "eval" / f"{name}.json"
+        write_json(path, {**json.loads(path.read_text()), "lm_eval": _lm_eval(*scores)})
+    result, out = _run(experiment)
+    assert result["baseline"]["lm_eval"]["lifecycle_pairs"] == {"acc": 0.8, "acc_norm": 0.8}
+    w4 = result["variants"]["wint4"]["recovery"]
+    assert w4["lifecycle_pairs"]["acc"] == pytest.approx(0.75)
+    assert w4["lifecycle_qa"]["exact_match"] == 0.0
+    assert w4["prose"]["word_perplexity"] == pytest.approx(20.0 / 25.0)
+    assert result["variants"]["wint8"]["recovery"]["lifecycle_qa"]["exact_match"] == 1.0
+    md = (out / "report.md").read_text()
+    assert "## Standard tasks (lm-evaluation-harness)" in md and "lm-evaluation-harness 0.4.13" in md
+    section = md.split("## Standard tasks")[1].split("\n## ")[0]
+    row = next(line for line in section.splitlines() if line.startswith("| wint4"))
+    assert "60.0%" in row and "75.0%" in row and "80.0%" in row  # acc, its recovery, perplexity kept
+
+
+def test_no_task_table_without_lm_eval(experiment):
+    result, out = _run(experiment)
+    assert result["baseline"]["lm_eval"] is None and result["variants"]["wint4"]["recovery"] is None
+    assert "Standard tasks" not in (out / "report.md").read_text()

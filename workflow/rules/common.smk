@@ -397,6 +397,18 @@ def variant_dir(wildcards):
                       f"{', '.join(model_variants(wildcards) + quant_variants(wildcards) + onnx_variants(wildcards))}")
 
 
+def lm_eval_task_files(wildcards):
+    """The task YAML files of evaluate.lm_eval_include_path (inputs of every evaluate job, so that
+    editing a task reruns the evaluations); none without that directory."""
+    task_dir = experiment(wildcards)["evaluate"]["lm_eval_include_path"]
+    if task_dir is None:
+        return []
+    if not Path(task_dir).is_dir():
+        raise ValueError(f"experiments.{wildcards.experiment}.evaluate.lm_eval_include_path={task_dir!r} is not a "
+                         f"directory (relative to {Path.cwd()}); point it at a directory of lm-eval task YAML files")
+    return sorted(str(p) for p in Path(task_dir).rglob("*") if p.suffix in (".yaml", ".yml") and p.is_file())
+
+
 def variant_inputs(wildcards):
     """What evaluating a variant needs: its dir (`model`; for onnx-int8 the export dir, int8/ is
     inside it), plus the base model for adapter dirs (`base`). Used with unpack()."""

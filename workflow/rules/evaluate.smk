@@ -1,9 +1,11 @@
-# Perplexity, exact match, BLEU-4, ROUGE-L, size and generation speed of one variant.
+# Perplexity, exact match, BLEU-4, ROUGE-L, size and generation speed of one variant, and the
+# lm-evaluation-harness tasks evaluate.lm_eval_tasks names.
 rule evaluate:
     conda: ENVIRONMENT
     input:
         unpack(variant_inputs),
         data="results/{experiment}/data",
+        lm_eval_tasks=lm_eval_task_files,
     output:
         "results/{experiment}/eval/{variant}.json",
     log:

@@ -71,9 +71,9 @@ Metrics JSON (`eval/<variant>.json`, written atomically), one object:
                             spec, bits, group_size, quantize_seconds, calibration, ...); null otherwise
   lm_eval            dict   lm-evaluation-harness tasks (evaluate.lm_eval_tasks) run on this variant
                             through stages.harness.variant_lm.VariantLM: {"version", "limit",
-                            "num_fewshot", "chat_template", "seconds", "tasks": {task: {"metrics",
-                            "higher_is_better", "samples", "num_fewshot"}}} (stages.harness.tasks);
-                            null without tasks
+                            "num_fewshot", "chat_template", "wall_seconds", "tasks": {task:
+                            {"metrics", "higher_is_better", "samples", "num_fewshot"}}}
+                            (stages.harness.tasks); null without tasks
   eval_seconds       float  wall seconds of the whole evaluation, loading included
   settings           dict   the evaluate settings used (defaults filled)
   samples            list   first 5 dev records: {"src", "reference", "prediction"}

@@ -19,14 +19,15 @@ does; with `chat` the question goes through the tokenizer's chat template (lm-ev
 
 Other tasks are looked up by name in `include_path` (a directory of lm-eval task YAML files, e.g. a
 copy of lm-eval's arc_easy.yaml with `dataset_path: json` and `dataset_kwargs.data_files` on local
-files), then in lm-eval's own task registry. Tasks run offline (`offline()`: the hub's and datasets' offline mode):
-a registry task whose data is on the hub fails at once, with an error that says how to point it
-at local files.
+files), then in lm-eval's own task registry. Tasks run offline (`offline()`: the hub's and
+datasets' offline mode): a registry task whose data is on the hub fails at once, with an error
+that says how to point it at local files.
 
 What comes back (evaluate's `lm_eval`): {"version", "limit", "num_fewshot", "chat_template",
-"seconds", "tasks": {task: {"metrics": {metric: value}, "higher_is_better": {metric: bool},
-"samples": documents scored, "num_fewshot": shots}}}; a metric under a filter other than lm-eval's
-`none` keeps its `metric,filter` name. Standard errors are not computed (bootstrap_iters 0).
+"wall_seconds" (a measurement, stages.metrics.measured: a rerun does not reproduce it), "tasks":
+{task: {"metrics": {metric: value}, "higher_is_better": {metric: bool}, "samples": documents
+scored, "num_fewshot": shots}}}; a metric under a filter other than lm-eval's `none` keeps its
+`metric,filter` name. Standard errors are not computed (bootstrap_iters 0).
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ def run_tasks(lm: VariantLM, names: Sequence[str], *, data_dir: str | Path, incl
                              "evaluate.lm_eval_include_path with dataset_path: json and dataset_kwargs.data_files "
                              "naming the files") from e
     out = {"version": lm_eval.__version__, "limit": limit, "num_fewshot": num_fewshot, "chat_template": chat,
-           "seconds": time.perf_counter() - t_start, "tasks": {n: _metrics(results, n) for n in names}}
+           "wall_seconds": time.perf_counter() - t_start, "tasks": {n: _metrics(results, n) for n in names}}
     for name, task in out["tasks"].items():
         log.info("lm-eval %s (%s documents): %s", name, task["samples"],
                  ", ".join(f"{m} {v:.4f}" for m, v in task["metrics"].items() if v is not None))

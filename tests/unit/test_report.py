@@ -305,7 +305,7 @@ def test_no_alignment_table_without_an_align_variant(experiment):
 
 def _lm_eval(acc, em, ppl):
     """An eval JSON's lm_eval with one higher-is-better and one lower-is-better metric."""
-    return {"version": "0.4.13", "limit": 8, "num_fewshot": None, "chat_template": False, "seconds": 1.0,
+    return {"version": "0.4.13", "limit": 8, "num_fewshot": None, "chat_template": False, "wall_seconds": 1.0,
             "tasks": {"lifecycle_pairs": {"metrics": {"acc": acc, "acc_norm": acc}, "samples": 8, "num_fewshot": 0,
                                           "higher_is_better": {"acc": True, "acc_norm": True}},
                       "lifecycle_qa": {"metrics": {"exact_match": em}, "samples": 8, "num_fewshot": 0,

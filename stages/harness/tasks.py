@@ -176,7 +176,7 @@ def run_tasks(lm: VariantLM, names: Sequence[str], *, data_dir: str | Path, incl
                                       task_manager=manager, bootstrap_iters=0, log_samples=False,
                                       apply_chat_template=chat, random_seed=SEED, numpy_random_seed=SEED,
                                       torch_random_seed=SEED, fewshot_random_seed=SEED)
-        except (ConnectionError, OSError) as e:
+        except OSError as e:  # datasets' ConnectionError and FileNotFoundError among them
             raise InputError(f"an lm-eval task of {list(names)} could not load its data ({type(e).__name__}: {e}); "
                              "jobs run offline, so a task must read local files: copy its YAML into "
                              "evaluate.lm_eval_include_path with dataset_path: json and dataset_kwargs.data_files "

@@ -102,6 +102,27 @@ def test_loglikelihoods_and_generations_equal_lm_evals_hf_backend(checkpoint):
     assert any(ours_text)  # a random model still says something in 4-6 tokens
 
 
+def test_sampled_generations_are_seeded_and_an_onnx_variant_refuses_them(checkpoint, tmp_path):
+    """do_sample: true samples on the decode engine from a fixed seed (the same text on every call);
+    an ONNX export, which generates greedily only, says so."""
+    from stages import export
+
+    ours = _ours(checkpoint)
+    sampled = [("the colour of the apple is", {"until": ["\n"], "max_gen_toks": 6, "do_sample": True,
+                                               "temperature": 1.5})] * 2 + [("a banana is", {"max_gen_toks": 6,
+                                                                                           "do_sample": True})]
+    first = ours.generate_until(_requests("generate_until", sampled))
+    assert first == ours.generate_until(_requests("generate_until", sampled))
+    assert first[0] != first[1]  # two draws of one generator, not one draw repeated
+    greedy = ours.generate_until(_requests("generate_until", [(sampled[0][0], {"max_gen_toks": 6})]))
+    assert greedy[0] not in first[:2]
+    export.run(checkpoint, tmp_path / "onnx", {"int8": False})
+    model, tokenizer, kind = load_variant(tmp_path / "onnx")
+    assert kind == "onnx"
+    with pytest.raises(ValueError, match="do_sample: true.*not a torch model"):
+        VariantLM(model, tokenizer).generate_until(_requests("generate_until", sampled[:1]))
+
+
 def test_local_tasks_score_as_with_lm_evals_hf_backend(checkpoint, data_dir):
     ours = run_tasks(_ours(checkpoint), list(LOCAL_TASKS), data_dir=data_dir, max_gen_toks=4)
     theirs = run_tasks(_hflm(checkpoint), list(LOCAL_TASKS), data_dir=data_dir, max_gen_toks=4)

@@ -24,19 +24,20 @@ GPTQ against GPTQModel (`--gptqmodel`, with gptq-w4 among the variants; `--gptqm
 quantizes the same float source with the same calibration windows (the token ids that
 `stages.quant.calibration.calibration_ids` gives the stage, in batches of its `CALIBRATION_BATCH`)
 and gptq-w4's settings (bits, group_size, sym, desc_act, static_groups, damp_percent,
-true_sequential; its act_group_aware off, which ours lacks), in a subprocess per `--gptqmodel-dtypes`
-entry (GPTQModel's CPU default is bfloat16, weights and calibration forward). Ours and each GPTQModel
-run go `--gptqmodel-repeats` times in turn; the medians are printed. Reported: ours
-`quantize_seconds` and the stage call's wall time; GPTQModel's `quantize()` call and load +
-quantize + save; and, on held-out windows of the data's validation split, for the float32 source
-with each result's dequantized decoder Linears swapped in (the quantizer's effect alone; both
+true_sequential, mse; its act_group_aware off, which ours lacks; `--gptqmodel-configs defaults` runs
+it with its own defaults beyond the grid instead, `same,defaults` both), in a subprocess per
+`--gptqmodel-dtypes` entry (GPTQModel's CPU default is bfloat16, weights and calibration forward).
+Ours and each GPTQModel run go `--gptqmodel-repeats` times in turn; the medians are printed.
+Reported: ours `quantize_seconds` and the stage call's wall time; GPTQModel's `quantize()` call and
+load + quantize + save; and, on held-out windows of the data's validation split, for the float32
+source with each result's dequantized decoder Linears swapped in (the quantizer's effect alone; both
 results read by `stages.quant.load_quantized(kernels=False)`): perplexity, relative logit error
-||l - l_fp32|| / ||l_fp32||, top-1 agreement and mean KL(fp32 || quantized). With random weights
-the perplexity is near the vocabulary size for every model; the logit error, top-1 and KL are the
+||l - l_fp32|| / ||l_fp32||, top-1 agreement and mean KL(fp32 || quantized). With random weights the
+perplexity is near the vocabulary size for every model; the logit error, top-1 and KL are the
 measures that separate them there. Our calibration forwards run in `--calib-dtype`
-(quantize.calibration.dtype, auto: bfloat16 where native). `--awq` adds our awq-w4 and wint4 of
-the source to that table (with the float tensors a file changed, AWQ's folded norms, swapped in
-too); `--gptq-asym` runs both GPTQs on the asymmetric grid AWQ and RTN use.
+(quantize.calibration.dtype, auto: bfloat16 where native). `--awq` adds our awq-w4 and wint4 of the
+source to that table (with the float tensors a file changed, AWQ's folded norms, swapped in too);
+`--gptq-asym` runs both GPTQs on the asymmetric grid AWQ and RTN use.
 
 Timings are medians of `--repeats` rounds after `--warmup` rounds; within a round every model runs
 once, in a rotated order, so load from other processes hits all of them alike. Ratios to fp32
@@ -355,10 +356,14 @@ def gptqmodel_worker(args: argparse.Namespace) -> None:
     import gptqmodel
     from gptqmodel import GPTQModel, QuantizeConfig
 
-    qcfg = QuantizeConfig(bits=settings["bits"], group_size=settings["group_size"], sym=settings["sym"],
-                          desc_act=settings["desc_act"], static_groups=settings["static_groups"],
-                          damp_percent=settings["damp_percent"], true_sequential=settings["true_sequential"],
-                          act_group_aware=False, device="cpu")
+    if settings.get("own_defaults"):  # GPTQModel's defaults for everything but the grid (damp, act_group_aware, ...)
+        qcfg = QuantizeConfig(bits=settings["bits"], group_size=settings["group_size"], sym=settings["sym"],
+                              device="cpu")
+    else:
+        qcfg = QuantizeConfig(bits=settings["bits"], group_size=settings["group_size"], sym=settings["sym"],
+                              desc_act=settings["desc_act"], static_groups=settings["static_groups"],
+                              damp_percent=settings["damp_percent"], true_sequential=settings["true_sequential"],
+                              mse=settings.get("mse", 0.0), act_group_aware=False, device="cpu")
     start = time.perf_counter()
     model = GPTQModel.load(str(source), qcfg, dtype=getattr(torch, args.gptqmodel_dtype))
     load_s = time.perf_counter() - start
@@ -378,7 +383,7 @@ def gptqmodel_worker(args: argparse.Namespace) -> None:
 
 def run_gptqmodel(source: Path, out: Path, ids: torch.Tensor, settings: dict[str, Any], dtype: str,
                   args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    calib, result = tmp / f"gptqmodel-calib-{dtype}.pt", tmp / f"gptqmodel-{dtype}.json"
+    calib, result = tmp / f"gptqmodel-calib-{dtype}.pt", tmp / f"{out.name}.json"
     torch.save(ids, calib)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--gptqmodel-worker", "--model-dir", str(source),
            "--quant-out", str(out), "--calib", str(calib), "--result", str(result), "--threads", str(args.threads),
@@ -468,7 +473,7 @@ def compare_gptqmodel(source: Path, data: Path, ours_dir: Path, ours: dict[str, 
         raise RuntimeError("the calibration windows differ from the stage's")
     spec = metrics["spec"]
     settings = {k: spec[k] for k in ("bits", "group_size", "sym", "desc_act", "static_groups", "damp_percent",
-                                     "true_sequential")}
+                                     "true_sequential", "mse")}
     settings["batch"] = CALIBRATION_BATCH
     samples: dict[str, list[dict[str, Any]]] = {"ours": [{"quantize_s": metrics["quantize_seconds"],
                                                           "total_s": ours["stage_wall_s"]}]}
@@ -479,17 +484,22 @@ def compare_gptqmodel(source: Path, data: Path, ours_dir: Path, ours: dict[str, 
             samples["ours"].append({"quantize_s": again["metrics"]["quantize_seconds"],
                                     "total_s": again["stage_wall_s"]})
             log(f"ours again: quantize {samples['ours'][-1]['quantize_s']:.1f} s")
+        configs = {"": settings, "-defaults": {**settings, "own_defaults": True}}
+        configs = {suffix: c for suffix, c in configs.items() if (suffix[1:] or "same") in args.gptqmodel_configs}
         for dtype in args.gptqmodel_dtypes:
-            name = f"gptqmodel-{dtype}"
-            dirs[name] = tmp / name
-            samples.setdefault(name, []).append(run_gptqmodel(source, dirs[name], ids, settings, dtype, args, tmp))
-            g = samples[name][-1]
-            log(f"GPTQModel ({dtype}): quantize() {g['quantize_s']:.1f} s, load + quantize + save {g['total_s']:.1f} s")
+            for suffix, config in configs.items():
+                name = f"gptqmodel-{dtype}{suffix}"
+                dirs[name] = tmp / name
+                samples.setdefault(name, []).append(run_gptqmodel(source, dirs[name], ids, config, dtype, args, tmp))
+                g = samples[name][-1]
+                log(f"GPTQModel ({dtype}{suffix}): quantize() {g['quantize_s']:.1f} s, "
+                    f"load + quantize + save {g['total_s']:.1f} s")
     rows: dict[str, dict[str, Any]] = {}
     for name, runs in samples.items():
         first = runs[0]
         rows[name] = {
-            "quantizer": "stages.quantize (ours)" if name == "ours" else f"GPTQModel {first['gptqmodel']}",
+            "quantizer": "stages.quantize (ours)" if name == "ours" else
+                         f"GPTQModel {first['gptqmodel']}" + (" (its defaults)" if name.endswith("-defaults") else ""),
             "dtype": metrics["calibration"]["dtype"] if name == "ours" else first["dtype"],
             "quantize_s": median(x["quantize_s"] for x in runs), "total_s": median(x["total_s"] for x in runs),
             "quantize_s_samples": [x["quantize_s"] for x in runs], "total_s_samples": [x["total_s"] for x in runs]}
@@ -699,7 +709,8 @@ def format_size(size: str, result: dict[str, Any], s: dict[str, Any]) -> str:
 def format_versus(versus: dict[str, Any]) -> str:
     st = versus["settings"]
     lines = [f"GPTQ vs GPTQModel: bits {st['bits']}, group_size {st['group_size']}, sym {st['sym']}, desc_act "
-             f"{st['desc_act']}, damp {st['damp_percent']}, true_sequential {st['true_sequential']}; calibration "
+             f"{st['desc_act']}, static_groups {st.get('static_groups', False)}, mse {st.get('mse', 0.0)}, damp "
+             f"{st['damp_percent']}, true_sequential {st['true_sequential']}; calibration "
              f"{versus['calibration_windows'][0]} x {versus['calibration_windows'][1]} tokens (the same ids, batches "
              f"of {st['batch']}); held-out {versus['heldout_windows'][0]} x {versus['heldout_windows'][1]} tokens, "
              "float32 model with each result's dequantized decoder Linears; times: median of "
@@ -802,6 +813,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also compare GPTQ and GPTQModel on this float model dir (e.g. a trained "
                         "results/<name>/pretrain), calibrated on --gptqmodel-data; --sizes '' for this alone")
     p.add_argument("--gptqmodel-data", type=Path, help="the prepared data dir of --gptqmodel-source")
+    p.add_argument("--gptqmodel-configs", type=csv_list, default=["same"],
+                   help="GPTQModel's settings: same (gptq-w4's, default) and/or defaults (its own beyond bits, "
+                        "group size and sym: damp_percent, act_group_aware, desc_act, mse)")
     p.add_argument("--awq", action="store_true",
                    help="with --gptqmodel-source: also our awq-w4 and wint4 (RTN) of the source, in the quality table")
     p.add_argument("--gptq-asym", action="store_true",
@@ -832,6 +846,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [d for d in args.gptqmodel_dtypes if d not in GPTQMODEL_DTYPES]
     if bad:
         p.error(f"--gptqmodel-dtypes {bad}: choose from {', '.join(GPTQMODEL_DTYPES)}")
+    if not args.gptqmodel_configs or set(args.gptqmodel_configs) - {"same", "defaults"}:
+        p.error(f"--gptqmodel-configs {','.join(args.gptqmodel_configs)}: choose from same, defaults")
     if args.gptqmodel_repeats < 1:
         p.error("--gptqmodel-repeats must be >= 1")
     if args.repeats < 1 or args.warmup < 0 or args.decode_tokens < 1 or args.threads < 1:

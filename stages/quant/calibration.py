@@ -11,10 +11,10 @@ experiment's prepared data as `quantize.calibration` says.
                          packing: no pad token, every position is a real token);
                  a path: a JSON-lines file of the SFT format ({"src": ..., "tgt": ...}), treated as sft
     seed         the random choice of windows / the shuffle of the records
-    dtype        the calibration forwards' precision: float32 (the default), bfloat16 (autocast; the
-                 weights and what the methods accumulate stay float32,
-                 `stages.quant.block_calibration`), or auto: bfloat16 where this machine multiplies
-                 it natively, else float32 (decided by the quantize job and recorded in meta.json)
+    dtype        the calibration forwards' precision: float32, bfloat16 (autocast; the weights and
+                 what the methods accumulate stay float32, `stages.quant.block_calibration`), or auto
+                 (the default): bfloat16 where this machine multiplies it natively, else float32
+                 (decided by the quantize job and recorded in meta.json)
 
 Calibration windows are unpadded because `gptq_quantize_model` calls the model with input_ids alone,
 so every position counts in the Hessians. A source that yields no whole window is a
@@ -56,7 +56,7 @@ class CalibrationSettings:
     seq_len: int = 128  # tokens per window
     source: str = "corpus"  # corpus | sft | path to a JSON-lines SFT file
     seed: int = 0  # choice of windows, shuffle of SFT records
-    dtype: str = "float32"  # float32 | bfloat16 | auto: the calibration forwards' precision
+    dtype: str = "auto"  # float32 | bfloat16 | auto: the calibration forwards' precision
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -8,7 +8,7 @@ settings override the method's section defaults:
     rtn     bits 4, group_size = quantize.group_size, sym false   bits (4, 8), group_size, sym
     gptq    quantize.gptq (group_size null = quantize.group_size) bits, group_size, sym, desc_act,
                                                                   static_groups, damp_percent,
-                                                                  true_sequential
+                                                                  true_sequential, mse
     a8w8    quantize.a8w8                                         activation, smooth, smooth_alpha,
                                                                   smooth_search, smooth_alpha_grid,
                                                                   shift, smooth_all_linears,
@@ -58,7 +58,8 @@ BUILTIN_VARIANTS: dict[str, dict[str, Any]] = {
     "wint4-sym": {"method": "rtn", "bits": 4, "sym": True},
     "gptq-w4": {"method": "gptq", "bits": 4},
     "gptq-w4g128": {"method": "gptq", "bits": 4, "group_size": 128},
-    "gptq-w4g128-act": {"method": "gptq", "bits": 4, "group_size": 128, "desc_act": True},
+    # act-order's classic layout: groups of the processing order, a non-monotonic g_idx
+    "gptq-w4g128-act": {"method": "gptq", "bits": 4, "group_size": 128, "desc_act": True, "static_groups": False},
     "gptq-w3g64": {"method": "gptq", "bits": 3, "group_size": 64},
     "gptq-w8": {"method": "gptq", "bits": 8, "group_size": -1},
     "a8w8": {"method": "a8w8", "smooth": False},

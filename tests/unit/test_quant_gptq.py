@@ -97,6 +97,51 @@ def test_act_order_does_not_hurt(layer_data):
         assert _out_err(x, w, dequantize_gptq(r)) <= 1.02 * plain
 
 
+def _row_errors(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, norm: float) -> torch.Tensor:
+    q = torch.clamp(torch.round(w / scale[:, None]) + zero[:, None], 0, 2**bits - 1)
+    return ((q - zero[:, None]) * scale[:, None] - w).abs().pow(norm).sum(dim=1)
+
+
+@pytest.mark.parametrize("sym", [False, True])
+def test_clipping_search_finds_the_best_shrink_of_each_row(sym):
+    # heavy-tailed rows (an outlier stretches the range): clipping lowers their rounding error
+    torch.manual_seed(0)
+    w = torch.distributions.StudentT(3.0).sample((48, 64)) * 0.02
+    unclipped = _row_errors(w, *gptq_module.group_params(w, 4, sym), 4, 2.4)
+    scale, zero = gptq_module.clipped_group_params(w, 4, sym, 2.4)
+    clipped = _row_errors(w, scale, zero, 4, 2.4)
+    assert (clipped <= unclipped).all() and (clipped < 0.95 * unclipped).sum() > 10
+    # as good as the reference's exhaustive scan of p = 1, 0.99, ..., 0.21, and never better than it
+    lo, hi = w.amin(dim=1).clamp(max=0.0), w.amax(dim=1).clamp(min=0.0)
+    best = torch.full_like(unclipped, float("inf"))
+    for i in range(80):
+        p = 1 - i / 100
+        grid = gptq_module.symmetric_grid(p * torch.maximum(-lo, hi), 4) if sym else \
+            gptq_module.asymmetric_grid(p * lo, p * hi, 4)
+        best = torch.minimum(best, _row_errors(w, *grid, 4, 2.4))
+    assert (clipped >= best * (1 - 1e-5)).all()
+    assert float(clipped.sum()) <= 1.01 * float(best.sum())
+    # the grid contract holds: float16-exact scales, zero points in [1, maxq]
+    assert torch.equal(scale, scale.half().float()) and zero.min() >= 1 and zero.max() <= 15
+
+
+def test_mse_option_quantizes_each_group_on_its_clipped_grid():
+    # with H = I no error is fed forward: each group is rounded on clipped_group_params' grid
+    torch.manual_seed(1)
+    w = torch.distributions.StudentT(3.0).sample((32, 128)) * 0.02
+    for options in (dict(), dict(desc_act=True, static_groups=True)):
+        r = gptq_quantize(w, torch.eye(128), bits=4, group_size=32, sym=False, mse=2.4, **options)
+        for g in range(4):
+            cols = slice(32 * g, 32 * (g + 1))
+            scale, zero = gptq_module.clipped_group_params(w[:, cols], 4, False, 2.4)
+            assert torch.equal(r.scales[:, g], scale) and torch.equal(r.zeros[:, g], zero.to(torch.int32))
+            assert torch.equal(r.codes[:, cols], torch.clamp(torch.round(w[:, cols] / scale[:, None]) + zero[:, None],
+                                                             0, 15).to(torch.int32))
+        assert (r.scales <= gptq_quantize(w, torch.eye(128), bits=4, group_size=32, sym=False).scales).all()
+    with pytest.raises(ValueError, match="mse=-1"):
+        GPTQConfig(mse=-1)
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("sym", [False, True])
 def test_grid_contract_for_every_bit_width(layer_data, bits, sym):
@@ -205,7 +250,8 @@ def test_column_loop_equals_the_reference_loop_bit_for_bit():
 
 @pytest.mark.parametrize("options", [dict(bits=4, group_size=32, sym=True),
                                      dict(bits=3, group_size=48, sym=False, desc_act=True, block_size=20),
-                                     dict(bits=4, group_size=-1, sym=False, desc_act=True, static_groups=True)])
+                                     dict(bits=4, group_size=-1, sym=False, desc_act=True, static_groups=True),
+                                     dict(bits=4, group_size=32, sym=False, mse=2.4)])
 def test_shared_hessian_gives_each_weight_its_own_result(options):
     # q/k/v (and gate/up) see the same inputs: one GPTQ over the stacked rows is each one's GPTQ
     hessian = _hessian(_inputs(1024, 112, seed=22))
@@ -348,7 +394,8 @@ def test_driver_shares_the_hessian_of_layers_fed_the_same_input(monkeypatch):
     for inp in inputs:
         h.add_batch(reference.input_layernorm(inp.hidden))
     for name in ("q_proj", "k_proj", "v_proj"):
-        alone = gptq_quantize(getattr(reference.self_attn, name).weight, h.hessian, bits=4, group_size=32, sym=False)
+        alone = gptq_quantize(getattr(reference.self_attn, name).weight, h.hessian, bits=4, group_size=32, sym=False,
+                              desc_act=config.desc_act, static_groups=config.static_groups, mse=config.mse)
         assert torch.equal(results[f"self_attn.{name}"].weight, alone.weight)
 
 

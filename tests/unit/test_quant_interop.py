@@ -205,8 +205,8 @@ def _honest_gptq_config(config: GPTQConfig) -> dict:
 
 
 GPTQ_CASES = {
-    "4bit": GPTQConfig(bits=4, group_size=GROUP),
-    "4bit-desc_act": GPTQConfig(bits=4, group_size=GROUP, desc_act=True),  # permuted g_idx
+    "4bit": GPTQConfig(bits=4, group_size=GROUP),  # the defaults: act-order, static groups, clipping search
+    "4bit-desc_act": GPTQConfig(bits=4, group_size=GROUP, desc_act=True, static_groups=False),  # permuted g_idx
     "3bit": GPTQConfig(bits=3, group_size=GROUP),
     "3bit-asym": GPTQConfig(bits=3, group_size=GROUP, sym=False),  # "gptq_v2"
     "4bit-group128": GPTQConfig(bits=4, group_size=128),  # in 192: groups of 128 and 64; in 64: one
@@ -264,6 +264,9 @@ def test_writer_config_matches_honest_config():
     # with the GPTQ options: the same keys plus those GPTQ applied
     assert quantization_config(config.bits, config.group_size, gptq=config) == \
         {**honest, "static_groups": False, "damp_percent": config.damp_percent}
+    plain = GPTQ_CASES["4bit"]  # the defaults: act-order with static groups (a monotonic g_idx)
+    assert quantization_config(plain.bits, plain.group_size, gptq=plain) == \
+        {**_honest_gptq_config(plain), "desc_act": True, "static_groups": True, "damp_percent": plain.damp_percent}
     asym = quantization_config(config.bits, config.group_size, gptq=GPTQ_CASES["3bit-asym"])
     assert (asym["sym"], asym["format"], asym["checkpoint_format"]) == (False, "gptq_v2", "gptq_v2")
     assert "meta" not in asym
@@ -289,9 +292,9 @@ CALIBRATION = {"num_samples": 16, "seq_len": 64, "source": "corpus", "seed": 0}
 
 @pytest.fixture(scope="module")
 def stage_gptq_dir(debug_model_dir, stage_data_dir):
-    """`python -m stages.quantize --variant gptq-w4` (act-order, symmetric by default) on the debug
-    model, calibrated on a corpus of random tokens."""
-    section = {"group_size": GROUP, "gptq": {"desc_act": True}, "calibration": CALIBRATION}
+    """`python -m stages.quantize --variant gptq-w4` with quantize.gptq's defaults (act-order with static
+    groups, the clipping search, symmetric) on the debug model, calibrated on a corpus of random tokens."""
+    section = {"group_size": GROUP, "calibration": CALIBRATION}
     out = stage_data_dir.parent / "gptq-w4"
     subprocess.run([sys.executable, "-m", "stages.quantize", "--source", str(debug_model_dir), "--out", str(out),
                     "--variant", "gptq-w4", "--data", str(stage_data_dir), "--config", json.dumps(section)],

@@ -174,10 +174,17 @@ def _gptq_reference(source, data_dir, section, dtype: str) -> tuple[torch.nn.Mod
     return hf, results
 
 
-@pytest.mark.parametrize("desc_act,true_sequential,bits", [(False, True, 4), (True, False, 3)])
-def test_files_read_back_as_the_gptq_dequantized_model(source, data_dir, tmp_path, desc_act, true_sequential, bits):
+@pytest.mark.parametrize("desc_act,static_groups,mse,true_sequential,bits", [
+    (True, True, 2.4, True, 4),  # the defaults: act-order, static groups, clipping search
+    (False, False, 0.0, True, 4),  # AutoGPTQ's defaults
+    (True, False, 0.0, False, 3),  # act-order's classic layout: a non-monotonic g_idx
+])
+def test_files_read_back_as_the_gptq_dequantized_model(source, data_dir, tmp_path, desc_act, static_groups, mse,
+                                                       true_sequential, bits):
     group = 40  # widths 64 and 192: groups of 40 with a narrower last one (24 and 32)
-    section = _section(group, desc_act=desc_act, true_sequential=true_sequential, bits=bits)
+    defaults = (desc_act, static_groups, mse) == (True, True, 2.4)
+    options = {} if defaults else dict(desc_act=desc_act, static_groups=static_groups, mse=mse)
+    section = _section(group, true_sequential=true_sequential, bits=bits, **options)
     # a custom variant that sets nothing itself: every GPTQ option comes from quantize.gptq
     section["custom_variants"] = {"gptq-custom": {"method": "gptq"}}
     out = tmp_path / "gptq-custom"
@@ -185,7 +192,7 @@ def test_files_read_back_as_the_gptq_dequantized_model(source, data_dir, tmp_pat
                              "--data", str(data_dir), "--config", json.dumps(section)])
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qcfg == {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act, "sym": True,
-                    "static_groups": False, "damp_percent": 0.01, "true_sequential": true_sequential,
+                    "static_groups": static_groups, "damp_percent": 0.01, "true_sequential": true_sequential,
                     "format": "gptq", "checkpoint_format": "gptq"}
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         p = "model.layers.0.mlp.down_proj"  # in 192: groups 40, 40, 40, 40, 32
@@ -193,11 +200,11 @@ def test_files_read_back_as_the_gptq_dequantized_model(source, data_dir, tmp_pat
         assert tuple(f.get_tensor(f"{p}.qweight").shape) == (192 * bits // 32, 64)
         assert tuple(f.get_tensor(f"{p}.qzeros").shape) == (5, 64 * bits // 32)
         g_idx = f.get_tensor(f"{p}.g_idx")
-        assert (torch.diff(g_idx) < 0).any() == desc_act  # act-order: not monotonic
+        assert (torch.diff(g_idx) < 0).any() == (desc_act and not static_groups)  # classic act-order: not monotonic
         assert torch.bincount(g_idx).tolist() == [40, 40, 40, 40, 32]
         assert "model.layers.0.mlp.down_proj.weight" not in f.keys()
 
-    assert metrics["calibration"]["dtype"] == "float32"  # the default
+    assert metrics["calibration"]["dtype"] == quantize.calibration_dtype("auto")  # the default
     reference, results = _gptq_reference(source, data_dir, section, metrics["calibration"]["dtype"])
     loaded = load_quantized(out, kernels=False)
     state = loaded.state_dict()
@@ -209,9 +216,10 @@ def test_files_read_back_as_the_gptq_dequantized_model(source, data_dir, tmp_pat
 
     assert metrics["method"] == "gptq" and metrics["variant"] == "gptq-custom" and metrics["num_quantized_layers"] == 14
     assert metrics["spec"] == {"method": "gptq", "bits": bits, "group_size": group, "sym": True, "desc_act": desc_act,
-                               "static_groups": False, "damp_percent": 0.01, "true_sequential": true_sequential}
-    assert metrics["gptq"] == {"sym": True, "desc_act": desc_act, "static_groups": False, "damp_percent": 0.01,
-                               "true_sequential": true_sequential}
+                               "static_groups": static_groups, "damp_percent": 0.01,
+                               "true_sequential": true_sequential, "mse": mse}
+    assert metrics["gptq"] == {"sym": True, "desc_act": desc_act, "static_groups": static_groups, "damp_percent": 0.01,
+                               "true_sequential": true_sequential, "mse": mse}
     assert metrics["calibration"]["num_windows"] == 8 and metrics["calibration"]["source"] == "corpus"
     losses = [r.loss for r in results.values()]
     assert metrics["max_gptq_loss"] == pytest.approx(max(losses))

@@ -19,7 +19,7 @@ blocks (GLM's fused gate_up_proj is one layer), found on the model built on the 
 (`stages.quant.layers`). Calibrated methods run the float model
 itself (`stages.training.families.load_causal_lm`: our Llama for our families, transformers' model
 for the others), on CPU, its weights in float32 and its forwards in `quantize.calibration.dtype`
-(float32 by default; bfloat16 autocast, or auto: bf16 where native), after an estimate of the
+(auto by default: bf16 autocast where native, else float32; or either set), after an estimate of the
 memory they need is checked against the memory available.
 
 Output (`quant/<variant>/`, written atomically): rtn, gptq and awq write the GPTQ-layout safetensors

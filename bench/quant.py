@@ -484,8 +484,11 @@ def compare_gptqmodel(source: Path, data: Path, ours_dir: Path, ours: dict[str, 
             samples["ours"].append({"quantize_s": again["metrics"]["quantize_seconds"],
                                     "total_s": again["stage_wall_s"]})
             log(f"ours again: quantize {samples['ours'][-1]['quantize_s']:.1f} s")
-        configs = {"": settings, "-defaults": {**settings, "own_defaults": True}}
-        configs = {suffix: c for suffix, c in configs.items() if (suffix[1:] or "same") in args.gptqmodel_configs}
+        configs = {}  # name suffix -> GPTQModel's settings
+        if "same" in args.gptqmodel_configs:
+            configs[""] = settings
+        if "defaults" in args.gptqmodel_configs:
+            configs["-defaults"] = {**settings, "own_defaults": True}
         for dtype in args.gptqmodel_dtypes:
             for suffix, config in configs.items():
                 name = f"gptqmodel-{dtype}{suffix}"

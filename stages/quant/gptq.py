@@ -100,11 +100,17 @@ def group_params(w: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, t
     s = 2 * max|w| / maxq, so every element is within s / 2 of the grid (the top code, z - 1 steps
     above zero, is half a step short of max|w|).
     """
-    lo = w.amin(dim=1).clamp(max=0.0)
-    hi = w.amax(dim=1).clamp(min=0.0)
-    if sym:
-        return symmetric_grid(torch.maximum(-lo, hi), bits)
-    return asymmetric_grid(lo, hi, bits)
+    return _grid(*_row_range(w), bits, sym)
+
+
+def _row_range(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's range [lo, hi] of `w` (out, cols), widened to contain 0."""
+    return w.amin(dim=1).clamp(max=0.0), w.amax(dim=1).clamp(min=0.0)
+
+
+def _grid(lo: torch.Tensor, hi: torch.Tensor, bits: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point of ranges [lo, hi] (any shape): rtn's symmetric or asymmetric grid."""
+    return symmetric_grid(torch.maximum(-lo, hi), bits) if sym else asymmetric_grid(lo, hi, bits)
 
 
 CLIP_MAX_SHRINK = 0.8  # the clipping search's ranges go down to 1 - CLIP_MAX_SHRINK of the full one
@@ -117,10 +123,7 @@ def _clip_errors(w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, shrinks: t
     """For shrinks (P, out): the grids of the ranges shrinks * [lo, hi] (scale, zero, each (P, out)) and
     their errors sum_cols |w - w_hat|^norm (P, out), in chunks of rows that stay in cache."""
     maxq = 2**bits - 1
-    if sym:
-        scale, zero = symmetric_grid(shrinks * torch.maximum(-lo, hi), bits)
-    else:
-        scale, zero = asymmetric_grid(shrinks * lo, shrinks * hi, bits)
+    scale, zero = _grid(shrinks * lo, shrinks * hi, bits, sym)
     err = torch.empty_like(scale)
     rows = max(1, _CLIP_CHUNK_ELEMENTS // (shrinks.shape[0] * w.shape[1]))
     for r in range(0, w.shape[0], rows):
@@ -138,8 +141,7 @@ def clipped_group_params(w: torch.Tensor, bits: int, sym: bool, norm: float) -> 
     `mse`). The reference scans p = 1, 0.99, ..., 0.21 (80 grids); this scans p = 1, 0.96, ..., 0.24,
     then the 0.01 steps within 0.03 of each row's best (26 grids, about 3x less work). p = 1 wins ties,
     so a row is clipped only where that lowers its error."""
-    lo = w.amin(dim=1).clamp(max=0.0)
-    hi = w.amax(dim=1).clamp(min=0.0)
+    lo, hi = _row_range(w)
     coarse = 1 - torch.arange(0, CLIP_MAX_SHRINK + 1e-9, CLIP_COARSE_STEP, dtype=torch.float32, device=w.device)
     scale, zero, err = _clip_errors(w, lo, hi, coarse[:, None].expand(-1, w.shape[0]), bits, sym, norm)
     best_err, pick = err.min(dim=0)  # the first minimum: the widest range among equals

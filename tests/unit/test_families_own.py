@@ -119,7 +119,10 @@ def test_quantized_layers_are_the_decoder_linears(chain):
 # the others' is near uniform, and each method's error is 2-5x theirs (RTN wint4: qwen3 0.10, glm
 # 0.055, the same shape as a Llama 0.025; that Llama's gptq-w4 0.097: symmetric 4-bit codes calibrated
 # on 16 short windows of toy text do worse than asymmetric RTN on random tokens).
-BOUNDS = {"gptq-w4": 0.4, "a8w8": 0.05, SMOOTH_ALL: 0.05}
+# gptq-w4's bound per family, about 1.4x the larger of its float32 and bf16-calibrated errors
+# (qwen3 0.296 / 0.301, glm 0.070 / 0.059, glm4 0.017 / 0.018): only Qwen3's rose with the defaults.
+GPTQ_BOUNDS = {"qwen3": 0.42, "glm": 0.1, "glm4": 0.025}
+BOUNDS = {"a8w8": 0.05, SMOOTH_ALL: 0.05}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -133,7 +136,8 @@ def test_quantized_logits_are_close_to_the_float_model(chain, variant):
     err = _rel(_logits(dequantized, ids), want)
     kernels = load_quantized(root / variant)  # int_mm (A8W8) or the low-bit GPTQ kernels
     kernel_err = _rel(_logits(kernels, ids), want)
-    assert err < BOUNDS[variant] and kernel_err < BOUNDS[variant], (err, kernel_err)
+    bound = GPTQ_BOUNDS[family] if variant == "gptq-w4" else BOUNDS[variant]
+    assert err < bound and kernel_err < bound, (err, kernel_err)
 
 
 def _import_gptq_runtime() -> None:

@@ -25,13 +25,15 @@ quantizes the same float source with the same calibration windows (the token ids
 `stages.quant.calibration.calibration_ids` gives the stage, in batches of its `CALIBRATION_BATCH`)
 and gptq-w4's settings (bits, group_size, sym, desc_act, static_groups, damp_percent,
 true_sequential, mse; its act_group_aware off, which ours lacks; `--gptqmodel-configs defaults` runs
-it with its own defaults beyond the grid instead, `same,defaults` both), in a subprocess per
+it with its own defaults beyond the grid instead, `same,defaults` both; `awq` adds GPTQModel's AWQ
+with its defaults on the same grid, beside our awq-w4 from `--awq`), in a subprocess per
 `--gptqmodel-dtypes` entry (GPTQModel's CPU default is bfloat16, weights and calibration forward).
 Ours and each GPTQModel run go `--gptqmodel-repeats` times in turn; the medians are printed.
 Reported: ours `quantize_seconds` and the stage call's wall time; GPTQModel's `quantize()` call and
 load + quantize + save; and, on held-out windows of the data's validation split, for the float32
 source with each result's dequantized decoder Linears swapped in (the quantizer's effect alone; both
-results read by `stages.quant.load_quantized(kernels=False)`): perplexity, relative logit error
+results read by `stages.quant.load_quantized(kernels=False)`, GPTQModel's AWQ GEMM file by
+`awq_gemm_state_dict`, its folded norms included): perplexity, relative logit error
 ||l - l_fp32|| / ||l_fp32||, top-1 agreement and mean KL(fp32 || quantized). With random weights the
 perplexity is near the vocabulary size for every model; the logit error, top-1 and KL are the
 measures that separate them there. Our calibration forwards run in `--calib-dtype`
@@ -356,7 +358,10 @@ def gptqmodel_worker(args: argparse.Namespace) -> None:
     import gptqmodel
     from gptqmodel import GPTQModel, QuantizeConfig
 
-    if settings.get("own_defaults"):  # GPTQModel's defaults for everything but the grid (damp, act_group_aware, ...)
+    if settings.get("awq"):  # GPTQModel's AWQ (its defaults: scale search, clipping, GEMM packing)
+        qcfg = QuantizeConfig(method="awq", format="gemm", bits=settings["bits"], group_size=settings["group_size"],
+                              sym=settings["sym"], device="cpu")
+    elif settings.get("own_defaults"):  # GPTQModel's defaults for everything but the grid (damp, act_group_aware, ...)
         qcfg = QuantizeConfig(bits=settings["bits"], group_size=settings["group_size"], sym=settings["sym"],
                               device="cpu")
     else:
@@ -369,7 +374,11 @@ def gptqmodel_worker(args: argparse.Namespace) -> None:
     load_s = time.perf_counter() - start
     calibration = [{"input_ids": row.tolist(), "attention_mask": [1] * len(row)} for row in ids]
     start = time.perf_counter()
-    model.quantize(calibration, batch_size=settings["batch"])
+    extra = {}
+    if settings.get("awq"):  # its AWQ picks a CUDA packer by default; the torch one runs on CPU
+        from gptqmodel.utils.backend import BACKEND
+        extra["backend"] = BACKEND.AWQ_TORCH
+    model.quantize(calibration, batch_size=settings["batch"], **extra)
     quantize_s = time.perf_counter() - start
     start = time.perf_counter()
     model.save(args.quant_out)
@@ -407,33 +416,38 @@ def heldout_windows(data: Path, seq_len: int) -> torch.Tensor:
     return tokens[:n * seq_len].view(n, seq_len)
 
 
-@torch.inference_mode()
-def heldout_quality(source: Path, dirs: dict[str, Path], windows: torch.Tensor, batch: int = 4,
-                    folded: Iterable[str] = ()) -> dict[str, dict[str, float]]:
-    """{name: perplexity, rel_logit_err, top1, kl} on `windows`, for the float32 source ("fp32") and
-    for the source with each directory's dequantized decoder Linears swapped in, all in float32;
-    for the names in `folded` (our own files) also the float tensors the file changed (AWQ's folded
-    norms; GPTQModel's bf16 copies of the norms stay the source's)."""
+@torch.no_grad()
+def scored_model(ref: torch.nn.Module, directory: Path, folded: bool = False) -> torch.nn.Module:
+    """A float32 copy of `ref` (the source) with `directory`'s dequantized decoder Linears swapped
+    in: the quantizer's effect alone. With `folded` (our own files) also the float tensors the file
+    changed (AWQ's folded norms; GPTQModel's bf16 copies of the norms stay the source's); an AWQ GEMM
+    file (GPTQModel's AWQ) brings its folded norms always."""
     import copy
 
     from stages.quant import load_quantized
 
+    m = copy.deepcopy(ref)
+    own = m.state_dict()
+    if json.loads((directory / "config.json").read_text())["quantization_config"].get("quant_method") == "awq":
+        for key, value in awq_gemm_state_dict(directory).items():
+            own[key].copy_(value)
+        return m
+    q = load_quantized(directory, kernels=False)
+    quantized = {f"{layer}.weight" for layer in q.quant_kernels}
+    for key, value in q.state_dict().items():
+        if key in quantized or (folded and key in own and own[key].shape == value.shape):
+            own[key].copy_(value)
+    return m
+
+
+@torch.inference_mode()
+def heldout_quality(source: Path, dirs: dict[str, Path], windows: torch.Tensor, batch: int = 4,
+                    folded: Iterable[str] = ()) -> dict[str, dict[str, float]]:
+    """{name: perplexity, rel_logit_err, top1, kl} on `windows`, for the float32 source ("fp32") and
+    for each directory's `scored_model` (`folded`: the names of our own files)."""
     ref = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, local_files_only=True,
                                                             use_safetensors=True).eval()
-    models = {"fp32": ref}
-    for name, d in dirs.items():
-        q = load_quantized(d, kernels=False)
-        m = copy.deepcopy(ref)
-        for layer in q.quant_kernels:
-            m.get_submodule(layer).weight.copy_(q.get_submodule(layer).weight)
-        if name in folded:
-            quantized = {f"{layer}.weight" for layer in q.quant_kernels}
-            own = m.state_dict()
-            for key, value in q.state_dict().items():  # the norms AWQ folded its scales into
-                if key not in quantized and key in own and own[key].shape == value.shape:
-                    own[key].copy_(value)
-        models[name] = m
-        del q
+    models = {"fp32": ref, **{name: scored_model(ref, d, name in folded) for name, d in dirs.items()}}
     sums = {n: {"nll": 0.0, "err2": 0.0, "top1": 0.0, "kl": 0.0} for n in models}
     ref2, positions = 0.0, 0
     for ids in windows.split(batch):
@@ -452,6 +466,40 @@ def heldout_quality(source: Path, dirs: dict[str, Path], windows: torch.Tensor, 
     return {n: {"perplexity": float(torch.exp(torch.tensor(a["nll"] / positions))),
                 "rel_logit_err": (a["err2"] / ref2) ** 0.5, "top1": a["top1"] / positions, "kl": a["kl"] / positions}
             for n, a in sums.items()}
+
+
+AWQ_GEMM_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # the output column of each of a packed int32's 8 nibbles
+
+
+def awq_gemm_state_dict(directory: Path) -> dict[str, torch.Tensor]:
+    """The float state dict of an AWQ GEMM checkpoint (GPTQModel's and AutoAWQ's `format: gemm`):
+    each quantized Linear's weight (out, in) = ((q - z) * s)^T, with `qweight` (in, out / 8) and
+    `qzeros` (in / g, out / 8) int32 packing 8 nibbles along the output in AWQ_GEMM_ORDER and
+    `scales` (in / g, out); the other tensors as stored. A bench reader, not a loader: the stage
+    files are GPTQ's layout."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(f))
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    position = torch.tensor(AWQ_GEMM_ORDER).argsort()  # packed slot of each output column in a run of 8
+
+    def unpack(packed: torch.Tensor) -> torch.Tensor:  # (r, c / 8) int32 -> (r, c) in column order
+        nibbles = (packed[:, :, None] >> shifts) & 15  # (r, c / 8, slot)
+        return nibbles[:, :, position].reshape(packed.shape[0], -1)
+
+    out: dict[str, torch.Tensor] = {}
+    for key, value in tensors.items():
+        if key.endswith(".qweight"):
+            base = key.removesuffix(".qweight")
+            q, z, s = unpack(value), unpack(tensors[f"{base}.qzeros"]), tensors[f"{base}.scales"].float()
+            group = q.shape[0] // s.shape[0]
+            w_t = (q.float() - z.float().repeat_interleave(group, 0)) * s.repeat_interleave(group, 0)
+            out[f"{base}.weight"] = w_t.t().contiguous()
+        elif not key.endswith((".qzeros", ".scales")):
+            out[key] = value.float()
+    return out
 
 
 def compare_gptqmodel(source: Path, data: Path, ours_dir: Path, ours: dict[str, Any], section: dict[str, Any],
@@ -489,6 +537,8 @@ def compare_gptqmodel(source: Path, data: Path, ours_dir: Path, ours: dict[str, 
             configs[""] = settings
         if "defaults" in args.gptqmodel_configs:
             configs["-defaults"] = {**settings, "own_defaults": True}
+        if "awq" in args.gptqmodel_configs:
+            configs["-awq"] = {**settings, "awq": True}
         for dtype in args.gptqmodel_dtypes:
             for suffix, config in configs.items():
                 name = f"gptqmodel-{dtype}{suffix}"
@@ -502,7 +552,8 @@ def compare_gptqmodel(source: Path, data: Path, ours_dir: Path, ours: dict[str, 
         first = runs[0]
         rows[name] = {
             "quantizer": "stages.quantize (ours)" if name == "ours" else
-                         f"GPTQModel {first['gptqmodel']}" + (" (its defaults)" if name.endswith("-defaults") else ""),
+                         f"GPTQModel {first['gptqmodel']}" + {"-defaults": " (its defaults)", "-awq": " AWQ"}.get(
+                             name[name.rfind("-"):], ""),
             "dtype": metrics["calibration"]["dtype"] if name == "ours" else first["dtype"],
             "quantize_s": median(x["quantize_s"] for x in runs), "total_s": median(x["total_s"] for x in runs),
             "quantize_s_samples": [x["quantize_s"] for x in runs], "total_s_samples": [x["total_s"] for x in runs]}
@@ -849,8 +900,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [d for d in args.gptqmodel_dtypes if d not in GPTQMODEL_DTYPES]
     if bad:
         p.error(f"--gptqmodel-dtypes {bad}: choose from {', '.join(GPTQMODEL_DTYPES)}")
-    if not args.gptqmodel_configs or set(args.gptqmodel_configs) - {"same", "defaults"}:
-        p.error(f"--gptqmodel-configs {','.join(args.gptqmodel_configs)}: choose from same, defaults")
+    if not args.gptqmodel_configs or set(args.gptqmodel_configs) - {"same", "defaults", "awq"}:
+        p.error(f"--gptqmodel-configs {','.join(args.gptqmodel_configs)}: choose from same, defaults, awq")
     if args.gptqmodel_repeats < 1:
         p.error("--gptqmodel-repeats must be >= 1")
     if args.repeats < 1 or args.warmup < 0 or args.decode_tokens < 1 or args.threads < 1:

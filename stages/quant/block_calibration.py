@@ -117,6 +117,79 @@ def forward_batches(block: nn.Module, inputs: Iterable[BlockInput], hooks: list,
             h.remove()
 
 
+class FinishedOutputs:
+    """Reuse of a block's finished parts across true-sequential passes. Each pass runs the block's
+    forward on every calibration batch; once every Linear of a direct child of the block (its
+    attention, say) is quantized and every Linear the forward calls before it is too, the child's
+    inputs and weights are final, so its output is the same in every later pass. The first pass
+    after that records it per batch; the passes after read it back (a copy, so in-place use
+    downstream cannot change it) instead of computing it again. With the call order q/k/v, o,
+    gate/up, down this computes the attention twice per batch instead of four times. The outputs are
+    the same bits as recomputed ones: the forward is deterministic on the same inputs.
+
+    `call_order`: the block's Linear / Conv1D names in the order its forward calls them.
+    `finish(names)` after each group is quantized; `batches(inputs)` wraps a pass (the batch index
+    follows the inputs); `close()` restores the children's forwards."""
+
+    def __init__(self, block: nn.Module, call_order: list[str]):
+        self._position = {name: k for k, name in enumerate(call_order)}
+        self._children: dict[str, tuple[nn.Module, list[str]]] = {}
+        for child_name, child in block.named_children():
+            names = [f"{child_name}.{n}" for n, m in child.named_modules() if isinstance(m, LINEAR_TYPES)]
+            if names and all(n in self._position for n in names):
+                self._children[child_name] = (child, names)
+        self._quantized: set[str] = set()
+        self._outputs: dict[str, list[Any]] = {}  # child -> its output per batch
+        self._patched: list[nn.Module] = []
+        self._batch = -1
+
+    def finish(self, names: Iterable[str]) -> None:
+        self._quantized.update(names)
+        for child_name, (child, names_in) in self._children.items():
+            if child_name in self._outputs or not all(n in self._quantized for n in names_in):
+                continue
+            last = max(self._position[n] for n in names_in)
+            if all(n in self._quantized for n, k in self._position.items() if k <= last):
+                self._outputs[child_name] = []
+
+    def batches(self, inputs: list[BlockInput], record: bool = True) -> Iterator[BlockInput]:
+        """`inputs` one by one, with the finished children replaying their outputs, and recording
+        them where not recorded yet unless `record` is False (the last pass: nothing reads them)."""
+        hooks = []
+        for child_name, outputs in self._outputs.items():
+            child = self._children[child_name][0]
+            if outputs:  # recorded in an earlier pass: replay
+                if "forward" not in vars(child):
+                    child.forward = lambda *args, _outputs=outputs, **kwargs: _copy(_outputs[self._batch])
+                    self._patched.append(child)
+            elif record:
+                hooks.append(child.register_forward_hook(
+                    lambda mod, args, out, _outputs=outputs: _outputs.append(_copy(out))))
+        try:
+            for self._batch, inp in enumerate(inputs):
+                yield inp
+        finally:
+            for h in hooks:
+                h.remove()
+            for name, outputs in self._outputs.items():
+                if outputs and len(outputs) != len(inputs):  # a pass ended early: record again next time
+                    outputs.clear()
+
+    def close(self) -> None:
+        for child in self._patched:
+            del child.forward
+        self._patched.clear()
+        self._outputs.clear()
+
+
+def _copy(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, tuple):
+        return tuple(_copy(x) for x in out)
+    return out
+
+
 def linear_inputs_hooks(block: nn.Module, calls: list[tuple[str, torch.Tensor]]) -> list:
     """Forward hooks appending (name, input) to `calls` for each Linear / Conv1D the block calls."""
     return [m.register_forward_hook(lambda mod, args, out, name=name: calls.append((name, args[0])))

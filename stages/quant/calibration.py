@@ -154,8 +154,9 @@ def calibration_memory_bytes(num_parameters: int, widths: list[tuple[int, int]],
     """An upper estimate, in bytes, of what layer-by-layer calibration (GPTQ, A8W8) holds at once:
 
         model       the float32 model plus the source state dict: 8 bytes per parameter
-        activations the inputs and outputs of one decoder block for every window, float32:
-                    2 * num_windows * seq_len * hidden (hidden = the narrowest input width)
+        activations the inputs and outputs of one decoder block for every window, float32, and
+                    GPTQ's reused attention outputs (`FinishedOutputs`):
+                    3 * num_windows * seq_len * hidden (hidden = the narrowest input width)
         forward     one block's forward on `batch` windows: its widest layer's input and output
                     and the attention scores (hidden / 64 heads of seq_len^2), float32
         hessians    GPTQ's Hessian of the widest layer and its working copies: 4 * in^2 float32
@@ -164,7 +165,7 @@ def calibration_memory_bytes(num_parameters: int, widths: list[tuple[int, int]],
     widest_in, widest_out = max(i for _, i in widths), max(o for o, _ in widths)
     parts = {
         "model": 8 * num_parameters,
-        "activations": 2 * num_windows * seq_len * hidden * 4,
+        "activations": 3 * num_windows * seq_len * hidden * 4,
         "forward": batch * seq_len * (widest_in + widest_out + max(1, hidden // 64) * seq_len) * 4 * 2,
         "hessians": 4 * widest_in * widest_in * 4,
     }

@@ -75,9 +75,9 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from stages.quant.block_calibration import (BlockInput, GPTQHessian, StopForward,  # noqa: F401 (re-exported)
-                                            capture_block_inputs, forward_batches, quantize_blocks_sequentially,
-                                            run_block, sequential_groups)
+from stages.quant.block_calibration import (BlockInput, FinishedOutputs, GPTQHessian,  # noqa: F401 (re-exported)
+                                            StopForward, capture_block_inputs, forward_batches,
+                                            quantize_blocks_sequentially, run_block, sequential_groups)
 from stages.quant.gptq_config import SUPPORTED_BITS, GPTQConfig, GPTQResult  # noqa: F401 (re-exported)
 from stages.quant.layers import linear_weight
 from stages.quant.rtn import QuantizedWeight, asymmetric_grid, symmetric_grid
@@ -353,7 +353,7 @@ def to_quantized_weight(result: GPTQResult) -> QuantizedWeight:
 @torch.no_grad()
 def quantize_layer_sequential(
     block: nn.Module, inputs: Sequence[BlockInput], config: GPTQConfig,
-    sequential: Sequence[Sequence[str]] | None = None, prefix: str = "",
+    sequential: Sequence[Sequence[str]] | None = None, prefix: str = "", reuse: bool = True,
 ) -> tuple[list[torch.Tensor], dict[str, GPTQResult]]:
     """GPTQ every Linear / Conv1D of one decoder block in true-sequential order, replacing each
     weight by its dequantized value before the next group is calibrated.
@@ -363,67 +363,85 @@ def quantize_layer_sequential(
     Returns the block's outputs on `inputs` with every weight quantized (the next block's inputs),
     and {f"{prefix}.{name}": result} in quantization order.
     """
+    call_order = sequential_groups(block, inputs[0])
     if sequential is not None:
         groups = [list(g) for g in sequential]
     else:
-        groups = sequential_groups(block, inputs[0])
+        groups = call_order
         if not config.true_sequential:
             groups = [[name for group in groups for name in group]]
     modules = dict(block.named_modules())
     dot = f"{prefix}." if prefix else ""
     results: dict[str, GPTQResult] = {}
-    for group in groups:
-        hessians: dict[str, GPTQHessian] = {}
-        leader: dict[str, str] = {}  # layer -> the layer whose Hessian it shares (itself if none)
-        batch_inputs: dict[str, torch.Tensor] = {}  # this batch: leader -> its input
-        seen: set[str] = set()
+    finished = FinishedOutputs(block, [name for group in call_order for name in group]) if reuse else None
+    try:
+        for group in groups:
+            _quantize_group(block, modules, group, inputs, config, dot, results, finished)
+        if finished is None:
+            return [run_block(block, inp) for inp in inputs], results
+        return [run_block(block, inp) for inp in finished.batches(inputs, record=False)], results
+    finally:
+        if finished is not None:
+            finished.close()
 
-        def record(mod, args, out, name):
-            x = args[0]
-            if name not in leader:  # decided on the first batch: the same tensor as an earlier layer's
-                leader[name] = next((n for n, t in batch_inputs.items() if t is x), name)
-            if leader[name] == name:
-                if name not in hessians:
-                    hessians[name] = GPTQHessian(linear_weight(modules[name]).shape[1], modules[name].weight.device)
-                hessians[name].add_batch(x)
-                batch_inputs[name] = x
-            elif batch_inputs.get(leader[name]) is not x:
-                raise RuntimeError(f"{dot}{name} was fed {dot}{leader[name]}'s input on the first calibration batch "
-                                   "but not on a later one; the block's forward is not the same for every batch")
-            seen.add(name)
-            if len(seen) == len(group):  # the rest of the block cannot change these inputs
-                raise StopForward
 
-        def new_batch():  # what `record` keeps of one batch
-            seen.clear()
-            batch_inputs.clear()
+def _quantize_group(block: nn.Module, modules: dict[str, nn.Module], group: list[str], inputs: list[BlockInput],
+                    config: GPTQConfig, dot: str, results: dict[str, GPTQResult],
+                    finished: FinishedOutputs | None) -> None:
+    """One true-sequential group: its Hessians from a pass over `inputs`, its GPTQ, its weights
+    replaced by their dequantized values; results added to `results`."""
+    hessians: dict[str, GPTQHessian] = {}
+    leader: dict[str, str] = {}  # layer -> the layer whose Hessian it shares (itself if none)
+    batch_inputs: dict[str, torch.Tensor] = {}  # this batch: leader -> its input
+    seen: set[str] = set()
 
-        hooks = [modules[name].register_forward_hook(lambda mod, args, out, name=name: record(mod, args, out, name))
-                 for name in group]
-        forward_batches(block, inputs, hooks, before_batch=new_batch)
+    def record(mod, args, out, name):
+        x = args[0]
+        if name not in leader:  # decided on the first batch: the same tensor as an earlier layer's
+            leader[name] = next((n for n, t in batch_inputs.items() if t is x), name)
+        if leader[name] == name:
+            if name not in hessians:
+                hessians[name] = GPTQHessian(linear_weight(modules[name]).shape[1], modules[name].weight.device)
+            hessians[name].add_batch(x)
+            batch_inputs[name] = x
+        elif batch_inputs.get(leader[name]) is not x:
+            raise RuntimeError(f"{dot}{name} was fed {dot}{leader[name]}'s input on the first calibration batch "
+                               "but not on a later one; the block's forward is not the same for every batch")
+        seen.add(name)
+        if len(seen) == len(group):  # the rest of the block cannot change these inputs
+            raise StopForward
+
+    def new_batch():  # what `record` keeps of one batch
+        seen.clear()
         batch_inputs.clear()
-        missing = [name for name in group if name not in leader]
-        if missing:
-            raise ValueError(f"{dot}{missing[0]} received no calibration input: the block's forward does not "
-                             "call it; pass `sequential` without it")
-        # layers sharing an input share H: one GPTQ over their stacked rows (bit-identical to one each)
-        shared: dict[str, list[str]] = {}
-        for name in group:
-            shared.setdefault(leader[name], []).append(name)
-        group_results: dict[str, GPTQResult] = {}
-        for first, members in shared.items():
-            rs = gptq_quantize_shared([linear_weight(modules[name]) for name in members], hessians[first].hessian,
-                                      config.bits, config.group_size, config.sym, config.desc_act,
-                                      config.static_groups, config.damp_percent, config.block_size,
-                                      names=[f"{dot}{name}" for name in members], mse=config.mse)
-            group_results.update(zip(members, rs))
-        for name in group:  # in the group's order
-            module, r = modules[name], group_results[name]
-            w = r.weight.t() if isinstance(module, Conv1D) else r.weight
-            module.weight.copy_(w.to(module.weight.dtype))
-            results[f"{dot}{name}"] = r
-            log.debug("%s%s: GPTQ loss %.4g", dot, name, r.loss)
-    return [run_block(block, inp) for inp in inputs], results
+
+    hooks = [modules[name].register_forward_hook(lambda mod, args, out, name=name: record(mod, args, out, name))
+             for name in group]
+    forward_batches(block, inputs if finished is None else finished.batches(inputs), hooks, before_batch=new_batch)
+    batch_inputs.clear()
+    missing = [name for name in group if name not in leader]
+    if missing:
+        raise ValueError(f"{dot}{missing[0]} received no calibration input: the block's forward does not "
+                         "call it; pass `sequential` without it")
+    # layers sharing an input share H: one GPTQ over their stacked rows (bit-identical to one each)
+    shared: dict[str, list[str]] = {}
+    for name in group:
+        shared.setdefault(leader[name], []).append(name)
+    group_results: dict[str, GPTQResult] = {}
+    for first, members in shared.items():
+        rs = gptq_quantize_shared([linear_weight(modules[name]) for name in members], hessians[first].hessian,
+                                  config.bits, config.group_size, config.sym, config.desc_act,
+                                  config.static_groups, config.damp_percent, config.block_size,
+                                  names=[f"{dot}{name}" for name in members], mse=config.mse)
+        group_results.update(zip(members, rs))
+    for name in group:  # in the group's order
+        module, r = modules[name], group_results[name]
+        w = r.weight.t() if isinstance(module, Conv1D) else r.weight
+        module.weight.copy_(w.to(module.weight.dtype))
+        results[f"{dot}{name}"] = r
+        log.debug("%s%s: GPTQ loss %.4g", dot, name, r.loss)
+    if finished is not None:
+        finished.finish(group)
 
 
 @torch.no_grad()

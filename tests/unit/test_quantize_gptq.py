@@ -31,12 +31,12 @@ from stages.training.families import load_causal_lm
 SEQ = 32
 
 
-def _structured_llama(vocab: int, seed: int = 0):
+def _structured_llama(vocab: int, seed: int = 0, **overrides):
     """A debug-flavour Llama (widths 64 and 192) whose activations look like a trained model's:
     embeddings with correlated channels, a few norm weights 8x larger (outlier features); as in
     tests/unit/test_quant_gptq.py."""
     model = build_model(config_for_flavour("debug", vocab_size=vocab, bos_token_id=1, eos_token_id=2,
-                                           pad_token_id=0), seed=seed).eval()
+                                           pad_token_id=0, **overrides), seed=seed).eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         d = model.config.hidden_size
@@ -305,6 +305,56 @@ def test_bench_heldout_quality_scores_the_quantizer_alone(source, data_dir, tmp_
     assert "| ours " in text and "1.0 (1.0-2.0)" in text and f"{err:.4f}" in text
 
 
+def test_bench_reads_what_gptqmodel_writes(data_dir, tmp_path, tokenizer, tiny_tokenizer_dir):
+    """bench/quant.py's GPTQModel runs (its worker subprocess, the --gptqmodel-configs same and awq
+    rows) on a tiny source, scored by bench's heldout_quality: every quantized Linear it scores
+    (GPTQModel's GPTQ file read by our loader, its AWQ GEMM file by bench's awq_gemm_state_dict) is
+    the weight GPTQModel's own code dequantizes from the file (its loaded module's
+    dequantize_weight, its AWQ dequantize_gemm; float16 scales, hence the tolerance; a wrong nibble
+    order is off by about the weights' size), and the AWQ file's folded norms are read. Four KV
+    heads: GPTQModel's AWQ clips output rows in batches of 64."""
+    gptqmodel = pytest.importorskip("gptqmodel")
+    import argparse
+
+    from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
+
+    from bench.quant import heldout_quality, run_gptqmodel, scored_model
+
+    source = tmp_path / "source"
+    with atomic_dir(source) as tmp:
+        save_pretrained(_structured_llama(len(tokenizer), num_key_value_heads=4), tmp, tokenizer_dir=tiny_tokenizer_dir)
+    ids = torch.from_numpy(TokenFile.open(data_dir, "train").tokens[:8 * SEQ].astype("int64")).view(8, SEQ)
+    group = 32
+    settings = {"bits": 4, "group_size": group, "sym": False, "desc_act": True, "static_groups": True,
+                "damp_percent": 0.01, "true_sequential": True, "mse": 2.4, "batch": 4}
+    dirs = {name: tmp_path / name for name in ("gptq", "awq")}
+    for name, extra in (("gptq", {}), ("awq", {"awq": True})):
+        run_gptqmodel(source, dirs[name], ids, {**settings, **extra}, "bfloat16", argparse.Namespace(threads=1),
+                      tmp_path)
+    assert json.loads((dirs["awq"] / "config.json").read_text())["quantization_config"]["quant_method"] == "awq"
+    reference = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    for name, directory in dirs.items():
+        scored = scored_model(reference, directory)
+        theirs = gptqmodel.GPTQModel.load(str(directory), device="cpu", dtype=torch.float16).model
+        layers = {n: m for n, m in theirs.named_modules() if hasattr(m, "qweight")}
+        assert len(layers) == 7 * reference.config.num_hidden_layers, sorted(layers)
+        for layer, module in layers.items():
+            if name == "awq":
+                expected = dequantize_gemm(module.qweight, module.qzeros, module.scales, 4, group).t()
+            else:
+                expected = module.dequantize_weight().t()
+            ours = scored.get_submodule(layer).weight.detach()
+            torch.testing.assert_close(ours, expected.float(), rtol=2e-3, atol=2e-3 * float(ours.abs().max()),
+                                       msg=lambda m, layer=layer: f"{name} {layer}: {m}")
+        norm = "model.layers.0.input_layernorm.weight"
+        folded = scored.state_dict()[norm]
+        assert torch.equal(folded, theirs.state_dict()[norm].float()) and (name == "gptq") == torch.equal(
+            folded, reference.state_dict()[norm])  # AWQ folded its scales into the norm
+    held_out = torch.from_numpy(TokenFile.open(data_dir, "validation").tokens[:4 * SEQ].astype("int64")).view(4, SEQ)
+    quality = heldout_quality(source, dirs, held_out)
+    assert all(0 < quality[name]["rel_logit_err"] < 0.3 for name in dirs), quality
+
+
 def test_gptq_needs_its_data_and_fails_before_writing(source, data_dir, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(CalibrationError, match=r"quantize\.calibration\.source=corpus reads the experiment's "
@@ -397,9 +447,9 @@ def test_calibration_memory_estimate_refuses_before_loading():
 
     widths = [(4096, 4096), (11008, 4096), (4096, 11008)]  # a 7B Llama block
     need = calibration_memory_bytes(6_700_000_000, widths, num_windows=128, seq_len=2048, batch=8)
-    assert need["activations"] == 2 * 128 * 2048 * 4096 * 4 and need["model"] == 8 * 6_700_000_000
+    assert need["activations"] == 3 * 128 * 2048 * 4096 * 4 and need["model"] == 8 * 6_700_000_000
     with pytest.raises(CalibrationError, match=r"calibration needs about \d+\.\d\d GiB \(model 49\.92, activations "
-                                               r"8\.00, .*\) but 16\.00 GiB are available: 128 windows of 2048 "
+                                               r"12\.00, .*\) but 16\.00 GiB are available: 128 windows of 2048 "
                                                r"tokens; lower quantize\.calibration\.num_samples"):
         check_calibration_memory(6_700_000_000, widths, 128, 2048, 8, available=16 * 2**30)
     assert check_calibration_memory(1000, [(8, 8)], 1, 2, 1, available=2**30) > 0

@@ -479,15 +479,16 @@ def awq_gemm_state_dict(directory: Path) -> dict[str, torch.Tensor]:
     files are GPTQ's layout."""
     from safetensors.torch import load_file
 
+    from stages.quant.gptq_format import unpack_bits
+
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(directory.glob("*.safetensors")):
         tensors.update(load_file(f))
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
     position = torch.tensor(AWQ_GEMM_ORDER).argsort()  # packed slot of each output column in a run of 8
 
     def unpack(packed: torch.Tensor) -> torch.Tensor:  # (r, c / 8) int32 -> (r, c) in column order
-        nibbles = (packed[:, :, None] >> shifts) & 15  # (r, c / 8, slot)
-        return nibbles[:, :, position].reshape(packed.shape[0], -1)
+        slots = unpack_bits(packed.t().contiguous(), 4).t()  # (r, c): slot t of a word is its bits 4t..4t+3
+        return slots.reshape(packed.shape[0], -1, 8)[:, :, position].reshape(packed.shape[0], -1)
 
     out: dict[str, torch.Tensor] = {}
     for key, value in tensors.items():

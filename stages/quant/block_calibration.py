@@ -132,24 +132,23 @@ class FinishedOutputs:
     follows the inputs); `close()` restores the children's forwards."""
 
     def __init__(self, block: nn.Module, call_order: list[str]):
-        self._position = {name: k for k, name in enumerate(call_order)}
-        self._children: dict[str, tuple[nn.Module, list[str]]] = {}
+        self._call_order = list(call_order)
+        position = {name: k for k, name in enumerate(call_order)}
+        self._children: dict[str, tuple[nn.Module, int]] = {}  # child -> (module, position of its last Linear)
         for child_name, child in block.named_children():
             names = [f"{child_name}.{n}" for n, m in child.named_modules() if isinstance(m, LINEAR_TYPES)]
-            if names and all(n in self._position for n in names):
-                self._children[child_name] = (child, names)
+            if names and all(n in position for n in names):
+                self._children[child_name] = (child, max(position[n] for n in names))
         self._quantized: set[str] = set()
-        self._outputs: dict[str, list[Any]] = {}  # child -> its output per batch
+        self._outputs: dict[str, list[Any]] = {}  # finished child -> its output per batch
         self._patched: list[nn.Module] = []
         self._batch = -1
 
     def finish(self, names: Iterable[str]) -> None:
+        """`names` are quantized: a child is finished once every Linear up to its last one is."""
         self._quantized.update(names)
-        for child_name, (child, names_in) in self._children.items():
-            if child_name in self._outputs or not all(n in self._quantized for n in names_in):
-                continue
-            last = max(self._position[n] for n in names_in)
-            if all(n in self._quantized for n, k in self._position.items() if k <= last):
+        for child_name, (_, last) in self._children.items():
+            if child_name not in self._outputs and self._quantized.issuperset(self._call_order[:last + 1]):
                 self._outputs[child_name] = []
 
     def batches(self, inputs: list[BlockInput], record: bool = True) -> Iterator[BlockInput]:
@@ -171,7 +170,7 @@ class FinishedOutputs:
         finally:
             for h in hooks:
                 h.remove()
-            for name, outputs in self._outputs.items():
+            for outputs in self._outputs.values():
                 if outputs and len(outputs) != len(inputs):  # a pass ended early: record again next time
                     outputs.clear()
 

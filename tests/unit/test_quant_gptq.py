@@ -445,9 +445,12 @@ def test_gptq_model_on_transformers_models(family, layer, transposed):
 def test_reusing_finished_attention_changes_no_bit(family, monkeypatch):
     # true-sequential passes read the attention's output once o_proj is quantized instead of
     # computing it again: the same results and block outputs, bit for bit, and fewer attention calls
-    model = _structured_llama() if family == "ours" else _hf_model(family)[0]
-    blocks = model.model.layers if family == "ours" else model.get_submodule(_hf_model(family)[1])
-    first = blocks["0"] if family == "ours" else blocks[0]
+    if family == "ours":
+        model = _structured_llama()
+        first = model.model.layers["0"]
+    else:
+        model, blocks = _hf_model(family)
+        first = model.get_submodule(blocks)[0]
     ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
     inputs = [inp for batch in ids.split(2) for inp in capture_block_inputs(model, first, [batch])]
     calls = []

@@ -28,10 +28,13 @@ and stopping criteria, the re-concatenation of the ids, the mask and every layer
 `compile=True` runs each decode step through `torch.compile` (inductor: the norms, rotary and
 activations fused, one kernel launch for many aten ops) on transformers' `StaticCache`, whose
 shapes stay the same from step to step (its size a multiple of COMPILED_CAPACITY_STEP; the prefill
-stays eager). The first call of a batch size compiles (10-14 s for a 135M model on 2 idle cores,
-minutes on a loaded machine); fused float sums may differ from eager's in the last bits, so the
-engines of evaluate and predict stay eager (token equality with `generate`) and the compiled step
-is for long-lived callers (bench/deploy_decode.py measures both).
+stays eager), with every float Linear on a single row computed as a multiply-and-sum that inductor
+fuses into one reduction (`one_row_linear.py`: at batch 1 the step is bound by how fast the weights
+are read, and MKL's gemv reads them at half the bandwidth on a CPU). The first call of a batch size
+compiles (about 45 s for a 135M model on 2 idle cores, under 10 s when inductor's cache already
+holds the graph; minutes on a loaded machine); fused float sums may differ from eager's in the last
+bits, so the engines of evaluate and predict stay eager (token equality with `generate`) and the
+compiled step is for long-lived callers (bench/deploy_decode.py measures both).
 
 `unsupported(model)` names what the engine does not run (an onnxruntime model, a prompt-learning
 adapter other than prefix tuning); generation.py keeps `generate` for those and logs the reason.
@@ -53,6 +56,7 @@ from transformers.generation.logits_process import (
 )
 
 from stages.inference.kv_cache import PreallocatedCache, cache_fits
+from stages.inference.one_row_linear import with_one_row_linears
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +166,9 @@ class DecodeEngine:
         self._cache: PreallocatedCache | StaticCache | None = None
         # compile: the decode step through torch.compile (inductor), on a StaticCache whose shapes do
         # not change from step to step (one graph per batch size and cache size; the prefill stays eager)
-        self._step = torch.compile(self.runner.forward, dynamic=False) if compile else None
+        # the compiled step's float Linears on one row are a fused multiply-and-sum (one_row_linear.py:
+        # MKL's gemv reads weights at half the bandwidth on a CPU, and batch 1 is bound by it)
+        self._step = torch.compile(with_one_row_linears(self.runner.forward), dynamic=False) if compile else None
         self.forward_calls = 0  # prefills and decode steps so far (the bench's and the tests' count)
 
     # -- the cache ---------------------------------------------------------------------------------

@@ -312,3 +312,17 @@ def test_lm_eval_harness_bench_report_has_its_keys(tmp_path, debug_model_dir):
     ours, theirs = (result["rows"][k]["lm_eval"]["tasks"]["prose"]["metrics"] for k in ("ours", "HFLM (lm-eval)"))
     assert ours["word_perplexity"] == pytest.approx(theirs["word_perplexity"], rel=1e-5)
     assert result["rows"]["wint8"]["recovery"]["prose"]["word_perplexity"] > 0.5
+
+
+def test_one_row_linear_bench_report_has_its_keys(tmp_path):
+    """bench/one_row_linear.py on one small shape: each way's GB/s, its ratio to eager and its
+    difference from F.linear (the check the bench makes of what it times)."""
+    out = tmp_path / "one_row_linear.json"
+    stdout, result = run_script("one_row_linear.py", out, "--shapes", "64x32", "--megabytes", "0.1",
+                                "--per-call", "2", "--repeats", "1")
+    assert "one-row x eager" in stdout
+    row = result["shapes"]["64x32"]
+    assert row["matrices"] % 2 == 0 and row["matrices"] >= 2
+    for way in ("eager", "compiled", "compiled one-row"):
+        assert row[f"{way} GB/s"] > 0 and row[f"{way} max_abs_diff"] < 1e-4
+    assert row["eager x eager"] == 1.0

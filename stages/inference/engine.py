@@ -30,11 +30,12 @@ activations fused, one kernel launch for many aten ops) on transformers' `Static
 shapes stay the same from step to step (its size a multiple of COMPILED_CAPACITY_STEP; the prefill
 stays eager), with every float Linear on a single row computed as a multiply-and-sum that inductor
 fuses into one reduction (`one_row_linear.py`: at batch 1 the step is bound by how fast the weights
-are read, and MKL's gemv reads them at half the bandwidth on a CPU). The first call of a batch size
-compiles (about 45 s for a 135M model on 2 idle cores, under 10 s when inductor's cache already
-holds the graph; minutes on a loaded machine); fused float sums may differ from eager's in the last
-bits, so the engines of evaluate and predict stay eager (token equality with `generate`) and the
-compiled step is for long-lived callers (bench/deploy_decode.py measures both).
+are read, and MKL's gemv reads them at 0.3-0.7x the fused sum's bandwidth on a 2-core AMD EPYC). The
+first call of a batch size compiles (about 45 s for a 135M model on 2 idle cores, under 20 s when
+inductor's cache already holds the graph; minutes on a loaded machine); fused float sums may differ
+from eager's in the last bits, so the engines of evaluate and predict stay eager (token equality
+with `generate`) and the compiled step is for long-lived callers (bench/deploy_decode.py measures
+both).
 
 `unsupported(model)` names what the engine does not run (an onnxruntime model, a prompt-learning
 adapter other than prefix tuning); generation.py keeps `generate` for those and logs the reason.
@@ -167,7 +168,7 @@ class DecodeEngine:
         # compile: the decode step through torch.compile (inductor), on a StaticCache whose shapes do
         # not change from step to step (one graph per batch size and cache size; the prefill stays eager)
         # the compiled step's float Linears on one row are a fused multiply-and-sum (one_row_linear.py:
-        # MKL's gemv reads weights at half the bandwidth on a CPU, and batch 1 is bound by it)
+        # MKL's gemv reads weights at 0.3-0.7x its bandwidth on a 2-core EPYC, and batch 1 is bound by it)
         self._step = torch.compile(with_one_row_linears(self.runner.forward), dynamic=False) if compile else None
         self.forward_calls = 0  # prefills and decode steps so far (the bench's and the tests' count)
 

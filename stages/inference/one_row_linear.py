@@ -2,15 +2,15 @@
 
 At batch 1 each decode step multiplies one row by every weight matrix, y = x W^T + b: a matrix-vector
 product that reads each weight once and does two flops per weight read, so its speed is the
-bandwidth at which it reads W. PyTorch's CPU path for it (F.linear -> MKL's gemv) reads at 9-15
-GB/s on a 2-core AMD EPYC, whatever the thread count, where a plain reduction over W reads at ~24
-GB/s. Written as
+bandwidth at which it reads W. PyTorch's CPU path for it (F.linear -> MKL's gemv) reads at 9-13
+GB/s on a 2-core AMD EPYC, whatever the thread count, where the fused reduction below reads at
+15-33 GB/s (the larger the matrix, the faster). Written as
 
     y = (W * x).sum(-1) + b        W (out, in), x (1, in)
 
 inside a torch.compile'd graph it becomes one inductor reduction kernel that streams W once, across
 every thread, and never materialises the product. `bench/one_row_linear.py` measures both per shape;
-on SmolLM2-135M the compiled fp32 decode step goes from 17 to 40 tokens/s (bench/deploy_decode.py).
+on SmolLM2-135M the compiled fp32 decode step goes from 17 to 38 tokens/s (bench/deploy_decode.py).
 
     with OneRowLinear():
         logits = model(input_ids=ids[:, -1:], ...)     # under torch.compile: every F.linear on one row

@@ -165,7 +165,8 @@ def quantize_section(args: argparse.Namespace) -> dict[str, Any]:
     """The validated `quantize` section (schema defaults) the variants are made with."""
     section = {"group_size": args.group_size, "variants": list(args.variants),
                "calibration": {"num_samples": args.calib_samples, "seq_len": args.calib_seq_len,
-                               "source": "corpus", "seed": 0, "dtype": getattr(args, "calib_dtype", "auto")}}
+                               "source": "corpus", "seed": getattr(args, "calib_seed", 0),
+                               "dtype": getattr(args, "calib_dtype", "auto")}}
     if getattr(args, "gptq_asym", False):
         section["gptq"] = {"sym": False}
     return check_config({"experiments": {"bench": {"quantize": section}}})["experiments"]["bench"]["quantize"]
@@ -797,7 +798,8 @@ def format_report(result: dict[str, Any]) -> str:
     m, s = result["machine"], result["settings"]
     lines = [f"machine: {m['cpu']} | {m['cores']} cores, {m['torch_threads']} torch threads | torch {m['torch']}, "
              f"transformers {m['transformers']} | load average at start {m['loadavg_at_start']}",
-             f"variants: group_size {s['group_size']}, calibration {s['calib_samples']} x {s['calib_seq_len']} tokens; "
+             f"variants: group_size {s['group_size']}, calibration {s['calib_samples']} x {s['calib_seq_len']} tokens "
+             f"(seed {s.get('calib_seed', 0)}); "
              "linears = the decoder blocks' Linear modules (what is quantized); model = all parameters and buffers "
              "(embeddings, norms and the tied lm_head stay float)", ""]
     for size, r in result["sizes"].items():
@@ -819,6 +821,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "threads": args.threads, "batch": args.batch, "prefill_tokens": args.prefill_tokens,
         "decode_prompt": args.decode_prompt, "decode_tokens": args.decode_tokens, "group_size": args.group_size,
         "calib_samples": args.calib_samples, "calib_seq_len": args.calib_seq_len, "calib_dtype": args.calib_dtype,
+        "calib_seed": args.calib_seed,
         "vocab_size": args.vocab_size,
         "prefill_logits": "last position only (logits_to_keep=1)",
         "skip_memory": args.skip_memory, "gptqmodel": args.gptqmodel,
@@ -851,6 +854,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=64, help="quantize.group_size (wint4, gptq-w4; default 64)")
     p.add_argument("--calib-samples", type=int, default=8, help="calibration windows (default 8)")
     p.add_argument("--calib-seq-len", type=int, default=128, help="tokens per calibration window (default 128)")
+    p.add_argument("--calib-seed", type=int, default=0,
+                   help="quantize.calibration.seed: which windows calibrate ours and GPTQModel (default 0)")
     p.add_argument("--calib-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="quantize.calibration.dtype: our calibration forwards' precision (default auto)")
     p.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of flavour sizes (default 4096; 135m: 49152)")

@@ -88,8 +88,8 @@ def test_quant_bench_report_has_its_keys(tmp_path):
     stdout, result = run_script("quant.py", out, "--sizes", "debug", "--vocab-size", "512", "--variants",
                                 "wint4,gptq-w4,a8w8", "--repeats", "1", "--warmup", "1", "--prefill-tokens", "16",
                                 "--decode-prompt", "8", "--decode-tokens", "2", "--calib-samples", "2",
-                                "--calib-seq-len", "32")
-    assert "| gptq-w4" in stdout
+                                "--calib-seq-len", "32", "--calib-seed", "3")
+    assert "| gptq-w4" in stdout and "(seed 3)" in stdout
     assert {"cpu", "cores", "torch_threads", "torch", "transformers"} <= result["machine"].keys()
     size = result["sizes"]["debug"]
     assert list(size["rows"]) == ["fp32", "bf16", "wint4", "gptq-w4", "a8w8"]
@@ -101,6 +101,8 @@ def test_quant_bench_report_has_its_keys(tmp_path):
     assert size["rows"]["fp32"]["ratio_to_fp32"]["decode"] == 1.0
     assert size["rows"]["wint4"]["linear_bytes"] < size["rows"]["fp32"]["linear_bytes"]  # bytes, not time
     assert size["rows"]["gptq-w4"]["quantization"]["metrics"]["seconds_per_decoder_layer"] > 0
+    assert result["settings"]["calib_seed"] == size["rows"]["gptq-w4"]["quantization"]["metrics"]["calibration"][
+        "seed"] == 3  # --calib-seed reaches the stage's calibration windows
     assert {"wint4", "gptq-w4", "a8w8"} == size["targets"].keys()
 
 

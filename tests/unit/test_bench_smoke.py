@@ -327,4 +327,4 @@ def test_one_row_linear_bench_report_has_its_keys(tmp_path):
     assert row["matrices"] % 2 == 0 and row["matrices"] >= 2
     for way in ("eager", "compiled", "compiled one-row"):
         assert row[f"{way} GB/s"] > 0 and row[f"{way} max_abs_diff"] < 1e-4
-    assert row["eager x eager"] == 1.0
+    assert {"compiled x eager", "compiled one-row x eager"} <= row.keys()

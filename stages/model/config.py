@@ -5,8 +5,12 @@ a few switches away from Llama: `llama`, `qwen2` (q/k/v bias, per-layer sliding 
 `mistral` (a sliding window on every layer), `qwen3` (Qwen2's windows plus an RMSNorm over each
 query and key head, `q_norm` / `k_norm`), `glm` (GLM-4-0414's predecessor in transformers: q/k/v
 bias, one fused `gate_up_proj`, RoPE on the first half of each head in interleaved pairs) and
-`glm4` (GLM plus a norm after attention and after the MLP, before each residual add). Field names and meanings are transformers' own, per family. A flavour is a named set of
-architecture fields; the vocabulary size is not part of it (it comes from the tokenizer or from the
+`glm4` (GLM plus a norm after attention and after the MLP, before each residual add), and four
+mixtures of experts on the same blocks (stages/model/moe.py): `mixtral` (Mistral's attention, a
+sparse `block_sparse_moe`), `qwen2_moe` (Qwen2's attention, sparse layers by `decoder_sparse_step` /
+`mlp_only_layers`, a shared expert), `qwen3_moe` (Qwen3's attention, Qwen2-MoE's layer choice, no
+shared expert) and `olmoe` (q/k norms over the whole projections, `clip_qkv`). Field names and
+meanings are transformers' own, per family. A flavour is a named set of architecture fields; the vocabulary size is not part of it (it comes from the tokenizer or from the
 checkpoint being loaded).
 
 `LlamaConfig.from_hf_dict` sorts every key of a config.json into one of three kinds:
@@ -64,6 +68,19 @@ HONOURED_KEYS: dict[str, tuple[str, ...]] = {
              *(("partial_rotary_factor",) if family in PARTIAL_ROTARY_DEFAULTS else ()))
     for family, defaults in FAMILY_DEFAULTS.items()
 }
+# Families whose config class has no head_dim (their modeling reads one when config.json has it):
+# written only when it differs from hidden_size / num_attention_heads.
+HEAD_DIM_IMPLICIT = ("qwen2", "qwen2_moe", "qwen3_moe", "olmoe")
+# Our MoE options transformers does not have: read when config.json has them, written when set.
+_OUR_MOE_KEYS: dict[str, Any] = {"router_z_loss_coef": 0.0, "moe_capacity_factor": None}
+for _moe in (f.model_type for f in FAMILIES if f.moe):
+    HONOURED_KEYS[_moe] = (*HONOURED_KEYS[_moe], "num_experts", "num_local_experts", *_OUR_MOE_KEYS)
+# Keys of MoE classes carried without comment: what forward returns, and Qwen-MoE's windows (checked
+# to be off by _moe_fields).
+_QWEN_MOE_WINDOWS = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+MOE_CARRIED_KEYS = {"mixtral": ("output_router_logits",), "olmoe": ("output_router_logits",),
+                    "qwen2_moe": ("output_router_logits", *_QWEN_MOE_WINDOWS),
+                    "qwen3_moe": ("output_router_logits", *_QWEN_MOE_WINDOWS)}
 # Bookkeeping that changes nothing in the forward pass: carried without comment.
 CARRIED_KEYS = frozenset({
     "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache", "pretraining_tp",
@@ -122,6 +139,24 @@ class LlamaConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
+    clip_qkv: float | None = None  # olmoe only: q, k and v clamped to [-clip_qkv, clip_qkv]
+    # -- mixture of experts: mixtral, qwen2_moe, qwen3_moe, olmoe (stages/model/moe.py) --------------
+    num_experts: int = 0  # routed experts per sparse layer (config.json: num_local_experts for mixtral,
+    #   qwen3_moe; num_experts for the others; both spellings are read); 0: a dense model
+    num_experts_per_tok: int = 2  # top k: experts each token runs
+    moe_intermediate_size: int | None = None  # qwen2_moe/qwen3_moe: each expert's width (mixtral, olmoe:
+    #   intermediate_size); the dense layers of mlp_only_layers keep intermediate_size
+    shared_expert_intermediate_size: int = 0  # qwen2_moe: width of the shared expert every token runs
+    norm_topk_prob: bool = False  # renormalise the k routing weights to sum to one (mixtral: always)
+    decoder_sparse_step: int = 1  # qwen2_moe/qwen3_moe: layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: list[int] | None = None  # ... and i is not listed here (dense MLP there)
+    router_aux_loss_coef: float = 0.001  # weight of the load-balancing loss training adds
+    router_jitter_noise: float = 0.0  # mixtral: multiplicative uniform noise on the router input, training only
+    # Ours, not transformers' (written to config.json only when set; transformers ignores them):
+    router_z_loss_coef: float = 0.0  # weight of ST-MoE's router z-loss in training
+    moe_capacity_factor: float | None = None  # None: dropless routing; else each expert's token budget
+    #   as a multiple of an even share (transformers always routes dropless)
+    experts_key: str | None = None  # how config.json spells num_experts (None: as the family writes it)
     model_type: str = "llama"  # transformers' family and class (ARCHITECTURES)
     extra: dict[str, Any] = field(default_factory=dict)  # config.json keys carried unchanged
 
@@ -163,7 +198,9 @@ class LlamaConfig:
                              f"even number of dimensions (head_dim={self.head_dim} -> {self.rotary_dim})")
         {"llama": self._check_llama, "qwen2": self._check_windowed, "qwen3": self._check_windowed,
          "mistral": self._check_mistral, "glm": self._check_glm, "glm4": self._check_glm,
-         "gpt2": self._check_gpt2}[self.model_type]()
+         "gpt2": self._check_gpt2, "mixtral": self._check_mixtral, "qwen2_moe": self._check_qwen_moe,
+         "qwen3_moe": self._check_qwen_moe, "olmoe": self._check_olmoe}[self.model_type]()
+        self._check_experts()
         if self.model_type != "gpt2" and (self.resid_pdrop or self.embd_pdrop):
             raise ValueError(f"resid_pdrop={self.resid_pdrop}, embd_pdrop={self.embd_pdrop} exist only for "
                              f"model_type 'gpt2'; {ARCHITECTURES[self.model_type]} has attention_dropout only")
@@ -198,6 +235,58 @@ class LlamaConfig:
         self._refuse_set(("mlp_bias",), "'llama'")
         self._refuse_set(("sliding_window", "use_sliding_window", "max_window_layers", "layer_types"),
                          "'qwen2' / 'qwen3' / 'mistral'")
+
+    def _check_mixtral(self) -> None:
+        self._refuse_set(("attention_bias", "mlp_bias"), "'llama' (attention_bias also 'qwen3', 'glm', 'glm4')")
+        self._refuse_set(("use_sliding_window", "max_window_layers", "layer_types"), "'qwen2' / 'qwen3'")
+
+    def _check_qwen_moe(self) -> None:
+        self._refuse_set(("mlp_bias", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types"),
+                         "'llama' (mlp_bias), 'qwen2' / 'qwen3' / 'mistral' / 'mixtral' (windows)")
+
+    def _check_olmoe(self) -> None:
+        self._refuse_set(("mlp_bias", "sliding_window", "use_sliding_window", "max_window_layers", "layer_types"),
+                         "'llama' (mlp_bias), 'qwen2' / 'qwen3' / 'mistral' / 'mixtral' (windows)")
+        if self.head_dim * self.num_attention_heads != self.hidden_size:
+            raise ValueError(f"head_dim={self.head_dim} with num_attention_heads={self.num_attention_heads} and "
+                             f"hidden_size={self.hidden_size}: OLMoE's q_norm spans hidden_size, so head_dim must be "
+                             "hidden_size / num_attention_heads")
+        if self.clip_qkv is not None and not self.clip_qkv > 0:
+            raise ValueError(f"clip_qkv={self.clip_qkv!r} must be a positive number or null")
+
+    def _check_experts(self) -> None:
+        """The mixture-of-experts fields: set only for the MoE families, and consistent there."""
+        moe_fields = ("num_experts", "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob",
+                      "mlp_only_layers", "router_jitter_noise", "router_z_loss_coef", "moe_capacity_factor",
+                      "clip_qkv")
+        if not self.family.moe:
+            self._refuse_set(moe_fields, "'mixtral' / 'qwen2_moe' / 'qwen3_moe' / 'olmoe' (clip_qkv: 'olmoe')")
+            return
+        if self.clip_qkv is not None and not self.family.clip_qkv:
+            self._refuse_set(("clip_qkv",), "'olmoe'")
+        if self.shared_expert_intermediate_size and not self.family.shared_expert:
+            self._refuse_set(("shared_expert_intermediate_size",), "'qwen2_moe'")
+        if self.moe_intermediate_size is not None and not self.family.sparse_step:
+            self._refuse_set(("moe_intermediate_size",), "'qwen2_moe' / 'qwen3_moe' (the others: intermediate_size)")
+        if self.router_jitter_noise and self.model_type != "mixtral":
+            self._refuse_set(("router_jitter_noise",), "'mixtral'")
+        if self.num_experts < 1 or not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts={self.num_experts}, num_experts_per_tok={self.num_experts_per_tok}: a "
+                             f"{self.family.name} model needs at least one expert and 1 <= top k <= num_experts")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step={self.decoder_sparse_step!r} must be at least 1")
+        bad = [i for i in self.mlp_only_layers or [] if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ValueError(f"mlp_only_layers={self.mlp_only_layers!r}: {bad} are not layers of this model "
+                             f"(0 .. {self.num_hidden_layers - 1})")
+        if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+            raise ValueError(f"moe_capacity_factor={self.moe_capacity_factor!r} must be positive, or null for "
+                             "dropless routing")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_jitter_noise"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)!r} must not be negative")
+        if self.experts_key is None:
+            self.experts_key = self.family.experts_key
 
     def _check_windowed(self) -> None:
         """Qwen2 and Qwen3: sliding windows on the layers `layer_types` (or `max_window_layers`) marks."""
@@ -264,6 +353,29 @@ class LlamaConfig:
         return self.family.rope_interleaved
 
     @property
+    def qk_norm_whole(self) -> bool:
+        """OLMoE: q_norm over the whole query projection (H x hd), k_norm over the keys' (K x hd)."""
+        return self.family.qk_norm_whole
+
+    @property
+    def moe(self) -> bool:
+        """A mixture of experts (stages.model.moe): sparse blocks in place of some or all MLPs."""
+        return self.family.moe
+
+    def sparse_layers(self) -> list[bool]:
+        """Per layer, whether its MLP is a sparse MoE block, as transformers' class decides
+        (Qwen-MoE: every decoder_sparse_step-th layer not in mlp_only_layers; the others: all)."""
+        if not self.moe:
+            return [False] * self.num_hidden_layers
+        dense = set(self.mlp_only_layers or [])
+        return [i not in dense and (i + 1) % self.decoder_sparse_step == 0 for i in range(self.num_hidden_layers)]
+
+    @property
+    def expert_width(self) -> int:
+        """Each routed expert's inner width."""
+        return self.moe_intermediate_size if self.family.sparse_step else self.intermediate_size
+
+    @property
     def rotary_dim(self) -> int:
         """Dimensions of each head RoPE turns (the first ones; all unless partial_rotary_factor < 1)."""
         return int(self.head_dim * self.partial_rotary_factor)
@@ -292,9 +404,17 @@ class LlamaConfig:
         if self.model_type == "gpt2":
             return gpt2_layout.config_dict(self, d)
         family = [k for k in FAMILY_DEFAULTS[self.model_type] if k != "head_dim"]
-        d.update({k: getattr(self, k) for k in ("model_type", *family, *_TOKEN_KEYS)})
-        if self.model_type != "qwen2" or self.head_dim != self.hidden_size // self.num_attention_heads:
-            d["head_dim"] = self.head_dim  # Qwen2's config class has none; written only when it differs
+        renames = self.family.hf_renames
+        d.update({k: getattr(self, renames.get(k, k)) for k in ("model_type", *family, *_TOKEN_KEYS)})
+        if self.moe:
+            d.pop(self.family.experts_key)
+            d[self.experts_key] = self.num_experts  # spelled as the source spelled it
+            d.update({k: getattr(self, k) for k in _OUR_MOE_KEYS if getattr(self, k) != _OUR_MOE_KEYS[k]})
+        implicit = self.head_dim == self.hidden_size // self.num_attention_heads
+        if self.model_type not in HEAD_DIM_IMPLICIT or not implicit:
+            d["head_dim"] = self.head_dim  # the config classes of HEAD_DIM_IMPLICIT have none: written when it differs
+        if self.model_type == "mixtral" and implicit:
+            d["head_dim"] = None  # as MixtralConfig writes it (its modeling then takes hidden_size / heads)
         if self.model_type in WINDOWED_PER_LAYER and self.layer_types is None:
             d.pop("layer_types")  # absent (transformers 4): max_window_layers decides, as it was read
         partial = {}
@@ -322,18 +442,27 @@ class LlamaConfig:
                 raise
             raise ValueError(f"{where}: {e}") from None
 
-    def num_parameters(self) -> int:
-        """Parameter count, computed from the shapes (no model is built)."""
+    def num_parameters(self, active: bool = False) -> int:
+        """Parameter count, computed from the shapes (no model is built). `active`: a mixture of
+        experts counts the k routed experts one token runs, not all of them (the FLOPs of a token)."""
         d, h, kv, hd, f = (self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim,
                            self.intermediate_size)
         attn = d * h * hd + 2 * d * kv * hd + h * hd * d
-        attn += (h * hd + 2 * kv * hd) * self.qkv_bias + d * self.o_proj_bias + 2 * hd * self.qk_norm
+        attn += (h * hd + 2 * kv * hd) * self.qkv_bias + d * self.o_proj_bias
+        attn += (h * hd + kv * hd) * self.qk_norm_whole if self.qk_norm_whole else 2 * hd * self.qk_norm
         mlp = (2 if self.gpt2_blocks else 3) * d * f + ((f + d) if self.gpt2_blocks else (2 * f + d)) * self.mlp_bias
         norms = (4 if self.sandwich_norms else 2) * d * (2 if self.gpt2_blocks else 1)  # LayerNorm: weight + bias
-        per_layer = attn + mlp + norms
+        mlps = self.num_hidden_layers * mlp
+        if self.moe:  # the sparse layers: router, routed experts (all, or the k a token runs), shared expert
+            sparse = sum(self.sparse_layers())
+            experts = self.num_experts_per_tok if active else self.num_experts
+            block = d * self.num_experts + experts * 3 * d * self.expert_width
+            if self.shared_expert_intermediate_size:
+                block += 3 * d * self.shared_expert_intermediate_size + d
+            mlps += sparse * (block - mlp)
         emb = self.vocab_size * d + self.max_position_embeddings * d * self.gpt2_blocks
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
-        return emb + self.num_hidden_layers * per_layer + d * (2 if self.gpt2_blocks else 1) + head
+        return emb + self.num_hidden_layers * (attn + norms) + mlps + d * (2 if self.gpt2_blocks else 1) + head
 
 
 def _fields_from_hf(d: dict[str, Any], where: str) -> dict[str, Any]:
@@ -347,7 +476,10 @@ def _fields_from_hf(d: dict[str, Any], where: str) -> dict[str, Any]:
     for key, (neutral, why) in REFUSED_KEYS.items():
         if d.get(key, neutral) != neutral and key not in HONOURED_KEYS[model_type]:
             raise ValueError(f"{where}: {key}={d[key]!r} is not supported: {why}")
-    fields = {k: d.get(k, default) for k, default in FAMILY_DEFAULTS[model_type].items()}
+    renames = family(model_type).hf_renames
+    fields = {renames.get(k, k): d.get(k, default) for k, default in FAMILY_DEFAULTS[model_type].items()}
+    if family(model_type).moe:
+        fields.update(_moe_fields(d, model_type, where))
     fields.update({k: d.get(k) for k in _TOKEN_KEYS})
     fields.update(_rope_from_hf(d, where))
     if model_type in PARTIAL_ROTARY_DEFAULTS:  # elsewhere a factor is refused (REFUSED_KEYS, check_rope_scaling)
@@ -358,7 +490,7 @@ def _fields_from_hf(d: dict[str, Any], where: str) -> dict[str, Any]:
             partial = d.get("partial_rotary_factor", PARTIAL_ROTARY_DEFAULTS[model_type])
         fields["partial_rotary_factor"] = partial
     extra = {k: v for k, v in d.items() if k not in HONOURED_KEYS[model_type]}
-    unknown = set(extra) - CARRIED_KEYS
+    unknown = set(extra) - CARRIED_KEYS - set(MOE_CARRIED_KEYS.get(model_type, ()))
     if model_type == "mistral" and "layer_types" in extra:
         _check_mistral_layer_types(extra["layer_types"], fields, where)
         unknown.discard("layer_types")  # agrees with what MistralForCausalLM runs
@@ -366,6 +498,29 @@ def _fields_from_hf(d: dict[str, Any], where: str) -> dict[str, Any]:
         log.warning("%s: carrying keys that transformers' %s does not read either: %s", where,
                     ARCHITECTURES[model_type], sorted(unknown))
     return {**fields, "model_type": model_type, "extra": extra}
+
+
+def _moe_fields(d: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
+    """The expert count under either spelling (transformers 5 maps one onto the other), ours
+    (router z-loss, capacity) when present, and the windows of Qwen's MoE classes refused: their
+    released checkpoints have none, and our MoE families slide only as Mixtral does (every layer)."""
+    own = family(model_type).experts_key
+    other = ({"num_experts", "num_local_experts"} - {own}).pop()
+    spelled = own if own in d or other not in d else other
+    if own in d and other in d and d[own] != d[other]:
+        raise ValueError(f"{where}: {own}={d[own]!r} and {other}={d[other]!r} disagree; keep one")
+    fields = {"num_experts": d.get(spelled, FAMILY_DEFAULTS[model_type][own]), "experts_key": spelled}
+    fields.update({k: d[k] for k in _OUR_MOE_KEYS if k in d})
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        if d.get("use_sliding_window"):
+            raise ValueError(f"{where}: use_sliding_window=true with model_type={model_type!r}: sliding windows of "
+                             "Qwen's MoE classes are not implemented (the released Qwen1.5/2/3-MoE checkpoints have "
+                             "none); set use_sliding_window: false")
+        sliding = [t for t in d.get("layer_types") or [] if LAYER_TYPES.get(t)]
+        if sliding:
+            raise ValueError(f"{where}: layer_types has {len(sliding)} sliding_attention layers with model_type="
+                             f"{model_type!r}: not implemented; make every layer full_attention")
+    return fields
 
 
 def _gpt2_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
@@ -381,8 +536,10 @@ def _gpt2_fields(d: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _rope_from_hf(d: dict[str, Any], where: str) -> dict[str, Any]:
     """rope_theta, rope_scaling and rope_layout from either layout, with transformers' precedence
-    (a theta inside rope_parameters wins over a top-level one; absent: 10000)."""
+    (a theta inside rope_parameters wins over a top-level one; absent: the family's default, 10000
+    except Mixtral's 1e6)."""
     params, scaling = d.get("rope_parameters"), d.get("rope_scaling")
+    default_theta = family(d.get("model_type", "llama")).rope_theta  # absent: transformers' default of the family
     if params is not None and scaling is not None:
         raise ValueError(f"{where}: both rope_parameters={params!r} and rope_scaling={scaling!r} are set; keep "
                          "one (rope_parameters for transformers 5, rope_theta + rope_scaling for 4)")
@@ -391,10 +548,11 @@ def _rope_from_hf(d: dict[str, Any], where: str) -> dict[str, Any]:
             raise ValueError(f"{where}: rope_parameters={params!r} is nested per layer type; only one RoPE "
                              "for all layers is supported")
         params = dict(params)
-        theta = params.pop("rope_theta", d.get("rope_theta", 10000.0))
+        theta = params.pop("rope_theta", d.get("rope_theta", default_theta))
         out = dict(rope_theta=theta, rope_scaling=params, rope_layout="rope_parameters")
     else:
-        out = dict(rope_theta=d.get("rope_theta", 10000.0), rope_scaling=None if scaling is None else dict(scaling),
+        out = dict(rope_theta=d.get("rope_theta", default_theta),
+                   rope_scaling=None if scaling is None else dict(scaling),
                    rope_layout="rope_scaling")
     top_original = d.get("original_max_position_embeddings")
     scaled = out["rope_scaling"] or {}
@@ -438,6 +596,14 @@ FLAVOURS: dict[str, dict[str, Any]] = {
                 max_position_embeddings=4096, rms_norm_eps=1e-5),
     "70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
                 num_key_value_heads=8, max_position_embeddings=4096, rms_norm_eps=1e-5),
+    # mixtures of experts (Mixtral blocks), top 2: a token runs two experts, 2 x 128 / 2 x 384 wide against the
+    # 192 / 704 of `debug` / `tiny` (widths that group size 64 divides; attention, embeddings and norms are theirs)
+    "moe-debug": dict(model_type="mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, num_experts=4,
+                      num_experts_per_tok=2, rms_norm_eps=1e-6, rope_theta=10000.0),
+    "moe-tiny": dict(model_type="mixtral", hidden_size=256, intermediate_size=384, num_hidden_layers=4,
+                     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024, num_experts=8,
+                     num_experts_per_tok=2, rms_norm_eps=1e-6, rope_theta=10000.0),
     "gpt-debug": dict(**_GPT, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                       max_position_embeddings=512),
     "gpt-tiny": dict(**_GPT, hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,

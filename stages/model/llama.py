@@ -1,7 +1,8 @@
 """One decoder written once, with switches: the Llama family (Llama 1/2/3, Qwen2, Qwen3, Mistral,
 GLM, GLM-4: biases, GQA, RoPE scaling and partial interleaved RoPE, sliding windows, q/k norms, a
-fused gate/up projection, sandwich norms) and GPT-2 blocks (learned positions, LayerNorm, GELU MLP,
-a fused qkv projection).
+fused gate/up projection, sandwich norms), GPT-2 blocks (learned positions, LayerNorm, GELU MLP,
+a fused qkv projection) and mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE: a sparse
+block of routed experts in place of the MLP, `stages.model.moe`).
 
 Single-device and parallelism-free: tensor and pipeline parallelism are applied to a built model
 by `stages.parallel`, not written in here. Parameter names equal Hugging Face's for the Llama
@@ -25,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from stages.model.attention_precision import attention_in_fp32
 from stages.model.config import LlamaConfig
 from stages.model.loss import causal_lm_loss
+from stages.model.moe import MoeRouting, SparseMoeBlock, load_balancing_loss, router_z_loss
 from stages.model.rope import RotaryEmbedding
 
 
@@ -150,6 +152,11 @@ class Attention(nn.Module):
         if config.qk_norm:  # Qwen3: one RMSNorm over head_dim, shared by every query (key) head
             self.q_norm = RMSNorm(hd, config.rms_norm_eps)
             self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.qk_norm_whole = config.qk_norm_whole
+        if self.qk_norm_whole:  # OLMoE: one RMSNorm over all query (key) heads at once
+            self.q_norm = RMSNorm(self.num_heads * hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.num_kv_heads * hd, config.rms_norm_eps)
+        self.clip_qkv = config.clip_qkv  # OLMoE: q, k, v clamped to [-clip, clip]
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -162,11 +169,15 @@ class Attention(nn.Module):
             q, k, v = self.qkv_proj(x).chunk(3, dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         B, T = q.shape[:2]
         q = q.view(B, T, -1, self.head_dim)  # (B, T, H, hd)
         k = k.view(B, T, -1, self.head_dim)  # (B, T, K, hd)
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, K, T, hd)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         if cos is None:
@@ -256,6 +267,17 @@ def activation(x: torch.Tensor, name: str) -> torch.Tensor:
     raise ValueError(f"hidden_act={name!r} has no GPT-2 MLP here")
 
 
+def sparse_moe_block(config: LlamaConfig) -> SparseMoeBlock:
+    """The family's sparse MoE block of a layer (stages.model.moe)."""
+    family = config.family
+    routing = MoeRouting(top_k=config.num_experts_per_tok,
+                         renormalize=family.renormalize_topk == "always" or config.norm_topk_prob,
+                         capacity_factor=config.moe_capacity_factor, jitter=config.router_jitter_noise,
+                         weights_in_fp32=config.model_type == "mixtral")
+    return SparseMoeBlock(config.hidden_size, config.expert_width, config.num_experts, routing,
+                          family.expert_names, shared_width=config.shared_expert_intermediate_size)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); GLM-4 also normalises each
     sub-block's output before its residual add (`post_self_attn_layernorm`, `post_mlp_layernorm`)."""
@@ -266,7 +288,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = norm_layer(config, d)
         self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = norm_layer(config, d)
-        self.mlp = MLP(config)
+        # the feed-forward sub-block: `mlp`, or the family's sparse block (Mixtral: `block_sparse_moe`)
+        self.mlp_name = "mlp"
+        if config.sparse_layers()[layer_idx]:
+            self.mlp_name = config.family.moe_block
+            setattr(self, self.mlp_name, sparse_moe_block(config))
+        else:
+            self.mlp = MLP(config)
         self.post_self_attn_layernorm = self.post_mlp_layernorm = None
         if config.sandwich_norms:
             self.post_self_attn_layernorm = norm_layer(config, d)
@@ -288,7 +316,7 @@ class DecoderLayer(nn.Module):
 
     def add_mlp(self, x: torch.Tensor) -> torch.Tensor:
         """The residual stream after the MLP sub-block."""
-        h = self.mlp(self.post_attention_layernorm(x))
+        h = getattr(self, self.mlp_name)(self.post_attention_layernorm(x))
         if self.post_mlp_layernorm is not None:
             h = self.post_mlp_layernorm(h)
         if self.resid_pdrop and self.training:
@@ -399,7 +427,32 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(self.model.norm(x))  # (B, T, V) or (N, V)
         if labels is None:
             return logits
-        return logits, self.loss_function(logits, labels)
+        loss = self.loss_function(logits, labels)
+        if self.config.moe:
+            loss = loss + self.router_loss()
+        return logits, loss
+
+    def sparse_blocks(self) -> list[SparseMoeBlock]:
+        """This model's (or pipeline stage's) sparse MoE blocks, in layer order."""
+        return [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
+
+    def router_loss(self) -> torch.Tensor:
+        """The routers' training losses of the last forward: router_aux_loss_coef x the load-balancing
+        loss (transformers' formula, so `forward(ids, labels)`'s loss equals MixtralForCausalLM's with
+        output_router_logits=True) plus router_z_loss_coef x the router z-loss; zero without records.
+        The records are consumed (a later call without a forward in between returns zero)."""
+        records = []
+        for block in self.sparse_blocks():
+            if block.record is not None:
+                records.append(block.record)
+                block.record = None
+        if not records:
+            return torch.zeros((), device=self.lm_head.weight.device)
+        c = self.config
+        loss = c.router_aux_loss_coef * load_balancing_loss(records, c.num_experts, c.num_experts_per_tok)
+        if c.router_z_loss_coef:
+            loss = loss + c.router_z_loss_coef * router_z_loss(records)
+        return loss
 
 
 def run_layers(layers: Iterable[DecoderLayer], x: torch.Tensor, rotary_emb: RotaryEmbedding | None,

@@ -21,7 +21,8 @@ class Family:
     name: str  # what the README's support table calls it
     model_type: str  # config.json's model_type
     architecture: str  # config.json's architectures[0]: transformers' class
-    ours: bool  # every stage runs our model: every parallel layout; else transformers' model, data parallel + ZeRO
+    ours: bool  # every stage runs our model: every parallel layout (a mixture of experts: data parallel + ZeRO);
+    #   else transformers' model, data parallel + ZeRO
     # (continued) pretraining and full SFT run our model, in every layout, even where not `ours`
     # (adapters and the later stages then use transformers' model)
     trains_ours: bool = False
@@ -38,6 +39,18 @@ class Family:
     partial_rotary_factor: float | None = None  # the share of each head RoPE turns when config.json is silent
     windows: str = "none"  # sliding windows: "none", "every_layer" (sliding_window), "per_layer" (layer_types)
     gpt2_blocks: bool = False  # learned positions, LayerNorm with bias, GELU MLP, fused qkv (gpt2_layout)
+    qk_norm_whole: bool = False  # OLMoE: q_norm and k_norm over the whole q and k projections (every head at once)
+    clip_qkv: bool = False  # OLMoE: config.json's clip_qkv clamps q, k and v
+    # -- mixture of experts (stages/model/moe.py) ------------------------------------------------------
+    moe_block: str | None = None  # the layer attribute (and checkpoint name) of its sparse block; None: dense
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # an expert's gate, up, down
+    shared_expert: bool = False  # Qwen2-MoE: a dense expert every token runs, scaled by sigmoid(shared_expert_gate)
+    renormalize_topk: str = "norm_topk_prob"  # "always" (Mixtral), or as config.json's norm_topk_prob says
+    sparse_step: bool = False  # decoder_sparse_step and mlp_only_layers choose the sparse layers (else all are)
+    experts_key: str = "num_experts"  # config.json's name for the number of routed experts (both are read)
+    rope_theta: float = 10000.0  # transformers' RoPE base when config.json has none
+    # config.json keys honoured under another of our field names (config.json key -> LlamaConfig field)
+    hf_renames: Mapping[str, str] = field(default_factory=dict)
     # -- deployment ----------------------------------------------------------------------------------
     gguf_arch: str | None = None  # llama.cpp's architecture our GGUF writer writes it as; None: not written
     genai_named: bool = False  # onnxruntime-genai runs it under its model_type; else as its generic "decoder"
@@ -45,6 +58,12 @@ class Family:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hf_defaults", MappingProxyType(dict(self.hf_defaults)))
+        object.__setattr__(self, "hf_renames", MappingProxyType(dict(self.hf_renames)))
+
+    @property
+    def moe(self) -> bool:
+        """A mixture of experts: sparse MoE blocks in place of (some) dense MLPs."""
+        return self.moe_block is not None
 
     @property
     def full_training_on_ours(self) -> bool:
@@ -90,6 +109,42 @@ FAMILIES: tuple[Family, ...] = (
                             num_attention_heads=32, num_key_value_heads=2, head_dim=128, max_position_embeddings=131072,
                             rms_norm_eps=1.5625e-07, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",
                             attention_dropout=0.0, attention_bias=True)),
+    # Mixtures of experts on our decoder (stages/model/moe.py): data parallel, ZeRO and expert parallelism
+    Family("Mixtral", "mixtral", "MixtralForCausalLM", ours=True, qkv_bias="never", windows="every_layer",
+           moe_block="block_sparse_moe", expert_names=("w1", "w3", "w2"), renormalize_topk="always",
+           experts_key="num_local_experts", hf_renames={"num_local_experts": "num_experts"}, rope_theta=1e6,
+           hf_defaults=dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=None,
+                            max_position_embeddings=131072, rms_norm_eps=1e-5, initializer_range=0.02,
+                            tie_word_embeddings=False, hidden_act="silu", attention_dropout=0.0, sliding_window=None,
+                            num_experts_per_tok=2, num_local_experts=8,
+                            router_aux_loss_coef=0.001, router_jitter_noise=0.0)),
+    Family("Qwen2-MoE", "qwen2_moe", "Qwen2MoeForCausalLM", ours=True, moe_block="mlp", shared_expert=True,
+           sparse_step=True, hf_renames={"qkv_bias": "attention_bias"},
+           hf_defaults=dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
+                            num_attention_heads=16, num_key_value_heads=16, head_dim=None,
+                            max_position_embeddings=32768,
+                            rms_norm_eps=1e-6, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",
+                            attention_dropout=0.0, qkv_bias=True, decoder_sparse_step=1, moe_intermediate_size=1408,
+                            shared_expert_intermediate_size=5632, num_experts_per_tok=4, num_experts=60,
+                            norm_topk_prob=False, router_aux_loss_coef=0.001, mlp_only_layers=None)),
+    Family("Qwen3-MoE", "qwen3_moe", "Qwen3MoeForCausalLM", ours=True, o_proj_bias=True, qk_norm=True,
+           moe_block="mlp", sparse_step=True, experts_key="num_local_experts",
+           hf_renames={"num_local_experts": "num_experts"},
+           hf_defaults=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                            num_attention_heads=32, num_key_value_heads=4, head_dim=None, max_position_embeddings=32768,
+                            rms_norm_eps=1e-6, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",
+                            attention_dropout=0.0, attention_bias=False, decoder_sparse_step=1,
+                            moe_intermediate_size=768, num_experts_per_tok=8, num_local_experts=128,
+                            norm_topk_prob=False, router_aux_loss_coef=0.001, mlp_only_layers=None)),
+    Family("OLMoE", "olmoe", "OlmoeForCausalLM", ours=True, o_proj_bias=True, qk_norm_whole=True, clip_qkv=True,
+           moe_block="mlp",
+           hf_defaults=dict(vocab_size=50304, hidden_size=2048, intermediate_size=2048, num_hidden_layers=16,
+                            num_attention_heads=16, num_key_value_heads=None, head_dim=None,
+                            max_position_embeddings=4096,
+                            rms_norm_eps=1e-5, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",
+                            attention_dropout=0.0, attention_bias=False, clip_qkv=None, num_experts_per_tok=8,
+                            num_experts=64, norm_topk_prob=False, router_aux_loss_coef=0.01)),
     # GPT-2 pretrains and fully fine-tunes on our model (stages.model.gpt2_layout); LoRA, prefix tuning
     # and the later stages use transformers' GPT2LMHeadModel
     Family("GPT-2", "gpt2", "GPT2LMHeadModel", ours=False, trains_ours=True, o_proj_bias=True, gpt2_blocks=True),

@@ -71,6 +71,11 @@ class ParallelDegrees:
                     if value % tp]
         if pp > config.num_hidden_layers:
             problems.append(f"pipeline_parallel_degree={pp} exceeds num_hidden_layers={config.num_hidden_layers}")
+        cp = self.context_parallel_degree
+        if config.moe and max(tp, pp, cp) > 1:
+            problems.append(f"tensor_parallel_degree={tp}, pipeline_parallel_degree={pp}, context_parallel_degree="
+                            f"{cp} with the mixture of experts model_type={config.model_type!r}: an MoE model trains "
+                            "with data parallel and ZeRO (world_size, sharding) only so far; set the three to 1")
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -72,6 +72,7 @@ from stages.training.materialize import ResumeWeights, is_lazy, materialize
 from stages.training.parallelize import check_model_fits, layout_metrics, parallel_degrees, parallelize
 from stages.training.preemption import StopWatch, reason_name, requeue_slurm_job
 from stages.training.preference_step import STATS, PairStats, global_counts, preference_train_step
+from stages.training.router_stats import RouterStats
 from stages.training.step import learned_tokens, train_step
 
 log = logging.getLogger(__name__)
@@ -159,6 +160,7 @@ class Run:
     objective: Any = None  # a PreferenceObjective: the step is preference_train_step's, over pairs
     rows_per_item: int = 1  # rows of one item of the global batch (a preference pair: 2)
     pair_stats: PairStats | None = None  # the preference statistics since the last logged row
+    router_stats: RouterStats | None = None  # a mixture of experts: router loss and expert loads
     start_step: int = 0
     learned_tokens: int = 0  # of the global batches stepped since the last logged row
     losses: list[float] = field(default_factory=list)
@@ -258,9 +260,14 @@ def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: 
     dist.barrier()  # the peak was measured while the other ranks waited
     pair_stats = None if objective is None else PairStats(topology.get_data_parallel_group(),
                                                           mixing=getattr(source, "mix_ratio", 0.0) > 0)
+    router_stats = None
+    if getattr(config, "moe", False):  # our model's config, a mixture of experts
+        router_stats = RouterStats(topology.get_data_parallel_group(), sum(config.sparse_layers()), config.num_experts)
+    columns = (pair_stats.columns if pair_stats is not None else ()) + \
+        (router_stats.columns if router_stats is not None else ())
     train_log = TrainLog(staging / "train_log.csv", section.max_steps, enabled=rank == 0, desc=stage,
                          flops_per_token=fpt, logits_flops_per_token=logits_fpt, peak_flops=peak, previous=rows,
-                         columns=pair_stats.columns if pair_stats is not None else ())
+                         columns=columns)
     return Run(section=section, stage=stage, topology=topology, engine=engine, scheduler=scheduler, access=access,
                clip=clip, runner=runner, names=names, config=config, generation_config=generation_config,
                checkpointer=checkpointer, train_log=train_log, staging=staging, global_batch=global_batch,
@@ -268,7 +275,7 @@ def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: 
                flops_per_token=fpt, logits_flops_per_token=logits_fpt, peak_flops=peak, start_step=start_step,
                losses=losses, evaluations=evaluations, stops=stops, objective=objective,
                rows_per_item=getattr(source, "rows_per_item", 1),
-               pair_stats=pair_stats)
+               pair_stats=pair_stats, router_stats=router_stats)
 
 
 def _bf16_decided(section: TrainingSettings, stage: str) -> TrainingSettings:
@@ -307,7 +314,7 @@ def step(run: Run, source, index: int) -> tuple[float, float | None]:
         run.pair_stats.add(stats)
     else:
         step_loss, grad_norm = train_step(run.engine, run.runner, batches, num_tokens, dp, run.clip,
-                                          tp_output_group(run))
+                                          tp_output_group(run), router=run.router_stats)
     if dp > 1:  # the ranks' shares add up to the step loss
         dist.all_reduce(step_loss, group=topology.get_data_parallel_group())
     return step_loss.item(), grad_norm
@@ -345,6 +352,8 @@ def run_steps(run: Run, source, evaluator: Callable[..., dict[str, float]] | Non
                     grad_norm = engine.get_global_grad_norm()
                 grad_norm = None if grad_norm is None else float(grad_norm)
                 extra = run.pair_stats.means() if run.pair_stats is not None else None
+                if run.router_stats is not None:
+                    extra = {**(extra or {}), **run.router_stats.means()}
                 run.train_log.log(done, loss, lr, grad_norm, since_log, evaluation, learned=run.learned_tokens,
                                   extra=extra)
                 since_log = run.learned_tokens = 0
@@ -453,6 +462,7 @@ def run_metrics(run: Run) -> dict[str, Any]:
         "evaluations": run.evaluations,
         "best_step": run.best["step"] if run.best else None,
         "stops": run.stops,  # where a signal or the job's time limit stopped the run, resumed since
+        **({"tokens_per_expert": run.router_stats.tokens_per_expert()} if run.router_stats is not None else {}),
     }
 
 

@@ -32,10 +32,16 @@ def own_families() -> tuple[str, ...]:
     return tuple(sorted(model_types(ours=True)))
 
 
+def model_parallel_families() -> tuple[str, ...]:
+    """The families tensor and pipeline parallelism split: ours, less the mixtures of experts
+    (data parallel and ZeRO only so far)."""
+    return tuple(sorted(set(own_families()) - set(model_types(moe=True))))
+
+
 def supports_model_parallel(model_type: str) -> bool:
     """Whether tensor/pipeline parallelism is available for `model_type` (config.json's key):
-    only for the families our model implements."""
-    return model_type in own_families()
+    only for the dense families our model implements."""
+    return model_type in model_parallel_families()
 
 
 def check_model_parallel(model_type: str, tensor_parallel_degree: int, pipeline_parallel_degree: int) -> None:
@@ -63,7 +69,7 @@ def _refuse_model_parallel(model_type: str, tp: int, pp: int, model_class: str =
         raise ValueError(
             f"tensor_parallel_degree={tp}, pipeline_parallel_degree={pp}: model_type={model_type!r} trains "
             f"through transformers' {model_class}, with data parallel and ZeRO only; tensor and pipeline "
-            f"parallelism need a family our model implements ({', '.join(own_families())}). Set both "
+            f"parallelism need a dense family our model implements ({', '.join(model_parallel_families())}). Set both "
             "degrees to 1 and shard over world_size with sharding: stage1, stage2 or stage3")
 
 

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import torch
 
 from stages.model.config import LlamaConfig
+from stages.model.moe import SparseMoeBlock
 
 
 def flops_per_token(config: LlamaConfig, seq_len: int, weights: tuple[int, int] | None = None) -> dict[str, int]:
@@ -34,6 +35,10 @@ def flops_per_token(config: LlamaConfig, seq_len: int, weights: tuple[int, int] 
                       config.num_key_value_heads, config.head_dim)
     per_layer = d * H * hd + 2 * d * K * hd + H * hd * d + 3 * d * config.intermediate_size
     trained, frozen = weights or (L * per_layer + d * config.vocab_size, 0)
+    if weights is None and config.moe:  # a sparse layer runs its router, a token's k experts, a shared expert
+        sparse = d * config.num_experts + config.num_experts_per_tok * 3 * d * config.expert_width
+        sparse += 3 * d * config.shared_expert_intermediate_size + d * bool(config.shared_expert_intermediate_size)
+        trained += sum(config.sparse_layers()) * (sparse - 3 * d * config.intermediate_size)
     keys_seen = sum(seq_len if w is None else min(seq_len, w) for w in config.layer_windows())
     attention = 12 * H * hd * keys_seen
     dense = 6 * trained + 4 * frozen
@@ -50,8 +55,20 @@ def trained_and_frozen(weights: Iterable[torch.Tensor]) -> tuple[int, int]:
 
 def matmul_weights(model: torch.nn.Module) -> tuple[int, int]:
     """(trained, frozen) elements of the weights of `model`'s Linear layers (a tied lm_head, a LoRA
-    layer's base, its factors): the matmul weights of our model."""
-    return trained_and_frozen(m.weight for m in model.modules() if isinstance(m, torch.nn.Linear))
+    layer's base, its factors): the matmul weights of our model. A mixture of experts' routed
+    experts count as the share of them a token runs (top k / experts): the active weights."""
+    shares = {}  # id(Linear weight) -> the share of tokens that run it
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            for m in block.experts.modules():
+                if isinstance(m, torch.nn.Linear):
+                    shares[id(m.weight)] = block.routing.top_k / block.num_experts
+    weights = {id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)}.values()
+    trained = frozen = 0.0
+    for w in weights:
+        count = w.numel() * shares.get(id(w), 1.0)
+        trained, frozen = (trained + count, frozen) if w.requires_grad else (trained, frozen + count)
+    return round(trained), round(frozen)
 
 
 def cpu_ranks_at_peak(world: int, local_world: int, cores: int, threads: int) -> int:

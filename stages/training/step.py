@@ -16,6 +16,7 @@ from stages.parallel.mappings import collective_device
 from stages.parallel.pipeline import PipelineRunner
 from stages.parallel.tensor import vocab_parallel_cross_entropy
 from stages.training.deepspeed_engine import loss_scale
+from stages.training.router_stats import RouterStats
 
 
 def token_sum_loss(engine, ids: torch.Tensor, labels: torch.Tensor, tp_group,
@@ -53,7 +54,7 @@ def shifted_token_loss(logits: torch.Tensor, targets: torch.Tensor, normalizer: 
 
 def train_step(engine, runner: PipelineRunner | None, batches: list[tuple[torch.Tensor, ...]],
                num_tokens: int, dp: int, clip: Callable[[torch.nn.Module], float] | None,
-               tp_group=None) -> tuple[torch.Tensor, float | None]:
+               tp_group=None, router: RouterStats | None = None) -> tuple[torch.Tensor, float | None]:
     """One optimizer step over this rank's micro-batches; returns (this rank's share of the step
     loss, grad norm or None). `num_tokens` counts the learned tokens of the whole global batch:
     the step loss is their mean, and the shares of the data-parallel ranks add up to it.
@@ -65,6 +66,11 @@ def train_step(engine, runner: PipelineRunner | None, batches: list[tuple[torch.
     With a pipeline the schedule runs the micro-batches (normalised by num_tokens / dp) and
     DeepSpeed's reduction and step are called explicitly. `clip`, when given, clips and measures
     the gradients just before the update (ZeRO off).
+
+    A mixture of experts (`router`) adds each micro-batch's router loss (load balancing, z-loss:
+    `RouterStats.step_loss`) unscaled: DeepSpeed's division by accumulation and data parallelism
+    makes the step's router term the mean over the global batch's micro-batches. The returned loss
+    is the next-token loss alone (the router loss is logged in its own column).
     """
     if runner is not None:
         if any(len(b) > 2 for b in batches):
@@ -87,7 +93,10 @@ def train_step(engine, runner: PipelineRunner | None, batches: list[tuple[torch.
     for i, (ids, labels, *packed) in enumerate(batches):
         position_ids = packed[0].to(engine.device) if packed else None  # a packed micro-batch
         loss_sum = token_sum_loss(engine, ids.to(engine.device), labels.to(engine.device), tp_group, position_ids)
-        engine.backward(loss_sum * (accum * dp / num_tokens * loss_scale(engine)))
+        objective = loss_sum * (accum * dp / num_tokens)
+        if router is not None:
+            objective = objective + router.step_loss(getattr(engine, "module", engine))
+        engine.backward(objective * loss_scale(engine))
         if clip and i == accum - 1:
             grad_norm = clip(engine.module)
         engine.step()  # DeepSpeed applies the optimizer only at the accumulation boundary

@@ -235,8 +235,11 @@ def test_opt_zero1_checkpoint_resumes_in_one_process(opt_runs, model_dir, data_d
 
 # -- what such a model cannot do ----------------------------------------------------------------------------
 def test_model_parallel_is_only_for_our_families():
-    assert families.own_families() == ("glm", "glm4", "llama", "mistral", "qwen2", "qwen3")
+    assert families.own_families() == ("glm", "glm4", "llama", "mistral", "mixtral", "olmoe", "qwen2", "qwen2_moe",
+                                       "qwen3", "qwen3_moe")
+    assert families.model_parallel_families() == ("glm", "glm4", "llama", "mistral", "qwen2", "qwen3")
     assert families.supports_model_parallel("llama") and not families.supports_model_parallel("gpt2")
+    assert not families.supports_model_parallel("mixtral")  # a mixture of experts: data parallel and ZeRO
     families.check_model_parallel("qwen2", 2, 2)
     families.check_model_parallel("opt", 1, 1)
     with pytest.raises(ValueError, match=r"pipeline_parallel_degree=2: model_type='opt' trains through "

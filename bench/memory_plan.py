@@ -113,6 +113,7 @@ FLAVOURS: dict[str, dict[str, int]] = {
     # long rows, for context parallelism's activations against one rank's (`--cases none cp2`)
     "tiny@4k": dict(vocab_size=4096, per_device_train_batch_size=1, gradient_accumulation_steps=2, max_length=4096),
     "debug": dict(vocab_size=512, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_length=64),
+    "moe-tiny": dict(vocab_size=4096, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_length=256),
     "1b": dict(vocab_size=32000, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_length=1024),
 }
 DEFAULT_FLAVOURS = {"cpu": ["tiny", "debug"], "cuda": ["1b"]}
@@ -536,7 +537,7 @@ def compare(rows: list[dict[str, Any]], steps: int, device: str = "cpu") -> list
 def format_report(records: list[dict[str, Any]]) -> str:
     """The table: per case the estimate's peak and its phase, the measured peak and their ratio,
     whole and without buckets (MiB)."""
-    head = (f"{'flavour':<8}{'case':<22}{'est MiB':>10}{'meas MiB':>10}{'ratio':>7}{'-- est':>9}{'-- meas':>9}"
+    head = (f"{'flavour':<10}{'case':<22}{'est MiB':>10}{'meas MiB':>10}{'ratio':>7}{'-- est':>9}{'-- meas':>9}"
             f"{'-- ratio':>9}  {'phase':<9}{'within 20%':>11}")
     lines = [head, "-" * len(head)]
 
@@ -545,7 +546,7 @@ def format_report(records: list[dict[str, Any]]) -> str:
 
     for r in records:
         bare = "-" if r["ratio_without_buckets"] is None else f"{r['ratio_without_buckets']:.3f}"
-        lines.append(f"{r['flavour']:<8}{r['case']:<22}{mib(r['estimate_bytes']):>10}{mib(r['measured_bytes']):>10}"
+        lines.append(f"{r['flavour']:<10}{r['case']:<22}{mib(r['estimate_bytes']):>10}{mib(r['measured_bytes']):>10}"
                      f"{r['ratio']:>7.3f}{mib(r['estimate_without_buckets_bytes']):>9}"
                      f"{mib(r['measured_without_buckets_bytes']):>9}{bare:>9}  "
                      f"{r['estimate']['phase']:<9}{'yes' if r['within_target'] else 'NO':>11}")

@@ -228,6 +228,13 @@ def _check_deploy(name: str, exp: dict[str, Any], source: dict[str, Any] | None)
             raise ConfigError(f"{key}: {variant!r} has shift: true, which the compressed-tensors format cannot "
                               "express (no per-channel input shift); deploy an A8W8 variant with shift: false, "
                               "e.g. a8w8-smooth")
+        model_type = (source or FLAVOURS[exp["model"]["flavour"]]).get("model_type", "llama")
+        family = BY_MODEL_TYPE.get(model_type)
+        if family is not None and family.moe:
+            raise ConfigError(f"{key}: model_type {model_type!r} is a mixture of experts, whose compressed-tensors "
+                              "checkpoint (one int8 Linear per expert) transformers 5.23 cannot load: it fuses the "
+                              "experts on load and its converter finds no float weights to fuse; remove "
+                              "deploy.compressed_tensors (the A8W8 variants still run and are evaluated)")
 
 
 def _check_parallel(name: str, exp: dict[str, Any], source: dict[str, Any] | None) -> None:

@@ -89,7 +89,7 @@ from stages.quant.awq import AWQConfig, awq_quantize_model, awq_settings, folded
 from stages.quant.block_calibration import FORWARD_DTYPES
 from stages.quant.calibration import CalibrationSettings, calibration_ids, check_calibration_memory
 from stages.quant.gptq import GPTQConfig, gptq_quantize_model
-from stages.quant.layers import decoder_blocks, decoder_linear_layers, meta_model
+from stages.quant.layers import checkpoint_model, decoder_blocks, decoder_linear_layers
 from stages.quant.model import check_shapes, layer_weights, pack_codes, pack_gptq_model
 from stages.quant.variants import BUILTIN_VARIANTS, GPTQ_KEYS, VariantSpec, resolve_variant, variant_settings
 from stages.sections import QuantizeSettings
@@ -388,7 +388,7 @@ def run(source_dir: str | Path, out_dir: str | Path, variant: str, group_size: i
            writes={f"variant {variant}, method {spec.method}": out_dir}, logger=log)
     hf_config = _float_config(source_dir)
 
-    layers = decoder_linear_layers(meta_model(transformers.AutoConfig.from_pretrained(
+    layers = decoder_linear_layers(checkpoint_model(transformers.AutoConfig.from_pretrained(
         source_dir, local_files_only=True, trust_remote_code=False)))
     # Quantize fully before opening the output: a bad group size fails without touching out_dir.
     # load_state_dict checks the weights first (meta.json's sha256, no pickle, whole safetensors).

@@ -24,7 +24,7 @@ import peft
 import torch
 from transformers.pytorch_utils import Conv1D
 
-from stages.adapters.targets import ALL_LINEAR, matches
+from stages.adapters.targets import ALL_LINEAR, matches, routed
 from stages.sections import LoraSettings
 
 LINEAR_TYPES = (torch.nn.Linear, Conv1D)
@@ -36,8 +36,9 @@ def _linear_names(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
 
 def lora_modules(model: torch.nn.Module) -> list[str]:
     """Sorted leaf names (the last dotted part) of every `nn.Linear` / `Conv1D` in `model`: what
-    `target_modules` may name, e.g. ['down_proj', 'gate_proj', 'k_proj', 'lm_head', ...]."""
-    return sorted({name.rsplit(".", 1)[-1] for name in _linear_names(model)})
+    `target_modules` may name, e.g. ['down_proj', 'gate_proj', 'k_proj', 'lm_head', ...]; a mixture of
+    experts' routers and routed experts are not among them (`stages.adapters.targets.routed`)."""
+    return sorted({name.rsplit(".", 1)[-1] for name in _linear_names(model) if not routed(name)})
 
 
 def check_target_modules(model: torch.nn.Module, target_modules: str | list[str]) -> None:
@@ -51,7 +52,14 @@ def check_target_modules(model: torch.nn.Module, target_modules: str | list[str]
     if not target_modules:
         raise ValueError(f"finetune.lora.target_modules is empty; name at least one linear layer, "
                          f"e.g. [q_proj, v_proj], or use {ALL_LINEAR!r}")
-    names = _linear_names(model)
+    names = [n for n in _linear_names(model) if not routed(n)]
+    family = getattr(getattr(model, "config", None), "family", None)
+    if family is not None and not family.lora_mlp:
+        mlp = [t for t in target_modules if any(matches(n, t) for n in names if ".self_attn." not in f".{n}")]
+        if mlp:
+            raise ValueError(f"finetune.lora.target_modules names {mlp}: peft maps the MLP projections of a "
+                             f"{family.name} adapter onto transformers 5's fused experts, so LoRA adapts its "
+                             "attention only; use [q_proj, k_proj, v_proj, o_proj] or 'all-linear' (the same)")
     unknown = [t for t in target_modules if not any(matches(n, t) for n in names)]
     if unknown:
         raise ValueError(

@@ -63,9 +63,10 @@ def add_lora(model: nn.Module, section: LoraSettings) -> list[str]:
     for p in model.parameters():
         p.requires_grad_(False)
     targets = section.target_modules
+    attention_only = not model.config.family.lora_mlp
     wrapped = []
     for name, module in list(model.named_modules()):
-        if type(module) is nn.Linear and selected(name, targets):
+        if type(module) is nn.Linear and selected(name, targets, attention_only):
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child,
                     lora_linear(module, section.lora_rank, section.lora_alpha, section.lora_dropout))

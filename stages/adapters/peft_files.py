@@ -48,6 +48,19 @@ def peft_config_for(method: str, section: Mapping[str, Any], base_dir: str | Pat
     return peft.get_peft_model(skeleton, config).peft_config["default"]
 
 
+def exact_targets(config: peft.LoraConfig, wrapped: list[str]) -> peft.LoraConfig:
+    """`config` naming exactly the `wrapped` layers (full dotted names) and no parameters. A mixture
+    of experts needs it: peft resolves "all-linear" per family there (on transformers 5's fused
+    experts it adds `target_parameters` for the experts and the router, with doubled ranks for
+    `gate_up_proj`, and drops Qwen3-MoE's dense MLPs), while our LoRA wraps the Linears
+    `stages.adapters.targets.selected` picks, never a router or routed expert."""
+    config = copy.deepcopy(config)
+    config.target_modules = sorted(wrapped)
+    config.target_parameters = None
+    config.rank_pattern, config.alpha_pattern = {}, {}
+    return config
+
+
 def peft_tensors(method: str, tensors: dict[str, torch.Tensor], num_layers: int | None = None) -> dict[str, torch.Tensor]:
     """Our model's adapter tensors (whole, by our parameter names) -> peft's saved keys."""
     if method == "lora":
@@ -159,6 +172,8 @@ def adapter_writer(method: str, section: Mapping[str, Any], model: torch.nn.Modu
     write for `method` and `section` on `model_dir`'s model, for a peft-wrapped model with its own."""
     if isinstance(model, LlamaForCausalLM):
         peft_config = peft_config_for(method, section, model_dir)
+        if method == "lora" and model.config.moe:
+            peft_config = exact_targets(peft_config, [n for n, m in model.named_modules() if hasattr(m, "lora_A")])
         num_layers = model.config.num_hidden_layers
 
         def write(tmp: Path, tensors: dict[str, torch.Tensor]) -> None:

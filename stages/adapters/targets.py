@@ -20,8 +20,23 @@ def matches(name: str, target: str) -> bool:
     return name == target or name.endswith(f".{target}")
 
 
-def selected(name: str, target_modules: str | list[str]) -> bool:
-    """Whether the layer named `name` (its dotted name in our model) gets LoRA under `target_modules`."""
+# A mixture of experts' router and routed experts take no LoRA: transformers 5 stores the experts fused
+# (one 3-D parameter per projection, no module per expert) and its router is no Linear, so a peft
+# adapter has nothing to put a per-expert LoRA on (peft's own `target_parameters` route is not ours).
+# Qwen2-MoE's shared expert and its gate are Linears in both models and take LoRA.
+MOE_LINEARS = ("shared_expert_gate",)
+
+
+def routed(name: str) -> bool:
+    """Whether the layer named `name` is a router or a routed expert of a sparse MoE block."""
+    return ".experts." in f".{name}." or name.endswith((".mlp.gate", ".block_sparse_moe.gate"))
+
+
+def selected(name: str, target_modules: str | list[str], attention_only: bool = False) -> bool:
+    """Whether the layer named `name` (its dotted name in our model) gets LoRA under `target_modules`;
+    `attention_only`: a family whose MLPs peft cannot adapt (`Family.lora_mlp`)."""
+    if routed(name) or (attention_only and ".self_attn." not in f".{name}"):
+        return False
     if target_modules == ALL_LINEAR:
-        return name.rsplit(".", 1)[-1] in BLOCK_LINEARS and ".layers." in f".{name}"
+        return name.rsplit(".", 1)[-1] in BLOCK_LINEARS + MOE_LINEARS and ".layers." in f".{name}"
     return any(matches(name, t) for t in target_modules)

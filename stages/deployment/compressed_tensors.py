@@ -38,7 +38,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 
 from stages.checkpoint.atomic import atomic_dir, write_json
 from stages.checkpoint.hf import load_state_dict, save_state_dict
@@ -46,7 +45,7 @@ from stages.checkpoint.meta import write_meta
 from stages.checkpoint.tokenizer_files import copy_tokenizer
 from stages.deployment.smooth_fold import fold_smoothing, refuse_shift
 from stages.errors import InputError, run_cli
-from stages.quant.layers import linear_layers, meta_model
+from stages.quant.layers import checkpoint_model, linear_layers
 from stages.quant.loader import read_quantization_config
 from stages.stage_logs import configure_logging
 
@@ -80,7 +79,7 @@ def check_layers(config: dict[str, Any], names: list[str]) -> list[str]:
     from `config` (config.json without quantization_config). InputError when a name is not an
     nn.Linear of that model (GPT-2's Conv1D, say)."""
     config = {k: v for k, v in config.items() if k not in ("torch_dtype", "dtype")}
-    meta = meta_model(transformers.AutoConfig.for_model(**config))
+    meta = checkpoint_model(config)  # a mixture of experts: one Linear per expert, as checkpoints name them
     transposed = linear_layers(meta)
     for name in names:
         if name not in transposed:

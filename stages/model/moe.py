@@ -88,11 +88,13 @@ class SparseMoeBlock(nn.Module):
         self.num_experts = num_experts
         self.routing = routing
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.gate.keep_float = True  # not quantized (stages.quant.layers.quantizable), as GPTQModel and vLLM keep it
         self.experts = nn.ModuleList(Expert(hidden_size, width, names) for _ in range(num_experts))
         self.shared_expert = self.shared_expert_gate = None
         if shared_width:
             self.shared_expert = Expert(hidden_size, shared_width, ("gate_proj", "up_proj", "down_proj"))
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+            self.shared_expert_gate.keep_float = True  # a router too (one output)
         self.record: RouterRecord | None = None  # the last forward's routing
         self.expert_parallel = None  # set by stages.parallel.expert: experts spread over ranks
 
@@ -109,6 +111,8 @@ class SparseMoeBlock(nn.Module):
             keep = within_capacity(chosen, self.num_experts, self.routing.capacity_factor)
         if self.expert_parallel is not None:
             y = self.expert_parallel.dispatch(self, x, chosen, weights, keep)
+        elif torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
+            y = run_experts_densely(self.experts, x, chosen, weights, keep)  # a graph without data-dependent shapes
         else:
             y = run_experts(self.experts, x, chosen, weights, keep)
         if self.shared_expert is not None:
@@ -155,6 +159,21 @@ def run_experts(experts: nn.ModuleList, x: torch.Tensor, chosen: torch.Tensor, w
         out = expert(x[rows]) * flat_weights[start:start + count, None]
         y.index_add_(0, rows, out.to(y.dtype))
         start += count
+    return y
+
+
+def run_experts_densely(experts: nn.ModuleList, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
+                        keep: torch.Tensor | None = None) -> torch.Tensor:
+    """`run_experts` as a graph an exporter can write (ONNX): every expert runs on every token and
+    its output is weighted by the token's weight for it, zero unless chosen (and kept). E / k times
+    the expert FLOPs; the same sums up to their order."""
+    if keep is not None:
+        weights = weights * keep.to(weights.dtype)
+    dense = torch.zeros(x.shape[0], len(experts), dtype=weights.dtype, device=x.device)
+    dense = dense.scatter_add(1, chosen, weights)  # (N, E)
+    y = torch.zeros_like(x)
+    for e, expert in enumerate(experts):
+        y = y + (expert(x) * dense[:, e:e + 1]).to(y.dtype)
     return y
 
 

@@ -48,6 +48,9 @@ class Family:
     renormalize_topk: str = "norm_topk_prob"  # "always" (Mixtral), or as config.json's norm_topk_prob says
     sparse_step: bool = False  # decoder_sparse_step and mlp_only_layers choose the sparse layers (else all are)
     experts_key: str = "num_experts"  # config.json's name for the number of routed experts (both are read)
+    # LoRA may adapt the MLP projections: not where peft maps their names onto transformers 5's fused experts
+    # (its MoE conversion of Mixtral, Qwen3-MoE and OLMoE adapters), so those adapt attention only
+    lora_mlp: bool = True
     rope_theta: float = 10000.0  # transformers' RoPE base when config.json has none
     # config.json keys honoured under another of our field names (config.json key -> LlamaConfig field)
     hf_renames: Mapping[str, str] = field(default_factory=dict)
@@ -113,6 +116,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("Mixtral", "mixtral", "MixtralForCausalLM", ours=True, qkv_bias="never", windows="every_layer",
            moe_block="block_sparse_moe", expert_names=("w1", "w3", "w2"), renormalize_topk="always",
            experts_key="num_local_experts", hf_renames={"num_local_experts": "num_experts"}, rope_theta=1e6,
+           lora_mlp=False,
            hf_defaults=dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                             num_attention_heads=32, num_key_value_heads=8, head_dim=None,
                             max_position_embeddings=131072, rms_norm_eps=1e-5, initializer_range=0.02,
@@ -130,7 +134,7 @@ FAMILIES: tuple[Family, ...] = (
                             norm_topk_prob=False, router_aux_loss_coef=0.001, mlp_only_layers=None)),
     Family("Qwen3-MoE", "qwen3_moe", "Qwen3MoeForCausalLM", ours=True, o_proj_bias=True, qk_norm=True,
            moe_block="mlp", sparse_step=True, experts_key="num_local_experts",
-           hf_renames={"num_local_experts": "num_experts"},
+           hf_renames={"num_local_experts": "num_experts"}, lora_mlp=False,
            hf_defaults=dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
                             num_attention_heads=32, num_key_value_heads=4, head_dim=None, max_position_embeddings=32768,
                             rms_norm_eps=1e-6, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",
@@ -138,7 +142,7 @@ FAMILIES: tuple[Family, ...] = (
                             moe_intermediate_size=768, num_experts_per_tok=8, num_local_experts=128,
                             norm_topk_prob=False, router_aux_loss_coef=0.001, mlp_only_layers=None)),
     Family("OLMoE", "olmoe", "OlmoeForCausalLM", ours=True, o_proj_bias=True, qk_norm_whole=True, clip_qkv=True,
-           moe_block="mlp",
+           moe_block="mlp", lora_mlp=False,
            hf_defaults=dict(vocab_size=50304, hidden_size=2048, intermediate_size=2048, num_hidden_layers=16,
                             num_attention_heads=16, num_key_value_heads=None, head_dim=None,
                             max_position_embeddings=4096,

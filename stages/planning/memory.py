@@ -167,6 +167,15 @@ class _Shape:
     sandwich_norms: bool = False  # GLM-4: post_self_attn_layernorm, post_mlp_layernorm
     gpt_blocks: bool = False  # GPT-2-like blocks (GPT2_PROJECTIONS, LayerNorm with bias)
     positions: int = 0  # rows of a learned position table (GPT-2), beside the token embedding
+    # a mixture of experts (stages/model/moe.py): `sparse` of the layers hold a router and `experts`
+    # experts of width `expert_width` in place of the MLP, each token running `top_k` of them
+    # (Qwen2-MoE: plus a shared expert of width `shared_width` and its one-output gate)
+    experts: int = 0
+    top_k: int = 0
+    expert_width: int = 0
+    shared_width: int = 0
+    sparse: int = 0
+    qk_norm_whole: bool = False  # OLMoE: q_norm and k_norm over the whole projections
 
     @property
     def projections(self) -> tuple[str, ...]:
@@ -275,8 +284,10 @@ def _shape(arch: dict[str, Any], vocab_size: int) -> _Shape:
     heads = arch["num_attention_heads"]
     family = BY_MODEL_TYPE.get(model_type) or Family(model_type, model_type, "", ours=False)  # no switches
     defaults = family.hf_defaults
-    bias = bool(arch.get("attention_bias", defaults.get("attention_bias")))
-    return _Shape(hidden=arch["hidden_size"], intermediate=arch["intermediate_size"],
+    # attention_bias (Qwen2-MoE's config.json: qkv_bias), else the family's default
+    bias_key = next((k for k, v in family.hf_renames.items() if v == "attention_bias"), "attention_bias")
+    bias = bool(arch.get("attention_bias", arch.get(bias_key, defaults.get(bias_key))))
+    return _Shape(**_moe_fields(arch, family), hidden=arch["hidden_size"], intermediate=arch["intermediate_size"],
                   layers=arch["num_hidden_layers"], heads=heads, kv_heads=arch.get("num_key_value_heads") or heads,
                   head_dim=arch.get("head_dim", defaults.get("head_dim")) or arch["hidden_size"] // heads,
                   vocab=vocab_size, tied=bool(arch.get("tie_word_embeddings")),
@@ -284,6 +295,24 @@ def _shape(arch: dict[str, Any], vocab_size: int) -> _Shape:
                   o_bias=bias and family.o_proj_bias,
                   mlp_bias=bool(arch.get("mlp_bias")), qk_norm=family.qk_norm, fused_gate_up=family.fused_gate_up,
                   sandwich_norms=family.sandwich_norms)
+
+
+def _moe_fields(arch: dict[str, Any], family: Family) -> dict[str, Any]:
+    """The `_Shape` fields of a mixture of experts (a flavour's or config.json's, either spelling of
+    the expert count), as LlamaConfig reads them; none for a dense family."""
+    if not family.moe:
+        return {}
+    defaults = family.hf_defaults
+    experts = arch.get("num_experts", arch.get("num_local_experts", defaults.get(family.experts_key)))
+    layers = arch["num_hidden_layers"]
+    dense = set(arch.get("mlp_only_layers") or [])
+    step = arch.get("decoder_sparse_step", 1) if family.sparse_step else 1
+    sparse = sum(i not in dense and (i + 1) % step == 0 for i in range(layers))
+    width = arch.get("moe_intermediate_size", defaults.get("moe_intermediate_size")) if family.sparse_step \
+        else arch["intermediate_size"]
+    return dict(experts=experts, top_k=arch.get("num_experts_per_tok", defaults.get("num_experts_per_tok")),
+                expert_width=width, sparse=sparse, qk_norm_whole=family.qk_norm_whole,
+                shared_width=arch.get("shared_expert_intermediate_size", 0) if family.shared_expert else 0)
 
 
 def _gpt_like_shape(arch: dict[str, Any], vocab_size: int, model_type: str) -> _Shape:
@@ -349,16 +378,27 @@ def _has_bias(s: _Shape, name: str) -> bool:
             or (s.mlp_bias and leaf in ("gate_proj", "up_proj", "gate_up_proj", "down_proj")))
 
 
-def _layer_tensors(s: _Shape, tp: int, ad: _Adapter) -> list[tuple[int, bool]]:
+def _layer_tensors(s: _Shape, tp: int, ad: _Adapter, sparse: bool = False) -> list[tuple[int, bool]]:
     """(elements on one tensor-parallel rank, trained?) of every parameter of one decoder layer,
     as `stages.parallel.plan` splits them: column-parallel weights and biases by output rows,
     row-parallel weights by input columns (their bias and the norms replicated); LoRA's A whole and
     B split beside a column-parallel base, A split and B whole beside a row-parallel one; prefix
-    keys and values by KV head."""
+    keys and values by KV head. `sparse`: a mixture of experts' sparse layer (router and experts,
+    no LoRA on them: `stages.adapters.targets.routed`; no tensor parallelism)."""
     out = [(s.hidden, ad.full)] * (4 if s.sandwich_norms or s.gpt_blocks else 2)  # RMSNorm weights (LayerNorm: + bias)
     if s.qk_norm:
         out += [(s.head_dim, ad.full)] * 2  # q_norm, k_norm: one head_dim weight each, on every rank
+    if s.qk_norm_whole:
+        out += [(s.heads * s.head_dim, ad.full), (s.kv_heads * s.head_dim, ad.full)]  # OLMoE's over all heads
+    if sparse:
+        d = s.hidden
+        out.append((s.experts * d, ad.full))  # the router
+        out += [(d * s.expert_width, ad.full)] * (3 * s.experts)  # each expert's gate, up, down
+        if s.shared_width:
+            out += [(d * s.shared_width, ad.full)] * 3 + [(d, ad.full)]  # the shared expert and its gate
     for name, (fan_in, fan_out, column) in _projection_shapes(s).items():
+        if sparse and name.startswith("mlp."):
+            continue
         out.append((fan_in * fan_out // tp, ad.full))
         if _has_bias(s, name):
             out.append((fan_out // tp if column else fan_out, ad.full))
@@ -392,7 +432,9 @@ def _chunks_of(lay: _Layout, rank: int) -> list[int]:
 def _rank_tensors(s: _Shape, lay: _Layout, rank: int, ad: _Adapter) -> list[tuple[int, bool]]:
     """(elements, trained?) of every parameter tensor pipeline rank `rank` holds."""
     chunks, mine = lay.pp * lay.vpp, _chunks_of(lay, rank)
-    out = _layer_tensors(s, lay.tp, ad) * sum(_chunk_layers(s.layers, chunks)[c] for c in mine)
+    layers = sum(_chunk_layers(s.layers, chunks)[c] for c in mine)
+    sparse = round(s.sparse * layers / s.layers)  # a mixture of experts trains on one pipeline stage: all of them
+    out = _layer_tensors(s, lay.tp, ad) * (layers - sparse) + _layer_tensors(s, lay.tp, ad, sparse=True) * sparse
     if 0 in mine:
         out.append((s.vocab * s.hidden // lay.tp, ad.full))  # embed_tokens, split by vocabulary rows
         if s.positions:
@@ -507,6 +549,8 @@ def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str, 
         norms = 2 * d * (2 * a if s.gpt_blocks else 4 + 2 * a) / sp
         norms += unread_norms * (4 + a)  # fp32 input, normalised x
         mlp_saved = (2 if s.gpt_blocks else 4) * f * a / tp  # GELU: up, gelu(up); SwiGLU: gate, silu, up, product
+        if s.sparse:  # the layers' mean: a sparse one saves its experts' SwiGLU for each of a token's k choices
+            mlp_saved += s.sparse / s.layers * (_sparse_mlp_bytes(s, a) - mlp_saved)
         return int(tokens * (norms + stats + attention + mlp_saved)) + mask
     norm_outputs = sum(any(f"{part}.{leaf}" in reads for leaf in leaves)
                        for part, leaves in (("self_attn", ("q_proj", "k_proj", "v_proj")),
@@ -514,6 +558,17 @@ def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str, 
     norms = d * (2 * 4 + a * norm_outputs) / sp + unread_norms * 4  # fp32 inputs; an output a projection saves
     mlp = (3 + ("mlp.down_proj" in reads)) * f * a / tp  # gate, silu(gate), up; down's input
     return int(tokens * (norms + stats + attention + mlp + len(targets) * ad.rank * a)) + mask
+
+
+def _sparse_mlp_bytes(s: _Shape, a: int) -> float:
+    """Bytes per token a sparse MoE layer saves in full training (stages.model.moe): the router's
+    logits and fp32 softmax, and for each of the token's k choices the dispatched copy of its input
+    (the gate and up projections' input), the expert's SwiGLU (gate, silu, up, product) and its
+    output (scaled by the routing weight: both saved); a shared expert's SwiGLU and gate on top."""
+    router = s.experts * (a + 4)
+    routed = s.top_k * (2 * s.hidden * a + 4 * s.expert_width * a)
+    shared = (4 * s.shared_width * a + 2 * a) if s.shared_width else 0
+    return router + routed + shared
 
 
 def _mask_bytes(lay: _Layout, ad: _Adapter, value_bytes: int) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stages.quant.layers import LINEAR_TYPES
+from stages.quant.layers import quantizable
 from stages.stage_logs import Progress
 
 log = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class FinishedOutputs:
         position = {name: k for k, name in enumerate(call_order)}
         self._children: dict[str, tuple[nn.Module, int]] = {}  # child -> (module, position of its last Linear)
         for child_name, child in block.named_children():
-            names = [f"{child_name}.{n}" for n, m in child.named_modules() if isinstance(m, LINEAR_TYPES)]
+            names = [f"{child_name}.{n}" for n, m in child.named_modules() if quantizable(m)]
             if names and all(n in position for n in names):
                 self._children[child_name] = (child, max(position[n] for n in names))
         self._quantized: set[str] = set()
@@ -192,7 +192,7 @@ def _copy(out: Any) -> Any:
 def linear_inputs_hooks(block: nn.Module, calls: list[tuple[str, torch.Tensor]]) -> list:
     """Forward hooks appending (name, input) to `calls` for each Linear / Conv1D the block calls."""
     return [m.register_forward_hook(lambda mod, args, out, name=name: calls.append((name, args[0])))
-            for name, m in block.named_modules() if isinstance(m, LINEAR_TYPES)]
+            for name, m in block.named_modules() if quantizable(m)]
 
 
 def sequential_groups(block: nn.Module, inp: BlockInput) -> list[list[str]]:

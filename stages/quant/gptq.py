@@ -429,7 +429,14 @@ def _quantize_group(block: nn.Module, modules: dict[str, nn.Module], group: list
         shared.setdefault(leader[name], []).append(name)
     group_results: dict[str, GPTQResult] = {}
     for first, members in shared.items():
-        rs = gptq_quantize_shared([linear_weight(modules[name]) for name in members], hessians[first].hessian,
+        hessian = hessians[first].hessian
+        if hessians[first].num_rows == 0:
+            # a mixture's expert no calibration token was routed to: GPTQ on H = I is round-to-nearest
+            # on GPTQ's grid (its groups, its scales), the fallback GPTQModel also takes
+            log.warning("%s%s: no calibration token reached it (an expert the router never chose); quantized "
+                        "round-to-nearest (GPTQ with H = I)", dot, first)
+            hessian = torch.eye(hessian.shape[0], dtype=hessian.dtype, device=hessian.device)
+        rs = gptq_quantize_shared([linear_weight(modules[name]) for name in members], hessian,
                                   config.bits, config.group_size, config.sym, config.desc_act,
                                   config.static_groups, config.damp_percent, config.block_size,
                                   names=[f"{dot}{name}" for name in members], mse=config.mse)

@@ -16,6 +16,10 @@ GPT-NeoX's `embed_out` -> `lm_head`) and weight tying apply exactly as for an un
 directory. With kernels the quantized layers' weights are given to it as zero-stride placeholders
 (no memory, no random init) and the layers replaced afterwards.
 
+A mixture of experts (Mixtral, Qwen-MoE, OLMoE) quantizes its experts one Linear per expert and
+projection, as checkpoints name them; transformers 5 fuses them on load, so they are split back into
+Linears before the quantized ones are put in (`stages.quant.moe_experts`).
+
 Any `g_idx` is honoured (GPTQ's act-order, a narrower last group), codes of 2, 3, 4 or 8 bits, and
 both checkpoint formats, "gptq" (zero points stored minus one) and "gptq_v2" (stored as is), read
 from quantization_config's `format`, else `checkpoint_format` (`gptq_format.format_of`).
@@ -36,7 +40,8 @@ import transformers
 from stages.checkpoint.hf import load_state_dict
 from stages.errors import InputError
 from stages.quant.gptq_format import QUANT_SUFFIXES, dequantize_packed, format_of
-from stages.quant.layers import linear_layers, meta_model
+from stages.quant.layers import checkpoint_model, linear_layers, meta_model
+from stages.quant.moe_experts import is_moe, module_name, unfuse_experts
 from stages.quant.weight_only import apply_weight_only_kernels
 
 log = logging.getLogger(__name__)
@@ -143,7 +148,8 @@ def load_quantized(model_dir: str | Path, kernels: bool = True) -> transformers.
     config = transformers.AutoConfig.for_model(**config_dict)
     packed = load_state_dict(model_dir)  # checked before transformers sees a tensor
     method = qcfg["quant_method"]
-    meta = meta_model(config)
+    model_type = config_dict.get("model_type")
+    meta = checkpoint_model(config_dict) if is_moe(model_type) else meta_model(config)  # checkpoint names
     transposed = linear_layers(meta)
     if method == "gptq" and not kernels:
         state = dequantize_state_dict(packed, int(qcfg["bits"]), format_of(qcfg), transposed)
@@ -157,6 +163,11 @@ def load_quantized(model_dir: str | Path, kernels: bool = True) -> transformers.
             raise ValueError(f"{model_dir}: quantized tensors {unknown[0]}.* name no Linear / Conv1D of the "
                              f"model built from config.json ({len(unknown)} of {len(names)} layers)")
         model = _from_state(model_dir, config, {**rest, **_placeholders(meta, names, rest)})
+        if is_moe(model_type):  # per-expert Linears again, under transformers' module paths
+            unfuse_experts(model, model_type)
+            names = [module_name(n, model_type) for n in names]
+            quantized = {module_name(k, model_type): v for k, v in quantized.items()}
+            transposed = {module_name(k, model_type): v for k, v in transposed.items()}
         if method == "gptq":
             model.quant_kernels = apply_weight_only_kernels(model, quantized, qcfg, transposed)
         else:

@@ -30,6 +30,9 @@ from stages.checkpoint.hf import copy_tokenizer
 from stages.data.tokenizer import TokenizerError, load_model_tokenizer, save_tokenizer, train_tokenizer
 from stages.deployment.onnx_generate import OnnxDecoder, greedy_generate
 from stages.quant import decoder_linear_layers, load_quantized
+from stages.quant.layers import checkpoint_model
+from stages.model.registry import BY_MODEL_TYPE
+from stages.quant.moe_experts import is_moe, unfuse_experts
 
 GROUP = 32  # divides every input width below (64, 128, 256)
 SIZES = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
@@ -46,6 +49,21 @@ def _family_config(family: str, special: dict) -> transformers.PretrainedConfig:
                "glm4": transformers.Glm4Config}[family]
         return cls(**SIZES, intermediate_size=128, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
                    **special)  # GlmConfig's default pad / eos ids lie outside the test vocabulary
+    if family == "mixtral":
+        return transformers.MixtralConfig(**SIZES, intermediate_size=128, num_key_value_heads=2,
+                                          max_position_embeddings=128, num_local_experts=4, **special)
+    if family == "qwen2_moe":  # its shared expert too
+        return transformers.Qwen2MoeConfig(**SIZES, intermediate_size=128, num_key_value_heads=2,
+                                           max_position_embeddings=128, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=64, shared_expert_intermediate_size=128, **special)
+    if family == "qwen3_moe":  # a dense layer among the sparse ones (mlp_only_layers)
+        return transformers.Qwen3MoeConfig(**SIZES, intermediate_size=128, num_key_value_heads=2, head_dim=16,
+                                           max_position_embeddings=128, num_experts=4, num_experts_per_tok=2,
+                                           moe_intermediate_size=64, mlp_only_layers=[0], **special)
+    if family == "olmoe":
+        return transformers.OlmoeConfig(**SIZES, intermediate_size=64, num_key_value_heads=2,
+                                        max_position_embeddings=128, num_experts=4, num_experts_per_tok=2,
+                                        clip_qkv=8.0, **special)
     if family == "gpt2":
         return transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, **special)
     if family == "opt":
@@ -58,9 +76,11 @@ def _family_config(family: str, special: dict) -> transformers.PretrainedConfig:
     raise KeyError(family)
 
 
-FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "glm", "glm4", "gpt2", "opt", "bloom", "gpt_neox")
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "glm", "glm4", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt2",
+            "opt", "bloom", "gpt_neox")
 # Which torch model export uses: ours where it implements the family (Mistral: when stages.model does).
 EXPORT_MODEL = {"llama": "project", "qwen2": "project", "qwen3": "project", "glm": "project", "glm4": "project",
+                "mixtral": "project", "qwen2_moe": "project", "qwen3_moe": "project", "olmoe": "project",
                 "gpt2": "transformers", "opt": "transformers", "bloom": "transformers", "gpt_neox": "transformers"}
 ADAPTERS = ("lora", "prefix")
 EVAL_CONFIG = {"max_new_tokens": 4, "num_dev_examples": 4, "ppl_max_length": 16, "ppl_max_windows": 2,
@@ -170,13 +190,17 @@ def test_prefix_trains(extras):
 
 
 def test_all_linear_lora_wraps_exactly_the_quantized_layers(chain):
-    """peft's "all-linear" and stages.quant pick the same layers: the Linear / Conv1D of the blocks."""
+    """peft's "all-linear" and stages.quant pick the same layers: the Linear / Conv1D of the blocks
+    (of transformers' model: a mixture's routers and fused experts are none; Mixtral, Qwen3-MoE and
+    OLMoE adapt attention only)."""
     family, root, m = chain
     base = AutoModelForCausalLM.from_pretrained(root / "base")
     adapted = peft.PeftModel.from_pretrained(base, root / "lora")
     wrapped = {n.removeprefix("base_model.model.") for n, mod in adapted.named_modules()
                if isinstance(mod, peft.tuners.lora.LoraLayer)}
-    blocks = decoder_linear_layers(AutoModelForCausalLM.from_pretrained(root / "base"))
+    blocks = decoder_linear_layers(AutoModelForCausalLM.from_pretrained(root / "base"))  # fused experts: none
+    if not BY_MODEL_TYPE[family].lora_mlp:  # peft maps these MoE families' MLP names onto their fused experts
+        blocks = {name: t for name, t in blocks.items() if ".self_attn." in name}
     assert wrapped == set(blocks) and m["merge"]["merged_modules"] == len(blocks)
     # and the adapter trained each of them (peft fills a wrapped layer the file lacks with B = 0)
     with safe_open(str(root / "lora" / "adapter_model.safetensors"), "pt") as f:
@@ -198,7 +222,8 @@ def test_merged_logits_equal_adapter_logits(chain):
 
 def test_quantized_layout_keeps_the_rest_in_float(chain):
     family, root, m = chain
-    blocks = decoder_linear_layers(AutoModelForCausalLM.from_pretrained(root / "merged"))
+    # the checkpoint's layer names (a mixture of experts: one Linear per expert, which transformers fuses)
+    blocks = decoder_linear_layers(checkpoint_model(transformers.AutoConfig.from_pretrained(root / "merged")))
     assert m["wint8"]["num_quantized_layers"] == m["wint4"]["num_quantized_layers"] == len(blocks)
     with safe_open(str(root / "wint4" / "model.safetensors"), "pt") as f, \
             safe_open(str(root / "merged" / "model.safetensors"), "pt") as src:
@@ -224,6 +249,8 @@ def test_dequantized_model_is_close_to_float(chain):
     families: INT8 0.03-1.4%, INT4 0.4-11%), INT8 well below INT4."""
     family, root, m = chain
     ref_model = AutoModelForCausalLM.from_pretrained(root / "merged")
+    if is_moe(family):  # transformers' fused experts as the Linears the checkpoint quantizes
+        unfuse_experts(ref_model, family)
     ref_weights = ref_model.state_dict()
     ids = _probe(ref_model.config.vocab_size)
     ref = _logits(ref_model, ids)
@@ -231,6 +258,8 @@ def test_dequantized_model_is_close_to_float(chain):
     for variant in ("wint8", "wint4"):
         model = load_quantized(root / variant, kernels=False)  # the dequantized reference
         assert type(model) is type(ref_model)
+        if is_moe(family):
+            unfuse_experts(model, family)
         weights = model.state_dict()
         for name in decoder_linear_layers(model):
             w, w_hat = ref_weights[f"{name}.weight"], weights[f"{name}.weight"]

@@ -77,6 +77,7 @@ def test_the_estimate_holds_the_papers_model_states(stage):
     ("debug", {"attention_bias": True, "mlp_bias": True}),
     ("debug", {"model_type": "qwen2"}),  # q/k/v bias, no o_proj bias
     ("gpt-tiny", {}), ("gpt2-124m", {}),  # GPT-2 blocks: fused qkv, GELU MLP, LayerNorm, learned positions
+    ("moe-debug", {}), ("moe-tiny", {}),  # Mixtral blocks: router and 4 / 8 experts per layer
 ])
 def test_parameter_count_equals_the_built_model(flavour, overrides):
     config = config_for_flavour(flavour, vocab_size=1024, **overrides)
@@ -120,6 +121,42 @@ def test_parameter_count_of_qwen3_and_glm_equals_transformers(family, attention_
     with torch.device("meta"):
         theirs = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
     assert parameter_count(arch, 1024) == theirs == LlamaConfig.from_hf_dict(arch).num_parameters()
+
+
+# Mixtures of experts as transformers saves them (each family's spelling of the expert count, Qwen's
+# sparse-layer choice and shared expert, OLMoE's whole-projection q/k norms)
+MOE_FAMILIES = {
+    "mixtral": dict(num_local_experts=4),
+    "qwen2_moe": dict(num_experts=4, moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                      decoder_sparse_step=2),
+    "qwen3_moe": dict(num_experts=6, moe_intermediate_size=48, mlp_only_layers=[0]),
+    "olmoe": dict(num_experts=4),
+}
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_parameter_count_of_the_mixtures_of_experts_equals_transformers(family):
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model(family, vocab_size=1024, hidden_size=64, intermediate_size=192,
+                                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                               num_experts_per_tok=2, **MOE_FAMILIES[family])
+    arch = json.loads(config.to_json_string())
+    with torch.device("meta"):
+        theirs = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    assert parameter_count(arch, 1024) == theirs == LlamaConfig.from_hf_dict(arch).num_parameters()
+
+
+def test_a_mixture_of_experts_saves_its_routed_experts_activations():
+    """moe-tiny against tiny (the same attention and width): a token saves its 2 experts' SwiGLU
+    (2 x 384 wide against tiny's 704), their dispatched inputs and outputs, and the router's."""
+    section = pretrain_section("tiny", vocab_size=4096, per_device_train_batch_size=8, max_length=256)
+    dense, moe = (estimate_phases(FLAVOURS[f], section, vocab_size=4096)["layers"].activations
+                  for f in ("tiny", "moe-tiny"))
+    a, tokens, layers = 4, 8 * 256, 4  # fp32 on the CPU
+    per_layer = 2 * (2 * 256 * a + 4 * 384 * a) + 8 * (a + 4) - 4 * 704 * a  # what a sparse layer saves more
+    assert moe - dense == tokens * layers * per_layer
 
 
 # GPT-2 through its own config.json names, and the families that train through transformers' model,

@@ -222,3 +222,19 @@ def test_training_flops_count_the_active_experts():
     assert frozen == 0 and trained == flops_per_token(config, 16)["trained_matmul_params"]
     everything = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert everything - trained == 3 * 32 * 24 * (6 - 2)  # one sparse layer (of 3, step 2): 4 experts idle
+
+
+def test_the_exported_graph_computes_every_expert_densely_and_the_same_output():
+    """ONNX export traces `run_experts_densely` (no sort, no data-dependent shapes)."""
+    from stages.model.moe import run_experts_densely
+
+    torch.manual_seed(0)
+    block = SparseMoeBlock(16, 24, 4, MoeRouting(top_k=2, renormalize=False), ("w1", "w3", "w2")).eval()
+    x = torch.randn(7, 16)
+    with torch.no_grad():
+        chosen = torch.softmax(block.gate(x), -1).topk(2).indices
+        weights = torch.rand(7, 2)
+        keep = within_capacity(chosen, 4, 0.75)
+        for k in (None, keep):
+            torch.testing.assert_close(run_experts_densely(block.experts, x, chosen, weights, k),
+                                       run_experts(block.experts, x, chosen, weights, k), rtol=0, atol=1e-6)

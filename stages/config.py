@@ -25,6 +25,7 @@ from stages.errors import ConfigError, InputError, run_cli
 from stages.model import gpt2_layout
 from stages.model.attention_shapes import ulysses_head_conflict
 from stages.model.config import FLAVOURS, LlamaConfig, config_for_flavour
+from stages.model.moe_layouts import moe_layout_problem
 from stages.model.registry import BY_MODEL_TYPE
 from stages.quant.variants import resolve_variant
 from stages.schema import SCHEMA_PATH, resolve_ref  # noqa: F401 (their users import them from here too)
@@ -127,7 +128,10 @@ def check_finetune_section(key: str, method: str, section: dict[str, Any]) -> No
 
 
 ARCH_OVERRIDES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "tie_word_embeddings")
+                  "num_key_value_heads", "tie_word_embeddings",
+                  # a mixture of experts' (the moe-* flavours; refused for a dense one by LlamaConfig)
+                  "num_experts", "num_experts_per_tok", "router_aux_loss_coef", "router_z_loss_coef",
+                  "moe_capacity_factor")
 
 
 def architecture(model_section: dict[str, Any]) -> dict[str, Any]:
@@ -432,11 +436,11 @@ def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any], source: di
         return
     arch = architecture(exp["model"])
     layers = arch["num_hidden_layers"]
-    if BY_MODEL_TYPE[arch.get("model_type", "llama")].moe and max(tp, pp, cp) > 1:
-        raise ConfigError(f"{key}: tensor_parallel_degree={tp} / pipeline_parallel_degree={pp} / "
-                          f"context_parallel_degree={cp} with the mixture-of-experts flavour "
-                          f"{exp['model']['flavour']!r}: an MoE model trains with data parallel and ZeRO "
-                          "(world_size + sharding) only so far; set the three degrees to 1")
+    model_type = arch.get("model_type", "llama")
+    problem = moe_layout_problem(model_type, tp, pp, cp, sec["sequence_parallel"]) \
+        if BY_MODEL_TYPE[model_type].moe else None
+    if problem:
+        raise ConfigError(f"{key}: {problem} (flavour {exp['model']['flavour']!r})")
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = arch[field]
         if value % tp:
@@ -467,11 +471,9 @@ def _check_layout_for_source(key: str, sec: dict[str, Any], source: dict[str, An
     if tp == 1 and pp == 1 and cp == 1:
         return
     family = family_of(source)
-    if family.moe:
-        raise ConfigError(f"{key}: tensor_parallel_degree={tp} / pipeline_parallel_degree={pp} / "
-                          f"context_parallel_degree={cp} with a {family.name} checkpoint: a mixture of experts "
-                          "trains with data parallel and ZeRO (world_size + sharding) only so far; set the three "
-                          "degrees to 1")
+    problem = moe_layout_problem(family.model_type, tp, pp, cp, sec["sequence_parallel"]) if family.moe else None
+    if problem:
+        raise ConfigError(f"{key}: {problem}")
     if not (family.full_training_on_ours if full_training else family.ours):
         ours = ", ".join(f.name for f in FAMILIES.values() if f.ours)
         also = [f.name for f in FAMILIES.values() if f.trains_ours and not f.ours]

@@ -90,6 +90,11 @@ class ModelSettings(Section):
     num_attention_heads: int | None
     num_key_value_heads: int | None
     tie_word_embeddings: bool | None
+    num_experts: int | None  # a mixture of experts' (moe-* flavours)
+    num_experts_per_tok: int | None
+    router_aux_loss_coef: float | None
+    router_z_loss_coef: float | None
+    moe_capacity_factor: float | None
 
 
 @dataclasses.dataclass(frozen=True)

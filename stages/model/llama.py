@@ -449,7 +449,7 @@ class LlamaForCausalLM(nn.Module):
         if not records:
             return torch.zeros((), device=self.lm_head.weight.device)
         c = self.config
-        loss = c.router_aux_loss_coef * load_balancing_loss(records, c.num_experts, c.num_experts_per_tok)
+        loss = c.router_aux_loss_coef * load_balancing_loss(records, c.num_experts)
         if c.router_z_loss_coef:
             loss = loss + c.router_z_loss_coef * router_z_loss(records)
         return loss

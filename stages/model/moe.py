@@ -34,13 +34,13 @@ class Expert(nn.Module):
     """One SwiGLU expert: down(silu(gate(x)) * up(x)), its three projections under `names`
     (gate, up, down): the family's checkpoint names."""
 
-    def __init__(self, hidden_size: int, width: int, names: tuple[str, str, str], bias: bool = False):
+    def __init__(self, hidden_size: int, width: int, names: tuple[str, str, str]):
         super().__init__()
         self.names = names
         gate, up, down = names
-        setattr(self, gate, nn.Linear(hidden_size, width, bias=bias))
-        setattr(self, up, nn.Linear(hidden_size, width, bias=bias))
-        setattr(self, down, nn.Linear(width, hidden_size, bias=bias))
+        setattr(self, gate, nn.Linear(hidden_size, width, bias=False))
+        setattr(self, up, nn.Linear(hidden_size, width, bias=False))
+        setattr(self, down, nn.Linear(width, hidden_size, bias=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, name) for name in self.names)
@@ -76,11 +76,8 @@ class MoeRouting:
 
 
 class SparseMoeBlock(nn.Module):
-    """Router plus `num_experts` experts (plus Qwen2-MoE's shared expert). Input and output (B, T, d).
-
-    `dispatch` is where expert parallelism (`stages.parallel.expert`) plugs in: given the (N, d)
-    tokens, their chosen experts (N, k) and weights (N, k), it returns the (N, d) weighted sum of
-    their experts' outputs. The default runs every expert of this module locally."""
+    """Router plus `num_experts` experts (plus Qwen2-MoE's shared expert). Input and output (B, T, d);
+    every expert lives in this module (no expert parallelism yet: docs/parallel.md)."""
 
     def __init__(self, hidden_size: int, width: int, num_experts: int, routing: MoeRouting,
                  names: tuple[str, str, str], shared_width: int = 0):
@@ -96,7 +93,6 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
             self.shared_expert_gate.keep_float = True  # a router too (one output)
         self.record: RouterRecord | None = None  # the last forward's routing
-        self.expert_parallel = None  # set by stages.parallel.expert: experts spread over ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -109,9 +105,7 @@ class SparseMoeBlock(nn.Module):
         keep = None
         if self.routing.capacity_factor is not None:
             keep = within_capacity(chosen, self.num_experts, self.routing.capacity_factor)
-        if self.expert_parallel is not None:
-            y = self.expert_parallel.dispatch(self, x, chosen, weights, keep)
-        elif torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
+        if torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
             y = run_experts_densely(self.experts, x, chosen, weights, keep)  # a graph without data-dependent shapes
         else:
             y = run_experts(self.experts, x, chosen, weights, keep)
@@ -141,14 +135,13 @@ def within_capacity(chosen: torch.Tensor, num_experts: int, capacity_factor: flo
     return (place <= capacity).reshape(n, k)
 
 
-def run_experts(experts: nn.ModuleList, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor,
-                keep: torch.Tensor | None = None, first_expert: int = 0) -> torch.Tensor:
-    """(N, d): for each token the sum over its k choices of weight x expert(token), over the
-    experts in `experts` (global indices first_expert, first_expert + 1, ...); choices of other
-    experts, or outside capacity (`keep` False), add nothing. One matrix product per expert on
-    exactly its tokens (transformers' loop, with the tokens sorted by expert once)."""
+def run_experts(experts: nn.ModuleList | list[nn.Module], x: torch.Tensor, chosen: torch.Tensor,
+                weights: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """(N, d): for each token the sum over its k choices of weight x expert(token); a choice outside
+    capacity (`keep` False) adds nothing. One matrix product per expert on exactly its tokens
+    (transformers' loop, with the tokens sorted by expert once)."""
     y = torch.zeros_like(x)
-    order, counts = group_by_expert(chosen, keep, first_expert, len(experts))
+    order, counts = group_by_expert(chosen, keep, len(experts))
     tokens = order // chosen.shape[1]
     flat_weights = weights.reshape(-1)[order]
     start = 0
@@ -177,25 +170,23 @@ def run_experts_densely(experts: nn.ModuleList, x: torch.Tensor, chosen: torch.T
     return y
 
 
-def group_by_expert(chosen: torch.Tensor, keep: torch.Tensor | None, first_expert: int,
+def group_by_expert(chosen: torch.Tensor, keep: torch.Tensor | None,
                     num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order, counts): the flat (token, choice) pair indices sent to experts first_expert ..
-    first_expert + num_experts - 1, grouped by expert and in token order within each, and how many
-    each expert gets (num_experts,)."""
-    flat = chosen.reshape(-1) - first_expert
-    mine = (flat >= 0) & (flat < num_experts)
+    """(order, counts): the flat (token, choice) pair indices that reach an expert (all, or those
+    `keep` marks), grouped by expert and in token order within each, and how many each expert gets
+    (num_experts,)."""
+    flat = chosen.reshape(-1)
     if keep is not None:
-        mine = mine & keep.reshape(-1)
-    flat = torch.where(mine, flat, num_experts)  # the others sort last and are cut off
+        flat = torch.where(keep.reshape(-1), flat, num_experts)  # dropped pairs sort last and are cut off
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
     return order[: int(counts.sum())], counts
 
 
-def load_balancing_loss(records: list[RouterRecord], num_experts: int, top_k: int) -> torch.Tensor:
+def load_balancing_loss(records: list[RouterRecord], num_experts: int) -> torch.Tensor:
     """transformers' `load_balancing_loss_func` (Switch Transformer eq. 4-6) over every sparse
-    layer at once: E x sum_e f_e P_e, where f_e is the share of all layers' (token, choice) pairs
-    expert e received, times k (counts over tokens, not pairs) and P_e its mean router probability."""
+    layer at once: E x sum_e f_e P_e, f_e the (token, choice) pairs expert e received per token of
+    all layers (the f_e sum to k) and P_e its mean router probability; k at perfect balance."""
     counts = sum(r.tokens_per_expert().float() for r in records)
     prob_sums = sum(torch.softmax(r.logits.float(), dim=-1).sum(0) for r in records)
     rows = sum(r.logits.shape[0] for r in records)

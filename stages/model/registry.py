@@ -21,7 +21,7 @@ class Family:
     name: str  # what the README's support table calls it
     model_type: str  # config.json's model_type
     architecture: str  # config.json's architectures[0]: transformers' class
-    ours: bool  # every stage runs our model: every parallel layout (a mixture of experts: data parallel + ZeRO);
+    ours: bool  # every stage runs our model: every parallel layout (a mixture of experts: stages/model/moe_layouts.py);
     #   else transformers' model, data parallel + ZeRO
     # (continued) pretraining and full SFT run our model, in every layout, even where not `ours`
     # (adapters and the later stages then use transformers' model)

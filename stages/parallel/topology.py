@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from stages.model.config import LlamaConfig
+from stages.model.moe_layouts import moe_layout_problem
 
 GROUP_KINDS = ("tensor", "context", "sharding", "data", "pipeline", "model")
 
@@ -72,10 +73,9 @@ class ParallelDegrees:
         if pp > config.num_hidden_layers:
             problems.append(f"pipeline_parallel_degree={pp} exceeds num_hidden_layers={config.num_hidden_layers}")
         cp = self.context_parallel_degree
-        if config.moe and max(tp, pp, cp) > 1:
-            problems.append(f"tensor_parallel_degree={tp}, pipeline_parallel_degree={pp}, context_parallel_degree="
-                            f"{cp} with the mixture of experts model_type={config.model_type!r}: an MoE model trains "
-                            "with data parallel and ZeRO (world_size, sharding) only so far; set the three to 1")
+        problem = moe_layout_problem(config.model_type, tp, pp, cp) if config.moe else None
+        if problem:
+            problems.append(problem)
         if problems:
             raise ValueError("; ".join(problems))
 

@@ -384,7 +384,7 @@ def _layer_tensors(s: _Shape, tp: int, ad: _Adapter, sparse: bool = False) -> li
     row-parallel weights by input columns (their bias and the norms replicated); LoRA's A whole and
     B split beside a column-parallel base, A split and B whole beside a row-parallel one; prefix
     keys and values by KV head. `sparse`: a mixture of experts' sparse layer (router and experts,
-    no LoRA on them: `stages.adapters.targets.routed`; no tensor parallelism)."""
+    whole on every tensor-parallel rank, no LoRA on them: `stages.adapters.targets.routed`)."""
     out = [(s.hidden, ad.full)] * (4 if s.sandwich_norms or s.gpt_blocks else 2)  # RMSNorm weights (LayerNorm: + bias)
     if s.qk_norm:
         out += [(s.head_dim, ad.full)] * 2  # q_norm, k_norm: one head_dim weight each, on every rank

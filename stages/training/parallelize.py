@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from stages.model import LlamaForCausalLM
+from stages.model.moe_layouts import moe_layout_problem
 from stages.parallel import ParallelDegrees, Topology, apply_tensor_parallel
 from stages.parallel.context import apply_context_parallel
 from stages.parallel.pipeline import PipelineRunner
@@ -65,6 +66,11 @@ def parallelize(model: torch.nn.Module, section: Mapping[str, Any],
         prepare_transformers_model(model, section)
         return model, None
     degrees = topology.degrees
+    problem = moe_layout_problem(model.config.model_type, degrees.tensor_parallel_degree,
+                                 degrees.pipeline_parallel_degree, degrees.context_parallel_degree,
+                                 section.sequence_parallel) if model.config.moe else None
+    if problem:
+        raise ValueError(problem)
     if degrees.tensor_parallel_degree > 1:
         apply_tensor_parallel(model, topology, tensor_parallel_output=section.tensor_parallel_output,
                               sequence_parallel=section.sequence_parallel)

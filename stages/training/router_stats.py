@@ -5,7 +5,8 @@ Each micro-batch's forward leaves its routing on the sparse blocks (`stages.mode
 term, plus the z-loss when configured: `LlamaForCausalLM.router_loss`) and counts the tokens each
 expert of each sparse layer received. train_log.csv gets the mean router loss and the load
 imbalance since the last logged row (the busiest expert's tokens over an even share, averaged over
-the sparse layers: 1.0 is perfect balance, E/k the worst); meta.json the run's tokens per expert.
+the sparse layers: 1.0 is perfect balance, E/k the worst); meta.json the tokens per expert of the
+steps this process ran (since the start, or the resume).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ class RouterStats:
                 "expert_imbalance": imbalance(counts)}
 
     def tokens_per_expert(self) -> list[list[int]]:
-        """Per sparse layer, the tokens each expert received over the logged steps of the run."""
+        """Per sparse layer, the (token, choice) pairs each expert received since the run started (or
+        resumed: a resumed run counts its own steps)."""
         return [[int(c) for c in layer] for layer in self.total]
 
 

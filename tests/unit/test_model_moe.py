@@ -238,3 +238,24 @@ def test_the_exported_graph_computes_every_expert_densely_and_the_same_output():
         for k in (None, keep):
             torch.testing.assert_close(run_experts_densely(block.experts, x, chosen, weights, k),
                                        run_experts(block.experts, x, chosen, weights, k), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("section, fragment", [
+    ({"pretrain": {"world_size": 2, "pipeline_parallel_degree": 2, "gradient_accumulation_steps": 2}},
+     "pipeline_parallel_degree=2, context_parallel_degree=1 with the mixture of experts model_type='mixtral'"),
+    ({"pretrain": {"world_size": 2, "tensor_parallel_degree": 2, "sequence_parallel": True}},
+     "sequence_parallel=true with the mixture of experts"),
+    ({"deploy": {"gguf": ["q8_0"]}}, "which the GGUF writer does not write"),
+    ({"deploy": {"compressed_tensors": ["a8w8"]}, "quantize": {"variants": ["a8w8"]}},
+     "transformers 5.23 cannot load"),
+])
+def test_the_config_check_refuses_what_a_mixture_does_not_get(section, fragment):
+    from stages.config import check_config
+    from stages.errors import ConfigError
+
+    experiment = {"model": {"flavour": "moe-debug"}, **section}
+    with pytest.raises(ConfigError, match="experiments.m.") as info:
+        check_config({"experiments": {"m": experiment}})
+    assert fragment in str(info.value)
+    tp2 = {"model": {"flavour": "moe-debug"}, "pretrain": {"world_size": 2, "tensor_parallel_degree": 2}}
+    check_config({"experiments": {"m": tp2}})  # attention split, experts replicated: accepted

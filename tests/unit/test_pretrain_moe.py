@@ -1,9 +1,9 @@
 """A mixture of experts pretrained on our model (the `moe-debug` flavour: Mixtral blocks, top 2 of 4
-experts) by the pretrain stage (real torchrun, gloo, fp32): data parallel with ZeRO-1 and ZeRO-3
-against the one-process run on the same global batch of 8 windows per step (the router loss is a
-mean over micro-batches, and the micro-batches hold the same windows in every layout), the output
-a Mixtral checkpoint transformers opens, the router loss and load balance logged, and a killed run
-resuming bit for bit."""
+experts) by the pretrain stage (real torchrun, gloo, fp32): data parallel with ZeRO-1 and ZeRO-3, and
+tensor parallelism of attention (the experts replicated), against the one-process run on the same
+global batch of 8 windows per step (the router loss is a mean over micro-batches, and the
+micro-batches hold the same windows in every layout); the output a Mixtral checkpoint transformers
+opens, the router loss and load balance logged, and a killed run resuming bit for bit."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ COMMON = dict(max_steps=8, warmup_steps=2, max_length=32, seed=7, learning_rate=
 LAYOUTS = {  # name -> (processes, section); micro-batch x accumulation x data parallel = 8
     "zero1_dp2": (2, dict(sharding="stage1", per_device_train_batch_size=2, gradient_accumulation_steps=2)),
     "zero3_dp2": (2, dict(sharding="stage3", per_device_train_batch_size=2, gradient_accumulation_steps=2)),
+    # attention split over two ranks, each running the sparse blocks whole on every token
+    "tp2": (2, dict(sharding="none", tensor_parallel_degree=2, per_device_train_batch_size=2,
+                    gradient_accumulation_steps=4)),
 }
 
 
@@ -51,8 +54,9 @@ def test_the_output_is_a_mixtral_checkpoint_and_the_routers_are_logged(reference
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), theirs(ids).logits, rtol=0, atol=1e-5)
     assert log["loss"].iloc[-1] < log["loss"].iloc[0] - 0.5  # it learns the repeated phrase
-    # the router loss: router_aux_loss_coef (0.001) x a load-balancing loss of at least 1 (perfect balance)
-    assert (log["router_loss"] >= 0.001 - 1e-9).all() and (log["router_loss"] < 0.004).all()
+    # the router loss: router_aux_loss_coef (0.01) x a load-balancing loss of about k = 2 at even loads
+    # (moe-tiny's 300 steps measured 1.996 to 2.42) and at most E = 4 (every token on the same two experts)
+    assert (log["router_loss"] >= 0.018).all() and (log["router_loss"] <= 0.04).all()
     assert (log["expert_imbalance"] >= 1.0).all()
     metrics = json.loads((out / "meta.json").read_text())["metrics"]
     loads = np.array(metrics["tokens_per_expert"])  # (sparse layers, experts): every (token, choice) counted

@@ -33,8 +33,8 @@ def own_families() -> tuple[str, ...]:
 
 
 def model_parallel_families() -> tuple[str, ...]:
-    """The families tensor and pipeline parallelism split: ours, less the mixtures of experts
-    (data parallel and ZeRO only so far)."""
+    """The families tensor and pipeline parallelism both split: ours, less the mixtures of experts
+    (tensor parallelism of their attention only: stages/model/moe_layouts.py)."""
     return tuple(sorted(set(own_families()) - set(model_types(moe=True))))
 
 

@@ -104,8 +104,8 @@ def test_model_parallelism_needs_our_model(tmp_path, tiny_tokenizer_dir):
     with pytest.raises(ConfigError, match=r"lora: tensor_parallel_degree=2 / pipeline_parallel_degree=1 / "
                                           r"context_parallel_degree=1 with a GPT-2 "
                                           r"checkpoint: model parallelism runs on the project's own model \(Llama, "
-                                          r"Qwen2, Mistral, Qwen3, GLM, GLM-4; for pretraining and full SFT also "
-                                          r"GPT-2\); "
+                                          r"Qwen2, Mistral, Qwen3, GLM, GLM-4, Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE; "
+                                          r"for pretraining and full SFT also GPT-2\); "
                                           r"GPT-2 trains adapters through transformers"):
         check_config(experiment(gpt2, finetune={"lora": {"world_size": 2, "tensor_parallel_degree": 2}}))
     check_config(experiment(gpt2, finetune={"sft": {"world_size": 2, "sharding": "stage1", "packing": True}}))

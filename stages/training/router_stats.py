@@ -35,9 +35,11 @@ class RouterStats:
         """The router loss of `model`'s last forward (to add to the micro-batch's objective), its
         expert loads counted."""
         records = [block.record for block in model.sparse_blocks()]
-        self.counts += torch.stack([r.tokens_per_expert().double().cpu() for r in records])
+        counts = torch.stack([r.tokens_per_expert() for r in records]).double()
         loss = model.router_loss()
-        self.loss_sum += loss.detach().double().cpu()
+        # kept on the model's device until `means`: no host sync in the step
+        self.counts = self.counts.to(counts.device) + counts
+        self.loss_sum = self.loss_sum.to(counts.device) + loss.detach().double()
         self.micro_batches += 1
         return loss
 
@@ -46,14 +48,15 @@ class RouterStats:
         data-parallel rank; then reset. Collective."""
         import torch.distributed as dist
 
-        packed = torch.cat([self.loss_sum.reshape(1), torch.tensor([float(self.micro_batches)], dtype=torch.float64),
-                            self.counts.reshape(-1)]).to(collective_device(self.dp_group))
+        packed = torch.cat([self.loss_sum.reshape(1).cpu(),
+                            torch.tensor([float(self.micro_batches)], dtype=torch.float64),
+                            self.counts.reshape(-1).cpu()]).to(collective_device(self.dp_group))
         dist.all_reduce(packed, group=self.dp_group)
         packed = packed.cpu()
         counts = packed[2:].reshape(self.counts.shape)
         self.total += counts
-        self.loss_sum.zero_()
-        self.counts.zero_()
+        self.loss_sum = torch.zeros_like(self.loss_sum)
+        self.counts = torch.zeros_like(self.counts)
         self.micro_batches = 0
         return {"router_loss": float(packed[0]) / max(float(packed[1]), 1.0),
                 "expert_imbalance": imbalance(counts)}

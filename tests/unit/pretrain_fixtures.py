@@ -112,3 +112,15 @@ def kill_after_checkpoint(cmd: list[str], env: dict[str, str], ckpt, step: int) 
             if later.name > checkpoint_name(step):
                 shutil.rmtree(later)
     return killed
+
+
+def killed_and_resumed(nproc: int, data_dir: Path, tmp_path: Path, model: dict, **layout) -> tuple:
+    """The uninterrupted run and the same command SIGKILLed once checkpoint-4 is complete, then started
+    again (it must resume there): their train_logs and output dirs, (full, resumed, full_dir, resumed_dir)."""
+    full = torchrun(nproc, data_dir, tmp_path / "full", model, checkpoints=tmp_path / "ckpt_full", **layout)
+    cmd, env = torchrun_command(nproc, data_dir, tmp_path / "killed", model, tmp_path / "ckpt", **layout)
+    kill_after_checkpoint(cmd, env, tmp_path / "ckpt", 4)
+    assert not (tmp_path / "killed").exists()
+    resumed = torchrun(nproc, data_dir, tmp_path / "killed", model, checkpoints=tmp_path / "ckpt", **layout)
+    assert json.loads((tmp_path / "killed" / "meta.json").read_text())["metrics"]["resumed_from_step"] == 4
+    return full, resumed, tmp_path / "full", tmp_path / "killed"

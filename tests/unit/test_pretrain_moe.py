@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from pretrain_fixtures import kill_after_checkpoint, make_data_dir, torchrun, torchrun_command
+from pretrain_fixtures import killed_and_resumed, make_data_dir, torchrun
 from stages.checkpoint.hf import load_pretrained, load_state_dict
 
 pytestmark = pytest.mark.multiproc
@@ -82,12 +82,7 @@ def test_a_killed_zero1_run_resumes_bit_identically(data_dir, tmp_path):
     nproc, section = LAYOUTS["zero1_dp2"]
     # 48 steps: at 8 the run wrote its output before the kill after checkpoint-4 landed
     layout = dict(world_size=nproc, **section, save_steps=4, save_total_limit=0, **{**COMMON, "max_steps": 48})
-    full = torchrun(nproc, data_dir, tmp_path / "full", MODEL, checkpoints=tmp_path / "ckpt_full", **layout)
-    cmd, env = torchrun_command(nproc, data_dir, tmp_path / "killed", MODEL, tmp_path / "ckpt", **layout)
-    kill_after_checkpoint(cmd, env, tmp_path / "ckpt", 4)
-    assert not (tmp_path / "killed").exists()
-    resumed = torchrun(nproc, data_dir, tmp_path / "killed", MODEL, checkpoints=tmp_path / "ckpt", **layout)
-    assert json.loads((tmp_path / "killed" / "meta.json").read_text())["metrics"]["resumed_from_step"] == 4
+    full, resumed, full_dir, resumed_dir = killed_and_resumed(nproc, data_dir, tmp_path, MODEL, **layout)
     assert (resumed["loss"] == full["loss"]).all() and (resumed["router_loss"] == full["router_loss"]).all()
-    a, b = load_state_dict(tmp_path / "full"), load_state_dict(tmp_path / "killed")
+    a, b = load_state_dict(full_dir), load_state_dict(resumed_dir)
     assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)

@@ -85,6 +85,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "cp2_recompute": ("full", dict(sharding="none", context_parallel_degree=2, recompute=True)),
     "cp2_ulysses": ("full", dict(sharding="none", context_parallel_degree=2, context_parallel_mode="ulysses")),
     "pp2": ("full", dict(sharding="none", pipeline_parallel_degree=2)),
+    # a mixture of experts' experts split over the 2 ranks (moe-* flavours only)
+    "ep2": ("full", dict(sharding="none", expert_parallel_degree=2)),
+    "ep2_stage1": ("full", dict(sharding="stage1", expert_parallel_degree=2)),
     "stage1_recompute": ("full", dict(sharding="stage1", recompute=True)),
     # mixed precision: the DeepSpeed paths a GPU run takes (bf16 weights, fp32 masters)
     "none_bf16": ("full", dict(sharding="none", bf16=True)),
@@ -133,10 +136,12 @@ def training_section(flavour: str, case: str, steps: int, device: str = "cpu") -
     trained, overrides = CASES[case]
     settings = {k: v for k, v in FLAVOURS[flavour].items() if k != "vocab_size"}
     section = dict(world_size=WORLD_SIZE[device], max_steps=steps, warmup_steps=0, **{**settings, **overrides})
+    model = {"flavour": model_flavour(flavour)}  # checked against the model's shape (expert parallelism: a mixture)
     if trained == "full":
-        return check_config({"experiments": {"bench": {"pretrain": section}}})["experiments"]["bench"]["pretrain"]
+        return check_config({"experiments": {"bench": {"model": model, "pretrain": section}}})[
+            "experiments"]["bench"]["pretrain"]
     section["src_length"] = section["max_length"] // 2  # below max_length, as fine-tuning requires
-    config = check_config({"experiments": {"bench": {"finetune": {trained: section}}}})
+    config = check_config({"experiments": {"bench": {"model": model, "finetune": {trained: section}}}})
     return config["experiments"]["bench"]["finetune"][trained]
 
 

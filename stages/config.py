@@ -25,7 +25,7 @@ from stages.errors import ConfigError, InputError, run_cli
 from stages.model import gpt2_layout
 from stages.model.attention_shapes import ulysses_head_conflict
 from stages.model.config import FLAVOURS, LlamaConfig, config_for_flavour
-from stages.model.moe_layouts import moe_layout_problem
+from stages.model.moe_layouts import expert_parallel_without_experts, moe_layout_problem
 from stages.model.registry import BY_MODEL_TYPE
 from stages.quant.variants import resolve_variant
 from stages.schema import SCHEMA_PATH, resolve_ref  # noqa: F401 (their users import them from here too)
@@ -410,6 +410,11 @@ def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any], source: di
         raise ConfigError(f"{key}: world_size={world} is not divisible by tensor_parallel_degree={tp} x "
                           f"context_parallel_degree={cp} x pipeline_parallel_degree={pp} = {tp * cp * pp}; the "
                           "data-parallel degree is world_size / (tp x cp x pp)")
+    ep = sec["expert_parallel_degree"]
+    if (world // (tp * cp * pp)) % ep:
+        raise ConfigError(f"{key}: expert_parallel_degree={ep} does not divide the data-parallel degree "
+                          f"world_size / (tp x cp x pp) = {world // (tp * cp * pp)}: expert parallelism splits "
+                          "the data-parallel ranks")
     if pp > 1 and sec["sharding"] in ("stage2", "stage3"):
         raise ConfigError(f"{key}: sharding={sec['sharding']} with pipeline_parallel_degree={pp}: ZeRO-2/3 "
                           "partition gradients during backward, which the pipeline schedule runs outside "
@@ -437,8 +442,9 @@ def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any], source: di
     arch = architecture(exp["model"])
     layers = arch["num_hidden_layers"]
     model_type = arch.get("model_type", "llama")
-    problem = moe_layout_problem(model_type, tp, pp, cp, sec["sequence_parallel"]) \
-        if BY_MODEL_TYPE[model_type].moe else None
+    problem = moe_layout_problem(model_type, tp, pp, cp, sec["sequence_parallel"], ep=ep,
+                                 num_experts=arch.get("num_experts"), sharding=sec["sharding"]) \
+        if BY_MODEL_TYPE[model_type].moe else expert_parallel_without_experts(ep, model_type)
     if problem:
         raise ConfigError(f"{key}: {problem} (flavour {exp['model']['flavour']!r})")
     for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
@@ -468,10 +474,14 @@ def _check_layout_for_source(key: str, sec: dict[str, Any], source: dict[str, An
     counts and layers."""
 
     tp, pp, cp = sec["tensor_parallel_degree"], sec["pipeline_parallel_degree"], sec["context_parallel_degree"]
-    if tp == 1 and pp == 1 and cp == 1:
+    ep = sec["expert_parallel_degree"]
+    if tp == 1 and pp == 1 and cp == 1 and ep == 1:
         return
     family = family_of(source)
-    problem = moe_layout_problem(family.model_type, tp, pp, cp, sec["sequence_parallel"]) if family.moe else None
+    experts = source.get("num_local_experts", source.get("num_experts"))
+    problem = moe_layout_problem(family.model_type, tp, pp, cp, sec["sequence_parallel"], ep=ep, num_experts=experts,
+                                 sharding=sec["sharding"]) if family.moe else \
+        expert_parallel_without_experts(ep, family.model_type)
     if problem:
         raise ConfigError(f"{key}: {problem}")
     if not (family.full_training_on_ours if full_training else family.ours):

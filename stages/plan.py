@@ -41,7 +41,7 @@ GB = 1e9
 # allocator's fragmentation take their share, which the memory model does not count.
 GPU_RESERVED_FRACTION = 0.10
 LAYOUT_KEYS = ("world_size", "tensor_parallel_degree", "sequence_parallel", "context_parallel_degree",
-               "context_parallel_mode", "pipeline_parallel_degree",
+               "context_parallel_mode", "pipeline_parallel_degree", "expert_parallel_degree",
                "virtual_pp_degree", "sharding", "sharding_offload", "recompute", "per_device_train_batch_size",
                "gradient_accumulation_steps", "max_length", "bf16", "fp16")
 METHOD_TRAINS = {"sft": "full", "lora": "lora", "prefix": "prefix"}
@@ -225,7 +225,8 @@ def format_plan(plan: dict[str, Any]) -> str:
                  f"{lay['pipeline_parallel_degree']}, {lay['sharding']}"
                  + (" +offload" if lay.get("sharding_offload") else "") + (" +recompute" if lay.get("recompute") else "")
                  + (" +sp" if lay.get("sequence_parallel") and lay["tensor_parallel_degree"] > 1 else "")
-                 + (f" +cp{lay['context_parallel_degree']}" if lay.get("context_parallel_degree", 1) > 1 else ""))
+                 + (f" +cp{lay['context_parallel_degree']}" if lay.get("context_parallel_degree", 1) > 1 else "")
+                 + (f" +ep{lay['expert_parallel_degree']}" if lay.get("expert_parallel_degree", 1) > 1 else ""))
         res = entry["resources"]
         limit = "-" if entry["limit_gb"] is None else f"{entry['limit_gb']:.1f}"
         fits = {None: "-", True: "yes", False: "NO"}[entry["fits"]]

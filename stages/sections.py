@@ -123,6 +123,7 @@ class TrainingSettings(Section):
     context_parallel_degree: int
     context_parallel_mode: str
     pipeline_parallel_degree: int
+    expert_parallel_degree: int
     virtual_pp_degree: int
     recompute: bool
     torch_compile: bool

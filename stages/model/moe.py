@@ -76,8 +76,9 @@ class MoeRouting:
 
 
 class SparseMoeBlock(nn.Module):
-    """Router plus `num_experts` experts (plus Qwen2-MoE's shared expert). Input and output (B, T, d);
-    every expert lives in this module (no expert parallelism yet: docs/parallel.md)."""
+    """Router plus `num_experts` experts (plus Qwen2-MoE's shared expert). Input and output (B, T, d).
+    Under expert parallelism `experts` holds this rank's share and exchanges tokens with the other
+    ranks' (`stages.parallel.experts.ShardedExperts`, its `dispatch` replacing `run_experts`)."""
 
     def __init__(self, hidden_size: int, width: int, num_experts: int, routing: MoeRouting,
                  names: tuple[str, str, str], shared_width: int = 0):
@@ -105,7 +106,10 @@ class SparseMoeBlock(nn.Module):
         keep = None
         if self.routing.capacity_factor is not None:
             keep = within_capacity(chosen, self.num_experts, self.routing.capacity_factor)
-        if torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
+        dispatch = getattr(self.experts, "dispatch", None)  # expert parallelism (stages.parallel.experts)
+        if dispatch is not None:
+            y = dispatch(x, chosen, weights, keep)
+        elif torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
             y = run_experts_densely(self.experts, x, chosen, weights, keep)  # a graph without data-dependent shapes
         else:
             y = run_experts(self.experts, x, chosen, weights, keep)

@@ -112,8 +112,8 @@ FAMILIES: tuple[Family, ...] = (
                             num_attention_heads=32, num_key_value_heads=2, head_dim=128, max_position_embeddings=131072,
                             rms_norm_eps=1.5625e-07, initializer_range=0.02, tie_word_embeddings=False, hidden_act="silu",
                             attention_dropout=0.0, attention_bias=True)),
-    # Mixtures of experts on our decoder (stages/model/moe.py): data parallel, ZeRO and tensor parallelism of
-    # attention (stages/model/moe_layouts.py); no expert parallelism yet
+    # Mixtures of experts on our decoder (stages/model/moe.py): data parallel, ZeRO, tensor parallelism of
+    # attention and expert parallelism (stages/model/moe_layouts.py, stages/parallel/experts.py)
     Family("Mixtral", "mixtral", "MixtralForCausalLM", ours=True, qkv_bias="never", windows="every_layer",
            moe_block="block_sparse_moe", expert_names=("w1", "w3", "w2"), renormalize_topk="always",
            experts_key="num_local_experts", hf_renames={"num_local_experts": "num_experts"}, rope_theta=1e6,

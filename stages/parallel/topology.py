@@ -20,6 +20,13 @@ coordinates (data x sharding, `get_batch_rank`): the context-parallel ranks of o
 the same samples. With DeepSpeed, `sharding_parallel_degree` only names how the data group splits;
 the ZeRO stage itself comes from the `sharding` config key.
 
+Expert parallelism (a mixture of experts' `expert_parallel_degree`, ep) splits the data group, not
+the world: consecutive ep ranks of a data group form an expert group (each holds E/ep of every
+sparse block's experts and exchanges tokens with the others in every sparse layer, all-to-all), and
+the ranks at the same place of the data group's expert groups form an expert-data group (they hold
+the same experts: DeepSpeed averages those experts' gradients and ZeRO shards their state over it).
+This is DeepSpeed's and Megatron's placement (expert ranks next to each other, after tensor).
+
 `rank_groups` is a pure function of the degrees (testable without processes); `Topology` creates
 the torch.distributed groups from it and holds them. No process group lives in module state.
 """
@@ -31,9 +38,9 @@ from dataclasses import dataclass, field
 import torch
 
 from stages.model.config import LlamaConfig
-from stages.model.moe_layouts import moe_layout_problem
+from stages.model.moe_layouts import expert_parallel_without_experts, moe_layout_problem
 
-GROUP_KINDS = ("tensor", "context", "sharding", "data", "pipeline", "model")
+GROUP_KINDS = ("tensor", "context", "sharding", "data", "pipeline", "model", "expert", "expert_data")
 
 
 @dataclass
@@ -43,11 +50,12 @@ class ParallelDegrees:
     pipeline_parallel_degree: int = 1  # ranks that split the layers into stages
     sharding_parallel_degree: int = 1  # ranks that split optimizer state / grads / params (ZeRO)
     context_parallel_degree: int = 1  # ranks that split every sequence (attention over all of them)
+    expert_parallel_degree: int = 1  # ranks of the data group that split a mixture's experts
     data_parallel_degree: int = field(init=False)  # derived: world / (tp * cp * pp * sharding)
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tensor_parallel_degree", "pipeline_parallel_degree",
-                     "sharding_parallel_degree", "context_parallel_degree"):
+                     "sharding_parallel_degree", "context_parallel_degree", "expert_parallel_degree"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -59,6 +67,11 @@ class ParallelDegrees:
                 f"context_parallel_degree={cp} x pipeline_parallel_degree={pp} x "
                 f"sharding_parallel_degree={sh} = {tp * cp * pp * sh}")
         self.data_parallel_degree = self.world_size // (tp * cp * pp * sh)
+        ep, data_group = self.expert_parallel_degree, self.data_parallel_degree * sh * cp
+        if data_group % ep:
+            raise ValueError(f"expert_parallel_degree={ep} does not divide the data-parallel group of {data_group} "
+                             f"ranks (world_size={self.world_size} / (tensor x context x pipeline)): expert "
+                             "parallelism splits the data group")
 
     def validate_for_model(self, config: LlamaConfig) -> None:
         """Raise ValueError (listing every violated rule, with the numbers) if this layout cannot
@@ -72,8 +85,9 @@ class ParallelDegrees:
                     if value % tp]
         if pp > config.num_hidden_layers:
             problems.append(f"pipeline_parallel_degree={pp} exceeds num_hidden_layers={config.num_hidden_layers}")
-        cp = self.context_parallel_degree
-        problem = moe_layout_problem(config.model_type, tp, pp, cp) if config.moe else None
+        cp, ep = self.context_parallel_degree, self.expert_parallel_degree
+        problem = moe_layout_problem(config.model_type, tp, pp, cp, ep=ep, num_experts=config.num_experts) \
+            if config.moe else expert_parallel_without_experts(ep, config.model_type)
         if problem:
             problems.append(problem)
         if problems:
@@ -94,17 +108,22 @@ def rank_groups(degrees: ParallelDegrees) -> dict[str, list[list[int]]]:
     tensor: same (p, d, s, c); context: same (p, d, s, t); sharding: same (p, d, c, t); data: same
     (p, t), i.e. dp x sharding x cp, the group DeepSpeed averages gradients and partitions ZeRO
     state over; pipeline: same (d, s, c, t), in stage order; model: same (d, s, c), i.e. tp x pp,
-    the group DeepSpeed sums gradient norms over.
+    the group DeepSpeed sums gradient norms over; expert: ep consecutive ranks of a data group;
+    expert_data: the ranks at the same place of a data group's expert groups.
     """
     g = _grid(degrees)
     P, D, S, C, T = g.shape
+    ep = degrees.expert_parallel_degree
+    data = g.permute(0, 4, 1, 2, 3).reshape(-1, D * S * C)
     layouts = {
         "tensor": g.reshape(-1, T),
         "context": g.permute(0, 1, 2, 4, 3).reshape(-1, C),
         "sharding": g.permute(0, 1, 3, 4, 2).reshape(-1, S),
-        "data": g.permute(0, 4, 1, 2, 3).reshape(-1, D * S * C),
+        "data": data,
         "pipeline": g.permute(1, 2, 3, 4, 0).reshape(-1, P),
         "model": g.permute(1, 2, 3, 0, 4).reshape(-1, P * T),
+        "expert": data.reshape(-1, ep),
+        "expert_data": data.reshape(data.shape[0], -1, ep).transpose(1, 2).reshape(-1, D * S * C // ep),
     }
     return {kind: rows.tolist() for kind, rows in layouts.items()}
 
@@ -146,6 +165,8 @@ class Topology:
         self._groups: dict[str, dist.ProcessGroup] = {}
         self._ranks: dict[str, list[int]] = {}
         for kind, all_ranks in rank_groups(degrees).items():
+            if kind.startswith("expert") and degrees.expert_parallel_degree == 1:
+                continue  # no expert parallelism: single ranks and the data group again
             for ranks in all_ranks:  # new_group is collective: every rank creates every group
                 group = dist.new_group(ranks=ranks)
                 if self.rank in ranks:
@@ -232,6 +253,26 @@ class Topology:
 
     def get_sharding_parallel_world_size(self) -> int:
         return self.degrees.sharding_parallel_degree
+
+    # -- expert parallel (a mixture's experts split over ranks of the data group) ---------------
+    def get_expert_parallel_group(self):
+        return self._groups["expert"]
+
+    def get_expert_parallel_rank(self) -> int:
+        return self._rank_in("expert")
+
+    def get_expert_parallel_world_size(self) -> int:
+        return self.degrees.expert_parallel_degree
+
+    def get_expert_data_parallel_group(self):
+        """The ranks holding this rank's experts: their gradients are averaged and ZeRO-sharded over it."""
+        return self._groups["expert_data"]
+
+    def get_expert_data_parallel_rank(self) -> int:
+        return self._rank_in("expert_data")
+
+    def get_expert_data_parallel_world_size(self) -> int:
+        return self.get_data_parallel_world_size() // self.degrees.expert_parallel_degree
 
     # -- model parallel (Megatron's legacy names, as DeepSpeed reads them) ---------------------
     def get_model_parallel_group(self):

@@ -204,6 +204,7 @@ class _Layout:
     sp: bool = False  # sequence parallelism (a switch of tp)
     cp: int = 1  # context parallelism: ranks that split every sequence
     ulysses: bool = False  # context_parallel_mode: ulysses (all-to-all to a head split) rather than all_gather
+    ep: int = 1  # expert parallelism: ranks of the data group that split a mixture's experts
 
     @property
     def dp(self) -> int:
@@ -357,7 +358,8 @@ def _layout(section: TrainingSettings, bf16: bool | None = None) -> _Layout:
                    packing=isinstance(section, SftSettings) and section.packing,
                    sp=section.sequence_parallel and section.tensor_parallel_degree > 1,
                    cp=section.context_parallel_degree,
-                   ulysses=section.context_parallel_mode == "ulysses")
+                   ulysses=section.context_parallel_mode == "ulysses",
+                   ep=section.expert_parallel_degree)
 
 
 # -- parameters ---------------------------------------------------------------------------------
@@ -378,13 +380,14 @@ def _has_bias(s: _Shape, name: str) -> bool:
             or (s.mlp_bias and leaf in ("gate_proj", "up_proj", "gate_up_proj", "down_proj")))
 
 
-def _layer_tensors(s: _Shape, tp: int, ad: _Adapter, sparse: bool = False) -> list[tuple[int, bool]]:
+def _layer_tensors(s: _Shape, tp: int, ad: _Adapter, sparse: bool = False, ep: int = 1) -> list[tuple[int, bool]]:
     """(elements on one tensor-parallel rank, trained?) of every parameter of one decoder layer,
     as `stages.parallel.plan` splits them: column-parallel weights and biases by output rows,
     row-parallel weights by input columns (their bias and the norms replicated); LoRA's A whole and
     B split beside a column-parallel base, A split and B whole beside a row-parallel one; prefix
     keys and values by KV head. `sparse`: a mixture of experts' sparse layer (router and experts,
-    whole on every tensor-parallel rank, no LoRA on them: `stages.adapters.targets.routed`)."""
+    whole on every tensor-parallel rank, no LoRA on them: `stages.adapters.targets.routed`), this
+    rank's E / `ep` experts under expert parallelism."""
     out = [(s.hidden, ad.full)] * (4 if s.sandwich_norms or s.gpt_blocks else 2)  # RMSNorm weights (LayerNorm: + bias)
     if s.qk_norm:
         out += [(s.head_dim, ad.full)] * 2  # q_norm, k_norm: one head_dim weight each, on every rank
@@ -393,7 +396,7 @@ def _layer_tensors(s: _Shape, tp: int, ad: _Adapter, sparse: bool = False) -> li
     if sparse:
         d = s.hidden
         out.append((s.experts * d, ad.full))  # the router
-        out += [(d * s.expert_width, ad.full)] * (3 * s.experts)  # each expert's gate, up, down
+        out += [(d * s.expert_width, ad.full)] * (3 * s.experts // ep)  # each expert's gate, up, down
         if s.shared_width:
             out += [(d * s.shared_width, ad.full)] * 3 + [(d, ad.full)]  # the shared expert and its gate
     for name, (fan_in, fan_out, column) in _projection_shapes(s).items():
@@ -434,7 +437,8 @@ def _rank_tensors(s: _Shape, lay: _Layout, rank: int, ad: _Adapter) -> list[tupl
     chunks, mine = lay.pp * lay.vpp, _chunks_of(lay, rank)
     layers = sum(_chunk_layers(s.layers, chunks)[c] for c in mine)
     sparse = round(s.sparse * layers / s.layers)  # a mixture of experts trains on one pipeline stage: all of them
-    out = _layer_tensors(s, lay.tp, ad) * (layers - sparse) + _layer_tensors(s, lay.tp, ad, sparse=True) * sparse
+    out = _layer_tensors(s, lay.tp, ad) * (layers - sparse) + \
+        _layer_tensors(s, lay.tp, ad, sparse=True, ep=lay.ep) * sparse
     if 0 in mine:
         out.append((s.vocab * s.hidden // lay.tp, ad.full))  # embed_tokens, split by vocabulary rows
         if s.positions:
@@ -661,9 +665,13 @@ def _held(s: _Shape, lay: _Layout, rank: int, ad: _Adapter, device: str, bucket_
     tensors = _rank_tensors(s, lay, rank, ad)
     p, dp, zero, offload = lay.param_bytes, lay.dp, lay.zero, lay.offload and device != "cpu"
     trained = tuple(n for n, t in tensors if t)
-    shard = math.ceil(sum(trained) / dp)
-    states = zero_model_states(sum(trained), zero, dp, param_bytes=p,
-                               optimizer_bytes=ADAM_BYTES + (MASTER_BYTES if zero or p != 4 else 0))
+    # under expert parallelism ZeRO shards the experts over the dp / ep ranks holding the same ones
+    experts = _expert_elements(s, lay, rank) if ad.full and lay.ep > 1 else 0
+    shard = math.ceil((sum(trained) - experts) / dp) + math.ceil(experts / (dp // lay.ep))
+    optimizer_bytes = ADAM_BYTES + (MASTER_BYTES if zero or p != 4 else 0)
+    states = {key: a + b for (key, a), b in zip(
+        zero_model_states(sum(trained) - experts, zero, dp, param_bytes=p, optimizer_bytes=optimizer_bytes).items(),
+        zero_model_states(experts, zero, dp // lay.ep, param_bytes=p, optimizer_bytes=optimizer_bytes).values())}
     if zero == 3:  # every parameter is partitioned; small ones also stay whole
         small = sum(n for n, _ in tensors if n <= PARAM_PERSISTENCE_THRESHOLD)
         parameters = (math.ceil(sum(n for n, _ in tensors) / dp) + small) * p
@@ -680,6 +688,12 @@ def _held(s: _Shape, lay: _Layout, rank: int, ad: _Adapter, device: str, bucket_
                  whole=sum(trained) * p, part=0 if offload else shard * p, shard=shard, trained=trained,
                  bucket=bucket, persistent=(bucket if zero == 3 else 0) + _pipeline_buffers(s, lay, rank),
                  gathered=gathered)
+
+
+def _expert_elements(s: _Shape, lay: _Layout, rank: int) -> int:
+    """Elements of the routed experts pipeline rank `rank` holds (E / ep per sparse layer)."""
+    layers = sum(_chunk_layers(s.layers, lay.pp * lay.vpp)[c] for c in _chunks_of(lay, rank))
+    return round(s.sparse * layers / s.layers) * 3 * s.experts // lay.ep * s.hidden * s.expert_width
 
 
 def _rank_phases(s: _Shape, lay: _Layout, rank: int, ad: _Adapter, device: str,
@@ -800,6 +814,8 @@ def _allowed(s: _Shape, lay: _Layout, section: TrainingSettings, trained: str) -
     if lay.cp > 1 and lay.ulysses and ulysses_head_conflict(lay.cp, lay.tp, s.heads, s.kv_heads):
         return False
     if any(n % lay.tp for n in (s.heads, s.kv_heads, s.intermediate, s.vocab)):
+        return False
+    if lay.ep > 1 and ((lay.world // (lay.tp * lay.pp)) % lay.ep or s.experts % lay.ep or lay.zero == 3):
         return False
     if lay.pp * lay.vpp > s.layers or (lay.vpp > 1 and lay.accum % max(1, lay.accum // lay.pp)):
         return False

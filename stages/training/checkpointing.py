@@ -79,7 +79,7 @@ log = logging.getLogger(__name__)
 LAYOUT_KEYS = frozenset({
     "world_size", "sharding", "sharding_offload", "tensor_parallel_degree", "tensor_parallel_output",
     "sequence_parallel", "context_parallel_degree", "context_parallel_mode",
-    "pipeline_parallel_degree", "virtual_pp_degree", "recompute", "torch_compile",
+    "pipeline_parallel_degree", "virtual_pp_degree", "expert_parallel_degree", "recompute", "torch_compile",
     "logging_steps",
     "per_device_train_batch_size", "gradient_accumulation_steps", "save_steps", "save_total_limit",
     "unified_checkpoint", "async_save", "resume_from_checkpoint",
@@ -153,6 +153,15 @@ class OptimizerAccess:
             else:
                 self.inner.state[hp][key].copy_(value)
 
+    def link_state(self) -> None:
+        """Point every parameter's fragment at Adam's state again (ZeRO 1/2). DeepSpeed links them once,
+        right after the first param group's first update, when a second group (an expert-parallel run's
+        experts, `stages.training.deepspeed_engine`) has no state yet: its moments would stay unreadable."""
+        link = getattr(self.wrapper, "_lazy_init_hp_params_optimizer_state", None)
+        if link is not None and len(self.inner.param_groups) > 1 and self.inner.state:
+            self.wrapper._hp_optimizer_states_linked = False
+            link()
+
     def step_count(self) -> int:
         """Optimizer updates applied so far (skipped fp16 steps do not count)."""
         return adam_step_count(self.inner)
@@ -180,8 +189,15 @@ def adam_step_count(optimizer: torch.optim.Optimizer) -> int:
 
 
 def restore_scheduler(scheduler, state: dict[str, Any]) -> None:
-    """The LR scheduler of `state['lr_scheduler']`, and the optimizer's current rate to match."""
-    scheduler.load_state_dict(state["lr_scheduler"])
+    """The LR scheduler of `state['lr_scheduler']`, and the optimizer's current rate to match. Its
+    per-group lists follow this run's param groups: an expert-parallel run has two (dense and
+    experts, `stages.training.deepspeed_engine`), others one, all at the same rate."""
+    saved = dict(state["lr_scheduler"])
+    groups = len(scheduler.optimizer.param_groups)
+    for key in ("base_lrs", "_last_lr"):
+        if key in saved and len(saved[key]) != groups:
+            saved[key] = saved[key][:1] * groups
+    scheduler.load_state_dict(saved)
     for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
         group["lr"] = lr
 
@@ -269,16 +285,27 @@ def _file_names(unified: bool, rank: int, world: int, topology: Topology) -> tup
 def snapshot(engine, access: OptimizerAccess, names: dict[str, str], topology: Topology, *,
              unified: bool, optimizer: bool, writer: int | None = None) -> RankPart:
     """This rank's share of the checkpoint, copied to CPU memory. Collective over every rank.
-    With `writer` (unified, no pipeline) that rank takes every whole tensor."""
+    With `writer` (unified, no pipeline) that rank takes every whole tensor. Under expert
+    parallelism an expert's tensors are written by one of the ranks holding it (the tensor-parallel
+    rank 0 of its expert-data group, taking turns); every rank lists as many experts at the same
+    places, so the turns stay aligned."""
     rank, world = dist.get_rank(), dist.get_world_size()
     tp, dp = topology.degrees.tensor_parallel_degree, topology.get_data_parallel_world_size()
     tp_rank, dp_rank = topology.coordinates["tensor"], topology.get_data_parallel_rank()
     model_file, optim_file = _file_names(unified, rank, world, topology)
     part = RankPart(rank)
     keys = [None, *OPTIMIZER_KEYS] if optimizer else [None]
+    if optimizer:
+        access.link_state()
     turn = 0
     for local_name, param in trained_parameters(engine.module):
         name, dim, chunks = names.get(local_name, local_name), partition_dim(param), partition_chunks(param)
+        expert = getattr(param, "expert_parallel", False)
+        if expert and writer is not None:
+            raise ValueError(f"{name}: one writer cannot take an expert-parallel run's experts (each rank holds "
+                             "its own); write them unified by every rank")
+        holders, place = (topology.get_expert_data_parallel_world_size(), topology.get_expert_data_parallel_rank()) \
+            if expert else (dp, dp_rank)  # the ranks that hold this tensor, and this rank's place among them
         for key in keys:
             tensor = access.get(param, key)  # this tensor-parallel slice, whole over data parallel
             file, tkey = (model_file, name) if key is None else (optim_file, optimizer_key(name, key))
@@ -287,9 +314,9 @@ def snapshot(engine, access: OptimizerAccess, names: dict[str, str], topology: T
                     slices = [torch.empty_like(tensor) for _ in range(tp)]
                     dist.all_gather(slices, tensor.contiguous(), group=topology.tp_group)
                     tensor = join_shards(slices, dim, chunks)
-                if (rank == writer) if writer is not None else turn % (tp * dp) == dp_rank * tp + tp_rank:
+                if (rank == writer) if writer is not None else turn % (tp * holders) == place * tp + tp_rank:
                     part.add(file, tkey, tensor.detach().float().cpu().clone())
-            elif (dim is not None or tp_rank == 0) and turn % dp == dp_rank:
+            elif (dim is not None or tp_rank == 0) and turn % holders == place:
                 part.add(file, tkey, tensor.detach().float().cpu().clone(), tp_rank=tp_rank,
                          tp_size=tp if dim is not None else 1, partition_dim=dim, partition_chunks=chunks)
             turn += 1

@@ -11,15 +11,23 @@ its FP16_UnfusedOptimizer, whose construction takes one optimizer step on zero g
 dtype in every layout (DeepSpeed's default; its fp32 accumulation, `grad_accum_dtype`, exists for
 ZeRO-1 and its own pipeline engine only, and raises NotImplementedError without ZeRO).
 
+Expert parallelism (`stages.parallel.experts`) reaches DeepSpeed as its own MoE does: the expert
+parameters are marked (`allreduce=False`, `group_name`), put in their own optimizer param group
+(`moe: True`), and the expert groups are our topology's (`expert_parallel_in_deepspeed`); DeepSpeed
+then averages their gradients over the ranks holding the same experts (divided by the whole data
+group, as each rank's experts saw every data rank's tokens) and ZeRO 1/2 shard their state there.
+
 Each function takes a typed training section or a mapping (`stages.sections.training_section`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
 
+from stages.model.moe import SparseMoeBlock
 from stages.parallel import Topology
 from stages.sections import training_section
 from stages.training.capabilities import resolved_bf16
@@ -81,14 +89,18 @@ def build_engine(module: torch.nn.Module, section: Mapping[str, Any], topology: 
 
     section = training_section(section)
     trained = [p for p in module.parameters() if p.requires_grad]  # an adapter's only; the base is frozen
-    optimizer = adamw(trained, section)
+    experts = [p for p in trained if getattr(p, "expert_parallel", False)]
+    dense = [p for p in trained if not getattr(p, "expert_parallel", False)]
+    groups = [{"params": dense, "name": "dense"}, {"params": experts, "name": expert_group_name(topology), "moe": True}]
+    optimizer = adamw(groups if experts else trained, section)
     scheduler = build_scheduler(optimizer, section)
     ds_config = deepspeed_config(section, topology.get_data_parallel_world_size(), pipeline=pipeline)
     zero_off = ZERO_STAGES[section.sharding] == 0
     if zero_off:  # clipped by `clip` below
         ds_config["gradient_clipping"] = 0.0
-    engine, optimizer, _, scheduler = deepspeed.initialize(
-        model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=topology)
+    with expert_parallel_in_deepspeed(experts, topology) if experts else nullcontext():
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=topology)
     forget_initial_step(engine.optimizer)
     # Without ZeRO, DeepSpeed clips but does not keep the norm: clip here (same maths, with the
     # topology's model-parallel reduction) so train_log.csv has grad_norm for every layout.
@@ -99,6 +111,8 @@ def build_engine(module: torch.nn.Module, section: Mapping[str, Any], topology: 
         def clip_and_measure(m: torch.nn.Module) -> float:
             scale = loss_scale(engine)  # fp16: the gradients are still multiplied by the loss scale
             params = [p for p in m.parameters() if p.requires_grad]
+            if experts:
+                return float(clip_expert_parallel(params, max_norm * scale, topology)) / scale
             return float(clip_grad_norm_(params, max_norm * scale, mpu=topology)) / scale
 
         clip = clip_and_measure
@@ -133,3 +147,61 @@ def forget_initial_step(wrapper) -> None:
         return
     wrapper.optimizer.state.clear()
     wrapper.refresh_fp32_params()
+
+
+def expert_group_name(topology: Topology) -> str:
+    """DeepSpeed's name of the expert groups (`group_name` of an expert parameter)."""
+    return f"ep_size_{topology.degrees.expert_parallel_degree}"
+
+
+@contextmanager
+def expert_parallel_in_deepspeed(experts: list[torch.nn.Parameter], topology: Topology) -> Iterator[None]:
+    """DeepSpeed's engine, built inside, treats `experts` as expert-parallel parameters over our
+    topology's expert groups. DeepSpeed knows expert parallelism only from its own MoE layer classes:
+    it looks for them among the module's children (`isinstance(module, MoE)`) while it is built and
+    then reads the expert groups from its `groups` registry. Inside this block our sparse block counts
+    as such a layer (the engine module's `MoE` name is a tuple with it, restored on exit), the
+    parameters carry DeepSpeed's marks, and the registry holds our groups under DeepSpeed's name, so
+    DeepSpeed's own placement never differs from ours."""
+    import deepspeed.runtime.engine as ds_engine
+    from deepspeed.utils import groups
+
+    name = expert_group_name(topology)
+    for param in experts:
+        param.allreduce, param.group_name = False, name
+    groups._EXPERT_PARALLEL_GROUP[name] = topology.get_expert_parallel_group()
+    groups._EXPERT_PARALLEL_GROUP_RANKS[name] = topology.ranks("expert")
+    groups._EXPERT_DATA_PARALLEL_GROUP[name] = topology.get_expert_data_parallel_group()
+    groups._EXPERT_DATA_PARALLEL_GROUP_RANKS[name] = topology.ranks("expert_data")
+    native = ds_engine.MoE
+    ds_engine.MoE = (native, SparseMoeBlock)
+    try:
+        yield
+    finally:
+        ds_engine.MoE = native
+
+
+def clip_expert_parallel(params: list[torch.nn.Parameter], max_norm: float, topology: Topology) -> torch.Tensor:
+    """Clip the gradients to `max_norm` by their global L2 norm under expert parallelism (ZeRO off) and
+    return that norm: a replicated tensor counted once per tensor-parallel group, a split one on every
+    rank (summed over the model group), each expert once (summed over the expert group too).
+    DeepSpeed's `clip_grad_norm_` averages each rank's norm over the data group instead, which is the
+    global norm only when every rank holds the same tensors. Same clip coefficient as DeepSpeed's."""
+    import torch.distributed as dist
+
+    tp_rank = topology.coordinates["tensor"]
+    sums = torch.zeros(2, dtype=torch.float32)  # (dense, experts)
+    for p in params:
+        if p.grad is None or not (getattr(p, "tensor_model_parallel", False) or tp_rank == 0):
+            continue
+        sums[int(getattr(p, "expert_parallel", False))] += p.grad.detach().float().norm(2) ** 2
+    sums = sums.to(params[0].grad.device)
+    dist.all_reduce(sums, group=topology.get_model_parallel_group())
+    expert = sums[1:].clone()
+    dist.all_reduce(expert, group=topology.get_expert_parallel_group())
+    total = (sums[0] + expert[0]).sqrt()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(coef)
+    return total

@@ -180,6 +180,7 @@ class Run:
                 "tensor_parallel_degree": d.tensor_parallel_degree,
                 "context_parallel_degree": d.context_parallel_degree,
                 "pipeline_parallel_degree": d.pipeline_parallel_degree,
+                "expert_parallel_degree": d.expert_parallel_degree,
                 "virtual_pp_degree": self.section.virtual_pp_degree, "sharding": self.section.sharding}
 
     def trainer_state(self, step: int) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from stages.model import LlamaForCausalLM
 from stages.model.moe_layouts import moe_layout_problem
 from stages.parallel import ParallelDegrees, Topology, apply_tensor_parallel
 from stages.parallel.context import apply_context_parallel
+from stages.parallel.experts import apply_expert_parallel
 from stages.parallel.pipeline import PipelineRunner
 from stages.sections import TrainingSettings, training_section
 from stages.training.deepspeed_engine import ZERO_STAGES
@@ -26,7 +27,8 @@ def parallel_degrees(section: Mapping[str, Any]) -> ParallelDegrees:
     section = training_section(section)
     return ParallelDegrees(world_size=section.world_size, tensor_parallel_degree=section.tensor_parallel_degree,
                            pipeline_parallel_degree=section.pipeline_parallel_degree,
-                           context_parallel_degree=section.context_parallel_degree)
+                           context_parallel_degree=section.context_parallel_degree,
+                           expert_parallel_degree=section.expert_parallel_degree)
 
 
 class PipelineModules(torch.nn.Module):
@@ -51,6 +53,10 @@ def check_model_fits(model: torch.nn.Module, section: Mapping[str, Any], degrees
         raise ValueError(f"context_parallel_degree={degrees.context_parallel_degree}: {type(model).__name__} "
                          "trains through transformers, whose attention does not read keys split over ranks; "
                          "context parallelism runs on the project's own model (set context_parallel_degree: 1)")
+    elif degrees.expert_parallel_degree > 1:
+        raise ValueError(f"expert_parallel_degree={degrees.expert_parallel_degree}: {type(model).__name__} trains "
+                         "through transformers; expert parallelism runs on the project's own model (the mixture "
+                         "of experts families); set expert_parallel_degree: 1")
     else:
         check_transformers_model(model, training_section(section), degrees.tensor_parallel_degree,
                                  degrees.pipeline_parallel_degree)
@@ -68,12 +74,17 @@ def parallelize(model: torch.nn.Module, section: Mapping[str, Any],
     degrees = topology.degrees
     problem = moe_layout_problem(model.config.model_type, degrees.tensor_parallel_degree,
                                  degrees.pipeline_parallel_degree, degrees.context_parallel_degree,
-                                 section.sequence_parallel) if model.config.moe else None
+                                 section.sequence_parallel, ep=degrees.expert_parallel_degree,
+                                 num_experts=model.config.num_experts, sharding=section.sharding) \
+        if model.config.moe else None
     if problem:
         raise ValueError(problem)
     if degrees.tensor_parallel_degree > 1:
         apply_tensor_parallel(model, topology, tensor_parallel_output=section.tensor_parallel_output,
                               sequence_parallel=section.sequence_parallel)
+    if degrees.expert_parallel_degree > 1:
+        apply_expert_parallel(model, topology.get_expert_parallel_group(), topology.get_expert_parallel_rank(),
+                              degrees.expert_parallel_degree)
     if degrees.context_parallel_degree > 1:
         sp = degrees.tensor_parallel_degree if section.sequence_parallel else 1
         apply_context_parallel(model, topology.get_context_parallel_group(), sequence_parallel_degree=sp,
@@ -98,4 +109,5 @@ def layout_metrics(section: TrainingSettings, topology: Topology) -> dict[str, i
             "tensor_parallel_degree": degrees.tensor_parallel_degree,
             "context_parallel_degree": degrees.context_parallel_degree,
             "pipeline_parallel_degree": degrees.pipeline_parallel_degree,
+            "expert_parallel_degree": degrees.expert_parallel_degree,
             "zero_stage": ZERO_STAGES[section.sharding]}

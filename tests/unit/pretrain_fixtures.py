@@ -3,6 +3,7 @@ section, and a real `torchrun` of the pretrain stage."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -44,8 +45,9 @@ requires_fp16 = pytest.mark.skipif(_fp16_reason() is not None, reason=f"fp16: {_
 BF16_RTOL = 2.0 ** -8
 
 
-def pretrain_section(**overrides):
-    cfg = check_config({"experiments": {"t": {"pretrain": overrides}}})
+def pretrain_section(model: dict | None = None, **overrides):
+    """A validated `pretrain` section (checked against the `model` section's flavour, when given)."""
+    cfg = check_config({"experiments": {"t": {"pretrain": overrides, **({"model": model} if model else {})}}})
     return cfg["experiments"]["t"]["pretrain"]
 
 
@@ -67,10 +69,10 @@ def torchrun_command(nproc: int, data_dir: Path, out: Path, model: dict | None =
                      checkpoints: Path | None = None, init: Path | None = None,
                      **section) -> tuple[list[str], dict[str, str]]:
     """The command line and environment of `torchrun` (below), for a caller that starts it itself."""
-    model = model_section(model)
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
            "-m", "stages.pretrain", "--data", str(data_dir), "--out", str(out),
-           "--model-config", json.dumps(model), "--config", json.dumps(pretrain_section(**section))]
+           "--model-config", json.dumps(model_section(model)),
+           "--config", json.dumps(pretrain_section(model, **section))]
     if checkpoints is not None:
         cmd += ["--checkpoints", str(checkpoints)]
     if init is not None:  # continued pretraining from this imported checkpoint
@@ -88,10 +90,25 @@ def torchrun(nproc: int, data_dir: Path, out: Path, model: dict | None = None, c
     return pd.read_csv(out / "train_log.csv")
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if ppid == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
 def kill_after_checkpoint(cmd: list[str], env: dict[str, str], ckpt, step: int) -> bool:
-    """Start the run and SIGKILL its whole process group once checkpoint-`step` is complete; returns
-    whether it was still running then. A run that outran the poll is left as a kill right after
-    that checkpoint would have left it: no output, no later checkpoint."""
+    """Start the run and SIGKILL it, torchrun and its ranks, once checkpoint-`step` is complete; returns
+    whether it was still running then. The ranks are killed themselves: torchrun starts them in
+    sessions of their own, and left to stages/training/launcher_watch.py they would train on for up
+    to half a second (a few of moe-debug's steps, another checkpoint). A run that outran the poll is
+    left as a kill right after that checkpoint would have left it: no output, no later checkpoint."""
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     deadline = time.monotonic() + 300
@@ -103,7 +120,10 @@ def kill_after_checkpoint(cmd: list[str], env: dict[str, str], ckpt, step: int) 
         time.sleep(0.01)
     killed = proc.poll() is None
     if killed:
-        os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks: this test started them
+        for rank in _children(proc.pid):
+            with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+                os.kill(rank, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)  # torchrun's own group: this test started it
     proc.communicate(timeout=60)
     if not killed:
         out = Path(cmd[cmd.index("--out") + 1])

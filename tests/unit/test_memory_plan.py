@@ -5,6 +5,7 @@ and peak at (bench/memory_plan.py: 2 gloo ranks on the CPU, the profiler's alloc
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,10 @@ import pytest
 from stages.config import check_config
 from stages.model import build_model, config_for_flavour
 from stages.model.config import FLAVOURS, LlamaConfig
+from stages.errors import ConfigError
 from stages.planning.memory import (
+    ADAM_BYTES,
+    MASTER_BYTES,
     estimate_memory,
     estimate_phases,
     nearest_fitting_layout,
@@ -157,6 +161,24 @@ def test_a_mixture_of_experts_saves_its_routed_experts_activations():
     a, tokens, layers = 4, 8 * 256, 4  # fp32 on the CPU
     per_layer = 2 * (2 * 256 * a + 4 * 384 * a) + 8 * (a + 4) - 4 * 704 * a  # what a sparse layer saves more
     assert moe - dense == tokens * layers * per_layer
+
+
+def test_expert_parallelism_holds_a_share_of_the_experts_and_shards_their_state_over_their_holders():
+    """moe-tiny on 4 ranks, ZeRO-1: with expert_parallel_degree 2 a rank holds 4 of the 8 experts of
+    each layer, and their Adam state is sharded over the 2 ranks holding them (the rest over all 4).
+    bench/memory_plan.py --flavours moe-tiny --cases none ep2 measures it (2026-11-30: ep2 279.9 MiB
+    against 347.7 without, the estimate 0.956 of it)."""
+    arch = FLAVOURS["moe-tiny"]
+    experts = arch["num_hidden_layers"] * 3 * arch["num_experts"] * arch["hidden_size"] * arch["intermediate_size"]
+    psi = parameter_count(arch, 4096)
+    split, whole = (estimate_phases(arch, pretrain_section("moe-tiny", 4096, world_size=4, sharding="stage1", **ep),
+                                    vocab_size=4096)["backward"] for ep in ({"expert_parallel_degree": 2}, {}))
+    assert whole.parameters - split.parameters == experts // 2 * 4  # fp32
+    per_parameter = MASTER_BYTES + ADAM_BYTES
+    assert whole.optimizer == per_parameter * math.ceil(psi / 4)
+    assert split.optimizer == per_parameter * (math.ceil((psi - experts) / 4) + math.ceil(experts // 2 / 2))
+    with pytest.raises(ConfigError, match="does not divide num_experts=8"):
+        pretrain_section("moe-tiny", 4096, world_size=3, expert_parallel_degree=3)
 
 
 # GPT-2 through its own config.json names, and the families that train through transformers' model,

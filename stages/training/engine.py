@@ -96,9 +96,24 @@ def _peak_flops(section: Mapping[str, Any], device: torch.device, world: int) ->
 def _measured_peak(dtype: torch.dtype, device: str) -> float:
     """`peak_matmul_flops`, kept for the process (one that trains several times, tests or sweeps,
     measures once). On a CPU, 1024-wide matmuls reach the rate of the default 2048-wide loop (fp32,
-    one thread: 36 vs 35 GFLOP/s) in ~1 s instead of ~20 s, which a short CPU run would feel."""
-    size = dict(n=1024, iters=4, repeats=3) if torch.device(device).type == "cpu" else {}
-    return peak_matmul_flops(dtype, device, **size)
+    one thread: 36 vs 35 GFLOP/s) in ~1 s instead of ~20 s, which a short CPU run would feel; a dtype
+    the CPU only emulates is measured on smaller products (`cpu_matmul_width`)."""
+    if torch.device(device).type == "cpu":
+        return peak_matmul_flops(dtype, device, n=cpu_matmul_width(dtype), iters=4, repeats=3)
+    return peak_matmul_flops(dtype, device)
+
+
+def cpu_matmul_width(dtype: torch.dtype, seconds: float = 0.1, widest: int = 1024) -> int:
+    """The width (a multiple of 128, 256 to `widest`) of square products in `dtype` that take about
+    `seconds` each on this CPU, from one 256-wide product. bf16 without AVX512-BF16 or AMX runs in
+    emulation: a 1024-wide product took 2.8 s on a 2-core AMD EPYC without them (fp32: 0.03 s), and
+    the peak's twelve of them 38 s of every bf16 run's start; it measures 384 wide there (0.9 s)."""
+    a = torch.randn(256, 256, dtype=dtype)
+    torch.matmul(a, a)  # the first call picks the kernel
+    start = time.perf_counter()
+    torch.matmul(a, a)
+    rate = 2 * 256**3 / max(time.perf_counter() - start, 1e-9)
+    return max(256, min(widest, int((rate * seconds / 2) ** (1 / 3)) // 128 * 128))
 
 
 def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> int:

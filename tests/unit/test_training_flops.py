@@ -116,3 +116,12 @@ def test_the_logits_share_is_our_lm_head_at_six_or_four_and_nothing_for_transfor
     hf = HfLlamaForCausalLM(HfLlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                                           num_attention_heads=4))
     assert logits_flops_per_token(hf) == 0
+
+
+@pytest.mark.parametrize("rate, width", [(60e9, 1024), (5e9, 512), (2e9, 384), (0.5e9, 256)])
+def test_the_cpu_peak_is_measured_on_products_of_about_a_tenth_of_a_second(monkeypatch, rate, width):
+    """Fast kernels 1024 wide; an emulated dtype (bf16 without AVX512-BF16 or AMX: ~1 GFLOP/s, 2.8 s
+    per 1024-wide product) on products that still take about 0.1 s, never below 256."""
+    clock = iter([0.0, 2 * 256**3 / rate])
+    monkeypatch.setattr(engine.time, "perf_counter", lambda: next(clock))
+    assert engine.cpu_matmul_width(torch.float32) == width

@@ -18,11 +18,17 @@ What is written, following llama.cpp's convert_hf_to_gguf.py:
   blocks falls back to f16 (the converter's fallback). q4_0 keeps the output matrix (token_embd when
   tied) at q8_0: llama-quantize keeps it at q6_K, for which the gguf package has no quantizer;
 - hyperparameters under `{arch}.*`, rope scaling "linear" as metadata and "llama3" as the
-  `rope_freqs` tensor (how llama.cpp's converter expresses it).
+  `rope_freqs` tensor (how llama.cpp's converter expresses it);
+- Mixtral (a mixture of experts) as llama.cpp's converter writes it: arch "llama" with
+  `expert_count` and `expert_used_count`, the router as `ffn_gate_inp` (kept f32, as the converter
+  keeps it) and each layer's experts stacked into 3-D `ffn_gate_exps` (w1), `ffn_up_exps` (w3) and
+  `ffn_down_exps` (w2), expert-major; llama.cpp routes them as Mixtral does (softmax, top k, the k
+  weights renormalised), dropless.
 
-Refused by name (ValueError): other model types than llama / mistral / qwen2 (those our config
-reader does not take by config.json's own check; Qwen3, GLM and GLM-4, which it takes, by
-`gguf_arch`: llama.cpp has architectures of their own for them, not written here), llama
+Refused by name (ValueError): other model types than llama / mistral / qwen2 / mixtral (those our
+config reader does not take by config.json's own check; Qwen3, GLM, GLM-4, Qwen2-MoE, Qwen3-MoE and
+OLMoE, which it takes, by `gguf_arch`: llama.cpp has architectures of their own for them, not written
+here), a Mixtral trained with a capacity factor (llama.cpp runs every routed token), llama
 attention/MLP biases, sliding windows shorter than the context (llama.cpp's llama and qwen2 attend
 to the whole context), rope types other than default / linear / llama3 (llama3 on arch llama only),
 and tokenizers GGUF cannot describe (see gguf_tokenizer).
@@ -68,6 +74,10 @@ TENSOR_NAMES = {
     **{f"model.layers.{{i}}.self_attn.{p}_proj.{kind}": f"blk.{{i}}.attn_{p}.{kind}"
        for p in "qkv" for kind in ("weight", "bias")},
 }
+TENSOR_NAMES["model.layers.{i}.block_sparse_moe.gate.weight"] = "blk.{i}.ffn_gate_inp.weight"  # Mixtral's router
+# Mixtral's experts: one tensor per projection and layer, the experts stacked along a new first dimension
+EXPERT_NAMES = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 SKIPPED = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed by every reader
 
@@ -78,8 +88,13 @@ def gguf_arch(config: LlamaConfig) -> str:
     if config.model_type not in GGUF_MODEL_TYPES:
         raise ValueError(f"model_type={config.model_type!r} is not written to GGUF by this writer; supported: "
                          f"{', '.join(GGUF_MODEL_TYPES)}. llama.cpp has architectures of their own for Qwen3 and GLM "
-                         "(q/k head norms, a fused gate_up_proj, partial interleaved RoPE), which this writer does "
-                         "not implement; deploy this model as ONNX or compressed-tensors instead")
+                         "(q/k head norms, a fused gate_up_proj, partial interleaved RoPE) and for Qwen2-MoE, "
+                         "Qwen3-MoE and OLMoE (shared experts, q/k norms), which this writer does not implement; "
+                         "deploy this model as ONNX or compressed-tensors instead")
+    if config.moe and config.moe_capacity_factor is not None:
+        raise ValueError(f"moe_capacity_factor={config.moe_capacity_factor}: llama.cpp runs every token on its "
+                         "chosen experts (no capacity), so it would compute other outputs than this model; "
+                         "set moe_capacity_factor: null in config.json to deploy it dropless")
     if config.model_type == "llama" and (config.attention_bias or config.mlp_bias):
         raise ValueError(f"attention_bias={config.attention_bias}, mlp_bias={config.mlp_bias}: Llama biases "
                          "are not written by this GGUF writer (not implemented: the q/k biases would need the "
@@ -156,6 +171,9 @@ def add_hparams(writer: Any, config: LlamaConfig, file_type: str) -> None:
         writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(config.vocab_size)
+    if config.moe:  # Mixtral: feed_forward_length above is each expert's width
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
     if rope_type(config.rope_scaling) == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(config.rope_scaling["factor"]))
@@ -166,7 +184,7 @@ def add_hparams(writer: Any, config: LlamaConfig, file_type: str) -> None:
 
 def tensor_type(name: str, shape: tuple[int, ...], file_type: str, tied: bool) -> str:
     """The GGML type a tensor is stored in: "f32", "f16", "q8_0" or "q4_0" (see the module docstring)."""
-    if len(shape) == 1 or file_type == "f32":
+    if len(shape) == 1 or file_type == "f32" or name.endswith("ffn_gate_inp.weight"):  # norms, biases, routers
         return "f32"
     if file_type != "f16" and shape[-1] % 32:
         return "f16"
@@ -199,7 +217,13 @@ def gguf_tensors(state: dict[str, torch.Tensor], config: LlamaConfig, arch: str)
     if not tied and "lm_head.weight" not in state:
         raise ValueError("lm_head.weight is missing and tie_word_embeddings is false")
     out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer, projection) -> expert -> weight
     for hf_name, tensor in state.items():
+        match = _EXPERT.match(hf_name)
+        if match:
+            layer, expert, projection = match.groups()
+            experts.setdefault((layer, projection), {})[int(expert)] = tensor
+            continue
         name = gguf_name(hf_name)
         if name is None or (tied and name == "output.weight"):
             continue
@@ -207,6 +231,11 @@ def gguf_tensors(state: dict[str, torch.Tensor], config: LlamaConfig, arch: str)
             heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
             tensor = permute_qk(tensor, heads)
         out[name] = tensor
+    for (layer, projection), by_expert in experts.items():
+        if sorted(by_expert) != list(range(config.num_experts)):
+            raise ValueError(f"layer {layer}: experts {sorted(by_expert)} of {projection}, expected 0 to "
+                             f"{config.num_experts - 1}")
+        out[f"blk.{layer}.{EXPERT_NAMES[projection]}.weight"] = torch.stack([by_expert[e] for e in sorted(by_expert)])
     if rope_type(config.rope_scaling) == "llama3":
         out["rope_freqs.weight"] = llama3_rope_factors(config)
     return out

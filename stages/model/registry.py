@@ -117,7 +117,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("Mixtral", "mixtral", "MixtralForCausalLM", ours=True, qkv_bias="never", windows="every_layer",
            moe_block="block_sparse_moe", expert_names=("w1", "w3", "w2"), renormalize_topk="always",
            experts_key="num_local_experts", hf_renames={"num_local_experts": "num_experts"}, rope_theta=1e6,
-           lora_mlp=False,
+           lora_mlp=False, gguf_arch="llama",
            hf_defaults=dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                             num_attention_heads=32, num_key_value_heads=8, head_dim=None,
                             max_position_embeddings=131072, rms_norm_eps=1e-5, initializer_range=0.02,

@@ -108,8 +108,23 @@ def mistral_dir(tmp_path_factory, tiny_tokenizer_dir):
 
 
 @pytest.fixture(scope="module")
-def sources(trained_dir, hf_llama_dir, qwen2_dir, mistral_dir):
-    return {"ours": trained_dir, "hf_llama": hf_llama_dir, "qwen2": qwen2_dir, "mistral": mistral_dir}
+def mixtral_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """transformers-saved random Mixtral (4 experts, top 2) whose routers are scaled up so that each
+    token's choice of experts is clear-cut (random init leaves router logits within ~1e-2 of each other)."""
+    out = save_checkpoint(tmp_path_factory.mktemp("gguf_mixtral") / "tiny_mixtral",
+                          PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir), model_type="mixtral",
+                          intermediate_size=96)
+    state = load_file(out / "model.safetensors")
+    for name in [n for n in state if n.endswith("block_sparse_moe.gate.weight")]:
+        state[name] = state[name] * 50
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def sources(trained_dir, hf_llama_dir, qwen2_dir, mistral_dir, mixtral_dir):
+    return {"ours": trained_dir, "hf_llama": hf_llama_dir, "qwen2": qwen2_dir, "mistral": mistral_dir,
+            "mixtral": mixtral_dir}
 
 
 @pytest.mark.parametrize("name", ["ours", "hf_llama", "qwen2", "mistral"])
@@ -162,6 +177,32 @@ def test_layout_names_types_and_metadata(hf_llama_dir, qwen2_dir, tmp_path):
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "qwen2.gguf").tensors}
     assert "output.weight" not in types and types["token_embd.weight"] == "Q8_0"  # tied: it is the output
     assert types["blk.0.attn_q.bias"] == "F32" and types["blk.0.ffn_down.weight"] == "Q4_0"
+
+
+def test_a_mixtral_is_written_as_llama_cpps_converter_writes_it(mixtral_dir, tmp_path):
+    """Arch llama with the expert counts; the router as ffn_gate_inp in f32; each layer's experts stacked
+    into one 3-D tensor per projection, expert-major (gguf shapes list the fastest dimension first)."""
+    state = load_file(mixtral_dir / "model.safetensors")
+    state = {k: v for k, v in state.items()}
+    for file_type in ("f32", "q8_0"):
+        write_gguf(mixtral_dir, tmp_path / f"{file_type}.gguf", file_type)
+    reader = gguf.GGUFReader(tmp_path / "q8_0.gguf")
+    field = lambda key: reader.get_field(key).contents()  # noqa: E731
+    assert field("general.architecture") == "llama"
+    assert (field("llama.expert_count"), field("llama.expert_used_count"), field("llama.feed_forward_length")) \
+        == (4, 2, 96)
+    tensors = {t.name: t for t in reader.tensors}
+    assert tensors["blk.1.ffn_gate_inp.weight"].tensor_type.name == "F32"
+    assert list(tensors["blk.1.ffn_gate_inp.weight"].shape) == [64, 4]
+    for name, shape in (("ffn_gate_exps", [64, 96, 4]), ("ffn_up_exps", [64, 96, 4]), ("ffn_down_exps", [96, 64, 4])):
+        assert tensors[f"blk.0.{name}.weight"].tensor_type.name == "Q8_0"
+        assert list(tensors[f"blk.0.{name}.weight"].shape) == shape, name
+    assert not any(".experts." in n or "ffn_gate.weight" in n for n in tensors)
+    f32 = {t.name: t for t in gguf.GGUFReader(tmp_path / "f32.gguf").tensors}
+    for projection, name in (("w1", "ffn_gate_exps"), ("w3", "ffn_up_exps"), ("w2", "ffn_down_exps")):
+        stacked = np.stack([state[f"model.layers.1.block_sparse_moe.experts.{e}.{projection}.weight"].numpy()
+                            for e in range(4)])
+        np.testing.assert_array_equal(np.asarray(f32[f"blk.1.{name}.weight"].data), stacked)
 
 
 def test_permute_qk_is_the_inverse_of_the_readers_unpermute():
@@ -291,6 +332,7 @@ def test_refuses_a_tokenizer_gguf_cannot_describe(tmp_path, tiny_tokenizer_dir, 
      "rope_type='llama3' on model_type='qwen2'"),
     ("llama", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_type='dynamic'"),
     ("llama", dict(attention_bias=True), "Llama biases"),
+    ("mixtral", dict(moe_capacity_factor=1.25), "moe_capacity_factor=1.25: llama.cpp runs every token"),
 ])
 def test_refuses_an_architecture_llama_cpp_would_run_differently(tmp_path, tiny_tokenizer_dir, model_type,
                                                                  overrides, reason):
@@ -310,7 +352,7 @@ def test_refuses_our_families_llama_cpp_runs_as_their_own_architectures(tmp_path
                           model_type=model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
     with pytest.raises(ValueError, match=rf"model_type='{model_type}' is not written to GGUF by this writer; "
-                                         r"supported: llama, mistral, qwen2\."):
+                                         r"supported: llama, mistral, mixtral, qwen2\."):
         write_gguf(src, tmp_path / "m.gguf", "f16")
     assert not (tmp_path / "m.gguf").exists()
 
@@ -413,10 +455,11 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["hf_llama", "qwen2", "llama3_rope", "linear_rope"])
+@pytest.mark.parametrize("name", ["hf_llama", "qwen2", "llama3_rope", "linear_rope", "mixtral"])
 def test_llama_cpp_logits_equal_transformers_on_f32(sources, tiny_tokenizer_dir, name, tmp_path):
     """Also RoPE scaling, which llama.cpp reads (rope_freqs tensor, rope.scaling.* keys) and transformers'
-    GGUF loader does not: these two files are checked against llama.cpp only."""
+    GGUF loader does not, and Mixtral, which transformers' GGUF loader does not read (llama.cpp writes it
+    as arch llama with experts): these files are checked against llama.cpp only."""
     rope = {"llama3_rope": _LLAMA3_ROPE, "linear_rope": {"rope_type": "linear", "factor": 4.0}}.get(name)
     src = sources.get(name) or save_checkpoint(tmp_path / name, PreTrainedTokenizerFast.from_pretrained(
         tiny_tokenizer_dir), rope_scaling=rope)

@@ -12,7 +12,15 @@ import pandas as pd
 import pytest
 import torch
 
-from pretrain_fixtures import BF16_RTOL, make_data_dir, model_section, pretrain_section, requires_fp16, torchrun
+from pretrain_fixtures import (
+    BF16_RTOL,
+    killed_and_resumed,
+    make_data_dir,
+    model_section,
+    pretrain_section,
+    requires_fp16,
+    torchrun,
+)
 from runs_in_one_world import start_world
 from stages.training.batches import SftBatches, WindowSampler
 from stages.training.deepspeed_engine import deepspeed_config
@@ -305,3 +313,20 @@ def test_fp16_with_dynamic_loss_scaling(name, data_dir, reference, tmp_path):
 def test_layout_matches_the_single_process_run(name, layout_runs, reference):
     check_layout(layout_runs(name), reference)
 
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["cp2_sharding_stage3", "tp2_sequence_parallel_zero1"])
+def test_a_killed_sequence_split_run_resumes_bit_identically(name, data_dir, tmp_path):
+    """Context parallelism under ZeRO-3 and tensor parallelism with sequence parallelism under ZeRO-1,
+    SIGKILLed (torchrun and its ranks) once checkpoint-4 is complete and started again: the same
+    losses and weights as the uninterrupted run, bit for bit."""
+    from stages.checkpoint.hf import load_state_dict
+
+    nproc, section = LAYOUTS[name]
+    layout = dict(world_size=nproc, **section, save_steps=4, save_total_limit=0, **{**COMMON, "max_steps": 24})
+    full, resumed, full_dir, resumed_dir = killed_and_resumed(nproc, data_dir, tmp_path, FOUR_LAYERS, **layout)
+    assert (resumed["loss"] == full["loss"]).all() and (resumed["grad_norm"] == full["grad_norm"]).all()
+    a, b = load_state_dict(full_dir), load_state_dict(resumed_dir)
+    assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)

@@ -190,18 +190,16 @@ def clip_expert_parallel(params: list[torch.nn.Parameter], max_norm: float, topo
     import torch.distributed as dist
 
     tp_rank = topology.coordinates["tensor"]
-    sums = torch.zeros(2, dtype=torch.float32)  # (dense, experts)
-    for p in params:
-        if p.grad is None or not (getattr(p, "tensor_model_parallel", False) or tp_rank == 0):
-            continue
-        sums[int(getattr(p, "expert_parallel", False))] += p.grad.detach().float().norm(2) ** 2
-    sums = sums.to(params[0].grad.device)
+    grads = [p for p in params if p.grad is not None]
+    sums = torch.zeros(2, dtype=torch.float32, device=grads[0].grad.device if grads else "cpu")  # (dense, experts)
+    for p in grads:
+        if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+            sums[int(getattr(p, "expert_parallel", False))] += p.grad.detach().float().norm(2) ** 2
     dist.all_reduce(sums, group=topology.get_model_parallel_group())
     expert = sums[1:].clone()
     dist.all_reduce(expert, group=topology.get_expert_parallel_group())
     total = (sums[0] + expert[0]).sqrt()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in params:
-        if p.grad is not None:
-            p.grad.mul_(coef)
+    for p in grads:
+        p.grad.mul_(coef)
     return total

@@ -1,6 +1,6 @@
 """A training section's layout applied to a built model: the parallel degrees, the checks that
-the model fits them, and tensor parallel, context parallel, recompute, compile and the pipeline
-split in torchtitan's order. Parameter names stay those of the single-device model. The functions
+the model fits them, and tensor parallel, expert parallel, context parallel, recompute, compile and
+the pipeline split in torchtitan's order. Parameter names stay those of the single-device model. The functions
 a caller outside the engine calls take a typed training section or a mapping
 (`stages.sections.training_section`)."""
 

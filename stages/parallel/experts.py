@@ -62,11 +62,11 @@ class ShardedExperts(nn.ModuleDict):
         # of this rank's experts gets (rank-major: source s's counts for local experts 0..share-1)
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
-        received = received.reshape(self.world, share)
+        received = received.reshape(self.world, share).cpu()  # the split sizes are host numbers anyway
         send_splits = counts.reshape(self.world, share).sum(1).tolist()
         recv_splits = received.sum(1).tolist()
         rows = _exchange(x[tokens], recv_splits, send_splits, self.group)
-        by_expert = _expert_major(received)  # rows grouped by local expert, each source in rank order
+        by_expert = _expert_major(received).to(x.device)  # rows grouped by local expert, each source in rank order
         outputs = []
         start = 0
         for index, count in zip(self.local, received.sum(0).tolist()):
@@ -101,7 +101,7 @@ def _expert_major(received: torch.Tensor) -> torch.Tensor:
 def apply_expert_parallel(model: nn.Module, group, rank: int, world: int) -> None:
     """Keep, in every sparse block of `model`, only expert rank `rank`'s experts of `world`, in place;
     their parameters marked `expert_parallel`. Works on a meta model (materialised afterwards)."""
-    for block in model.modules():
+    for block in list(model.modules()):  # the blocks' children change below
         if not isinstance(block, SparseMoeBlock):
             continue
         keep = local_experts(block.num_experts, rank, world)

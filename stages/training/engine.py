@@ -66,7 +66,13 @@ from stages.training.families import (
     estimated_flops_per_token,
     write_config,
 )
-from stages.training.flops import cpu_ranks_at_peak, flops_per_token, matmul_weights, peak_matmul_flops
+from stages.training.flops import (
+    cpu_matmul_width,
+    cpu_ranks_at_peak,
+    flops_per_token,
+    matmul_weights,
+    peak_matmul_flops,
+)
 from stages.training.log import TrainLog, event_files
 from stages.training.materialize import ResumeWeights, is_lazy, materialize
 from stages.training.parallelize import check_model_fits, layout_metrics, parallel_degrees, parallelize
@@ -101,19 +107,6 @@ def _measured_peak(dtype: torch.dtype, device: str) -> float:
     if torch.device(device).type == "cpu":
         return peak_matmul_flops(dtype, device, n=cpu_matmul_width(dtype), iters=4, repeats=3)
     return peak_matmul_flops(dtype, device)
-
-
-def cpu_matmul_width(dtype: torch.dtype, seconds: float = 0.1, widest: int = 1024) -> int:
-    """The width (a multiple of 128, 256 to `widest`) of square products in `dtype` that take about
-    `seconds` each on this CPU, from one 256-wide product. bf16 without AVX512-BF16 or AMX runs in
-    emulation: a 1024-wide product took 2.8 s on a 2-core AMD EPYC without them (fp32: 0.03 s), and
-    the peak's twelve of them 38 s of every bf16 run's start; it measures 384 wide there (0.9 s)."""
-    a = torch.randn(256, 256, dtype=dtype)
-    torch.matmul(a, a)  # the first call picks the kernel
-    start = time.perf_counter()
-    torch.matmul(a, a)
-    rate = 2 * 256**3 / max(time.perf_counter() - start, 1e-9)
-    return max(256, min(widest, int((rate * seconds / 2) ** (1 / 3)) // 128 * 128))
 
 
 def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> int:

@@ -97,3 +97,16 @@ def peak_matmul_flops(dtype: torch.dtype = torch.bfloat16, device: str | torch.d
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
     return 2 * n**3 * iters / best
+
+
+def cpu_matmul_width(dtype: torch.dtype, seconds: float = 0.1, widest: int = 1024) -> int:
+    """The width (a multiple of 128, 256 to `widest`) of square products in `dtype` that take about
+    `seconds` each on this CPU, from one 256-wide product. bf16 without AVX512-BF16 or AMX runs in
+    emulation: a 1024-wide product took 2.8 s on a 2-core AMD EPYC without them (fp32: 0.03 s), and
+    the peak's twelve of them 38 s of every bf16 run's start; it measures 384 wide there (0.9 s)."""
+    a = torch.randn(256, 256, dtype=dtype)
+    torch.matmul(a, a)  # the first call picks the kernel
+    start = time.perf_counter()
+    torch.matmul(a, a)
+    rate = 2 * 256**3 / max(time.perf_counter() - start, 1e-9)
+    return max(256, min(widest, int((rate * seconds / 2) ** (1 / 3)) // 128 * 128))

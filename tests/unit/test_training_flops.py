@@ -6,7 +6,7 @@ from sft_fixtures import finetune_section
 
 from stages.adapters import attach_adapter
 from stages.model import build_model, config_for_flavour
-from stages.training import engine
+from stages.training import engine, flops
 from stages.training.families import estimated_flops_per_token
 from stages.training.flops import cpu_ranks_at_peak, flops_per_token, matmul_weights
 
@@ -123,5 +123,5 @@ def test_the_cpu_peak_is_measured_on_products_of_about_a_tenth_of_a_second(monke
     """Fast kernels 1024 wide; an emulated dtype (bf16 without AVX512-BF16 or AMX: ~1 GFLOP/s, 2.8 s
     per 1024-wide product) on products that still take about 0.1 s, never below 256."""
     clock = iter([0.0, 2 * 256**3 / rate])
-    monkeypatch.setattr(engine.time, "perf_counter", lambda: next(clock))
-    assert engine.cpu_matmul_width(torch.float32) == width
+    monkeypatch.setattr(flops.time, "perf_counter", lambda: next(clock))
+    assert flops.cpu_matmul_width(torch.float32) == width

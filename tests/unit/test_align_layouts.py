@@ -129,8 +129,16 @@ def test_layout_follows_the_one_process_run(name, runs, references):
     assert len(curve) == len(reference) == 5 and len(set(reference)) == 5  # the weights moved every step
     assert curve == pytest.approx(reference, rel=1e-5)
     columns = STATS + (("mix_loss",) if "mix_ratio" in RECIPE[recipe] else ())
+    # the first step's policy is the reference: every pair's reward is 0 up to rounding, which differs between
+    # layouts (the vocab-parallel log-softmax), so which reward of a pair is higher there is noise (measured
+    # 2026-11-30 on an AMD EPYC without AVX-512: accuracy 0.125 under tp2 with the vocab-parallel loss, 0.0 in
+    # one process); the accuracy is compared where the rewards are apart
+    apart = [abs(m) > 1e-5 for m in _column(references[recipe], "rewards_margin")]
     for column in columns:  # the statistics of every data-parallel rank (and of the pipeline's last stage)
-        assert _column(runs[name], column) == pytest.approx(_column(references[recipe], column), rel=1e-4, abs=1e-5)
+        got, want = _column(runs[name], column), _column(references[recipe], column)
+        if column == "rewards_accuracy":
+            got, want = [g for g, a in zip(got, apart) if a], [w for w, a in zip(want, apart) if a]
+        assert got == pytest.approx(want, rel=1e-4, abs=1e-5), column
     ours, theirs = _weights(runs[name]), _weights(references[recipe])
     assert ours.keys() == theirs.keys()
     for key in ours:  # whole tensors under the single-device names, whatever the layout

@@ -86,7 +86,8 @@ SHARDINGS = ("none", "stage1", "stage2", "stage3")
 
 def peak_bf16_matmul_flops() -> float:
     """2048-wide products where they take 0.1 s or less; narrower where bf16 is emulated (a CPU
-    without AVX512-BF16 or AMX: 22 s per 2048-wide product, 15 min per measurement on a 2-core AMD EPYC)."""
+    without AVX512-BF16 or AMX: one 2048-wide product took 56 s on one thread of a 2-core AMD EPYC, and
+    a measurement takes 41 of them)."""
     return peak_matmul_flops(torch.bfloat16, n=cpu_matmul_width(torch.bfloat16, widest=2048))
 
 

@@ -90,12 +90,10 @@ def _exchange(rows: torch.Tensor, recv_splits: list[int], send_splits: list[int]
 def _expert_major(received: torch.Tensor) -> torch.Tensor:
     """Indices that reorder rows arrived source-major (source s: its rows for local expert 0, 1, ...)
     into expert-major order (local expert e: its rows from source 0, 1, ...), from the counts
-    (sources, local experts)."""
-    starts = torch.cumsum(received.reshape(-1), 0) - received.reshape(-1)
-    starts = starts.reshape(received.shape)
-    pieces = [torch.arange(int(starts[s, e]), int(starts[s, e] + received[s, e]))
-              for e in range(received.shape[1]) for s in range(received.shape[0])]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    (sources, local experts): each row's local expert, stably sorted."""
+    sources, share = received.shape
+    expert_of_row = torch.arange(share).repeat(sources).repeat_interleave(received.reshape(-1))
+    return torch.argsort(expert_of_row, stable=True)
 
 
 def apply_expert_parallel(model: nn.Module, group, rank: int, world: int) -> None:

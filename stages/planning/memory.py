@@ -432,11 +432,17 @@ def _chunks_of(lay: _Layout, rank: int) -> list[int]:
     return [c for c in range(lay.pp * lay.vpp) if c % lay.pp == rank]
 
 
+def _rank_layers(s: _Shape, lay: _Layout, rank: int) -> tuple[int, int]:
+    """(decoder layers, of them sparse ones) pipeline rank `rank` holds; a mixture of experts trains on
+    one pipeline stage, so all of its sparse layers."""
+    layers = sum(_chunk_layers(s.layers, lay.pp * lay.vpp)[c] for c in _chunks_of(lay, rank))
+    return layers, round(s.sparse * layers / s.layers)
+
+
 def _rank_tensors(s: _Shape, lay: _Layout, rank: int, ad: _Adapter) -> list[tuple[int, bool]]:
     """(elements, trained?) of every parameter tensor pipeline rank `rank` holds."""
     chunks, mine = lay.pp * lay.vpp, _chunks_of(lay, rank)
-    layers = sum(_chunk_layers(s.layers, chunks)[c] for c in mine)
-    sparse = round(s.sparse * layers / s.layers)  # a mixture of experts trains on one pipeline stage: all of them
+    layers, sparse = _rank_layers(s, lay, rank)
     out = _layer_tensors(s, lay.tp, ad) * (layers - sparse) + \
         _layer_tensors(s, lay.tp, ad, sparse=True, ep=lay.ep) * sparse
     if 0 in mine:
@@ -669,9 +675,9 @@ def _held(s: _Shape, lay: _Layout, rank: int, ad: _Adapter, device: str, bucket_
     experts = _expert_elements(s, lay, rank) if ad.full and lay.ep > 1 else 0
     shard = math.ceil((sum(trained) - experts) / dp) + math.ceil(experts / (dp // lay.ep))
     optimizer_bytes = ADAM_BYTES + (MASTER_BYTES if zero or p != 4 else 0)
-    states = {key: a + b for (key, a), b in zip(
-        zero_model_states(sum(trained) - experts, zero, dp, param_bytes=p, optimizer_bytes=optimizer_bytes).items(),
-        zero_model_states(experts, zero, dp // lay.ep, param_bytes=p, optimizer_bytes=optimizer_bytes).values())}
+    dense_states = zero_model_states(sum(trained) - experts, zero, dp, param_bytes=p, optimizer_bytes=optimizer_bytes)
+    expert_states = zero_model_states(experts, zero, dp // lay.ep, param_bytes=p, optimizer_bytes=optimizer_bytes)
+    states = {key: dense_states[key] + expert_states[key] for key in dense_states}
     if zero == 3:  # every parameter is partitioned; small ones also stay whole
         small = sum(n for n, _ in tensors if n <= PARAM_PERSISTENCE_THRESHOLD)
         parameters = (math.ceil(sum(n for n, _ in tensors) / dp) + small) * p
@@ -692,8 +698,7 @@ def _held(s: _Shape, lay: _Layout, rank: int, ad: _Adapter, device: str, bucket_
 
 def _expert_elements(s: _Shape, lay: _Layout, rank: int) -> int:
     """Elements of the routed experts pipeline rank `rank` holds (E / ep per sparse layer)."""
-    layers = sum(_chunk_layers(s.layers, lay.pp * lay.vpp)[c] for c in _chunks_of(lay, rank))
-    return round(s.sparse * layers / s.layers) * 3 * s.experts // lay.ep * s.hidden * s.expert_width
+    return _rank_layers(s, lay, rank)[1] * 3 * s.experts // lay.ep * s.hidden * s.expert_width
 
 
 def _rank_phases(s: _Shape, lay: _Layout, rank: int, ad: _Adapter, device: str,

@@ -183,7 +183,6 @@ def test_a_mixtral_is_written_as_llama_cpps_converter_writes_it(mixtral_dir, tmp
     """Arch llama with the expert counts; the router as ffn_gate_inp in f32; each layer's experts stacked
     into one 3-D tensor per projection, expert-major (gguf shapes list the fastest dimension first)."""
     state = load_file(mixtral_dir / "model.safetensors")
-    state = {k: v for k, v in state.items()}
     for file_type in ("f32", "q8_0"):
         write_gguf(mixtral_dir, tmp_path / f"{file_type}.gguf", file_type)
     reader = gguf.GGUFReader(tmp_path / "q8_0.gguf")

@@ -1,10 +1,11 @@
 """The workflow used the way Snakemake workflows are used: imported by another workflow as a module
 with a prefix and its own config, and with its results on a storage provider (the fs plugin with
 node-local scratch as `--local-storage-prefix`, and S3 on a moto server on 127.0.0.1). The module and
-S3 runs build the whole debug DAG (an undeclared path in any rule fails under a prefix and in a
-bucket); the fs run builds data, pretraining and SFT, and resumes pretraining from its scratch. The
-weights in storage equal the module run's, a run on the local file system, and the S3 run, a second
-run of the whole DAG from scratch, writes every artifact as the module run did, byte for byte apart
+run builds the whole debug DAG (an undeclared path in any rule fails under a prefix); the S3 run a job
+of every rule kind but the report in a bucket (S3_TARGETS: 17 of the DAG's 33 jobs, every quantizer
+among them); the fs run builds data, pretraining and SFT, and resumes pretraining from its scratch.
+The weights in storage equal the module run's, a run on the local file system, and the S3 run, a
+second run from scratch, writes every artifact it makes as the module run did, byte for byte apart
 from the measurements of the machine's speed and memory and the paths (tests/integration/rerun_identity.py)."""
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ pytestmark = pytest.mark.slow
 WEIGHT_DIRS = ("pretrain", "sft", "lora", "prefix", "lora-merged", "quant/wint4", "quant/gptq-w4",
                "quant/awq-w4", "quant/a8w8-smooth")
 ARTIFACTS = (*WEIGHT_DIRS, "data", "export", "deploy/gguf-f32", "deploy/compressed-tensors-a8w8-smooth")
+# The S3 run: every rule kind but the report (the whole DAG runs under the module's prefix here, in
+# make test's DAG test and through SLURM), every quantization method; what SFT and prefix tuning add
+# (their jobs are finetune's, as LoRA's) is in neither this list nor the bucket.
+S3_TARGETS = ("results/ci/deploy/manifest.json", "results/ci/eval/lora.json", "results/ci/plan.json",
+              *(f"results/ci/quant/{v}" for v in ("wint4", "gptq-w4", "awq-w4")))
+S3_ARTIFACTS = tuple(a for a in ARTIFACTS if a not in ("sft", "prefix"))
 
 
 def run_snakemake(workdir: Path, *args: str, snakefile: Path = ROOT / "workflow" / "Snakefile",
@@ -147,38 +154,52 @@ def s3_server(tmp_path):
 def test_results_in_s3(module_run, s3_server, tmp_path):
     endpoint, client = s3_server
     # the target first: each --storage-s3-* option takes every word after it (tagged values)
-    run_snakemake(tmp_path, "results/ci/quant_eval.json", "--configfile", str(ROOT / "config" / "config.yaml"),
+    run_snakemake(tmp_path, *S3_TARGETS, "--configfile", str(ROOT / "config" / "config.yaml"),
                   str(DEBUG_CONFIG), "--default-storage-provider", "s3", "--default-storage-prefix", "s3://llm",
                   "--storage-s3-endpoint-url", endpoint, "--storage-s3-access-key", "test",
                   "--storage-s3-secret-key", "test")
     keys = [o["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket="llm")
             for o in page.get("Contents", [])]
-    for artifact in ARTIFACTS:
+    for artifact in S3_ARTIFACTS:
         assert f"results/ci/{artifact}/meta.json" in keys, artifact
-    assert "results/ci/quant_eval.json" in keys and not (tmp_path / "results").exists()
+    assert "results/ci/eval/lora.json" in keys and not (tmp_path / "results").exists()
     in_bucket = {key.removeprefix("results/ci/"): client.get_object(Bucket="llm", Key=key)["Body"].read()
                  for key in keys if key.endswith(".safetensors")
                  and Path(key).parent.as_posix().removeprefix("results/ci/") in WEIGHT_DIRS}
-    assert sha256s(in_bucket) == local_weights(module_run / "llm" / "results" / "ci")
-    # every artifact: a second run of the DAG from scratch writes the same bytes (rerun_identity.py)
+    module = local_weights(module_run / "llm" / "results" / "ci")
+    assert sha256s(in_bucket) == {k: v for k, v in module.items() if not k.startswith(("sft/", "prefix/"))}
+    # every artifact it made: a second run from scratch writes the same bytes (rerun_identity.py)
     bucket = tmp_path / "bucket" / "results"
     for key in keys:
         (bucket.parent / key).parent.mkdir(parents=True, exist_ok=True)
         (bucket.parent / key).write_bytes(client.get_object(Bucket="llm", Key=key)["Body"].read())
-    assert differing_artifacts(comparable_tree(module_run / "llm" / "results", tmp_path / "module"),
+    made = {_unit(Path(key).relative_to("results")) for key in keys}
+    assert differing_artifacts(comparable_tree(module_run / "llm" / "results", tmp_path / "module", made),
                                comparable_tree(bucket, tmp_path / "s3")) == []
+
+
+GROUPS = ("eval", "quant", "deploy", "plan")  # directories of one entry per variant or job
+
+
+def _unit(relative: Path) -> tuple[str, ...]:
+    """The artifact a file under results/ belongs to: (experiment, artifact directory or file), or
+    (experiment, group, entry) in a directory of GROUPS."""
+    return relative.parts[:3] if relative.parts[1] in GROUPS else relative.parts[:2]
 
 
 _PATH = re.compile(r"[^\s\"',|()]*(?<![\w.-])results/")
 
 
-def comparable_tree(results: Path, out: Path) -> Path:
+def comparable_tree(results: Path, out: Path, only: set[str] | None = None) -> Path:
     """A copy of a results tree with the paths its text files record (the module's llm/ prefix, the
     storage plugin's local copies under .snakemake/storage/) cut to results/..., and without the
-    training checkpoints (a storage run keeps them on its local scratch, not in the bucket)."""
+    training checkpoints (a storage run keeps them on its local scratch, not in the bucket); with
+    `only`, the files of those artifacts (`_unit`) only."""
     for path in sorted(results.rglob("*")):
         relative = path.relative_to(results)
         if not path.is_file() or relative.parts[1:2] == ("checkpoints",):
+            continue
+        if only is not None and _unit(relative) not in only:
             continue
         target = out / relative
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -3,9 +3,10 @@
 Marked `slurm`: left out of `make test`, run by CI (.ci/run) after it starts the local cluster: two
 SLURM nodes (llmnode1, llmnode2, one slurmd each) on this one machine. Every rule goes through sbatch
 (the executor plugin), the training rules start their ranks with `srun --overlap` inside the job
-(stages/launch.py), and the results are checked as a user would: the debug DAG completes with its
-pretraining as a 2-node job (one rank per node, `cluster.tasks_per_node: 1`) whose ranks, per their
-own log lines, ran on different nodes and met at the first node's rendezvous; a second experiment
+(stages/launch.py), and the results are checked as a user would: the debug DAG's jobs of every rule
+kind but the report (14 of its 33) complete with their pretraining as a 2-node job (one rank per
+node, `cluster.tasks_per_node: 1`) whose ranks, per their own log lines, ran on different nodes and
+met at the first node's rendezvous; a second experiment
 pretrains at the same time as a 2-task step on one node, sharing a node with the first, without
 colliding; a job failing on bad data and one reaching its time limit (which saves a checkpoint
 before it, and is not requeued here) are reported while Snakemake stops cleanly with the results
@@ -103,7 +104,10 @@ def test_debug_dag_and_a_second_pretraining_run_through_slurm(tmp_path, slurm_cl
     second = _debug_experiment()
     second["pretrain"]["seed"] = 7  # cluster defaults: both ranks on one node
     config = _config(tmp_path, {"ci": first, "ci2": second})
-    targets = ("results/ci/quant_eval.json", "results/ci2/pretrain")
+    # every rule kind but the report's (a JSON-and-plots job; the whole debug DAG runs in the default
+    # suite and twice in test_portable_workflow.py): 14 of the DAG's 33 jobs, the local ones included
+    targets = ("results/ci/deploy/manifest.json", "results/ci/eval/lora.json", "results/ci/plan.json",
+               "results/ci2/pretrain")
     expected = planned_jobs(snakemake(tmp_path, "--configfile", str(config), "-n", *targets).stdout)
 
     start = time.monotonic()
@@ -112,7 +116,9 @@ def test_debug_dag_and_a_second_pretraining_run_through_slurm(tmp_path, slurm_cl
     print(f"debug DAG + second pretraining through SLURM: {elapsed:.0f} s")
 
     results = tmp_path / "results"
-    assert (results / "ci" / "quant_eval.json").is_file() and (results / "ci2" / "pretrain").is_dir()
+    assert (results / "ci" / "deploy" / "manifest.json").is_file() and (results / "ci2" / "pretrain").is_dir()
+    assert {"prepare", "pretrain", "finetune", "merge_lora", "quantize", "export", "deploy_gguf",
+            "deploy_compressed_tensors", "evaluate"} <= set(expected), expected
     # every rule is a SLURM job but the local ones (`localrule: True`: a JSON file in a second)
     local = {"plan", "plan_job", "deploy_manifest"}
     assert local <= set(expected) and not local & _sbatch_rules(tmp_path), _sbatch_rules(tmp_path)

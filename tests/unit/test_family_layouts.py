@@ -12,7 +12,7 @@ What each family adds to the Llama layouts: Qwen3's q_norm / k_norm (HEAD_NORM: 
 gradient summed over the tensor-parallel group), GLM's fused gate_up_proj (COLUMN_FUSED2: each half
 split on its own, `partition_chunks=2` in checkpoints) and partial interleaved RoPE, GLM-4's norms
 after each sub-block. Default run (~35 s): GLM-4 under tp2; `slow` (~4 min): SLOW_PAIRS (every
-layout for some family, each family under the layouts its switches touch), GLM-4's tp2 slices
+family under the layouts its switches touch), GLM-4's tp2 slices
 merged by merge_tp (the two-rank runs of these share one torchrun), and the kill-and-resume test.
 """
 
@@ -68,15 +68,17 @@ LAYOUTS = {
 # a wrong slice or a missing gradient reduction moves weights by ~lr = 3e-3.
 WEIGHTS_RTOL, WEIGHTS_ATOL = 1e-4, 5e-5
 DEFAULT = ("glm4", "tp2")  # the one pair of the default run
-# The slow run's pairs: every layout for some family, and what each family adds under the layouts it
+# The slow run's pairs: what each family adds under the layouts it
 # touches (Qwen3's head norms and GLM's fused gate_up under tensor parallelism; GLM-4's extra norms
 # move with their layer under the pipeline, and run on each rank's tokens under sequence parallelism;
 # its partial interleaved RoPE turns each rank's tokens by their places under context parallelism).
 # The whole 3 x 6 product passed on 2026-11-26 (numbers in the commit's note); it takes ~10 min on 2
-# cores, this selection ~3.
-SLOW_PAIRS = [("qwen3", "tp2"), ("qwen3", "tp2_vocab_parallel_loss_recompute"),
-              ("glm", "pp2_interleaved"), ("glm", "sharding_stage3"), ("glm4", "tp2_pp2_zero1"),
-              ("glm4", "tp2_sequence_parallel"), ("qwen3", "tp2_sequence_parallel"), ("glm4", "cp2_sharding_stage3")]
+# cores, this selection ~3. Left out since 2026-11-30 for CI's time: Qwen3 under plain tp2 (its head
+# norms are under tp2 in both Qwen3 pairs below) and GLM under ZeRO-3 (which splits no family's
+# switch: GLM-4 runs it under cp2).
+SLOW_PAIRS = [("qwen3", "tp2_vocab_parallel_loss_recompute"), ("glm", "pp2_interleaved"),
+              ("glm4", "tp2_pp2_zero1"), ("glm4", "tp2_sequence_parallel"), ("qwen3", "tp2_sequence_parallel"),
+              ("glm4", "cp2_sharding_stage3")]
 # The slow tests' two-rank runs, one after another in one torchrun (tests/unit/runs_in_one_world.py):
 # (family, layout, extra settings); the default pair keeps a torchrun of its own.
 SLOW_TWO_RANK_RUNS = [(family, layout, {}) for family, layout in SLOW_PAIRS if LAYOUTS[layout][0] == 2] + \

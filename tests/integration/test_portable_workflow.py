@@ -1,6 +1,6 @@
 """The workflow used the way Snakemake workflows are used: imported by another workflow as a module
 with a prefix and its own config, and with its results on a storage provider (the fs plugin with
-node-local scratch as `--local-storage-prefix`, and S3 on a moto server on 127.0.0.1). The module and
+node-local scratch as `--local-storage-prefix`, and S3 on a moto server on 127.0.0.1). The module
 run builds the whole debug DAG (an undeclared path in any rule fails under a prefix); the S3 run a job
 of every rule kind but the report in a bucket (S3_TARGETS: 17 of the DAG's 33 jobs, every quantizer
 among them); the fs run builds data, pretraining and SFT, and resumes pretraining from its scratch.
@@ -30,8 +30,8 @@ pytestmark = pytest.mark.slow
 WEIGHT_DIRS = ("pretrain", "sft", "lora", "prefix", "lora-merged", "quant/wint4", "quant/gptq-w4",
                "quant/awq-w4", "quant/a8w8-smooth")
 ARTIFACTS = (*WEIGHT_DIRS, "data", "export", "deploy/gguf-f32", "deploy/compressed-tensors-a8w8-smooth")
-# The S3 run: every rule kind but the report (the whole DAG runs under the module's prefix here, in
-# make test's DAG test and through SLURM), every quantization method; what SFT and prefix tuning add
+# The S3 run: every rule kind but the report (the whole DAG runs under the module's prefix here and in
+# make test's DAG test), every quantization method; what SFT and prefix tuning add
 # (their jobs are finetune's, as LoRA's) is in neither this list nor the bucket.
 S3_TARGETS = ("results/ci/deploy/manifest.json", "results/ci/eval/lora.json", "results/ci/plan.json",
               *(f"results/ci/quant/{v}" for v in ("wint4", "gptq-w4", "awq-w4")))
@@ -190,7 +190,7 @@ def _unit(relative: Path) -> tuple[str, ...]:
 _PATH = re.compile(r"[^\s\"',|()]*(?<![\w.-])results/")
 
 
-def comparable_tree(results: Path, out: Path, only: set[str] | None = None) -> Path:
+def comparable_tree(results: Path, out: Path, only: set[tuple[str, ...]] | None = None) -> Path:
     """A copy of a results tree with the paths its text files record (the module's llm/ prefix, the
     storage plugin's local copies under .snakemake/storage/) cut to results/..., and without the
     training checkpoints (a storage run keeps them on its local scratch, not in the bucket); with

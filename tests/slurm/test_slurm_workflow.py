@@ -105,7 +105,7 @@ def test_debug_dag_and_a_second_pretraining_run_through_slurm(tmp_path, slurm_cl
     second["pretrain"]["seed"] = 7  # cluster defaults: both ranks on one node
     config = _config(tmp_path, {"ci": first, "ci2": second})
     # every rule kind but the report's (a JSON-and-plots job; the whole debug DAG runs in the default
-    # suite and twice in test_portable_workflow.py): 14 of the DAG's 33 jobs, the local ones included
+    # suite and under a prefix in test_portable_workflow.py): 14 of the DAG's 33 jobs, local ones included
     targets = ("results/ci/deploy/manifest.json", "results/ci/eval/lora.json", "results/ci/plan.json",
                "results/ci2/pretrain")
     expected = planned_jobs(snakemake(tmp_path, "--configfile", str(config), "-n", *targets).stdout)

@@ -64,7 +64,7 @@ from stages.training.seed import set_seed
 
 log = logging.getLogger(__name__)
 
-LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules")
+LORA_KEYS = ("lora_rank", "lora_alpha", "lora_dropout", "target_modules", "target_parameters")
 
 
 def check_section(config: Mapping[str, Any] | None) -> tuple[AlignSettings, PreferenceObjective]:

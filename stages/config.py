@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from stages.adapters.targets import expert_parameters_selected
 from stages.checkpoint.source import FAMILIES, ModelSourceError, family_of, read_source_config
 from stages.config_sources import ConfigSyntaxError, config_keys, display_path, located, yaml_error
 from stages.data.validate import check_data_section, preference_source
@@ -105,6 +106,9 @@ def check_align_section(key: str, section: dict[str, Any]) -> None:
     mixing = mixing_conflict(section)
     if mixing:
         raise ConfigError(f"{key}: {mixing}")
+    experts = expert_lora_conflict(section) if section["tuning"] == "lora" else None
+    if experts:
+        raise ConfigError(f"{key}: {experts}")
     cp = section["context_parallel_degree"]
     if cp > 1:
         raise ConfigError(f"{key}: context_parallel_degree={cp}: preference alignment sums each sequence's "
@@ -117,6 +121,36 @@ def check_align_section(key: str, section: dict[str, Any]) -> None:
                           "ZeRO and tensor parallelism (its frozen base needs no pipeline to fit; the adapter is "
                           "small); set pipeline_parallel_degree: 1 and use tensor_parallel_degree to split the base, "
                           "or tuning: full")
+
+
+def expert_lora_conflict(sec: dict[str, Any]) -> str | None:
+    """Why a LoRA section's `target_parameters` (LoRA on a mixture of experts' routed experts) cannot
+    be trained as written, whatever the model; None when it can (or names none)."""
+    names = sec.get("target_parameters")
+    if not names:
+        return None
+    try:
+        expert_parameters_selected(names)
+    except ValueError as e:
+        return str(e)
+    if sec["lora_dropout"]:
+        return (f"target_parameters={names} with lora_dropout={sec['lora_dropout']:g}: LoRA on the experts' "
+                "parameters has no dropout (peft's rule: B A dropout(x) cannot be folded into a weight per "
+                "expert); set lora_dropout: 0")
+    return None
+
+
+def _check_expert_lora(key: str, sec: dict[str, Any], exp: dict[str, Any], source: dict[str, Any] | None) -> None:
+    """LoRA on experts (`target_parameters`) needs a mixture of experts, on our model."""
+    if not sec.get("target_parameters"):
+        return
+    family = family_of(source) if source is not None else BY_MODEL_TYPE[architecture(exp["model"]).get(
+        "model_type", "llama")]
+    if not family.moe:
+        where = "its checkpoint" if source is not None else f"flavour {exp['model']['flavour']!r}"
+        raise ConfigError(f"{key}.target_parameters={sec['target_parameters']}: LoRA on experts needs a mixture "
+                          f"of experts, and {where} is {family.name}, a dense model; remove target_parameters "
+                          "(target_modules adapts its Linears)")
 
 
 def check_finetune_section(key: str, method: str, section: dict[str, Any]) -> None:
@@ -257,6 +291,7 @@ def _check_parallel(name: str, exp: dict[str, Any], source: dict[str, Any] | Non
                       full_training=where in ("pretrain", "finetune.sft"))
     for method, sec in exp["finetune"].items():
         _check_finetune(f"experiments.{name}.finetune.{method}", method, sec, source)
+    _check_expert_lora(f"experiments.{name}.finetune.lora", exp["finetune"]["lora"], exp, source)
 
 
 def ulysses_conflict(sec: dict[str, Any], heads: int | None, kv_heads: int | None) -> str | None:
@@ -312,7 +347,7 @@ def _check_finetune(key: str, method: str, sec: dict[str, Any], source: dict[str
             raise ConfigError(f"{key}: {flag}={sec[flag]} with pipeline_parallel_degree={pp}: the pipeline "
                               f"schedule does not support {what}; set pipeline_parallel_degree: 1 or {flag}: "
                               f"{'false' if flag == 'packing' else 0}")
-    conflict = prefix_projection_conflict(sec) if method == "prefix" else None
+    conflict = prefix_projection_conflict(sec) if method == "prefix" else expert_lora_conflict(sec)
     if conflict:
         raise ConfigError(f"{key}: {conflict}")
     if method == "prefix" and sec["context_parallel_degree"] > 1 and sec["context_parallel_mode"] == "ulysses":
@@ -563,6 +598,8 @@ def _check_align(name: str, exp: dict[str, Any], source: dict[str, Any] | None) 
                           "dev.json, one {\"src\", \"chosen\", \"rejected\"} per line)")
     check_align_section(key, align)
     _check_layout(key, align, exp, source, full_training=align["tuning"] == "full")
+    if align["tuning"] == "lora":
+        _check_expert_lora(key, align, exp, source)
 
 
 def _check_evaluate(name: str, exp: dict[str, Any]) -> None:

@@ -183,6 +183,7 @@ class LoraSettings(SftSettings):
     lora_alpha: float
     lora_dropout: float
     target_modules: str | list[str]
+    target_parameters: list[str] | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +211,7 @@ class AlignSettings(TrainingSettings):
     lora_alpha: float
     lora_dropout: float
     target_modules: str | list[str]
+    target_parameters: list[str] | None
     src_length: int
     max_length: int
     per_device_eval_batch_size: int

@@ -22,6 +22,7 @@ from typing import Any
 import peft
 import torch
 
+from stages.adapters.expert_lora import adapted_expert_parameters, is_expert_factor, peft_expert_tensors
 from stages.adapters.lora import build_lora_config
 from stages.adapters.lora_linear import peft_name
 from stages.adapters.prefix import build_prefix_config
@@ -48,15 +49,16 @@ def peft_config_for(method: str, section: Mapping[str, Any], base_dir: str | Pat
     return peft.get_peft_model(skeleton, config).peft_config["default"]
 
 
-def exact_targets(config: peft.LoraConfig, wrapped: list[str]) -> peft.LoraConfig:
-    """`config` naming exactly the `wrapped` layers (full dotted names) and no parameters. A mixture
-    of experts needs it: peft resolves "all-linear" per family there (on transformers 5's fused
-    experts it adds `target_parameters` for the experts and the router, with doubled ranks for
-    `gate_up_proj`, and drops Qwen3-MoE's dense MLPs), while our LoRA wraps the Linears
-    `stages.adapters.targets.selected` picks, never a router or routed expert."""
+def exact_targets(config: peft.LoraConfig, wrapped: list[str], parameters: list[str] | None = None) -> peft.LoraConfig:
+    """`config` naming exactly the `wrapped` layers and the expert `parameters` (full dotted names in
+    transformers' model). A mixture of experts needs it: peft resolves "all-linear" per family there
+    (on transformers 5's fused experts it adds `target_parameters` for the experts and the router,
+    with doubled ranks for `gate_up_proj`, and drops Qwen3-MoE's dense MLPs), while our LoRA wraps
+    the Linears `stages.adapters.targets.selected` picks, never a router, and the experts only where
+    `target_parameters` asks (`stages.adapters.expert_lora`)."""
     config = copy.deepcopy(config)
     config.target_modules = sorted(wrapped)
-    config.target_parameters = None
+    config.target_parameters = sorted(parameters) if parameters else None
     config.rank_pattern, config.alpha_pattern = {}, {}
     return config
 
@@ -128,10 +130,17 @@ def check_adapter_fits(adapter_dir: str | Path, base_dir: str | Path) -> None:
     for path in model_weight_files(base_dir):
         shapes.update({name: entry["shape"] for name, entry in read_header(path).items()})
     transposed = bool(config.get("fan_in_fan_out"))
+    experts = base.get("num_local_experts", base.get("num_experts"))
     for key, entry in read_header(adapter_dir / ADAPTER_WEIGHTS).items():
         if ".lora_A." not in key and ".lora_B." not in key:
             continue
         module = adapted_module(key)
+        if module.endswith((".experts", ".experts.base_layer")):  # peft's target_parameters on fused experts
+            along = entry["shape"][0] if ".lora_A." in key else entry["shape"][1]  # (E r, in) and (out, r E)
+            if not experts or along % experts:
+                raise InputError(f"{where}: {key} is {entry['shape']}, LoRA on experts with r x E rows, but the "
+                                 f"base has {experts or 'no'} routed experts; use the base the adapter was trained on")
+            continue
         weight = shapes.get(f"{module}.weight")
         if weight is None:
             raise InputError(f"{where}: it adapts {module}, which the base has no weight for (a model of "
@@ -173,11 +182,15 @@ def adapter_writer(method: str, section: Mapping[str, Any], model: torch.nn.Modu
     if isinstance(model, LlamaForCausalLM):
         peft_config = peft_config_for(method, section, model_dir)
         if method == "lora" and model.config.moe:
-            peft_config = exact_targets(peft_config, [n for n, m in model.named_modules() if hasattr(m, "lora_A")])
+            peft_config = exact_targets(peft_config, [n for n, m in model.named_modules() if hasattr(m, "lora_A")],
+                                        adapted_expert_parameters(model))
         num_layers = model.config.num_hidden_layers
 
         def write(tmp: Path, tensors: dict[str, torch.Tensor]) -> None:
-            write_adapter(tmp, peft_config, peft_tensors(method, tensors, num_layers), model_dir)
+            experts = {k: v for k, v in tensors.items() if is_expert_factor(k)}
+            rest = {k: v for k, v in tensors.items() if k not in experts}
+            peft_keys = peft_tensors(method, rest, num_layers) | peft_expert_tensors(experts, model.config)
+            write_adapter(tmp, peft_config, peft_keys, model_dir)
     else:  # peft on a transformers model
         peft_config = model.peft_config["default"]
 

@@ -20,11 +20,33 @@ def matches(name: str, target: str) -> bool:
     return name == target or name.endswith(f".{target}")
 
 
-# A mixture of experts' router and routed experts take no LoRA: transformers 5 stores the experts fused
-# (one 3-D parameter per projection, no module per expert) and its router is no Linear, so a peft
-# adapter has nothing to put a per-expert LoRA on (peft's own `target_parameters` route is not ours).
-# Qwen2-MoE's shared expert and its gate are Linears in both models and take LoRA.
+# A mixture of experts' router and routed experts take no LoRA as Linears (`target_modules`): transformers
+# 5 stores the experts fused (one 3-D parameter per projection, no module per expert) and its router is
+# no Linear. The experts take LoRA through peft's `target_parameters` instead (EXPERT_PARAMETERS below);
+# the routers none. Qwen2-MoE's shared expert and its gate are Linears in both models and take LoRA.
 MOE_LINEARS = ("shared_expert_gate",)
+
+
+# A mixture of experts' routed experts as transformers 5 holds them, per sparse block: the fused gate and
+# up projections (E, 2 x width, d) and the down projection (E, d, width). peft's LoRA adapts them by
+# `target_parameters` (stages.adapters.expert_lora), in this order (the experts module's).
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+
+
+def expert_parameters_selected(target_parameters: list[str] | None) -> tuple[str, ...]:
+    """The expert parameters (EXPERT_PARAMETERS) a `target_parameters` setting names, each entry a
+    parameter name or a dotted suffix of its path (`down_proj`, `experts.down_proj`,
+    `mlp.experts.down_proj`: peft's suffix rule); ValueError naming an entry that selects none."""
+    if not target_parameters:
+        return ()
+    chosen = set()
+    for entry in target_parameters:
+        hits = [p for p in EXPERT_PARAMETERS if matches(f"model.layers.0.mlp.experts.{p}", entry)]
+        if not hits:
+            raise ValueError(f"target_parameters names {entry!r}, which is no expert parameter; choose from "
+                             f"{list(EXPERT_PARAMETERS)} (transformers 5's fused experts: mlp.experts.<name>)")
+        chosen.update(hits)
+    return tuple(p for p in EXPERT_PARAMETERS if p in chosen)
 
 
 def routed(name: str) -> bool:

@@ -14,6 +14,7 @@ import peft
 import torch
 
 from stages.adapters import ADAPTER_METHODS
+from stages.adapters.expert_lora import add_expert_lora
 from stages.adapters.lora import build_lora_config, check_target_modules, targets_conv1d
 from stages.adapters.lora_linear import add_lora
 from stages.adapters.prefix import build_prefix_config
@@ -39,10 +40,15 @@ def attach_adapter(model: torch.nn.Module, method: str, section: Mapping[str, An
     if isinstance(model, LlamaForCausalLM):
         if method == "lora":
             add_lora(model, section)
+            if section.target_parameters:
+                add_expert_lora(model, section.lora_rank, section.lora_alpha, section.target_parameters)
         else:
             add_prefix(model, section, init_ids)
         return model
     if method == "lora":
+        if section.target_parameters:
+            raise ValueError(f"finetune.lora.target_parameters={section.target_parameters}: LoRA on experts runs on "
+                             f"our model's mixtures of experts; {type(model).__name__} is not one")
         config = build_lora_config(section, fan_in_fan_out=targets_conv1d(model, section.target_modules))
     else:
         config = build_prefix_config(section)

@@ -74,7 +74,7 @@ from dataclasses import asdict, dataclass
 from itertools import product
 from typing import Any
 
-from stages.adapters.targets import ALL_LINEAR, selected
+from stages.adapters.targets import ALL_LINEAR, expert_parameters_selected, selected
 from stages.model.attention_shapes import fp32_attention_shape, ulysses_head_conflict
 from stages.model.registry import BY_MODEL_TYPE, Family
 from stages.sections import (
@@ -240,6 +240,7 @@ class _Adapter:
     trained: str = "full"
     rank: int = 0
     targets: frozenset[str] = frozenset()
+    experts: tuple[str, ...] = ()  # the routed experts' parameters LoRA adapts (target_parameters)
     prefix: int = 0
     projection: bool = False
     projection_hidden: int = 0
@@ -252,7 +253,8 @@ class _Adapter:
 def _adapter(trained: str, lora_rank: int | None, num_prefix_tokens: int | None,
              section: TrainingSettings) -> _Adapter:
     """The adapter of a training rule; LoRA's targets: the projections the section's
-    `target_modules` selects in a decoder layer (`stages.adapters.targets`)."""
+    `target_modules` selects in a decoder layer (`stages.adapters.targets`), and the routed experts'
+    parameters its `target_parameters` names."""
     if trained not in ("full", "lora", "prefix"):
         raise ValueError(f"trained={trained!r}: expected 'full', 'lora' or 'prefix'")
     if trained == "lora":
@@ -261,7 +263,8 @@ def _adapter(trained: str, lora_rank: int | None, num_prefix_tokens: int | None,
         wanted = section.target_modules if isinstance(section, (LoraSettings, AlignSettings)) else ALL_LINEAR
         names = dict.fromkeys(PROJECTIONS + FUSED_PROJECTIONS + GPT2_PROJECTIONS)  # _Shape.projections picks
         targets = frozenset(p for p in names if selected(f"model.layers.0.{p}", wanted))
-        return _Adapter("lora", rank=lora_rank, targets=targets)
+        experts = expert_parameters_selected(getattr(section, "target_parameters", None))
+        return _Adapter("lora", rank=lora_rank, targets=targets, experts=experts)
     if trained == "prefix":
         if not num_prefix_tokens:
             raise ValueError("trained='prefix' needs num_prefix_tokens")
@@ -386,8 +389,9 @@ def _layer_tensors(s: _Shape, tp: int, ad: _Adapter, sparse: bool = False, ep: i
     row-parallel weights by input columns (their bias and the norms replicated); LoRA's A whole and
     B split beside a column-parallel base, A split and B whole beside a row-parallel one; prefix
     keys and values by KV head. `sparse`: a mixture of experts' sparse layer (router and experts,
-    whole on every tensor-parallel rank, no LoRA on them: `stages.adapters.targets.routed`), this
-    rank's E / `ep` experts under expert parallelism."""
+    whole on every tensor-parallel rank; LoRA on the experts only with `target_parameters`, each
+    expert's factors whole: `stages.adapters.expert_lora`), this rank's E / `ep` experts under expert
+    parallelism."""
     out = [(s.hidden, ad.full)] * (4 if s.sandwich_norms or s.gpt_blocks else 2)  # RMSNorm weights (LayerNorm: + bias)
     if s.qk_norm:
         out += [(s.head_dim, ad.full)] * 2  # q_norm, k_norm: one head_dim weight each, on every rank
@@ -397,6 +401,9 @@ def _layer_tensors(s: _Shape, tp: int, ad: _Adapter, sparse: bool = False, ep: i
         d = s.hidden
         out.append((s.experts * d, ad.full))  # the router
         out += [(d * s.expert_width, ad.full)] * (3 * s.experts // ep)  # each expert's gate, up, down
+        for parameter in ad.experts:  # LoRA per expert: A (r, in), B (out, r); gate and up share one A
+            fan_in, fan_out = (d, 2 * s.expert_width) if parameter == "gate_up_proj" else (s.expert_width, d)
+            out += [(ad.rank * fan_in, True), (fan_out * ad.rank, True)] * (s.experts // ep)
         if s.shared_width:
             out += [(d * s.shared_width, ad.full)] * 3 + [(d, ad.full)]  # the shared expert and its gate
     for name, (fan_in, fan_out, column) in _projection_shapes(s).items():
@@ -567,6 +574,9 @@ def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str, 
                                             ("mlp", ("gate_proj", "up_proj", "gate_up_proj"))))
     norms = d * (2 * 4 + a * norm_outputs) / sp + unread_norms * 4  # fp32 inputs; an output a projection saves
     mlp = (3 + ("mlp.down_proj" in reads)) * f * a / tp  # gate, silu(gate), up; down's input
+    if s.sparse and ad.experts:  # LoRA on the experts: each choice's SwiGLU and LoRA's r-wide A x saved
+        expert_lora = _sparse_mlp_bytes(s, a) + s.top_k * len(ad.experts) * ad.rank * a
+        mlp += s.sparse / s.layers * (expert_lora - mlp)
     return int(tokens * (norms + stats + attention + mlp + len(targets) * ad.rank * a)) + mask
 
 

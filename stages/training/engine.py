@@ -499,9 +499,8 @@ def finish(run: Run, out_dir: str | Path, metrics: dict[str, Any], *, tokenizer_
         write_final(out_dir, run.engine, run.access, run.names, run.topology, unified=not sharded_output, extra=extra,
                     gpt2_layout=getattr(run.config, "gpt2_blocks", False))
     else:
-        part = snapshot(run.engine, run.access, run.names, run.topology, unified=True, optimizer=False, writer=0)
+        tensors = _adapter_tensors(run)
         if run.rank == 0:
-            tensors = {k: v for file in part.files.values() for k, v in file.items()}
             with atomic_dir(out_dir) as tmp:
                 adapter_writer(tmp, tensors)
                 extra(tmp)
@@ -509,6 +508,21 @@ def finish(run: Run, out_dir: str | Path, metrics: dict[str, Any], *, tokenizer_
         run.staging.rmdir()
         log.info("%s: wrote %s (final loss %.4f)", run.stage, out_dir, run.losses[-1])
     dist.barrier()
+
+
+def _adapter_tensors(run: Run) -> dict[str, torch.Tensor] | None:
+    """The trained adapter's whole tensors on rank 0 (None elsewhere). Collective. Under expert
+    parallelism the experts' LoRA factors live on the ranks holding their experts: each rank takes
+    its turn's share (`snapshot`) and rank 0 gathers them (an adapter is small)."""
+    import torch.distributed as dist
+
+    if run.topology.degrees.expert_parallel_degree == 1:
+        part = snapshot(run.engine, run.access, run.names, run.topology, unified=True, optimizer=False, writer=0)
+        return {k: v for file in part.files.values() for k, v in file.items()} if run.rank == 0 else None
+    part = snapshot(run.engine, run.access, run.names, run.topology, unified=True, optimizer=False)
+    shares = [None] * dist.get_world_size() if run.rank == 0 else None
+    dist.gather_object({k: v for file in part.files.values() for k, v in file.items()}, shares, dst=0)
+    return {k: v for share in shares for k, v in share.items()} if run.rank == 0 else None
 
 
 def train(model: torch.nn.Module, source, section: Mapping[str, Any], out_dir: str | Path, *, stage: str,

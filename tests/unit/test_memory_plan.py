@@ -252,6 +252,28 @@ def test_adapters_of_qwen3_and_glm_train_what_they_add(model_type, method, overr
     assert step.parameters == 4 * sum(p.numel() for p in model.parameters())
 
 
+@pytest.mark.parametrize("overrides", [{}, {"target_parameters": ["gate_up_proj", "down_proj"]},
+                                       {"target_parameters": ["down_proj"], "expert_parallel_degree": 2}])
+def test_lora_on_a_mixture_trains_what_it_adds(overrides):
+    """moe-debug's LoRA: attention only by default (routers and experts frozen), the routed experts'
+    own factors too with target_parameters (stages.adapters.expert_lora), a rank's share of them under
+    expert parallelism."""
+    from stages.adapters import attach_adapter
+    from stages.parallel.experts import local_experts
+
+    exp = {"model": {"flavour": "moe-debug"}, "data": {"vocab_size": 320},
+           "finetune": {"lora": {"world_size": 2, **overrides}}}
+    section = check_config({"experiments": {"t": exp}})["experiments"]["t"]["finetune"]["lora"]
+    model = attach_adapter(build_model(config_for_flavour("moe-debug", vocab_size=320), seed=0), "lora", section)
+    ep = section["expert_parallel_degree"]
+    kept = {str(e) for e in local_experts(4, 0, ep)}  # expert rank 0's experts
+    trained = sum(p.numel() for name, p in model.named_parameters()
+                  if p.requires_grad and (".experts." not in name or name.split(".experts.")[1].split(".")[0] in kept))
+    step = estimate_phases(FLAVOURS["moe-debug"], section, vocab_size=320, trained="lora",
+                           lora_rank=section["lora_rank"], device="cpu")["step"]
+    assert step.optimizer == 8 * trained
+
+
 def test_pipeline_ranks_hold_every_parameter_once():
     section = pretrain_section("13b", world_size=4, pipeline_parallel_degree=4, sharding="none",
                                gradient_accumulation_steps=4, max_length=512)

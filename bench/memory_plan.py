@@ -100,6 +100,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # 16 prefix tokens)
     "lora_stage1": ("lora", dict(sharding="stage1")),
     "lora_bf16": ("lora", dict(sharding="none", bf16=True)),
+    # LoRA on a mixture of experts' routed experts too (moe-* flavours only)
+    "lora_experts_stage1": ("lora", dict(sharding="stage1", target_parameters=["gate_up_proj", "down_proj"])),
     "prefix_tp2": ("prefix", dict(sharding="none", tensor_parallel_degree=2)),
     "prefix_stage3": ("prefix", dict(sharding="stage3")),
 }

@@ -11,6 +11,7 @@ stages/adapters/expert_lora.py), both directions with peft on transformers' mode
 - training: the finetune stage trains the experts' factors, and ep2, ep2 x ZeRO-1, dp2 x ZeRO-3 and tp2
   follow the one-process run (real torchrun, gloo, fp32: loss 1e-5 relative, the adapter file's tensors
   1e-5), as does attention-only LoRA under ep2 x ZeRO-1 (the frozen experts split over the ranks);
+- preference alignment with LoRA on the experts (SimPO) writes an adapter peft loads and our merge folds in;
 - the config check refuses what cannot run, naming the key.
 """
 
@@ -21,11 +22,12 @@ import pytest
 import torch
 import transformers
 from checkpoint_fixtures import randomize_biases_and_norms
+from align_fixtures import write_preference_data
 from runs_in_one_world import start_world
 from safetensors.torch import load_file
 from sft_fixtures import train_losses, write_toy_data
 
-from stages import finetune, merge
+from stages import align, finetune, merge
 from stages.adapters import attach_adapter
 from stages.adapters.peft_files import adapter_writer
 from stages.checkpoint.atomic import atomic_dir
@@ -34,7 +36,7 @@ from stages.config import check_config
 from stages.errors import ConfigError
 from stages.model.config import config_for_flavour
 from stages.model.llama import build_model
-from stages.sections import LoraSettings
+from stages.sections import AlignSettings, LoraSettings
 from stages.training.checkpointing import trained_parameters
 
 VOCAB = 120
@@ -195,3 +197,21 @@ def test_expert_lora_trains_and_expert_parallelism_follows_one_process(tmp_path,
         assert ours.keys() == theirs.keys()
         for key in ours:  # whole tensors, every expert's factors in peft's packing, whatever the layout
             torch.testing.assert_close(ours[key], theirs[key], atol=1e-5, rtol=1e-4, msg=f"{name}: {key}")
+
+
+def test_lora_alignment_adapts_the_experts_too(tmp_path, moe_model_dir):
+    """align's `tuning: lora` with the experts: the same adapter writer, peft reads it, merge folds it in."""
+    data = write_preference_data(tmp_path / "data")
+    section = dict(enabled=True, method="simpo", tuning="lora", lora_rank=4, target_modules=["q_proj", "v_proj"],
+                   target_parameters=["gate_up_proj", "down_proj"], max_steps=3, warmup_steps=1,
+                   per_device_train_batch_size=8, src_length=16, max_length=24, seed=0, learning_rate=1e-2)
+    config = check_config({"experiments": {"t": {"model": {"flavour": "moe-debug"}, "align": section}}})
+    out = tmp_path / "align"
+    align.run(moe_model_dir, data, out, AlignSettings.of(config["experiments"]["t"]["align"]))
+    experts = {k: v for k, v in load_file(out / "adapter_model.safetensors").items() if ".experts." in k}
+    assert len(experts) == 2 * 2 * 2 and all(v.abs().max() > 0 for v in experts.values())
+    base = transformers.AutoModelForCausalLM.from_pretrained(moe_model_dir, dtype=torch.float32)
+    adapted = _logits(peft.PeftModel.from_pretrained(base, out))
+    merge.run(out, tmp_path / "merged", base_dir=moe_model_dir)
+    torch.testing.assert_close(_logits(load_pretrained(tmp_path / "merged")), adapted, atol=TOL, rtol=TOL)
+    assert not torch.allclose(adapted, _logits(load_pretrained(moe_model_dir)), atol=1e-4)

@@ -201,6 +201,12 @@ def run(model_dir: str | Path, input_path: str | Path, out_path: str | Path,
     return summary
 
 
+def _true_or_false(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected true or false")
+    return text.lower() == "true"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m stages.predict", description=__doc__.split("\n")[0])
     parser.add_argument("--model", required=True, help="model dir: HF layout, peft adapter or quantized HF dir")
@@ -224,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temperature", type=float, default=DEFAULTS["temperature"],
                         help="sampling: logits temperature (default %(default)s)")
     parser.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="sampling seed (default %(default)s)")
+    parser.add_argument("--compile", type=_true_or_false, default=DEFAULTS["compile"], metavar="{true,false}",
+                        help="decode steps through torch.compile on a static KV cache (default %(default)s; "
+                             "a one-off compile per batch size, then faster steps; tokens can differ from eager "
+                             "decoding's on exact ties)")
     parser.add_argument("--backend", choices=BACKENDS, default=DEFAULTS["backend"],
                         help="runtime: torch (default) or onnxruntime (an export directory with model.onnx "
                              "and its KV cache; greedy_search only)")

@@ -46,13 +46,14 @@ def _longest_first(prompts: Sequence[list[int]]) -> list[int]:
     return sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
 
 
-def _engine(model, eos_token_id: int | None, pad_token_id: int) -> DecodeEngine | None:
-    """The decode engine of `model`, or None (logged) where `generate` keeps it."""
+def _engine(model, eos_token_id: int | None, pad_token_id: int, compile: bool = False) -> DecodeEngine | None:
+    """The decode engine of `model` (`compile`: its compiled decode step), or None (logged) where
+    `generate` keeps it."""
     reason = unsupported(model)
     if reason is not None:
-        log.info("generating with the model's own generate: %s", reason)
+        log.info("generating with the model's own generate%s: %s", " (not compiled)" if compile else "", reason)
         return None
-    return DecodeEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    return DecodeEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id, compile=compile)
 
 
 def _batch_tokens(model, engine: DecodeEngine | None, batch: list[list[int]], budgets: list[int], *,
@@ -148,7 +149,7 @@ def generate_batched(model: torch.nn.Module, prompts: Sequence[list[int]], setti
     gets at most max_length - len(prompt) new tokens (and max_new_tokens; `token_budgets`).
     Sampling is seeded once, before the first batch."""
     budgets = token_budgets(prompts, settings.max_length, settings.max_new_tokens)
-    engine = _engine(model, eos_token_id, pad_token_id)
+    engine = _engine(model, eos_token_id, pad_token_id, compile=settings.compile)
     sampling, generator = _sampling(settings, engine, next(model.parameters()).device)
     order = _longest_first(prompts)
     results: list[Generation | None] = [None] * len(prompts)

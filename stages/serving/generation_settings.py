@@ -35,6 +35,8 @@ class PredictSettings:
     top_p: float = SECTION_DEFAULTS["top_p"]  # sampling: nucleus mass kept (1.0: all)
     temperature: float = SECTION_DEFAULTS["temperature"]  # sampling: logits divided by this
     seed: int = SECTION_DEFAULTS["seed"]  # torch.manual_seed before the first batch
+    # the decode engine's compiled step (torch.compile on a StaticCache), where the engine runs the model
+    compile: bool = SECTION_DEFAULTS["compile"]
     # auto | true | false; not a config key: the rule's input lies in the data dir, so `auto`
     # follows its index.json (sft_format), as evaluate does
     chat_template: str = "auto"
@@ -63,6 +65,10 @@ class PredictSettings:
             raise InputError(f"predict.chat_template={self.chat_template!r}; valid: {', '.join(CHAT_TEMPLATE_CHOICES)}")
         if self.backend not in BACKENDS:
             raise InputError(f"--backend {self.backend!r}; valid: {', '.join(BACKENDS)}")
+        if not isinstance(self.compile, bool):
+            raise InputError(f"predict.compile={self.compile!r} must be true or false")
+        if self.backend == "onnxruntime" and self.compile:
+            raise InputError("--backend onnxruntime runs its own graph; predict.compile is for the torch backend")
         if self.backend == "onnxruntime" and self.decode_strategy != "greedy_search":
             raise InputError(f"--backend onnxruntime generates with greedy_search only, not {self.decode_strategy}")
 
@@ -75,4 +81,5 @@ def settings_flags(section: dict[str, Any]) -> str:
     checked; missing keys take the schema's defaults, a null max_new_tokens is left out."""
     section = complete_section(section, "predict")
     PredictSettings(**section)  # a bad value fails while Snakemake builds the DAG, before any job
-    return " ".join(f"--{key.replace('_', '-')} {value}" for key, value in section.items() if value is not None)
+    return " ".join(f"--{key.replace('_', '-')} {str(value).lower() if isinstance(value, bool) else value}"
+                    for key, value in section.items() if value is not None)

@@ -115,6 +115,27 @@ def test_greedy_output_equals_evaluate(variants, tmp_path):
     assert outputs["hf"] != outputs["lora"]  # the adapter is applied
 
 
+@pytest.mark.slow  # torch.compile: about 20 s per batch shape on 2 cores
+@pytest.mark.parametrize("name", ["hf", "lora"])
+def test_compiled_decoding_predicts_what_eager_decoding_does(variants, name, tmp_path):
+    """predict.compile: the decode engine's compiled step (torch.compile on a StaticCache) writes the
+    eager run's predictions here (on other weights a near tie may flip: the option says so)."""
+    from torch._dynamo.utils import counters
+
+    inp = _write_jsonl(tmp_path / "in.jsonl", RECORDS)
+    outputs, frames = {}, {}
+    for compiled in (False, True):
+        out = tmp_path / f"{compiled}.jsonl"
+        before = counters["frames"]["ok"]
+        summary = predict.run(variants[name], inp, out, predict.PredictSettings(
+            batch_size=len(RECORDS), src_length=16, max_length=40, max_new_tokens=8, compile=compiled))
+        frames[compiled] = counters["frames"]["ok"] - before  # frames dynamo traced
+        assert summary["settings"]["compile"] is compiled
+        outputs[compiled] = [json.loads(line)["output"] for line in out.read_text().splitlines()]
+    assert outputs[True] == outputs[False] and any(outputs[True])
+    assert frames == {False: 0, True: 1}  # the compiled run went through dynamo: its decode step
+
+
 def test_sampling_repeats_with_its_seed(variants, tmp_path):
     model, tokenizer, _ = evaluate.load_variant(variants["hf"])
     prompts = _prompts(tokenizer, tmp_path)
@@ -215,10 +236,15 @@ def test_chat_format_follows_the_data_dir_then_the_tokenizer(tiny_tokenizer_dir,
 def test_config_section_becomes_the_command_line_flags():
     from stages.config import load_schema
 
-    flags = generation_settings.settings_flags({"batch_size": 4, "max_new_tokens": 7, "decode_strategy": "sampling"})
+    section = {"batch_size": 4, "max_new_tokens": 7, "decode_strategy": "sampling", "compile": True}
+    flags = generation_settings.settings_flags(section)
+    assert "--compile true" in flags
     args = predict.build_parser().parse_args(["--model", "m", "--input", "i", "--out", "o", *flags.split()])
     assert {k: getattr(args, k) for k in generation_settings.SECTION_DEFAULTS} == {
-        **generation_settings.SECTION_DEFAULTS, "batch_size": 4, "max_new_tokens": 7, "decode_strategy": "sampling"}
+        **generation_settings.SECTION_DEFAULTS, **section}
+    assert predict.build_parser().parse_args(["--model", "m", "--input", "i", "--out", "o"]).compile is False
+    with pytest.raises(InputError, match="predict.compile='yes' must be true or false"):
+        predict.PredictSettings(compile="yes")
     assert "--max-new-tokens" not in generation_settings.settings_flags({})  # null: max_length decides
     with pytest.raises(InputError, match="'predict.batchsize' is unknown; did you mean 'batch_size'"):
         generation_settings.settings_flags({"batchsize": 4})

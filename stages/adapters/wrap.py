@@ -1,8 +1,10 @@
 """Attach the adapter a finetune method asks for to a base model, and count what trains.
 
-Our model (the Llama family: Llama, Qwen2, Mistral, Qwen3, GLM, GLM-4) gets our own LoRA layers
-and prefix keys/values (`lora_linear`, `prefix_kv`), which tensor parallelism can split; every other
-family gets peft's, on transformers' model (data parallel and ZeRO only). Both save in peft's format.
+Our model (the Llama family: Llama, Qwen2, Mistral, Qwen3, GLM, GLM-4, and the mixtures of experts)
+gets our own LoRA layers and prefix keys/values (`lora_linear`, `prefix_kv`), which tensor parallelism
+can split, and a mixture's routed experts LoRA of their own where `target_parameters` asks
+(`expert_lora`); every other family gets peft's, on transformers' model (data parallel and ZeRO only).
+All save in peft's format.
 """
 
 from __future__ import annotations

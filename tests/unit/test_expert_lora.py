@@ -6,8 +6,8 @@ stages/adapters/expert_lora.py), both directions with peft on transformers' mode
   engine writes it; `PeftModel.from_pretrained` on transformers' model gives our logits (fp32, 1e-5),
   for Mixtral, Qwen2-MoE, Qwen3-MoE (a dense layer among the sparse ones) and OLMoE, both expert
   parameters or one; `stages.merge` folds it into a checkpoint our loader reads with the same logits;
-- peft -> ours: an adapter peft itself trained-initialised on transformers' Mixtral with
-  `target_parameters` merges through `stages.merge` into the logits peft computes;
+- peft -> ours: an adapter peft itself makes on transformers' Mixtral (`target_parameters`, random
+  factors) merges through `stages.merge` into the logits peft computes;
 - training: the finetune stage trains the experts' factors, and ep2, ep2 x ZeRO-1, dp2 x ZeRO-3 and tp2
   follow the one-process run (real torchrun, gloo, fp32: loss 1e-5 relative, the adapter file's tensors
   1e-5), as does attention-only LoRA under ep2 x ZeRO-1 (the frozen experts split over the ranks);
@@ -21,8 +21,8 @@ import peft
 import pytest
 import torch
 import transformers
-from checkpoint_fixtures import randomize_biases_and_norms
 from align_fixtures import write_preference_data
+from checkpoint_fixtures import randomize_biases_and_norms
 from runs_in_one_world import start_world
 from safetensors.torch import load_file
 from sft_fixtures import train_losses, write_toy_data

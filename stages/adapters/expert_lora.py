@@ -29,6 +29,7 @@ from torch import nn
 from stages.adapters.lora_linear import PEFT_PREFIX
 from stages.adapters.targets import EXPERT_PARAMETERS, expert_parameters_selected
 from stages.model.moe import Expert, SparseMoeBlock
+from stages.quant.moe_experts import module_name
 
 FACTORS = {"gate_up_proj": ("gate_up_lora_A", "gate_up_lora_B"), "down_proj": ("down_lora_A", "down_lora_B")}
 
@@ -77,59 +78,46 @@ class LoraExpert(nn.Module):
         return f"adapted={list(self.adapted)}, scaling={self.lora_scaling:g}"
 
 
-def hf_block_name(block_name: str, moe_block: str) -> str:
-    """A sparse block's module path in transformers 5's model (Mixtral's `block_sparse_moe` is `mlp`)."""
-    return block_name.replace(f".{moe_block}", ".mlp") if moe_block != "mlp" else block_name
-
-
-def add_expert_lora(model: nn.Module, rank: int, alpha: float, target_parameters: list[str]) -> list[str]:
+def add_expert_lora(model: nn.Module, rank: int, alpha: float, target_parameters: list[str]) -> None:
     """Give every routed expert of our mixture-of-experts `model` LoRA on the parameters
     `target_parameters` selects (`stages.adapters.targets.expert_parameters_selected`), in place,
-    before any parallelism; the base stays frozen. Returns peft's `target_parameters`, by full
-    name in transformers 5's model (`model.layers.0.mlp.experts.gate_up_proj`, ...)."""
+    before any parallelism; the base stays frozen. `adapted_expert_parameters` names them for peft."""
     family = model.config.family
     chosen = expert_parameters_selected(target_parameters)
     if not family.moe:
         raise ValueError(f"finetune.lora.target_parameters={target_parameters}: LoRA on experts needs a mixture of "
                          f"experts, and {family.name} has none; leave target_parameters unset")
-    names = []
-    for block_name, block in model.named_modules():
-        if not isinstance(block, SparseMoeBlock):
-            continue
-        for index, expert in enumerate(block.experts):
-            block.experts[index] = LoraExpert(expert, rank, alpha, chosen)
-        names += [f"{hf_block_name(block_name, family.moe_block)}.experts.{p}" for p in chosen]
-    return names
+    for block in model.modules():
+        if isinstance(block, SparseMoeBlock):
+            for index, expert in enumerate(block.experts):
+                block.experts[index] = LoraExpert(expert, rank, alpha, chosen)
 
 
 def adapted_expert_parameters(model: nn.Module) -> list[str]:
-    """peft's `target_parameters` for the expert LoRA of `model` (`add_expert_lora`'s return value,
-    read back from the model: under expert parallelism too, where a block holds some experts)."""
-    family = model.config.family
+    """peft's `target_parameters` for the expert LoRA of `model` (`add_expert_lora`'s), by full name in
+    transformers 5's model (`model.layers.0.mlp.experts.gate_up_proj`, ...); under expert parallelism
+    too, where a block holds some of its experts."""
     names = []
     for block_name, block in model.named_modules():
         if isinstance(block, SparseMoeBlock):
             expert = next(iter(block.experts.values() if isinstance(block.experts, nn.ModuleDict) else block.experts))
-            names += [f"{hf_block_name(block_name, family.moe_block)}.experts.{p}"
-                      for p in getattr(expert, "adapted", ())]
+            experts = module_name(f"{block_name}.experts", model.config.model_type)
+            names += [f"{experts}.{p}" for p in getattr(expert, "adapted", ())]
     return names
 
 
 def peft_expert_tensors(tensors: dict[str, torch.Tensor], model_config) -> dict[str, torch.Tensor]:
-    """The expert LoRA factors among `tensors` (whole, by our names: `model.layers.0.block_sparse_moe.
+    """Expert LoRA factors (whole, by our names, each `is_expert_factor`: `model.layers.0.block_sparse_moe.
     experts.3.gate_up_lora_A.weight`) under peft's keys, packed per sparse block (module docstring)."""
-    family = model_config.family
     by_block: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
     for name, tensor in tensors.items():
-        head, sep, tail = name.partition(".experts.")
-        if not sep or "_lora_" not in tail:
-            continue
+        head, _, tail = name.partition(".experts.")
         index, factor, _ = tail.split(".")
         by_block.setdefault(head, {}).setdefault(factor, {})[int(index)] = tensor
     out = {}
     for block_name, factors in by_block.items():
         adapted = [p for p in EXPERT_PARAMETERS if FACTORS[p][0] in factors]
-        prefix = f"{PEFT_PREFIX}{hf_block_name(block_name, family.moe_block)}.experts."
+        prefix = f"{PEFT_PREFIX}{module_name(f'{block_name}.experts', model_config.model_type)}."
         for parameter in adapted:
             a_name, b_name = FACTORS[parameter]
             count = len(factors[a_name])

@@ -97,10 +97,9 @@ def build_engine(module: torch.nn.Module, section: Mapping[str, Any], topology: 
     # (broadcast within their expert-data group only); without, DeepSpeed would want an empty MoE
     # optimizer group, so they get its mark of a parameter unique to its rank (never broadcast).
     held = [p for p in module.parameters() if getattr(p, "expert_parallel", False)]
-    if held and not experts:
+    if not experts:
         for param in held:
             param.ds_optim_param = True
-        held = []
     groups = [{"params": dense, "name": "dense"}, {"params": experts, "name": expert_group_name(topology), "moe": True}]
     optimizer = adamw(groups if experts else trained, section)
     scheduler = build_scheduler(optimizer, section)
@@ -108,7 +107,7 @@ def build_engine(module: torch.nn.Module, section: Mapping[str, Any], topology: 
     zero_off = ZERO_STAGES[section.sharding] == 0
     if zero_off:  # clipped by `clip` below
         ds_config["gradient_clipping"] = 0.0
-    with expert_parallel_in_deepspeed(held, topology) if held else nullcontext():
+    with expert_parallel_in_deepspeed(held, topology) if experts else nullcontext():
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=module, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, mpu=topology)
     forget_initial_step(engine.optimizer)

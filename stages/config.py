@@ -254,10 +254,11 @@ def _check_deploy(name: str, exp: dict[str, Any], source: dict[str, Any] | None)
                               "(export/) or compressed-tensors")
         if BY_MODEL_TYPE[model_type].moe:
             raise ConfigError(f"experiments.{name}.deploy.gguf={exp['deploy']['gguf']}: model_type {model_type!r} "
-                              "is a mixture of experts, whose GGUF file (arch llama with experts) the deploy stage "
-                              "cannot check: it compares the file's logits through transformers' GGUF loader, which "
-                              "does not read one. Write it with python -m stages.deployment.gguf_writer (llama.cpp "
-                              "runs it: docs/deployment.md) and remove deploy.gguf here")
+                              "is a mixture of experts, whose GGUF file the deploy stage cannot check: it compares "
+                              "the file's logits through transformers' GGUF loader, which does not read one of "
+                              "Mixtral or OLMoE and reads Qwen2-MoE at its default widths only. Write it with "
+                              "python -m stages.deployment.gguf_writer (llama.cpp runs it: docs/deployment.md) and "
+                              "remove deploy.gguf here")
 
     quant, key = exp["quantize"], f"experiments.{name}.deploy.compressed_tensors"
     for variant in exp["deploy"]["compressed_tensors"]:

@@ -4,7 +4,8 @@ while Snakemake parses the workflow, so an experiment whose model the writer ref
 from stages.model.registry import FAMILIES
 
 # config.json model_types written to GGUF, those with a llama.cpp architecture in the family registry:
-# "llama" for Llama and Mistral, "qwen2" for Qwen2. Qwen3, GLM and GLM-4 have architectures of their
-# own in llama.cpp (q/k head norms, a fused gate_up_proj, partial interleaved RoPE) this writer does
-# not implement; GPT-2 and the families on transformers' model are not written either.
+# "llama" for Llama, Mistral and Mixtral, "qwen2" for Qwen2, "qwen2moe" and "olmoe" for Qwen2-MoE and
+# OLMoE. Qwen3, Qwen3-MoE, GLM and GLM-4 have architectures of their own in llama.cpp (q/k head norms, a
+# fused gate_up_proj, partial interleaved RoPE) this writer does not implement; GPT-2 and the families on
+# transformers' model are not written either.
 GGUF_MODEL_TYPES = tuple(sorted(f.model_type for f in FAMILIES if f.gguf_arch))

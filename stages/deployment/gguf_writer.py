@@ -23,15 +23,25 @@ What is written, following llama.cpp's convert_hf_to_gguf.py:
   `expert_count` and `expert_used_count`, the router as `ffn_gate_inp` (kept f32, as the converter
   keeps it) and each layer's experts stacked into 3-D `ffn_gate_exps` (w1), `ffn_up_exps` (w3) and
   `ffn_down_exps` (w2), expert-major; llama.cpp routes them as Mixtral does (softmax, top k, the k
-  weights renormalised), dropless.
+  weights renormalised), dropless;
+- Qwen2-MoE as arch "qwen2moe" and OLMoE as arch "olmoe" (NEOX RoPE in llama.cpp: unpermuted), their
+  experts stacked the same way, routed by softmax and top k without renormalising; Qwen2-MoE with its
+  q/k/v biases, each expert's width as `expert_feed_forward_length` and its shared expert as
+  `ffn_{gate,up,down}_shexp` (width `expert_shared_feed_forward_length`) scaled by
+  sigmoid(`ffn_gate_inp_shexp`, stored 1-D f32 as llama.cpp declares it); OLMoE with its q/k norms
+  over the whole projections as `attn_q_norm` / `attn_k_norm`. Both architectures require an
+  `output` matrix, so a tied head is written out as a copy of token_embd.
 
-Refused by name (ValueError): other model types than llama / mistral / qwen2 / mixtral (those our
-config reader does not take by config.json's own check; Qwen3, GLM, GLM-4, Qwen2-MoE, Qwen3-MoE and
-OLMoE, which it takes, by `gguf_arch`: llama.cpp has architectures of their own for them, not written
-here), a Mixtral trained with a capacity factor (llama.cpp runs every routed token), llama
-attention/MLP biases, sliding windows shorter than the context (llama.cpp's llama and qwen2 attend
-to the whole context), rope types other than default / linear / llama3 (llama3 on arch llama only),
-and tokenizers GGUF cannot describe (see gguf_tokenizer).
+Refused by name (ValueError): other model types than llama / mistral / qwen2 / mixtral / qwen2_moe /
+olmoe (those our config reader does not take by config.json's own check; Qwen3, GLM, GLM-4 and
+Qwen3-MoE, which it takes, by `gguf_arch`: llama.cpp has architectures of their own for them, not
+written here), a mixture of experts trained with a capacity factor (llama.cpp runs every routed
+token), Qwen2-MoE or OLMoE with `norm_topk_prob` (their llama.cpp graphs never renormalise),
+Qwen2-MoE with dense layers (`decoder_sparse_step` > 1 or `mlp_only_layers`), OLMoE with `clip_qkv`,
+grouped KV heads or attention biases (its llama.cpp graph has none of them), llama attention/MLP
+biases, sliding windows shorter than the context (llama.cpp's llama and qwen2 attend to the whole
+context), rope types other than default / linear / llama3 (llama3 on arch llama only), and
+tokenizers GGUF cannot describe (see gguf_tokenizer).
 
     python -m stages.deployment.gguf_writer --model results/sft --out model.q8_0.gguf --type q8_0
 """
@@ -74,10 +84,24 @@ TENSOR_NAMES = {
     **{f"model.layers.{{i}}.self_attn.{p}_proj.{kind}": f"blk.{{i}}.attn_{p}.{kind}"
        for p in "qkv" for kind in ("weight", "bias")},
 }
-TENSOR_NAMES["model.layers.{i}.block_sparse_moe.gate.weight"] = "blk.{i}.ffn_gate_inp.weight"  # Mixtral's router
-# Mixtral's experts: one tensor per projection and layer, the experts stacked along a new first dimension
-EXPERT_NAMES = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
+TENSOR_NAMES.update({
+    "model.layers.{i}.block_sparse_moe.gate.weight": "blk.{i}.ffn_gate_inp.weight",  # Mixtral's router
+    "model.layers.{i}.mlp.gate.weight": "blk.{i}.ffn_gate_inp.weight",  # Qwen2-MoE's and OLMoE's router
+    # Qwen2-MoE's shared expert and its sigmoid gate
+    **{f"model.layers.{{i}}.mlp.shared_expert.{p}_proj.weight": f"blk.{{i}}.ffn_{p}_shexp.weight"
+       for p in ("gate", "up", "down")},
+    "model.layers.{i}.mlp.shared_expert_gate.weight": "blk.{i}.ffn_gate_inp_shexp.weight",
+    # OLMoE's q/k norms over the whole projections
+    "model.layers.{i}.self_attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",
+    "model.layers.{i}.self_attn.k_norm.weight": "blk.{i}.attn_k_norm.weight",
+})
+# The routed experts: one tensor per projection and layer, the experts stacked along a new first dimension
+EXPERT_NAMES = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps",  # Mixtral's names
+                "gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+                     r"(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+# llama.cpp's graphs of these architectures read an output matrix even when the checkpoint ties it
+OUTPUT_REQUIRED = ("qwen2moe", "olmoe")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 SKIPPED = ("rotary_emb.inv_freq",)  # buffers some old checkpoints saved; recomputed by every reader
 
@@ -87,14 +111,15 @@ def gguf_arch(config: LlamaConfig) -> str:
     llama.cpp's converter writes Mistral), after refusing what llama.cpp would run differently."""
     if config.model_type not in GGUF_MODEL_TYPES:
         raise ValueError(f"model_type={config.model_type!r} is not written to GGUF by this writer; supported: "
-                         f"{', '.join(GGUF_MODEL_TYPES)}. llama.cpp has architectures of their own for Qwen3 and GLM "
-                         "(q/k head norms, a fused gate_up_proj, partial interleaved RoPE) and for Qwen2-MoE, "
-                         "Qwen3-MoE and OLMoE (shared experts, q/k norms), which this writer does not implement; "
-                         "deploy this model as ONNX or compressed-tensors instead")
+                         f"{', '.join(GGUF_MODEL_TYPES)}. llama.cpp has architectures of their own for Qwen3, "
+                         "Qwen3-MoE and GLM (q/k head norms, a fused gate_up_proj, partial interleaved RoPE), "
+                         "which this writer does not implement; deploy this model as ONNX or compressed-tensors "
+                         "instead")
     if config.moe and config.moe_capacity_factor is not None:
         raise ValueError(f"moe_capacity_factor={config.moe_capacity_factor}: llama.cpp runs every token on its "
                          "chosen experts (no capacity), so it would compute other outputs than this model; "
                          "set moe_capacity_factor: null in config.json to deploy it dropless")
+    _refuse_what_llama_cpp_moe_lacks(config)
     if config.model_type == "llama" and (config.attention_bias or config.mlp_bias):
         raise ValueError(f"attention_bias={config.attention_bias}, mlp_bias={config.mlp_bias}: Llama biases "
                          "are not written by this GGUF writer (not implemented: the q/k biases would need the "
@@ -113,6 +138,31 @@ def gguf_arch(config: LlamaConfig) -> str:
     return arch
 
 
+def _refuse_what_llama_cpp_moe_lacks(config: LlamaConfig) -> None:
+    """Qwen2-MoE and OLMoE settings llama.cpp's qwen2moe / olmoe graphs do not compute (ValueError)."""
+    if config.model_type not in ("qwen2_moe", "olmoe"):
+        return
+    arch = config.family.gguf_arch
+    if config.norm_topk_prob:
+        raise ValueError(f"norm_topk_prob=true on model_type={config.model_type!r}: llama.cpp's {arch} graph "
+                         "weights the top-k experts by their softmax probabilities without renormalising them, so "
+                         "it would compute other outputs than this model")
+    if config.model_type == "qwen2_moe" and not all(config.sparse_layers()):
+        raise ValueError(f"decoder_sparse_step={config.decoder_sparse_step}, mlp_only_layers="
+                         f"{config.mlp_only_layers}: llama.cpp's qwen2moe graph runs a sparse block in every layer; "
+                         "a Qwen2-MoE with dense layers is not written to GGUF")
+    if config.model_type == "olmoe":
+        if config.clip_qkv is not None:
+            raise ValueError(f"clip_qkv={config.clip_qkv}: llama.cpp's olmoe graph does not clamp q, k and v, so "
+                             "it would compute other outputs than this model")
+        if config.num_key_value_heads != config.num_attention_heads:
+            raise ValueError(f"num_key_value_heads={config.num_key_value_heads} < num_attention_heads="
+                             f"{config.num_attention_heads}: llama.cpp's olmoe graph holds its k norm at the full "
+                             "width (no grouped KV heads)")
+        if config.attention_bias:
+            raise ValueError("attention_bias=true: llama.cpp's olmoe graph has no attention biases")
+
+
 def gguf_name(hf_name: str) -> str | None:
     """llama.cpp's name of a Hugging Face parameter; None for buffers readers recompute."""
     if hf_name.endswith(SKIPPED):
@@ -121,7 +171,7 @@ def gguf_name(hf_name: str) -> str | None:
     key = f"model.layers.{{i}}.{match.group(2)}" if match else hf_name
     if key not in TENSOR_NAMES:
         raise ValueError(f"parameter {hf_name!r} has no llama.cpp tensor name; this writer maps "
-                         "Llama/Mistral/Qwen2 decoder parameters only")
+                         "Llama/Mistral/Qwen2, Mixtral, Qwen2-MoE and OLMoE decoder parameters only")
     return TENSOR_NAMES[key].format(i=match.group(1)) if match else TENSOR_NAMES[key]
 
 
@@ -171,9 +221,13 @@ def add_hparams(writer: Any, config: LlamaConfig, file_type: str) -> None:
         writer.add_value_length(config.head_dim)
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(config.vocab_size)
-    if config.moe:  # Mixtral: feed_forward_length above is each expert's width
+    if config.moe:  # Mixtral, OLMoE: feed_forward_length above is each expert's width
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
+    if config.moe_intermediate_size is not None:  # Qwen2-MoE: the experts' own width
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if config.shared_expert_intermediate_size:
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if rope_type(config.rope_scaling) == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(float(config.rope_scaling["factor"]))
@@ -212,10 +266,14 @@ def encode(weight: torch.Tensor, kind: str) -> tuple[np.ndarray, Any, float]:
 
 
 def gguf_tensors(state: dict[str, torch.Tensor], config: LlamaConfig, arch: str) -> dict[str, torch.Tensor]:
-    """llama.cpp name -> tensor, Q/K permuted for arch llama, the tied head dropped, llama3 rope factors added."""
+    """llama.cpp name -> tensor, Q/K permuted for arch llama, the tied head dropped (written out as a copy
+    of the embedding for the architectures in OUTPUT_REQUIRED), llama3 rope factors added."""
     tied = config.tie_word_embeddings
     if not tied and "lm_head.weight" not in state:
         raise ValueError("lm_head.weight is missing and tie_word_embeddings is false")
+    if tied and arch in OUTPUT_REQUIRED:
+        state = {**state, "lm_head.weight": state["model.embed_tokens.weight"]}
+        tied = False
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer, projection) -> expert -> weight
     for hf_name, tensor in state.items():
@@ -230,6 +288,8 @@ def gguf_tensors(state: dict[str, torch.Tensor], config: LlamaConfig, arch: str)
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config.num_attention_heads if ".attn_q." in name else config.num_key_value_heads
             tensor = permute_qk(tensor, heads)
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            tensor = tensor.reshape(-1)  # (1, hidden) -> (hidden,): llama.cpp declares it 1-D
         out[name] = tensor
     for (layer, projection), by_expert in experts.items():
         if sorted(by_expert) != list(range(config.num_experts)):
@@ -262,8 +322,9 @@ def write_gguf(model_dir: str | Path, out_path: str | Path, file_type: str) -> d
     add_hparams(writer, config, file_type)
     vocab.write(writer)
     kinds, errors = Counter(), []
+    tied_in_file = config.tie_word_embeddings and arch not in OUTPUT_REQUIRED  # token_embd is the output matrix
     for name, tensor in tensors.items():
-        kind = tensor_type(name, tuple(tensor.shape), file_type, config.tie_word_embeddings)
+        kind = tensor_type(name, tuple(tensor.shape), file_type, tied_in_file)
         data, raw_dtype, error = encode(tensor, kind)
         writer.add_tensor(name, data, raw_dtype=raw_dtype)
         kinds[kind] += 1

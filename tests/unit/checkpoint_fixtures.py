@@ -69,10 +69,10 @@ def chat_tokenizer(tokenizer_dir: Path, chat_template: bool = True) -> PreTraine
 
 
 def save_checkpoint(out: Path, tokenizer, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
-    """A random-init `model_type` causal LM (tiny: hidden 64, 2 layers, Mixtral 4 experts; Qwen3, GLM and GLM-4 4 layers
-    of 4 heads of 16 dimensions, 2 KV heads) saved with `tokenizer` by transformers' own
-    save_pretrained; returns `out`. The special token ids are the tokenizer's (GLM's config class
-    defaults to ids outside a small vocabulary)."""
+    """A random-init `model_type` causal LM (tiny: hidden 64, 2 layers, Mixtral, Qwen2-MoE and OLMoE 4 experts
+    of which 2 run; Qwen3, GLM and GLM-4 4 layers of 4 heads of 16 dimensions, 2 KV heads) saved with
+    `tokenizer` by transformers' own save_pretrained; returns `out`. The special token ids are the
+    tokenizer's (GLM's config class defaults to ids outside a small vocabulary)."""
     torch.manual_seed(seed)
     vocab = len(tokenizer) + 3  # a few padding rows, as real checkpoints often have
     common = dict(vocab_size=vocab, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
@@ -82,6 +82,12 @@ def save_checkpoint(out: Path, tokenizer, model_type: str = "llama", seed: int =
                       num_key_value_heads=2, max_position_embeddings=256, rope_theta=100000.0)
     if model_type == "mixtral":
         common.update(num_local_experts=4, num_experts_per_tok=2)
+    elif model_type in ("qwen2_moe", "olmoe"):  # 4 experts, top 2; OLMoE's k norm spans every head (no GQA)
+        common.update(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2 if model_type == "qwen2_moe" else 4, max_position_embeddings=256,
+                      rope_theta=100000.0, num_experts=4, num_experts_per_tok=2)
+        if model_type == "qwen2_moe":
+            common.update(moe_intermediate_size=64, shared_expert_intermediate_size=128)
     elif model_type in ("qwen3", "glm", "glm4"):  # head_dim is their own argument (GLM's default is 128)
         common.update(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, max_position_embeddings=256)

@@ -141,7 +141,7 @@ def test_gguf_deploy_of_a_model_the_writer_refuses_stops_at_parse_time(tmp_path,
     glm = save_checkpoint(tmp_path / "glm", PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir), "glm4")
     with pytest.raises(ConfigError, match=r"deploy.gguf=\['q8_0'\]: the starting checkpoint is model_type 'glm4', "
                                           r"which the GGUF writer does not write "
-                                          r"\(it writes llama, mistral, mixtral, qwen2\)"):
+                                          r"\(it writes llama, mistral, mixtral, olmoe, qwen2, qwen2_moe\)"):
         check_config(experiment(glm, deploy={"gguf": ["q8_0"]}))
     with pytest.raises(ConfigError, match=r"flavour 'gpt-tiny' is model_type 'gpt2'"):
         check_config({"experiments": {"x": {"model": {"flavour": "gpt-tiny"}, "deploy": {"gguf": ["f32"]}}}})

@@ -121,10 +121,45 @@ def mixtral_dir(tmp_path_factory, tiny_tokenizer_dir):
     return out
 
 
+def _sharpen_and_perturb(out: Path, router_suffix: str) -> Path:
+    """Routers scaled up so that each token's choice of experts is clear-cut (random init leaves router
+    logits within ~1e-2 of each other); biases, norms and the shared expert's gate made non-trivial
+    (zero biases and unit norms would hide a bias or norm written wrong)."""
+    state = load_file(out / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    for name in list(state):
+        if name.endswith(router_suffix):
+            state[name] = state[name] * 50
+        elif name.endswith("bias") or name.endswith("shared_expert_gate.weight"):
+            state[name] = torch.randn(state[name].shape, generator=gen) * 0.5
+        elif name.endswith(("q_norm.weight", "k_norm.weight")):
+            state[name] = 1.0 + 0.2 * torch.randn(state[name].shape, generator=gen)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
 @pytest.fixture(scope="module")
-def sources(trained_dir, hf_llama_dir, qwen2_dir, mistral_dir, mixtral_dir):
+def qwen2_moe_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """transformers-saved random Qwen2-MoE (4 experts of width 64, top 2, a shared expert of width 128,
+    2 KV heads) with tied embeddings and non-zero q/k/v biases."""
+    out = save_checkpoint(tmp_path_factory.mktemp("gguf_qwen2_moe") / "tiny_qwen2_moe",
+                          PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir), model_type="qwen2_moe",
+                          tie_word_embeddings=True)
+    return _sharpen_and_perturb(out, "mlp.gate.weight")
+
+
+@pytest.fixture(scope="module")
+def olmoe_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """transformers-saved random OLMoE (4 experts of width 96, top 2) with non-unit q/k norms."""
+    out = save_checkpoint(tmp_path_factory.mktemp("gguf_olmoe") / "tiny_olmoe",
+                          PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir), model_type="olmoe")
+    return _sharpen_and_perturb(out, "mlp.gate.weight")
+
+
+@pytest.fixture(scope="module")
+def sources(trained_dir, hf_llama_dir, qwen2_dir, mistral_dir, mixtral_dir, qwen2_moe_dir, olmoe_dir):
     return {"ours": trained_dir, "hf_llama": hf_llama_dir, "qwen2": qwen2_dir, "mistral": mistral_dir,
-            "mixtral": mixtral_dir}
+            "mixtral": mixtral_dir, "qwen2_moe": qwen2_moe_dir, "olmoe": olmoe_dir}
 
 
 @pytest.mark.parametrize("name", ["ours", "hf_llama", "qwen2", "mistral"])
@@ -202,6 +237,46 @@ def test_a_mixtral_is_written_as_llama_cpps_converter_writes_it(mixtral_dir, tmp
         stacked = np.stack([state[f"model.layers.1.block_sparse_moe.experts.{e}.{projection}.weight"].numpy()
                             for e in range(4)])
         np.testing.assert_array_equal(np.asarray(f32[f"blk.1.{name}.weight"].data), stacked)
+
+
+def test_qwen2_moe_and_olmoe_are_written_as_llama_cpps_converter_writes_them(qwen2_moe_dir, olmoe_dir, tmp_path):
+    """Archs qwen2moe / olmoe (NEOX RoPE: q and k unpermuted); routers f32; experts stacked as Mixtral's; Qwen2-MoE's
+    expert and shared-expert widths, its shared expert and 1-D f32 gate, its tied head written out; OLMoE's q/k
+    norms at the full width."""
+    write_gguf(qwen2_moe_dir, tmp_path / "qwen2_moe.gguf", "q8_0")
+    reader = gguf.GGUFReader(tmp_path / "qwen2_moe.gguf")
+    field = lambda key: reader.get_field(key).contents()  # noqa: E731
+    assert field("general.architecture") == "qwen2moe"
+    assert (field("qwen2moe.expert_count"), field("qwen2moe.expert_used_count"), field("qwen2moe.feed_forward_length"),
+            field("qwen2moe.expert_feed_forward_length"), field("qwen2moe.expert_shared_feed_forward_length"),
+            field("qwen2moe.attention.head_count_kv")) == (4, 2, 96, 64, 128, 2)
+    tensors = {t.name: t for t in reader.tensors}
+    state = load_file(qwen2_moe_dir / "model.safetensors")
+    assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type.name == "F32"
+    assert tensors["blk.0.ffn_gate_inp_shexp.weight"].tensor_type.name == "F32"
+    assert list(tensors["blk.0.ffn_gate_inp_shexp.weight"].shape) == [64]
+    np.testing.assert_array_equal(np.asarray(tensors["blk.1.ffn_gate_inp_shexp.weight"].data),
+                                  state["model.layers.1.mlp.shared_expert_gate.weight"].numpy().reshape(-1))
+    for name, shape in (("ffn_gate_exps", [64, 64, 4]), ("ffn_down_exps", [64, 64, 4]), ("ffn_up_shexp", [64, 128]),
+                        ("ffn_down_shexp", [128, 64])):
+        assert list(tensors[f"blk.0.{name}.weight"].shape) == shape, name
+        assert tensors[f"blk.0.{name}.weight"].tensor_type.name == "Q8_0"
+    assert tensors["blk.0.attn_k.bias"].tensor_type.name == "F32"
+    assert "output.weight" in tensors and "lm_head.weight" not in state  # tied in the checkpoint, required here
+
+    write_gguf(olmoe_dir, tmp_path / "olmoe.gguf", "f32")
+    reader = gguf.GGUFReader(tmp_path / "olmoe.gguf")
+    assert reader.get_field("general.architecture").contents() == "olmoe"
+    assert reader.get_field("olmoe.feed_forward_length").contents() == 96
+    tensors = {t.name: t for t in reader.tensors}
+    state = load_file(olmoe_dir / "model.safetensors")
+    for ours, theirs in (("attn_q_norm", "q_norm"), ("attn_k_norm", "k_norm")):
+        np.testing.assert_array_equal(np.asarray(tensors[f"blk.1.{ours}.weight"].data),
+                                      state[f"model.layers.1.self_attn.{theirs}.weight"].numpy())
+    np.testing.assert_array_equal(np.asarray(tensors["blk.1.attn_q.weight"].data),  # NEOX: not permuted
+                                  state["model.layers.1.self_attn.q_proj.weight"].numpy())
+    stacked = np.stack([state[f"model.layers.0.mlp.experts.{e}.down_proj.weight"].numpy() for e in range(4)])
+    np.testing.assert_array_equal(np.asarray(tensors["blk.0.ffn_down_exps.weight"].data), stacked)
 
 
 def test_permute_qk_is_the_inverse_of_the_readers_unpermute():
@@ -332,6 +407,12 @@ def test_refuses_a_tokenizer_gguf_cannot_describe(tmp_path, tiny_tokenizer_dir, 
     ("llama", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_type='dynamic'"),
     ("llama", dict(attention_bias=True), "Llama biases"),
     ("mixtral", dict(moe_capacity_factor=1.25), "moe_capacity_factor=1.25: llama.cpp runs every token"),
+    ("qwen2_moe", dict(norm_topk_prob=True), "norm_topk_prob=true on model_type='qwen2_moe'"),
+    ("qwen2_moe", dict(mlp_only_layers=[0]), r"mlp_only_layers=\[0\]: llama.cpp's qwen2moe graph runs a sparse"),
+    ("qwen2_moe", dict(decoder_sparse_step=2), "decoder_sparse_step=2"),
+    ("olmoe", dict(norm_topk_prob=True), "norm_topk_prob=true on model_type='olmoe'"),
+    ("olmoe", dict(clip_qkv=8.0), "clip_qkv=8.0: llama.cpp's olmoe graph does not clamp"),
+    ("olmoe", dict(num_key_value_heads=2), "num_key_value_heads=2 < num_attention_heads=4"),
 ])
 def test_refuses_an_architecture_llama_cpp_would_run_differently(tmp_path, tiny_tokenizer_dir, model_type,
                                                                  overrides, reason):
@@ -343,15 +424,17 @@ def test_refuses_an_architecture_llama_cpp_would_run_differently(tmp_path, tiny_
         write_gguf(src, tmp_path / "m.gguf", "q5_k")
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "glm", "glm4"])
+@pytest.mark.parametrize("model_type", ["qwen3", "glm", "glm4", "qwen3_moe"])
 def test_refuses_our_families_llama_cpp_runs_as_their_own_architectures(tmp_path, tiny_tokenizer_dir, model_type):
     """Our model takes them; this writer's llama / qwen2 layouts would drop q_norm / k_norm, split no
     gate_up_proj and rotate GLM's heads the Llama way."""
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if model_type == "qwen3_moe" else {}
     src = save_checkpoint(tmp_path / "src", PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir),
                           model_type=model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                          **moe)
     with pytest.raises(ValueError, match=rf"model_type='{model_type}' is not written to GGUF by this writer; "
-                                         r"supported: llama, mistral, mixtral, qwen2\."):
+                                         r"supported: llama, mistral, mixtral, olmoe, qwen2, qwen2_moe\."):
         write_gguf(src, tmp_path / "m.gguf", "f16")
     assert not (tmp_path / "m.gguf").exists()
 
@@ -454,11 +537,12 @@ _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "h
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["hf_llama", "qwen2", "llama3_rope", "linear_rope", "mixtral"])
+@pytest.mark.parametrize("name", ["hf_llama", "qwen2", "llama3_rope", "linear_rope", "mixtral", "qwen2_moe", "olmoe"])
 def test_llama_cpp_logits_equal_transformers_on_f32(sources, tiny_tokenizer_dir, name, tmp_path):
     """Also RoPE scaling, which llama.cpp reads (rope_freqs tensor, rope.scaling.* keys) and transformers'
-    GGUF loader does not, and Mixtral, which transformers' GGUF loader does not read (llama.cpp writes it
-    as arch llama with experts): these files are checked against llama.cpp only."""
+    GGUF loader does not, and the mixtures of experts, which transformers' GGUF loader does not read
+    (Mixtral: arch llama with experts; OLMoE) or reads at Qwen2-MoE's default widths only: these files
+    are checked against llama.cpp only."""
     rope = {"llama3_rope": _LLAMA3_ROPE, "linear_rope": {"rope_type": "linear", "factor": 4.0}}.get(name)
     src = sources.get(name) or save_checkpoint(tmp_path / name, PreTrainedTokenizerFast.from_pretrained(
         tiny_tokenizer_dir), rope_scaling=rope)

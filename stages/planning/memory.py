@@ -42,6 +42,11 @@ against a real run in tests/unit/test_memory_plan.py and bench/memory_plan.py):
   micro-batches), the last stage keeps its logits until their backward, and every stage keeps one
   receive buffer per micro-batch for activations and for their gradients. The worst rank is
   reported.
+- A mixture of experts: its total parameters (this rank's E / `expert_parallel_degree` experts per
+  sparse layer) and what the active ones save per token (router logits and softmax, the dispatched
+  copy of each choice's input, the experts' SwiGLU and weighted outputs); under expert parallelism
+  the all-to-all's send and receive buffers (k rows per token each way) while backward runs through
+  a sparse layer.
 - Buffers at DeepSpeed 0.19's defaults, which the engine's `deepspeed_config` does not change:
   ZeRO-1/2 allocate a 5e8-element gradient bucket in the training dtype for each backward (ZeRO-1
   keeps it across an accumulation), ZeRO-3 keeps one for the whole run, and keeps the parameters
@@ -661,6 +666,16 @@ def _pipeline_buffers(s: _Shape, lay: _Layout, rank: int) -> int:
     return lay.accum * hidden * sum((c > 0) + (c < chunks - 1) for c in _chunks_of(lay, rank))
 
 
+def _dispatch_bytes(s: _Shape, lay: _Layout, rank: int) -> int:
+    """Expert parallelism's all-to-all buffers in a sparse layer's backward (stages.parallel.experts):
+    the rows a rank sends and the rows it receives, one per choice of each of its tokens (k x tokens
+    rows of `hidden` each way, as many as it sends on average when routing is balanced) while the
+    gradients go back the way the tokens came."""
+    if lay.ep == 1 or not _rank_layers(s, lay, rank)[1]:
+        return 0
+    return 2 * lay.micro * lay.local_seq * s.top_k * s.hidden * lay.param_bytes
+
+
 @dataclass(frozen=True)
 class _Held:
     """What a rank holds through a step (bytes), and what its moments are built from."""
@@ -734,8 +749,9 @@ def _rank_phases(s: _Shape, lay: _Layout, rank: int, ad: _Adapter, device: str,
     early_bucket = h.bucket if zero == 1 and lay.accum > 1 else 0
     first_grad = s.vocab * s.hidden // lay.tp * lay.param_bytes if ad.full else 0  # lm_head's
     late_bucket = h.bucket if zero in (1, 2) else 0
+    dispatch = _dispatch_bytes(s, lay, rank)
     phases = [at("backward", held, saved + loss, early_bucket + h.gathered),
-              at("layers", held + first_grad, saved + rebuilt, late_bucket + h.gathered)]
+              at("layers", held + first_grad, saved + rebuilt, late_bucket + h.gathered + dispatch)]
 
     # reduce: none all-reduces a flat copy of the whole gradients; stage1 reduces them through the
     # bucket into the partition; stage2/3 reduce-scatter the last bucket's content (a flat copy).

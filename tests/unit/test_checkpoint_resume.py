@@ -18,7 +18,8 @@ import pandas as pd
 import pytest
 import torch
 
-from pretrain_fixtures import make_data_dir, model_section, pretrain_section, requires_fp16, torchrun
+from pretrain_fixtures import (kill_after_checkpoint, make_data_dir, model_section, pretrain_section, requires_fp16,
+                               torchrun, torchrun_command)
 from runs_in_one_world import start_world
 from stages.checkpoint.hf import load_state_dict
 from stages.checkpoint.store import StateReader, complete_checkpoints
@@ -183,6 +184,29 @@ def test_mixed_precision_resumes_bit_identically(runs, name, tmp_path):
     assert (resumed["loss"] == full["loss"]).all()
     a, b = load_state_dict(tmp_path / "full"), load_state_dict(tmp_path / "resumed")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("name", ["tp2sp", "cp2"])
+def test_killed_sequence_and_context_parallel_runs_resume_bit_identically(runs, name, tmp_path):
+    """tp2 with sequence parallelism, and cp2 (ZeRO-1 over its 2 context ranks), SIGKILLed once
+    checkpoint-5 is written and started again with the same command: the curve, the learning rates
+    and the written weights equal the uninterrupted run's bit for bit (each rank's share of the
+    sequence, its data position and RNG come back with the checkpoint)."""
+    nproc, layout = LAYOUTS[name]
+    straight, straight_out, _ = runs(name)
+    cmd, env = torchrun_command(nproc, runs.data, tmp_path / "out", checkpoints=tmp_path / "ckpt", **layout, **COMMON)
+    kill_after_checkpoint(cmd, env, tmp_path / "ckpt", 5)
+    assert not (tmp_path / "out").exists()
+    resumed = torchrun(nproc, runs.data, tmp_path / "out", checkpoints=tmp_path / "ckpt", **layout, **COMMON)
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["metrics"]["resumed_from_step"] == 5
+    assert (resumed["loss"] == straight["loss"]).all() and (resumed["lr"] == straight["lr"]).all()
+    assert (resumed["grad_norm"] == straight["grad_norm"]).all()
+    a, b = load_state_dict(straight_out), load_state_dict(tmp_path / "out")
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
 
 
 def test_every_skipped_checkpoint_is_logged_with_its_path_and_reason(tmp_path, caplog):

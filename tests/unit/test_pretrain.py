@@ -195,6 +195,14 @@ BF16_LAYOUTS = {
                                            gradient_accumulation_steps=4)),
     "bf16_cp2": (2, dict(sharding="none", bf16=True, context_parallel_degree=2, per_device_train_batch_size=2,
                          gradient_accumulation_steps=4)),
+    "bf16_cp2_sharding_stage3": (2, dict(sharding="stage3", bf16=True, context_parallel_degree=2,
+                                         per_device_train_batch_size=2, gradient_accumulation_steps=4)),
+    "bf16_tp2_sequence_parallel_pp2": (4, dict(sharding="none", bf16=True, tensor_parallel_degree=2,
+                                               sequence_parallel=True, pipeline_parallel_degree=2,
+                                               per_device_train_batch_size=2, gradient_accumulation_steps=4)),
+    "bf16_cp2_tp2_sequence_parallel": (4, dict(sharding="stage1", bf16=True, context_parallel_degree=2,
+                                               tensor_parallel_degree=2, sequence_parallel=True,
+                                               per_device_train_batch_size=2, gradient_accumulation_steps=4)),
 }
 
 

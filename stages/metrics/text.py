@@ -6,9 +6,12 @@ BLEU-4 and ROUGE-L are the reference implementations, so the numbers compare wit
     (the mteval-v13a rules: punctuation split off words, case kept) and its default exp smoothing,
     divided by 100 (the [0, 1] scale the pipeline reports). The sacrebleu signature is
     `nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:<sacrebleu version>`.
-  * `rouge_l`: rouge-score's rougeL F-measure (`rouge_scorer.RougeScorer(["rougeL"],
-    use_stemmer=False)`, its default tokenizer: lowercase, every run of characters outside
-    [a-z0-9] is a separator, no stemming), averaged over examples.
+  * `rouge_l`: rouge-score's rougeL F-measure (what `rouge_scorer.RougeScorer(["rougeL"],
+    use_stemmer=False)` gives: its default tokenizer, lowercase, every run of characters outside
+    [a-z0-9] a separator, no stemming), averaged over examples. It calls rouge-score's own
+    `tokenize.tokenize` and `scoring.fmeasure` and counts the longest common subsequence itself,
+    as rouge_scorer's `_score_lcs` does (equal to RougeScorer's scores in tests/unit/test_metrics.py):
+    `rouge_scorer` imports nltk for its stemmer, ~1 s of every evaluate job on a 2-core machine.
 
 Scripts beyond ASCII: rouge-score's tokenizer drops every character outside [a-z0-9], so "café"
 counts as "caf" and a reference written wholly in another script (Cyrillic, Chinese, ...) has no
@@ -89,17 +92,32 @@ def rouge_l(predictions: Sequence[str], references: Sequence[str]) -> float:
     rouge-score. See the module docstring for text outside ASCII.
     """
     _check_pairs(predictions, references)
-    from rouge_score import rouge_scorer
+    from rouge_score import scoring, tokenize  # not rouge_scorer: see the module docstring
 
     lossy = sum(_dropped_by_rouge_tokenizer(r) for r in references)
     if lossy:
         log.warning("rouge_l: %d of %d references hold letters outside a-z/0-9, which rouge-score's tokenizer "
                     "drops; ROUGE-L undercounts on them (0 for text wholly in another script)",
                     lossy, len(references))
-    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
-    # score(target, prediction): the reference comes first
-    total = sum(scorer.score(ref, pred)["rougeL"].fmeasure for pred, ref in zip(predictions, references))
+    total = 0.0
+    for pred, ref in zip(predictions, references):
+        ref_tokens, pred_tokens = tokenize.tokenize(ref, None), tokenize.tokenize(pred, None)
+        if ref_tokens and pred_tokens:
+            common = lcs_length(ref_tokens, pred_tokens)
+            total += scoring.fmeasure(common / len(pred_tokens), common / len(ref_tokens))
     return total / len(predictions)
+
+
+def lcs_length(a: Sequence[str], b: Sequence[str]) -> int:
+    """Length of the longest common subsequence of `a` and `b` (the dynamic programme of
+    rouge_scorer's `_lcs_table`, one row kept)."""
+    previous = [0] * (len(b) + 1)
+    for x in a:
+        current = [0]
+        for j, y in enumerate(b):
+            current.append(previous[j] + 1 if x == y else max(previous[j + 1], current[j]))
+        previous = current
+    return previous[-1]
 
 
 def metric_implementations() -> dict[str, str]:
@@ -109,7 +127,8 @@ def metric_implementations() -> dict[str, str]:
     return {
         "bleu4": f"sacrebleu corpus BLEU / 100, tokenize={BLEU_TOKENIZE}, signature {bleu_signature}",
         "rouge_l": f"rouge-score {_version('rouge-score')} rougeL F1 averaged over examples, default tokenizer "
-                   "(lowercase, [a-z0-9]+ tokens), no stemming",
+                   "(lowercase, [a-z0-9]+ tokens), no stemming (its tokenizer and f-measure; the LCS counted "
+                   "as its _score_lcs does)",
     }
 
 

@@ -5,9 +5,9 @@ import logging
 import math
 
 import pytest
-from light_imports import loaded_by_import
+from light_imports import loaded_by_code, loaded_by_import
 
-from stages.metrics.text import corpus_bleu, exact_match, metric_implementations, rouge_l
+from stages.metrics.text import corpus_bleu, exact_match, lcs_length, metric_implementations, rouge_l
 
 PRED = "the cat sat on the mat"
 REF = "the cat is on the mat"
@@ -114,6 +114,29 @@ def test_agrees_with_sacrebleu_and_rouge_score_on_a_fixed_set():
         assert rouge_l([p], [r]) == pytest.approx(scorer.score(r, p)["rougeL"].fmeasure, abs=1e-6)
         assert corpus_bleu([p], [r], smooth=False) == pytest.approx(
             sacrebleu.corpus_bleu([p], [[r]], smooth_method="none").score / 100, abs=1e-6)
+
+
+def test_rouge_l_equals_rouge_scores_scorer_on_random_texts():
+    """Our LCS over rouge-score's tokens against RougeScorer itself: 500 random pairs over a small
+    vocabulary (many repeated words, so many equally long common subsequences), case and punctuation."""
+    import random
+
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=False)
+    words = ["the", "The", "cat", "cat,", "sat", "on", "mat.", "a", "3", "big-red", ""]
+    rng = random.Random(0)
+    for _ in range(500):
+        p, r = (" ".join(rng.choices(words, k=rng.randint(0, 12))) for _ in range(2))
+        assert rouge_l([p], [r]) == scorer.score(r, p)["rougeL"].fmeasure, (p, r)
+    assert lcs_length("abcbdab", "bdcaba") == 4 and lcs_length("", "abc") == 0
+
+
+def test_rouge_l_does_not_import_nltk():
+    """rouge_scorer imports nltk for its stemmer (~1 s): rouge_l reads rouge-score's tokenizer alone."""
+    code = "from stages.metrics.text import rouge_l\nrouge_l(['a b'], ['a c'])"
+    loaded = loaded_by_code(code, ("rouge_score.tokenize", "rouge_score.rouge_scorer", "nltk"))
+    assert loaded == ["rouge_score.tokenize"]
 
 
 def test_metric_implementations_name_the_signature_sacrebleu_gives():

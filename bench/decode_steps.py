@@ -2,7 +2,9 @@
 `generate` (fp32, DynamicCache), then `stages.inference.engine.DecodeEngine` with transformers'
 DynamicCache (its own prefill and decode loop, no `generate`), with its PreallocatedCache (no
 re-concatenation of the cache: what evaluate, predict and the server run), and with its decode step
-through torch.compile (StaticCache).
+through torch.compile (StaticCache). `--device cuda` runs all four on one GPU (the model moved there
+in `--dtype`, each run's time read after the device has finished), `--flavour 135m` is SmolLM2-135M's
+layer stack (bench/train_throughput.py's SHAPES) with the small test tokenizer's vocabulary.
 
 Per runtime: decode tokens/s at batch B (B x (N - 1) tokens over the wall time of N tokens less
 that of 1, greedy from the same random prompts, eos never ends a row; medians of `--repeats` runs
@@ -13,6 +15,7 @@ include torch.compile's for the compiled engine.
 
     .venv/bin/python bench/decode_steps.py                       # debug flavour
     .venv/bin/python bench/decode_steps.py --model ~/.cache/llm-lifecycle/smollm2-135m-instruct
+    python3 bench/decode_steps.py --flavour 135m --device cuda --dtype bfloat16   # one GPU
 Prints a table and writes JSON (default bench/out/decode_steps.json).
 """
 
@@ -34,23 +37,30 @@ from bench.common import csv_list, finish, machine_info
 DEFAULT_OUT = ROOT / "bench" / "out" / "decode_steps.json"
 
 
-def runners(model) -> dict:
-    """{name: run(prompts, n)} of the four ways to decode (see the module docstring)."""
+def runners(model, compile_engine: bool = True) -> dict:
+    """{name: run(prompts, n)} of the four ways to decode (see the module docstring), on the model's
+    device; each returns when the device has finished."""
     import torch
     from transformers import DynamicCache
 
     from stages.inference.engine import DecodeEngine
 
+    device = next(model.parameters()).device
+
     def generate(ids, n):
+        ids = ids.to(device)
         with torch.no_grad():
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                            do_sample=False, num_beams=1, eos_token_id=None, pad_token_id=0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     dynamic = DecodeEngine(model, eos_token_id=None, pad_token_id=0)
     dynamic._new_cache = lambda batch, capacity: DynamicCache(config=model.config)  # the engine's loop, HF's cache
     engines = {"engine + DynamicCache": dynamic,
-               "engine (preallocated)": DecodeEngine(model, eos_token_id=None, pad_token_id=0),
-               "engine compiled": DecodeEngine(model, eos_token_id=None, pad_token_id=0, compile=True)}
+               "engine (preallocated)": DecodeEngine(model, eos_token_id=None, pad_token_id=0)}
+    if compile_engine:
+        engines["engine compiled"] = DecodeEngine(model, eos_token_id=None, pad_token_id=0, compile=True)
     out = {"generate": generate}
     for name, engine in engines.items():
         out[name] = lambda ids, n, engine=engine: engine.generate(ids.tolist(), n)
@@ -58,9 +68,9 @@ def runners(model) -> dict:
 
 
 def aten_calls(run, ids, n: int) -> int:
-    from torch.profiler import profile
+    from torch.profiler import ProfilerActivity, profile
 
-    with profile() as prof:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # the operators called, on any device
         run(ids, n)
     return sum(1 for e in prof.events() if e.name.startswith("aten::"))
 
@@ -106,11 +116,17 @@ def report(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, help="a float HF model dir (default: a random --flavour model)")
-    parser.add_argument("--flavour", default="debug", help="stages.model flavour without --model (default: debug)")
+    parser.add_argument("--flavour", default="debug",
+                        help="stages.model flavour without --model, or 135m (SmolLM2-135M's layers; default: debug)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to decode (default: cpu)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the model's weights (default: float32)")
     parser.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes (default: 1)")
     parser.add_argument("--prompt-tokens", type=int, default=16, help="prompt length (default: 16)")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated (default: 32)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per runtime after a warm-up")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="also the engine with its compiled step (its first call compiles)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON to write")
     args = parser.parse_args(argv)
     started = time.perf_counter()
@@ -120,12 +136,21 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model or make_model_dir(args.flavour, Path(tmp))
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True,
-                                                     use_safetensors=True).eval()
-        runs = {int(b): measure(runners(model), model.config.vocab_size, int(b), args.prompt_tokens,
+        if args.model is None and args.flavour == "135m":
+            from bench.train_throughput import SHAPES
+
+            shape = dict(SHAPES["135m"])
+            shape.pop("vocab_size")  # the test tokenizer's
+            model_dir = make_model_dir(shape.pop("base"), Path(tmp), **shape)
+        else:
+            model_dir = args.model or make_model_dir(args.flavour, Path(tmp))
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype),
+                                                     local_files_only=True, use_safetensors=True)
+        model = model.to(args.device).eval()
+        runs = {int(b): measure(runners(model, args.compile), model.config.vocab_size, int(b), args.prompt_tokens,
                                 args.new_tokens, args.repeats) for b in csv_list(args.batch_sizes)}
-    result = {"machine": machine_info("transformers"),
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else None
+    result = {"machine": machine_info("transformers", gpu=gpu),
               "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "runs": runs}
     return finish(args.out, result, report, started)

@@ -53,14 +53,15 @@ _TEXT = ["the colour of the apple is red", "a banana is yellow and a plum is pur
          "def main(argv): return 0  # Python code, numbers 0123456789"]
 
 
-def make_model_dir(flavour: str, out: Path) -> Path:
-    """A random-init `flavour` of our model with a byte-level BPE trained on a few sentences."""
+def make_model_dir(flavour: str, out: Path, **overrides: Any) -> Path:
+    """A random-init `flavour` of our model (with `overrides` of its fields) with a byte-level BPE
+    trained on a few sentences."""
     from stages.data.tokenizer import save_tokenizer, train_tokenizer
 
     tokenizer = train_tokenizer(_TEXT * 4, vocab_size=300)
     save_tokenizer(tokenizer, out / "tokenizer")
     model = build_model(config_for_flavour(flavour, vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2,
-                                           pad_token_id=0), seed=0)
+                                           pad_token_id=0, **overrides), seed=0)
     with atomic_dir(out / "model") as tmp:
         save_pretrained(model, tmp, tokenizer_dir=out / "tokenizer")
     return out / "model"

@@ -84,11 +84,20 @@ SHARDINGS = ("none", "stage1", "stage2", "stage3")
 # -- machine and model arithmetic --------------------------------------------------------------
 
 
-def peak_bf16_matmul_flops() -> float:
+def peak_bf16_matmul_flops(device: torch.device = torch.device("cpu")) -> float:
     """2048-wide products where they take 0.1 s or less; narrower where bf16 is emulated (a CPU
     without AVX512-BF16 or AMX: one 2048-wide product took 56 s on one thread of a 2-core AMD EPYC, and
-    a measurement takes 41 of them)."""
+    a measurement takes 41 of them). On a GPU, 8192-wide products (~1.4 ms each on an H100 or H200)."""
+    if device.type == "cuda":
+        return peak_matmul_flops(torch.bfloat16, device=device, n=8192, iters=20)
     return peak_matmul_flops(torch.bfloat16, n=cpu_matmul_width(torch.bfloat16, widest=2048))
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device`: a GPU runs it asynchronously, so a host clock read
+    without this would time the launches, not the step. Nothing to wait for on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def pretrain_section(**overrides: Any) -> dict[str, Any]:
@@ -108,10 +117,11 @@ class OurStep:
     clipping, AdamW, LR scheduler, zero_grad; `step()` runs and times one."""
 
     def __init__(self, config: LlamaConfig, state: dict[str, torch.Tensor], data: torch.Tensor,
-                 section: dict[str, Any], compile_model: bool):
+                 section: dict[str, Any], compile_model: bool, device: torch.device = torch.device("cpu")):
         self.model = build_model(config)
         self.model.load_state_dict(state)
-        self.model.train()
+        self.model.to(device).train()
+        self.device = device
         self.forward = torch.compile(self.model) if compile_model else self.model
         self.optimizer = adamw(self.model.parameters(), section)
         self.scheduler = build_scheduler(self.optimizer, section)
@@ -122,9 +132,9 @@ class OurStep:
     def step(self) -> float:
         B, clip = self.section["per_device_train_batch_size"], self.section["max_grad_norm"]
         start = (self.count * B) % len(self.data)
-        batch = self.data[start:start + B]
         t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.section["bf16"]):
+        batch = self.data[start:start + B].to(self.device)  # copied inside the step, as the Trainer's batches are
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.section["bf16"]):
             _, loss = self.forward(batch, labels=batch)
         loss.backward()
         if clip > 0:
@@ -132,6 +142,7 @@ class OurStep:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        synchronize(self.device)
         elapsed = time.perf_counter() - t0
         self.count += 1
         self.losses.append(loss.item())
@@ -178,6 +189,7 @@ class EngineStep:
         t0 = time.perf_counter()
         loss, _ = engine_train_step(self.engine, None, [(batch, batch)], num_tokens=batch[:, 1:].numel(), dp=1,
                                     clip=None)
+        synchronize(self.engine.device)
         elapsed = time.perf_counter() - t0
         self.count += 1
         self.losses.append(float(loss))
@@ -198,7 +210,7 @@ class TokenRows(torch.utils.data.Dataset):
 
 
 def hf_trainer(config: LlamaConfig, state: dict[str, torch.Tensor], data: torch.Tensor, section: dict[str, Any],
-               batch_size: int, max_steps: int, output_dir: str, callback, **arguments: Any):
+               batch_size: int, max_steps: int, output_dir: str, callback, use_cpu: bool = True, **arguments: Any):
     """transformers.Trainer on transformers.LlamaForCausalLM (sdpa) from `state`, on `data`'s rows,
     with our optimizer and schedule, no logging, saving or workers; `arguments` adds TrainingArguments."""
     from transformers import LlamaConfig as HFLlamaConfig
@@ -208,7 +220,7 @@ def hf_trainer(config: LlamaConfig, state: dict[str, torch.Tensor], data: torch.
     model.load_state_dict(state, strict=False)  # same names; HF's rotary buffer is not persistent
     optimizer = adamw(model.parameters(), section)
     args = TrainingArguments(
-        output_dir=output_dir, use_cpu=True, bf16=section["bf16"], per_device_train_batch_size=batch_size,
+        output_dir=output_dir, use_cpu=use_cpu, bf16=section["bf16"], per_device_train_batch_size=batch_size,
         gradient_accumulation_steps=1, max_steps=max_steps, max_grad_norm=section["max_grad_norm"],
         logging_steps=10**6, report_to=[], save_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
         seed=section["seed"], **arguments)
@@ -231,7 +243,8 @@ def single_process_env():
 
 def bench_hf(config: LlamaConfig, state: dict[str, torch.Tensor], data: torch.Tensor, section: dict[str, Any],
              warmup: int, steps: int, compile_model: bool, partners: list[OurStep],
-             profiler: StepProfiler | None = None) -> tuple[dict, list[list[float]]]:
+             profiler: StepProfiler | None = None,
+             device: torch.device = torch.device("cpu")) -> tuple[dict, list[list[float]]]:
     """transformers.Trainer on transformers.LlamaForCausalLM from the same weights and tokens.
 
     After each measured Trainer step, each of `partners` runs and times one step, so the two
@@ -251,9 +264,11 @@ def bench_hf(config: LlamaConfig, state: dict[str, torch.Tensor], data: torch.Te
         def on_step_begin(self, args, state, control, **kwargs):
             if profiler is not None and state.global_step == warmup:  # global_step: steps finished
                 profiler.start()
+            synchronize(device)
             self.t0 = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
+            synchronize(device)
             self.times.append(time.perf_counter() - self.t0)
             if profiler is not None and state.global_step == warmup + steps:
                 profiler.stop()
@@ -264,7 +279,7 @@ def bench_hf(config: LlamaConfig, state: dict[str, torch.Tensor], data: torch.Te
     timer = StepTimer()
     with tempfile.TemporaryDirectory() as tmp, single_process_env():
         trainer = hf_trainer(config, state, data, section, section["per_device_train_batch_size"], warmup + steps,
-                             tmp, timer, torch_compile=compile_model)
+                             tmp, timer, use_cpu=device.type == "cpu", torch_compile=compile_model)
         result = trainer.train()
     summary = _summary(timer.times[0], sum(timer.times[:warmup]), timer.times[warmup:])
     summary["train_loss"] = result.training_loss
@@ -650,7 +665,9 @@ def _mib(n: float) -> str:
 
 def format_report(result: dict[str, Any]) -> str:
     m, s = result["machine"], result["settings"]
-    lines = [f"machine: {m['cpu']} | {m['cores']} cores, {m['torch_threads']} torch threads | torch {m['torch']}",
+    gpu = f" | GPU {m['gpu']}" if m.get("gpu") else ""
+    lines = [f"machine: {m['cpu']} | {m['cores']} cores, {m['torch_threads']} torch threads | torch {m['torch']}"
+             + gpu,
              f"settings: flavour={s['flavour']} vocab={s['vocab_size']} batch={s['batch_size']} seq_len={s['seq_len']} "
              f"warmup={s['warmup_steps']} steps={s['steps']} bf16 autocast, AdamW, clip {s['max_grad_norm']}, "
              f"freed host memory kept: {s['keep_freed_host_memory']}",
@@ -705,13 +722,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     fpt = flops_per_token(config, args.seq_len)
     tokens_per_step = args.batch_size * args.seq_len
 
-    peaks = [peak_bf16_matmul_flops()]
+    device = torch.device(args.device)
+    peaks = [peak_bf16_matmul_flops(device)]
     # part 1c first, while this process holds no model: the memory part 1 frees stays with the
     # process (keep_freed_host_memory); at 135m, run after part 1, the stage's two ranks took
     # 7.97 s per step, run first 6.70 s (the Trainer's 6.97 and 6.87 s)
     layout_runs = bench_dag_layout(args, tokens_per_step) if args.dag_layout else {}
     ours_runs = {"ours (compile)": True, "ours (eager)": False} if args.compile else {"ours (eager)": False}
-    steppers = {name: OurStep(config, state, data, section, c) for name, c in ours_runs.items()}
+    steppers = {name: OurStep(config, state, data, section, c, device) for name, c in ours_runs.items()}
     stage_name = f"stage step{' (compile)' if args.compile else ''}"
     steppers[stage_name] = EngineStep(config, state, data, section, args.compile)
     # the step as the default run trains: the schema's torch_compile (off; its description says why)
@@ -725,13 +743,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         warm[name] = (times[0], sum(times))
     runs: dict[str, dict[str, Any]] = {}
     runs["hf trainer (eager)"], paired = bench_hf(config, state, data, section, args.warmup_steps, args.steps,
-                                                  False, list(steppers.values()))
+                                                  False, list(steppers.values()), device=device)
     for (name, stepper), times in zip(steppers.items(), paired):
         runs[name] = _summary(*warm[name], times, first_loss=stepper.losses[0], last_loss=stepper.losses[-1])
     first = next(iter(steppers))
     if args.hf_compile:  # a second pairing: compiled Trainer against our compiled (or eager) step
         runs["hf trainer (compile)"], (times,) = bench_hf(config, state, data, section, args.warmup_steps,
-                                                          args.steps, True, [steppers[first]])
+                                                          args.steps, True, [steppers[first]], device=device)
         runs[f"{first}, paired with hf compile"] = _summary(0.0, 0.0, times)
     runs.update(layout_runs)
     profile = None
@@ -739,7 +757,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         name = dag_name if dag_name in steppers else stage_name
         profile = bench_profile(name, steppers[name], config, state, data, section, args.profile_steps,
                                 hf_median_ms=runs["hf trainer (eager)"]["median_step_s"] * 1e3)
-    peaks.append(peak_bf16_matmul_flops())
+    peaks.append(peak_bf16_matmul_flops(device))
     peak = max(peaks)
     for r in runs.values():
         r["tokens_per_s"] = r.get("tokens_per_step", tokens_per_step) / r["median_step_s"]
@@ -764,8 +782,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                             / runs["hf trainer (compile)"]["tokens_per_s"])
 
     result: dict[str, Any] = {
-        "machine": machine_info(),
-        "settings": {"flavour": args.flavour, "vocab_size": config.vocab_size, "batch_size": args.batch_size,
+        "machine": machine_info(device=args.device,
+                                gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None),
+        "settings": {"device": args.device, "flavour": args.flavour, "vocab_size": config.vocab_size,
+                     "batch_size": args.batch_size,
                      "seq_len": args.seq_len, "steps": args.steps, "warmup_steps": args.warmup_steps,
                      "compile": args.compile, "hf_compile": args.hf_compile, "bf16": True,
                      "max_grad_norm": section["max_grad_norm"], "num_parameters": config.num_parameters(),
@@ -815,6 +835,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layout-sharding", choices=SHARDINGS, help="the stage's ZeRO setting in --dag-layout instead of "
                    "config/config.yaml's (stage1)")
     p.add_argument("--skip-memory", action="store_true", help="skip the 2-rank DeepSpeed memory part")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where part 1 trains (cuda: one GPU, bf16 autocast / DeepSpeed bf16 there, peak from "
+                   "8192-wide products; parts 1c and 2 are CPU layouts and are skipped, --profile is CPU-only)")
     p.add_argument("--shardings", nargs="+", default=list(SHARDINGS), choices=SHARDINGS,
                    help="ZeRO settings of the memory part (default: all)")
     p.add_argument("--memory-flavour", default="tiny", help="model flavour of the memory part (default tiny)")
@@ -829,6 +852,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(args.steps, args.warmup_steps, args.profile_steps, args.layout_rounds) < 1 or args.memory_steps < 2:
         p.error(f"--steps={args.steps}, --warmup-steps={args.warmup_steps}, --profile-steps={args.profile_steps} "
                 f"and --layout-rounds={args.layout_rounds} must be >= 1, --memory-steps={args.memory_steps} >= 2")
+    if args.device == "cuda":
+        if args.profile:
+            p.error("--profile sums CPU self time by operator: CPU only")
+        if not torch.cuda.is_available():
+            p.error("--device cuda: torch sees no GPU")
+        args.dag_layout, args.skip_memory = False, True  # gloo ranks on the CPU's cores: not a GPU layout
     return args
 
 

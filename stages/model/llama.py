@@ -86,6 +86,20 @@ def segment_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return torch.cumsum((position_ids == 0).long(), dim=-1)
 
 
+def gqa_in_place(q: torch.Tensor, masked: bool) -> bool:
+    """Whether SDPA takes grouped-query keys and values as they are (`enable_gqa`) for queries `q`
+    (B, H, T, hd), with a mask or not, without falling back to its math kernel, which holds every
+    head's (T x keys) attention weights for backward. On a CPU it always does (its flash kernel reads
+    the shared heads in place). On a GPU only the flash kernel takes grouped heads: half precision,
+    no mask. Where the memory-efficient kernel runs instead (fp32, or a mask: packed rows, a window,
+    a prefix, context parallelism) torch 2.11 refuses them and the math kernel runs (seen in fp32;
+    masked half-precision attention goes the same way by torch's kernel rules, not measured): on an
+    H200 the 1b flavour's fp32 step (4 x 1024 tokens) peaked at 38.10 GiB with the heads in place,
+    30.11 GiB with k and v repeated (16 layers x 32 heads x 1024^2 fp32 weights x 4 rows = 8 GiB),
+    so there k and v are repeated to every query head first (bench/README.md, memory_plan.py)."""
+    return q.device.type != "cuda" or (q.dtype in (torch.float16, torch.bfloat16) and not masked)
+
+
 def attention_mask(seq_len: int, window: int | None, segments: torch.Tensor | None, prefix_len: int,
                    device: torch.device) -> torch.Tensor:
     """Bool mask, True where a query may attend a key: causal (within `window` tokens when given),
@@ -214,6 +228,11 @@ class Attention(nn.Module):
             q, k, v = q.float(), k.float(), v.float()
         dropout = self.attention_dropout if self.training else 0.0
         window = self.sliding_window if self.sliding_window is not None and T > self.sliding_window else None
+        masked = context is not None or window is not None or segments is not None or bool(prefix_len)
+        if gqa and not gqa_in_place(q, masked):  # a GPU's kernel for these inputs needs every head's k and v
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # (B, H, keys, hd), as enable_gqa reads them
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+            gqa = False
         if context is not None:
             mask = context.mask(self.sliding_window, prefix_len)  # (B, 1, T, P + cp x T)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, enable_gqa=gqa)

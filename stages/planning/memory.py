@@ -22,7 +22,7 @@ against a real run in tests/unit/test_memory_plan.py and bench/memory_plan.py):
   `stages.model.llama`: each RMSNorm its fp32 input and 1/rms, the normalised x and its output (what
   the next Linear saves; GPT-2's LayerNorm its input, mean and 1/std and its output; Qwen3's q/k
   head norms and GLM-4's norms after each sub-block feed no Linear), SDPA's q, k and v (under GQA:
-  the KV heads' own on a CPU, repeated to every query head on a GPU, as measured), output and
+  the KV heads' own on a CPU and for a GPU's flash kernel, else repeated to every query head), output and
   log-sum-exp (and o_proj's input where attention ran in fp32 and its output was cast back),
   SwiGLU's gate, silu(gate), up and their product; with a frozen base only what the input gradients
   and the adapter need (under ZeRO-3 every projection's input: DeepSpeed swaps in a linear that
@@ -542,11 +542,12 @@ def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str, 
     # (Ulysses: the whole row's keys for cp-th of the heads, the bytes of the rank's own)
     kv_len = ((lay.local_seq if lay.ulysses else lay.key_seq) + ad.prefix) / lay.local_seq
     sdpa = _attention_bytes(s, lay, ad, device)
-    # q, output; k, v; log-sum-exp. Under GQA a CPU's flash kernel saves k and v of the KV heads (it
-    # reads them in place); on the H100 measured they were as wide as q (bench/README, memory_plan)
-    kv_saved = kv if device == "cpu" else q
-    attention = (2 * q * sdpa + 2 * kv_saved * kv_len * sdpa + s.heads * 4) / tp
     mask = _mask_bytes(lay, ad, sdpa)
+    # q, output; k, v; log-sum-exp. Under GQA the kernels that read the shared heads in place save k
+    # and v of the KV heads: a CPU's, and a GPU's flash kernel (half precision, no mask); for the
+    # others the model repeats them to every query head first (stages.model.llama.gqa_in_place)
+    kv_saved = kv if device == "cpu" or (sdpa == 2 and not mask) else q
+    attention = (2 * q * sdpa + 2 * kv_saved * kv_len * sdpa + s.heads * 4) / tp
     # Sequence parallelism: the residual stream's norms run on this rank's tokens (1/sp of them), and
     # the column-parallel projections save those tokens, not the sequence they gather
     sp = lay.token_split

@@ -172,9 +172,12 @@ class OptimizerAccess:
         # ZeRO-3 points the param groups at its flat fp32 partitions only during its step
         flat = getattr(self.wrapper, "fp32_partitioned_groups_flat", None)
         tensors = list(flat) if flat is not None else [hp for g in self.inner.param_groups for hp in g["params"]]
+        # torch's rule (Adam's _init_group): a fused or capturable optimizer keeps `step` on the
+        # parameter's device, the others on the CPU; fused AdamW on a GPU refuses a CPU step
+        on_device = any(g.get("fused") or g.get("capturable") for g in self.inner.param_groups)
         for hp in tensors:
             state = self.inner.state[hp]
-            state["step"] = torch.tensor(float(step), dtype=torch.float32)
+            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=hp.device if on_device else "cpu")
             state.setdefault("exp_avg", torch.zeros_like(hp, memory_format=torch.preserve_format))
             state.setdefault("exp_avg_sq", torch.zeros_like(hp, memory_format=torch.preserve_format))
         link = getattr(self.wrapper, "_lazy_init_hp_params_optimizer_state", None)

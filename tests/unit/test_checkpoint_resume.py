@@ -263,3 +263,27 @@ def test_fp16_loss_scale_without_zero_is_in_the_training_state():
     scheduler = SimpleNamespace(state_dict=lambda: {})
     state = engine_state(engine(32768.0, 7, 4), scheduler)
     assert state["loss_scaler"] == {"cur_scale": 32768.0, "cur_iter": 7, "last_overflow_iter": 4}
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_restored_adam_step_lives_where_torch_keeps_it(fused):
+    """Resume recreates Adam's state (`OptimizerAccess.ensure_state`) before it copies the saved moments in:
+    a fused AdamW keeps `step` on the parameters' device (on a GPU its kernel refuses a CPU step: an H200
+    resume failed so on 2026-12-01), the unfused one on the CPU, as torch's own _init_group places it.
+    A GPU is stood in for by the meta device: the parameters are moved there after the optimizer is built."""
+    from types import SimpleNamespace
+
+    from stages.training.checkpointing import OptimizerAccess
+
+    module = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3, fused=fused)
+    optimizer.param_groups[0]["params"] = [torch.nn.Parameter(p.detach().to("meta"))
+                                           for p in optimizer.param_groups[0]["params"]]
+    access = OptimizerAccess(SimpleNamespace(optimizer=optimizer, module=module))
+    access.ensure_state(5)
+    for hp in optimizer.param_groups[0]["params"]:
+        step = optimizer.state[hp]["step"]
+        assert step.device.type == ("meta" if fused else "cpu") and step.dtype == torch.float32
+        assert optimizer.state[hp]["exp_avg"].device.type == "meta"
+    if not fused:  # a meta step has no value to read
+        assert access.step_count() == 5

@@ -2,6 +2,8 @@
 # The project's GPU paths in one call on a lent GPU machine (one GPU; the image's python3 with torch,
 # no DeepSpeed, no network), each step under its own `timeout` so that one failure leaves the rest:
 #   probe     nvidia-smi, torch and the carried packages' versions, the bf16 matmul peak (8192-wide)
+#   stage_resume  the pretrain stage under torchrun (bf16, ZeRO-1, checkpoints), then resumed from its
+#             checkpoint (bench/gpu_stage_resume.py)
 #   mem_1b_*  bench/memory_plan.py --device cuda, flavour 1b, its default cuda cases in 4 parallel lanes
 #             (each case is its own process; the peaks are per-process allocator statistics, so the
 #             lanes do not disturb each other's figures, only each other's speed)
@@ -46,7 +48,7 @@ fi
 PY=${GPU_CHECKS_PY:-python3}  # the image's python3 on the device
 if [ "$MODE" = check ]; then  # here: the commands parse their arguments; the summary runs on nothing
     PY=.venv/bin/python
-    for script in memory_plan train_throughput decode_steps; do
+    for script in memory_plan train_throughput decode_steps gpu_stage_resume; do
         $PY bench/$script.py --help > /dev/null || { echo "bench/$script.py --help failed"; exit 1; }
     done
     tmp=$(mktemp -d)
@@ -115,6 +117,10 @@ out["peak_bf16_tflops"] = [peak_matmul_flops(torch.bfloat16, "cuda", n=8192, ite
 print(json.dumps(out, indent=1))
 json.dump(out, open(sys.argv[1], "w"), indent=1)
 EOF
+
+# the pretrain stage itself (torchrun, NCCL, bf16, ZeRO-1, checkpoints) and a rerun that resumes from its
+# checkpoint: on 2026-12-01 that resume failed on the H200 (fused AdamW's step on the CPU), since fixed
+step stage_resume 90 $PY bench/gpu_stage_resume.py --out "$WORK/stage_resume.json"
 
 # memory: 4 lanes of 1b (two cases each, fresh process per case) and one of moe-tiny, side by side
 MEM_LIMIT=220

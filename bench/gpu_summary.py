@@ -1,5 +1,6 @@
 """The summary of one bench/gpu_checks.sh run: the steps' exit codes and times, the device probe,
-the memory planner's estimate against the GPU's measured peak per case, training throughput and MFU
+the pretrain stage and its resume, the memory planner's estimate against the GPU's measured peak per
+case, training throughput and MFU
 against transformers.Trainer, and decode speed against transformers' generate, from the JSON the
 steps wrote into the run's work folder. Prints the tables; writes them as JSON too.
 
@@ -44,7 +45,7 @@ def memory(work: Path) -> list[dict[str, Any]]:
 
 def summarize(work: Path) -> dict[str, Any]:
     return {"steps": steps(work), "probe": _load(work / "probe.json"), "memory": memory(work),
-            "train": _load(work / "train_throughput.json"),
+            "train": _load(work / "train_throughput.json"), "stage_resume": _load(work / "stage_resume.json"),
             "decode": [d for d in (_load(work / f"{name}.json") for name in ("decode_steps", "decode_compiled")) if d]}
 
 
@@ -65,6 +66,13 @@ def report(s: dict[str, Any]) -> str:
             lines.append(f"{r['flavour']:<9}{r['case']:<23}{r['estimate_bytes'] / scale:>8.2f} {unit}"
                          f"{r['measured_bytes'] / scale:>8.2f} {unit}{r['ratio']:>7.3f}  {r['phase']:<9}"
                          f"{r['setup_peak_bytes'] / scale:>8.2f} {unit}")
+    r = s["stage_resume"]
+    if r:
+        first, resumed = r["first"], r["resumed"]
+        lines += ["", f"pretrain stage on {r['device']} (torchrun, bf16, ZeRO-1, 30 steps): rc {first['rc']}, final "
+                      f"loss {first['final_loss']}; rerun resuming from step {resumed['resumed_from_step']}: rc "
+                      f"{resumed['rc']}, largest loss / weight difference {r.get('max_loss_diff')} / "
+                      f"{r.get('max_weight_diff')}"]
     t = s["train"]
     if t:
         st = t["settings"]

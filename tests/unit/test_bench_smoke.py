@@ -328,3 +328,13 @@ def test_one_row_linear_bench_report_has_its_keys(tmp_path):
     for way in ("eager", "compiled", "compiled one-row"):
         assert row[f"{way} GB/s"] > 0 and row[f"{way} max_abs_diff"] < 1e-4
     assert {"compiled x eager", "compiled one-row x eager"} <= row.keys()
+
+
+@pytest.mark.multiproc
+def test_gpu_stage_resume_trains_and_resumes_bit_identically_on_the_cpu(tmp_path):
+    """bench/gpu_stage_resume.py (a step of bench/gpu_checks.sh) on this machine: the pretrain stage and
+    its resume from checkpoint-15, the same losses and weights."""
+    _, result = run_script("gpu_stage_resume.py", tmp_path / "stage_resume.json")
+    assert result["device"] == "cpu" and result["first"]["rc"] == 0 and result["resumed"]["rc"] == 0
+    assert result["resumed"]["resumed_from_step"] == 15
+    assert result["max_loss_diff"] == 0.0 and result["max_weight_diff"] == 0.0

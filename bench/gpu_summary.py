@@ -14,6 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file: the repository's bench package
+from bench.decode_steps import report as decode_table  # noqa: E402  (torch-free at import)
+
 GiB, MiB = 2**30, 2**20
 
 
@@ -88,13 +91,7 @@ def report(s: dict[str, Any]) -> str:
         st = d["settings"]
         lines += ["", f"decode: flavour {st['flavour']} {st['dtype']} on {st['device']}, prompt {st['prompt_tokens']}, "
                       f"{st['new_tokens']} new tokens, median of {st['repeats']}",
-                  f"{'runtime':<24}{'batch':>6}{'tok/s':>9}{'x generate':>11}{'aten/step':>10}{'first s':>9}"]
-        for batch, rows in d["runs"].items():
-            base = rows["generate"]["decode_tokens_per_s"]
-            for name, r in rows.items():
-                lines.append(f"{name:<24}{batch:>6}{r['decode_tokens_per_s']:>9.1f}"
-                             f"{r['decode_tokens_per_s'] / base:>11.2f}{r['aten_calls_per_step']:>10.0f}"
-                             f"{r['first_call_s']:>9.1f}")
+                  *decode_table(d).splitlines()]
     return "\n".join(lines)
 
 

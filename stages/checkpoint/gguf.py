@@ -4,8 +4,10 @@ Contract: `convert_gguf(gguf_path, out_dir)` writes `out_dir` atomically with co
 model.safetensors (float32), generation_config.json, the tokenizer files (tokenizer.json,
 tokenizer_config.json, chat_template.jinja) and a meta.json sidecar. The directory loads with
 `AutoModelForCausalLM.from_pretrained(out_dir)` and `AutoTokenizer.from_pretrained(out_dir)`
-alone: no gguf package, no `gguf_file=`, no remote code. Only Llama-architecture files are
-accepted, the family `stages.model` implements.
+alone: no gguf package, no `gguf_file=`, no remote code. Llama-architecture files are accepted,
+and two mixtures of experts whose weights transformers' GGUF loader does not read, Mixtral (arch
+llama with experts) and Qwen2-MoE (arch qwen2moe): `stages.checkpoint.gguf_mixture` reads those
+(transformers still builds their tokenizer).
 
 How: transformers reads the GGUF (`from_pretrained(dir, gguf_file=...)`), dequantizing every
 tensor to float32, and builds a fast tokenizer from the file's metadata. transformers 5 refuses
@@ -41,6 +43,7 @@ from tokenizers import Regex, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from stages.checkpoint.atomic import atomic_dir
+from stages.checkpoint.gguf_mixture import is_mixture, write_mixture
 from stages.checkpoint.meta import write_meta
 
 log = logging.getLogger(__name__)
@@ -140,7 +143,8 @@ def repair_pre_tokenizer(tokenizer: Any, pre_tokenizer_type: str | None) -> bool
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> dict[str, Any]:
-    """Convert a Llama GGUF file into a plain Hugging Face directory `out_dir` (replaced atomically).
+    """Convert a Llama, Mixtral or Qwen2-MoE GGUF file into a plain Hugging Face directory `out_dir`
+    (replaced atomically).
 
     Returns the metrics also written to meta.json (whose `parent` is the GGUF): bytes read and
     written, parameter count, vocabulary size, the tokenizer and pre-tokenizer types and whether
@@ -149,30 +153,41 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> dict[str, Any]:
     start = time.perf_counter()
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     fields = read_gguf_fields(gguf_path, ("general.architecture", "tokenizer.ggml.model", "tokenizer.ggml.pre"))
-    if fields["general.architecture"] != "llama":
-        raise ValueError(f"{gguf_path} has general.architecture={fields['general.architecture']!r}; this "
-                         "converter writes 'llama' checkpoints only (the family stages.model implements)")
+    arch = fields["general.architecture"]
+    context, experts = (read_gguf_fields(gguf_path, (f"{arch}.context_length", f"{arch}.expert_count")).values())
+    mixture = is_mixture(arch, experts)
+    if arch != "llama" and not mixture:
+        raise ValueError(f"{gguf_path} has general.architecture={arch!r}; this converter writes 'llama' checkpoints "
+                         "(the family stages.model implements) and the mixtures of experts 'llama' with experts "
+                         "(Mixtral) and 'qwen2moe' (Qwen2-MoE)")
     tokenizer_type, pre_tokenizer_type = fields["tokenizer.ggml.model"], fields["tokenizer.ggml.pre"]
 
     log.info("reading %s (dequantizing to float32)", gguf_path)
-    gguf_model, tokenizer = load_gguf(gguf_path)
-    model = plain_llama(gguf_model)
-    del gguf_model
+    if mixture:  # transformers' GGUF loader reads the tokenizer, not the experts (stages.checkpoint.gguf_mixture)
+        model = None
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, trust_remote_code=False)
+    else:
+        gguf_model, tokenizer = load_gguf(gguf_path)
+        model = plain_llama(gguf_model)
+        del gguf_model
     repaired = tokenizer_type == "gpt2" and repair_pre_tokenizer(tokenizer, pre_tokenizer_type)
     # transformers leaves model_max_length at its "unbounded" sentinel; the model's context is the bound.
-    tokenizer.model_max_length = model.config.max_position_embeddings
+    tokenizer.model_max_length = context
 
     metrics = {
         "gguf_bytes": gguf_path.stat().st_size,
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        "vocab_size": model.config.vocab_size,
         "tokenizer_type": tokenizer_type,
         "pre_tokenizer_type": pre_tokenizer_type,
         "pre_tokenizer_repaired": repaired,
     }
     with atomic_dir(out_dir) as tmp:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        if mixture:
+            metrics.update(write_mixture(gguf_path, tmp, tokenizer))
+        else:
+            metrics.update(num_parameters=sum(p.numel() for p in model.parameters()),
+                           vocab_size=model.config.vocab_size)
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
         metrics["out_bytes"] = sum(f.stat().st_size for f in tmp.iterdir() if f.is_file())
         metrics["seconds"] = round(time.perf_counter() - start, 2)
         write_meta(tmp, stage="checkpoint.gguf", config={}, parent=gguf_path.resolve(), seed=None,
@@ -185,7 +200,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m stages.checkpoint.gguf", description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--gguf", type=Path, help="path of a Llama-architecture .gguf file to convert")
+    source.add_argument("--gguf", type=Path, help="path of a .gguf file to convert: Llama, Mixtral or Qwen2-MoE")
     source.add_argument("--smollm2", action="store_true",
                         help=f"convert SmolLM2-135M-Instruct as shipped by the {SMOLLM2_DISTRIBUTION} "
                              f"package ({INSTALL_HINT})")

@@ -61,6 +61,7 @@ import numpy as np
 import torch
 
 from stages.checkpoint.atomic import atomic_file
+from stages.checkpoint.gguf_names import TENSOR_NAMES, permute_qk
 from stages.checkpoint.hf import load_config, load_state_dict
 from stages.deployment.gguf_tokenizer import gguf_tokenizer
 from stages.deployment.gguf_types import GGUF_MODEL_TYPES
@@ -70,31 +71,6 @@ from stages.model.rope_types import rope_type
 log = logging.getLogger(__name__)
 
 FILE_TYPES = ("f32", "f16", "q8_0", "q4_0")
-# Hugging Face parameter name (with {i} for the layer) -> llama.cpp tensor name.
-TENSOR_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-    "model.layers.{i}.input_layernorm.weight": "blk.{i}.attn_norm.weight",
-    "model.layers.{i}.post_attention_layernorm.weight": "blk.{i}.ffn_norm.weight",
-    "model.layers.{i}.self_attn.o_proj.weight": "blk.{i}.attn_output.weight",
-    "model.layers.{i}.mlp.gate_proj.weight": "blk.{i}.ffn_gate.weight",
-    "model.layers.{i}.mlp.up_proj.weight": "blk.{i}.ffn_up.weight",
-    "model.layers.{i}.mlp.down_proj.weight": "blk.{i}.ffn_down.weight",
-    **{f"model.layers.{{i}}.self_attn.{p}_proj.{kind}": f"blk.{{i}}.attn_{p}.{kind}"
-       for p in "qkv" for kind in ("weight", "bias")},
-}
-TENSOR_NAMES.update({
-    "model.layers.{i}.block_sparse_moe.gate.weight": "blk.{i}.ffn_gate_inp.weight",  # Mixtral's router
-    "model.layers.{i}.mlp.gate.weight": "blk.{i}.ffn_gate_inp.weight",  # Qwen2-MoE's and OLMoE's router
-    # Qwen2-MoE's shared expert and its sigmoid gate
-    **{f"model.layers.{{i}}.mlp.shared_expert.{p}_proj.weight": f"blk.{{i}}.ffn_{p}_shexp.weight"
-       for p in ("gate", "up", "down")},
-    "model.layers.{i}.mlp.shared_expert_gate.weight": "blk.{i}.ffn_gate_inp_shexp.weight",
-    # OLMoE's q/k norms over the whole projections
-    "model.layers.{i}.self_attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",
-    "model.layers.{i}.self_attn.k_norm.weight": "blk.{i}.attn_k_norm.weight",
-})
 # The routed experts: one tensor per projection and layer, the experts stacked along a new first dimension
 EXPERT_NAMES = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps",  # Mixtral's names
                 "gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
@@ -173,14 +149,6 @@ def gguf_name(hf_name: str) -> str | None:
         raise ValueError(f"parameter {hf_name!r} has no llama.cpp tensor name; this writer maps "
                          "Llama/Mistral/Qwen2, Mixtral, Qwen2-MoE and OLMoE decoder parameters only")
     return TENSOR_NAMES[key].format(i=match.group(1)) if match else TENSOR_NAMES[key]
-
-
-def permute_qk(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Rows of a q/k projection (num_heads * hd, d) reordered per head from Hugging Face's rotate-half
-    RoPE pairs (i, i + hd/2) to llama.cpp's adjacent pairs (2i, 2i + 1): convert_hf_to_gguf's permute."""
-    rows = weight.shape[0]
-    w = weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:])  # (heads, 2, hd/2, ...)
-    return w.transpose(1, 2).reshape(weight.shape)  # (heads, hd/2, 2, ...) -> (rows, ...)
 
 
 def llama3_rope_factors(config: LlamaConfig) -> torch.Tensor:

@@ -24,7 +24,8 @@ from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.hf import load_pretrained, save_pretrained
 from stages.data.tokenizer import load_model_tokenizer, save_tokenizer, train_tokenizer
 from stages.deployment import gguf_tokenizer as gt
-from stages.deployment.gguf_writer import permute_qk, write_gguf
+from stages.checkpoint.gguf_names import permute_qk, unpermute_qk
+from stages.deployment.gguf_writer import write_gguf
 from stages.model import build_model, config_for_flavour
 
 gguf = pytest.importorskip("gguf")
@@ -287,6 +288,7 @@ def test_permute_qk_is_the_inverse_of_the_readers_unpermute():
     assert not torch.equal(permuted, weight)
     restored = LlamaTensorProcessor()._reverse_permute_weights(permuted.numpy(), 4, 2)
     np.testing.assert_array_equal(restored, weight.numpy())
+    assert torch.equal(unpermute_qk(permuted, 2), weight)  # our mixture reader's (stages.checkpoint.gguf_mixture)
 
 
 def test_quantized_files_keep_top1_agreement(trained_dir, tmp_path):

@@ -21,10 +21,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from checkpoint_fixtures import _CORPUS, chat_tokenizer, save_checkpoint
 from stages.checkpoint.atomic import atomic_dir
+from stages.checkpoint.gguf_names import permute_qk, unpermute_qk
 from stages.checkpoint.hf import load_pretrained, save_pretrained
 from stages.data.tokenizer import load_model_tokenizer, save_tokenizer, train_tokenizer
 from stages.deployment import gguf_tokenizer as gt
-from stages.checkpoint.gguf_names import permute_qk, unpermute_qk
 from stages.deployment.gguf_writer import write_gguf
 from stages.model import build_model, config_for_flavour
 

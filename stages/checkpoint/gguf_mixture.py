@@ -4,7 +4,7 @@ loader reads none: Mixtral (llama.cpp's arch "llama" with `expert_count`) and Qw
 
 What llama.cpp's converter (and `stages.deployment.gguf_writer`) wrote is undone tensor by tensor:
 every tensor dequantized to float32 with the gguf package (`gguf.quants.dequantize`: f32, f16, the
-q4/q5/q8 and k-quant blocks), llama.cpp's names mapped back (`gguf_writer.TENSOR_NAMES` inverted),
+q4/q5/q8 and k-quant blocks), llama.cpp's names mapped back (`gguf_names.TENSOR_NAMES` inverted),
 arch llama's q and k rows permuted back from llama.cpp's interleaved RoPE pairs to Hugging Face's
 rotate-half halves, each layer's stacked experts (E, out, in) split into one matrix per expert under
 the checkpoint names transformers saves (Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2`,

@@ -252,11 +252,19 @@ def _check_deploy(name: str, exp: dict[str, Any], source: dict[str, Any] | None)
                               f"{model_type!r}, which the GGUF writer does not write (it writes "
                               f"{', '.join(GGUF_MODEL_TYPES)}); remove deploy.gguf and deploy it as ONNX "
                               "(export/) or compressed-tensors")
+        head_dim = (source or {}).get("head_dim")
+        if model_type == "qwen3" and head_dim not in (None, 128):
+            raise ConfigError(f"experiments.{name}.deploy.gguf={exp['deploy']['gguf']}: the starting checkpoint is a "
+                              f"Qwen3 with head_dim={head_dim}, whose GGUF file the deploy stage cannot check: "
+                              "transformers' GGUF loader reads a qwen3 file at head_dim 128 only (it ignores "
+                              "attention.key_length). Write it with python -m stages.deployment.gguf_writer and "
+                              "remove deploy.gguf here")
         if BY_MODEL_TYPE[model_type].moe:
             raise ConfigError(f"experiments.{name}.deploy.gguf={exp['deploy']['gguf']}: model_type {model_type!r} "
                               "is a mixture of experts, whose GGUF file the deploy stage cannot check: it compares "
                               "the file's logits through transformers' GGUF loader, which does not read one of "
-                              "Mixtral or OLMoE and reads Qwen2-MoE at its default widths only. Write it with "
+                              "Mixtral or OLMoE and reads Qwen2-MoE and Qwen3-MoE at their default expert widths "
+                              "only. Write it with "
                               "python -m stages.deployment.gguf_writer (llama.cpp runs it: docs/deployment.md) and "
                               "remove deploy.gguf here")
 

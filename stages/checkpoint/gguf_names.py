@@ -27,7 +27,7 @@ TENSOR_NAMES.update({
     **{f"model.layers.{{i}}.mlp.shared_expert.{p}_proj.weight": f"blk.{{i}}.ffn_{p}_shexp.weight"
        for p in ("gate", "up", "down")},
     "model.layers.{i}.mlp.shared_expert_gate.weight": "blk.{i}.ffn_gate_inp_shexp.weight",
-    # OLMoE's q/k norms over the whole projections
+    # q/k norms: OLMoE's over the whole projections, Qwen3's and Qwen3-MoE's per head
     "model.layers.{i}.self_attn.q_norm.weight": "blk.{i}.attn_q_norm.weight",
     "model.layers.{i}.self_attn.k_norm.weight": "blk.{i}.attn_k_norm.weight",
 })

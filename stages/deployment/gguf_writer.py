@@ -24,6 +24,10 @@ What is written, following llama.cpp's convert_hf_to_gguf.py:
   keeps it) and each layer's experts stacked into 3-D `ffn_gate_exps` (w1), `ffn_up_exps` (w3) and
   `ffn_down_exps` (w2), expert-major; llama.cpp routes them as Mixtral does (softmax, top k, the k
   weights renormalised), dropless;
+- Qwen3 as arch "qwen3" and Qwen3-MoE as arch "qwen3moe" (NEOX RoPE: unpermuted), with their per-head
+  q/k norms as `attn_q_norm` / `attn_k_norm` and the head width as `attention.key_length` where it is
+  not hidden / heads; Qwen3-MoE's experts stacked as Mixtral's, their width as
+  `expert_feed_forward_length`, routed by softmax and top k with the k weights renormalised;
 - Qwen2-MoE as arch "qwen2moe" and OLMoE as arch "olmoe" (NEOX RoPE in llama.cpp: unpermuted), their
   experts stacked the same way, routed by softmax and top k without renormalising; Qwen2-MoE with its
   q/k/v biases, each expert's width as `expert_feed_forward_length` and its shared expert as
@@ -32,13 +36,14 @@ What is written, following llama.cpp's convert_hf_to_gguf.py:
   over the whole projections as `attn_q_norm` / `attn_k_norm`. Both architectures require an
   `output` matrix, so a tied head is written out as a copy of token_embd.
 
-Refused by name (ValueError): other model types than llama / mistral / qwen2 / mixtral / qwen2_moe /
-olmoe (those our config reader does not take by config.json's own check; Qwen3, GLM, GLM-4 and
-Qwen3-MoE, which it takes, by `gguf_arch`: llama.cpp has architectures of their own for them, not
+Refused by name (ValueError): other model types than llama / mistral / qwen2 / qwen3 / mixtral /
+qwen2_moe / qwen3_moe / olmoe (those our config reader does not take by config.json's own check; GLM
+and GLM-4, which it takes, by `gguf_arch`: llama.cpp has architectures of their own for them, not
 written here), a mixture of experts trained with a capacity factor (llama.cpp runs every routed
-token), Qwen2-MoE or OLMoE with `norm_topk_prob` (their llama.cpp graphs never renormalise),
-Qwen2-MoE with dense layers (`decoder_sparse_step` > 1 or `mlp_only_layers`), OLMoE with `clip_qkv`,
-grouped KV heads or attention biases (its llama.cpp graph has none of them), llama attention/MLP
+token), Qwen2-MoE or OLMoE with `norm_topk_prob` (their llama.cpp graphs never renormalise) and
+Qwen3-MoE without it (its graph always does), Qwen2-MoE and Qwen3-MoE with dense layers
+(`decoder_sparse_step` > 1 or `mlp_only_layers`), OLMoE with `clip_qkv` or grouped KV heads, Qwen3,
+Qwen3-MoE and OLMoE with attention biases (not written: their graphs' biases are not tested here), llama attention/MLP
 biases, sliding windows shorter than the context (llama.cpp's llama and qwen2 attend to the whole
 context), rope types other than default / linear / llama3 (llama3 on arch llama only), and
 tokenizers GGUF cannot describe (see gguf_tokenizer).
@@ -87,10 +92,9 @@ def gguf_arch(config: LlamaConfig) -> str:
     llama.cpp's converter writes Mistral), after refusing what llama.cpp would run differently."""
     if config.model_type not in GGUF_MODEL_TYPES:
         raise ValueError(f"model_type={config.model_type!r} is not written to GGUF by this writer; supported: "
-                         f"{', '.join(GGUF_MODEL_TYPES)}. llama.cpp has architectures of their own for Qwen3, "
-                         "Qwen3-MoE and GLM (q/k head norms, a fused gate_up_proj, partial interleaved RoPE), "
-                         "which this writer does not implement; deploy this model as ONNX or compressed-tensors "
-                         "instead")
+                         f"{', '.join(GGUF_MODEL_TYPES)}. llama.cpp has architectures of their own for GLM and "
+                         "GLM-4 (a fused gate_up_proj, partial interleaved RoPE), which this writer does not "
+                         "implement; deploy this model as ONNX or compressed-tensors instead")
     if config.moe and config.moe_capacity_factor is not None:
         raise ValueError(f"moe_capacity_factor={config.moe_capacity_factor}: llama.cpp runs every token on its "
                          "chosen experts (no capacity), so it would compute other outputs than this model; "
@@ -115,18 +119,25 @@ def gguf_arch(config: LlamaConfig) -> str:
 
 
 def _refuse_what_llama_cpp_moe_lacks(config: LlamaConfig) -> None:
-    """Qwen2-MoE and OLMoE settings llama.cpp's qwen2moe / olmoe graphs do not compute (ValueError)."""
-    if config.model_type not in ("qwen2_moe", "olmoe"):
+    """Qwen3, Qwen2-MoE, Qwen3-MoE and OLMoE settings llama.cpp's qwen3 / qwen2moe / qwen3moe / olmoe
+    graphs do not compute (ValueError)."""
+    if config.model_type not in ("qwen3", "qwen2_moe", "qwen3_moe", "olmoe"):
         return
     arch = config.family.gguf_arch
-    if config.norm_topk_prob:
+    if config.model_type in ("qwen2_moe", "olmoe") and config.norm_topk_prob:
         raise ValueError(f"norm_topk_prob=true on model_type={config.model_type!r}: llama.cpp's {arch} graph "
                          "weights the top-k experts by their softmax probabilities without renormalising them, so "
                          "it would compute other outputs than this model")
-    if config.model_type == "qwen2_moe" and not all(config.sparse_layers()):
+    if config.model_type == "qwen3_moe" and not config.norm_topk_prob:
+        raise ValueError("norm_topk_prob=false on model_type='qwen3_moe': llama.cpp's qwen3moe graph renormalises "
+                         "the top-k experts' weights to sum to one, so it would compute other outputs than this model")
+    if config.model_type in ("qwen2_moe", "qwen3_moe") and not all(config.sparse_layers()):
         raise ValueError(f"decoder_sparse_step={config.decoder_sparse_step}, mlp_only_layers="
-                         f"{config.mlp_only_layers}: llama.cpp's qwen2moe graph runs a sparse block in every layer; "
-                         "a Qwen2-MoE with dense layers is not written to GGUF")
+                         f"{config.mlp_only_layers}: llama.cpp's {arch} graph runs a sparse block in every layer; "
+                         "a mixture with dense layers is not written to GGUF")
+    if config.model_type in ("qwen3", "qwen3_moe", "olmoe") and config.attention_bias:
+        raise ValueError(f"attention_bias=true on model_type={config.model_type!r}: attention biases of llama.cpp's "
+                         f"{arch} graph are not written by this GGUF writer (not tested here)")
     if config.model_type == "olmoe":
         if config.clip_qkv is not None:
             raise ValueError(f"clip_qkv={config.clip_qkv}: llama.cpp's olmoe graph does not clamp q, k and v, so "
@@ -135,8 +146,6 @@ def _refuse_what_llama_cpp_moe_lacks(config: LlamaConfig) -> None:
             raise ValueError(f"num_key_value_heads={config.num_key_value_heads} < num_attention_heads="
                              f"{config.num_attention_heads}: llama.cpp's olmoe graph holds its k norm at the full "
                              "width (no grouped KV heads)")
-        if config.attention_bias:
-            raise ValueError("attention_bias=true: llama.cpp's olmoe graph has no attention biases")
 
 
 def gguf_name(hf_name: str) -> str | None:
@@ -147,7 +156,7 @@ def gguf_name(hf_name: str) -> str | None:
     key = f"model.layers.{{i}}.{match.group(2)}" if match else hf_name
     if key not in TENSOR_NAMES:
         raise ValueError(f"parameter {hf_name!r} has no llama.cpp tensor name; this writer maps "
-                         "Llama/Mistral/Qwen2, Mixtral, Qwen2-MoE and OLMoE decoder parameters only")
+                         "Llama/Mistral/Qwen2/Qwen3, Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE decoder parameters only")
     return TENSOR_NAMES[key].format(i=match.group(1)) if match else TENSOR_NAMES[key]
 
 
@@ -192,7 +201,7 @@ def add_hparams(writer: Any, config: LlamaConfig, file_type: str) -> None:
     if config.moe:  # Mixtral, OLMoE: feed_forward_length above is each expert's width
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
-    if config.moe_intermediate_size is not None:  # Qwen2-MoE: the experts' own width
+    if config.moe_intermediate_size is not None:  # Qwen2-MoE, Qwen3-MoE: the experts' own width
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     if config.shared_expert_intermediate_size:
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)

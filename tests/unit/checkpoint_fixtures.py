@@ -88,6 +88,10 @@ def save_checkpoint(out: Path, tokenizer, model_type: str = "llama", seed: int =
                       rope_theta=100000.0, num_experts=4, num_experts_per_tok=2)
         if model_type == "qwen2_moe":
             common.update(moe_intermediate_size=64, shared_expert_intermediate_size=128)
+    elif model_type == "qwen3_moe":  # experts of transformers' default width, which its GGUF loader assumes
+        common.update(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=256, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=768, norm_topk_prob=True)
     elif model_type in ("qwen3", "glm", "glm4"):  # head_dim is their own argument (GLM's default is 128)
         common.update(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, max_position_embeddings=256)

@@ -141,8 +141,17 @@ def test_gguf_deploy_of_a_model_the_writer_refuses_stops_at_parse_time(tmp_path,
     glm = save_checkpoint(tmp_path / "glm", PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir), "glm4")
     with pytest.raises(ConfigError, match=r"deploy.gguf=\['q8_0'\]: the starting checkpoint is model_type 'glm4', "
                                           r"which the GGUF writer does not write "
-                                          r"\(it writes llama, mistral, mixtral, olmoe, qwen2, qwen2_moe\)"):
+                                          r"\(it writes llama, mistral, mixtral, olmoe, qwen2, qwen2_moe, qwen3, "
+                                          r"qwen3_moe\)"):
         check_config(experiment(glm, deploy={"gguf": ["q8_0"]}))
+    # Qwen3 is written, but checked through transformers' GGUF loader, which reads 128-wide heads only
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir)
+    qwen3 = save_checkpoint(tmp_path / "qwen3", tokenizer, "qwen3")  # head_dim 16
+    with pytest.raises(ConfigError, match=r"deploy.gguf=\['q8_0'\]: the starting checkpoint is a Qwen3 with "
+                                          r"head_dim=16, whose GGUF file the deploy stage cannot check"):
+        check_config(experiment(qwen3, deploy={"gguf": ["q8_0"]}))
+    check_config(experiment(save_checkpoint(tmp_path / "qwen3_128", tokenizer, "qwen3", head_dim=128),
+                            deploy={"gguf": ["q8_0"]}))
     with pytest.raises(ConfigError, match=r"flavour 'gpt-tiny' is model_type 'gpt2'"):
         check_config({"experiments": {"x": {"model": {"flavour": "gpt-tiny"}, "deploy": {"gguf": ["f32"]}}}})
     check_config({"experiments": {"x": {"model": {"flavour": "tiny"}, "deploy": {"gguf": ["f32"]}}}})

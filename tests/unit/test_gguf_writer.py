@@ -158,12 +158,33 @@ def olmoe_dir(tmp_path_factory, tiny_tokenizer_dir):
 
 
 @pytest.fixture(scope="module")
-def sources(trained_dir, hf_llama_dir, qwen2_dir, mistral_dir, mixtral_dir, qwen2_moe_dir, olmoe_dir):
+def qwen3_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """transformers-saved random Qwen3 with heads of 128 dimensions (what transformers' GGUF loader assumes
+    for arch qwen3: it ignores attention.key_length), tied embeddings and non-unit q/k norms."""
+    out = save_checkpoint(tmp_path_factory.mktemp("gguf_qwen3") / "tiny_qwen3",
+                          PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir), model_type="qwen3",
+                          num_hidden_layers=2, head_dim=128, tie_word_embeddings=True)
+    return _sharpen_and_perturb(out, "no router")
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_dir(tmp_path_factory, tiny_tokenizer_dir):
+    """transformers-saved random Qwen3-MoE (4 experts of transformers' default width 768, top 2, the weights
+    renormalised, heads of 16 dimensions) with non-unit q/k norms."""
+    out = save_checkpoint(tmp_path_factory.mktemp("gguf_qwen3_moe") / "tiny_qwen3_moe",
+                          PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir), model_type="qwen3_moe")
+    return _sharpen_and_perturb(out, "mlp.gate.weight")
+
+
+@pytest.fixture(scope="module")
+def sources(trained_dir, hf_llama_dir, qwen2_dir, mistral_dir, mixtral_dir, qwen2_moe_dir, olmoe_dir, qwen3_dir,
+            qwen3_moe_dir):
     return {"ours": trained_dir, "hf_llama": hf_llama_dir, "qwen2": qwen2_dir, "mistral": mistral_dir,
-            "mixtral": mixtral_dir, "qwen2_moe": qwen2_moe_dir, "olmoe": olmoe_dir}
+            "mixtral": mixtral_dir, "qwen2_moe": qwen2_moe_dir, "olmoe": olmoe_dir, "qwen3": qwen3_dir,
+            "qwen3_moe": qwen3_moe_dir}
 
 
-@pytest.mark.parametrize("name", ["ours", "hf_llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("name", ["ours", "hf_llama", "qwen2", "mistral", "qwen3", "qwen3_moe"])
 def test_f32_loads_in_transformers_with_source_logits_and_token_ids(sources, name, tmp_path):
     src = sources[name]
     metrics = write_gguf(src, tmp_path / "m.gguf", "f32")
@@ -181,7 +202,7 @@ def test_f32_loads_in_transformers_with_source_logits_and_token_ids(sources, nam
     assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == (
         source_tok.bos_token, source_tok.eos_token, source_tok.pad_token)
     assert tokenizer.chat_template == source_tok.chat_template
-    assert metrics["arch"] == ("qwen2" if name == "qwen2" else "llama")
+    assert metrics["arch"] == {"qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe"}.get(name, "llama")
     assert metrics["pre_tokenizer"] == "gpt-2" and metrics["max_relative_error"] == 0.0
 
 
@@ -440,6 +461,9 @@ def test_refuses_a_tokenizer_gguf_cannot_describe(tmp_path, tiny_tokenizer_dir, 
     ("olmoe", dict(norm_topk_prob=True), "norm_topk_prob=true on model_type='olmoe'"),
     ("olmoe", dict(clip_qkv=8.0), "clip_qkv=8.0: llama.cpp's olmoe graph does not clamp"),
     ("olmoe", dict(num_key_value_heads=2), "num_key_value_heads=2 < num_attention_heads=4"),
+    ("qwen3_moe", dict(norm_topk_prob=False), "norm_topk_prob=false on model_type='qwen3_moe'"),
+    ("qwen3_moe", dict(mlp_only_layers=[1]), "llama.cpp's qwen3moe graph runs a sparse block in every layer"),
+    ("qwen3", dict(attention_bias=True), "attention_bias=true on model_type='qwen3'"),
 ])
 def test_refuses_an_architecture_llama_cpp_would_run_differently(tmp_path, tiny_tokenizer_dir, model_type,
                                                                  overrides, reason):
@@ -451,17 +475,16 @@ def test_refuses_an_architecture_llama_cpp_would_run_differently(tmp_path, tiny_
         write_gguf(src, tmp_path / "m.gguf", "q5_k")
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "glm", "glm4", "qwen3_moe"])
+@pytest.mark.parametrize("model_type", ["glm", "glm4"])
 def test_refuses_our_families_llama_cpp_runs_as_their_own_architectures(tmp_path, tiny_tokenizer_dir, model_type):
-    """Our model takes them; this writer's llama / qwen2 layouts would drop q_norm / k_norm, split no
-    gate_up_proj and rotate GLM's heads the Llama way."""
-    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32) if model_type == "qwen3_moe" else {}
+    """Our model takes them; this writer's layouts would split no gate_up_proj and rotate GLM's heads the
+    Llama way."""
     src = save_checkpoint(tmp_path / "src", PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir),
                           model_type=model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                          **moe)
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
     with pytest.raises(ValueError, match=rf"model_type='{model_type}' is not written to GGUF by this writer; "
-                                         r"supported: llama, mistral, mixtral, olmoe, qwen2, qwen2_moe\."):
+                                         r"supported: llama, mistral, mixtral, olmoe, qwen2, qwen2_moe, qwen3, "
+                                         r"qwen3_moe\."):
         write_gguf(src, tmp_path / "m.gguf", "f16")
     assert not (tmp_path / "m.gguf").exists()
 

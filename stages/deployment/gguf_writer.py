@@ -43,10 +43,11 @@ written here), a mixture of experts trained with a capacity factor (llama.cpp ru
 token), Qwen2-MoE or OLMoE with `norm_topk_prob` (their llama.cpp graphs never renormalise) and
 Qwen3-MoE without it (its graph always does), Qwen2-MoE and Qwen3-MoE with dense layers
 (`decoder_sparse_step` > 1 or `mlp_only_layers`), OLMoE with `clip_qkv` or grouped KV heads, Qwen3,
-Qwen3-MoE and OLMoE with attention biases (not written: their graphs' biases are not tested here), llama attention/MLP
-biases, sliding windows shorter than the context (llama.cpp's llama and qwen2 attend to the whole
-context), rope types other than default / linear / llama3 (llama3 on arch llama only), and
-tokenizers GGUF cannot describe (see gguf_tokenizer).
+Qwen3-MoE and OLMoE with attention biases (their graphs' biases are not tested here), llama
+attention/MLP biases, sliding windows shorter than the context (llama.cpp's llama and qwen2 attend to
+the whole context), rope types other than default / linear / llama3 (llama3 on arch llama only), and
+tokenizers GGUF cannot describe (see gguf_tokenizer). Qwen3 and Qwen3-MoE are checked through
+transformers' GGUF loader only: the llama.cpp in the tests predates both architectures.
 
     python -m stages.deployment.gguf_writer --model results/sft --out model.q8_0.gguf --type q8_0
 """

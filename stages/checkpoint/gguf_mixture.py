@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from stages.checkpoint.gguf_names import TENSOR_NAMES, unpermute_qk
+from stages.model.registry import family
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ def write_mixture(gguf_path: Path, tmp: Path, tokenizer) -> dict[str, Any]:
     state = mixture_state(reader, arch, fields)
     fields["vocab_size"] = state["model.embed_tokens.weight"].shape[0]
     config = AutoConfig.for_model(**fields)
-    config.architectures = [{"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}[config.model_type]]
+    config.architectures = [family(config.model_type).architecture]
     config.save_pretrained(tmp)
     GenerationConfig.from_model_config(config).save_pretrained(tmp)
     save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})

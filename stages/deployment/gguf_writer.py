@@ -100,7 +100,7 @@ def gguf_arch(config: LlamaConfig) -> str:
         raise ValueError(f"moe_capacity_factor={config.moe_capacity_factor}: llama.cpp runs every token on its "
                          "chosen experts (no capacity), so it would compute other outputs than this model; "
                          "set moe_capacity_factor: null in config.json to deploy it dropless")
-    _refuse_what_llama_cpp_moe_lacks(config)
+    _refuse_what_llama_cpp_computes_otherwise(config)
     if config.model_type == "llama" and (config.attention_bias or config.mlp_bias):
         raise ValueError(f"attention_bias={config.attention_bias}, mlp_bias={config.mlp_bias}: Llama biases "
                          "are not written by this GGUF writer (not implemented: the q/k biases would need the "
@@ -119,7 +119,7 @@ def gguf_arch(config: LlamaConfig) -> str:
     return arch
 
 
-def _refuse_what_llama_cpp_moe_lacks(config: LlamaConfig) -> None:
+def _refuse_what_llama_cpp_computes_otherwise(config: LlamaConfig) -> None:
     """Qwen3, Qwen2-MoE, Qwen3-MoE and OLMoE settings llama.cpp's qwen3 / qwen2moe / qwen3moe / olmoe
     graphs do not compute (ValueError)."""
     if config.model_type not in ("qwen3", "qwen2_moe", "qwen3_moe", "olmoe"):

@@ -259,14 +259,11 @@ def _check_deploy(name: str, exp: dict[str, Any], source: dict[str, Any] | None)
                               "transformers' GGUF loader reads a qwen3 file at head_dim 128 only (it ignores "
                               "attention.key_length). Write it with python -m stages.deployment.gguf_writer and "
                               "remove deploy.gguf here")
-        if BY_MODEL_TYPE[model_type].moe:
-            raise ConfigError(f"experiments.{name}.deploy.gguf={exp['deploy']['gguf']}: model_type {model_type!r} "
-                              "is a mixture of experts, whose GGUF file the deploy stage cannot check: it compares "
-                              "the file's logits through transformers' GGUF loader, which does not read one of "
-                              "Mixtral or OLMoE and reads Qwen2-MoE and Qwen3-MoE at their default expert widths "
-                              "only. Write it with "
-                              "python -m stages.deployment.gguf_writer (llama.cpp runs it: docs/deployment.md) and "
-                              "remove deploy.gguf here")
+        capacity = exp["model"].get("moe_capacity_factor")
+        if capacity is not None:
+            raise ConfigError(f"experiments.{name}.deploy.gguf={exp['deploy']['gguf']}: model.moe_capacity_factor="
+                              f"{capacity} drops tokens past an expert's capacity, which llama.cpp does not (it runs "
+                              "every token on its chosen experts); set it to null or remove deploy.gguf")
 
     quant, key = exp["quantize"], f"experiments.{name}.deploy.compressed_tensors"
     for variant in exp["deploy"]["compressed_tensors"]:

@@ -12,10 +12,11 @@ check leaves the previous artifact where it was):
 
 - gguf-<type> (`model-<type>.gguf`, stages.deployment.gguf_writer; f32, f16, q8_0, q4_0) for
   llama.cpp, Ollama, LM Studio: transformers' GGUF loader (`from_pretrained(dir, gguf_file=...)`,
-  which dequantizes to float) must keep the source's top-1 token on the experiment's validation
-  text (`deploy.min_top1_agreement.<type>`; f32 also within 1e-5 of the logits' scale), and its
-  tokenizer, read from the GGUF metadata, must encode the probe strings of
-  stages.deployment.checks as the source's does;
+  which dequantizes to float; for a mixture of experts, whose experts it does not read, the float
+  model stages.checkpoint.gguf_mixture reads from the file, loaded by transformers) must keep the
+  source's top-1 token on the experiment's validation text (`deploy.min_top1_agreement.<type>`; f32
+  also within 1e-5 of the logits' scale), and its tokenizer, read from the GGUF metadata, must
+  encode the probe strings of stages.deployment.checks as the source's does;
 - compressed-tensors-<variant> (stages.deployment.compressed_tensors) for vLLM and transformers:
   transformers with the compressed-tensors package loads it and must keep the top-1 token of our
   loader's model of the same A8W8 variant (`deploy.min_top1_agreement.compressed_tensors`).
@@ -28,8 +29,10 @@ experiment (deploy/ and the ONNX graphs of export/) with its file, size and chec
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,7 @@ import torch
 
 from stages import settings
 from stages.checkpoint.atomic import atomic_dir, write_json
+from stages.checkpoint.gguf_mixture import is_mixture, write_mixture
 from stages.checkpoint.meta import write_meta
 from stages.checkpoint.weights import check_model_dir
 from stages.data.corpus import read_index
@@ -65,11 +69,33 @@ def _source_logits(model_dir: Path, windows: torch.Tensor) -> torch.Tensor:
     return checks.logits_of(_transformers_model(model_dir, use_safetensors=True), windows)
 
 
+def _read_gguf(path: Path, scratch: Path) -> tuple[torch.nn.Module, Any, str]:
+    """(model, tokenizer, what read them) of the GGUF check: transformers' GGUF loader, or for a mixture
+    of experts, whose experts that loader does not read (Mixtral, OLMoE) or reads at its config classes'
+    default widths only (Qwen2-MoE, Qwen3-MoE), the float model stages.checkpoint.gguf_mixture reads
+    from the file into `scratch` (the gguf package dequantizes), loaded by transformers. That reading
+    computes what llama.cpp computes from the same file (tests/unit/test_gguf_writer.py)."""
+    import transformers
+
+    from stages.checkpoint.gguf import read_gguf_fields  # transformers: only the GGUF check needs it
+
+    arch = read_gguf_fields(path, ("general.architecture",))["general.architecture"]
+    experts = read_gguf_fields(path, (f"{arch}.expert_count",))[f"{arch}.expert_count"]
+    version = transformers.__version__
+    if not is_mixture(arch, experts):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        return _transformers_model(path.parent, gguf_file=path.name), tokenizer, f"transformers {version} GGUF loader"
+    # the fast tokenizer class itself: AutoTokenizer would first read a config of the arch
+    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)
+    write_mixture(path, scratch, tokenizer)
+    runtime = (f"transformers {version} on the float model stages.checkpoint.gguf_mixture reads from it "
+               f"(gguf {importlib.metadata.version('gguf')})")
+    return _transformers_model(scratch, use_safetensors=True), tokenizer, runtime
+
+
 def gguf(model_dir: str | Path, file_type: str, data_dir: str | Path, out_dir: str | Path,
          config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write and check deploy/gguf-<type>/; return its meta.json metrics."""
-    import transformers
-
     from stages.checkpoint.gguf import repair_pre_tokenizer  # transformers: only the GGUF check needs it
 
     section = DeploySettings.of(config)
@@ -79,15 +105,16 @@ def gguf(model_dir: str | Path, file_type: str, data_dir: str | Path, out_dir: s
            logger=log)
     min_top1 = section.min_top1_agreement[file_type]
     windows = checks.probe_windows(data_dir)
-    with atomic_dir(out_dir) as tmp:
+    with atomic_dir(out_dir) as tmp, tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=".gguf-read-") as scratch:
         metrics = write_gguf(model_dir, tmp / name, file_type)
-        got = checks.logits_of(_transformers_model(tmp, gguf_file=name), windows)
+        gguf_model, gguf_tok, runtime = _read_gguf(tmp / name, Path(scratch))
+        got = checks.logits_of(gguf_model, windows)
+        del gguf_model
         found = checks.agreement(_source_logits(model_dir, windows), got)
-        what = f"{out_dir / name} read by transformers' GGUF loader"
+        what = f"{out_dir / name} read by {runtime}"
         checks.require(found, min_top1, what, f"deploy.min_top1_agreement.{file_type}",
                        GGUF_MAX_REL_ERR if file_type == "f32" else None)
         source_tok = load_model_tokenizer(model_dir)  # tokenizer.json's own split (AutoTokenizer may swap it)
-        gguf_tok = transformers.AutoTokenizer.from_pretrained(tmp, gguf_file=name, local_files_only=True)
         # transformers 5.23 maps pre-tokenizer names it does not know (smollm) to GPT-2's split;
         # llama.cpp splits by the name, so the check reads the file as llama.cpp does
         repaired = repair_pre_tokenizer(gguf_tok, metrics["pre_tokenizer"])
@@ -98,7 +125,7 @@ def gguf(model_dir: str | Path, file_type: str, data_dir: str | Path, out_dir: s
                              f"({metrics['pre_tokenizer']}) does not describe the source's tokenizer")
         chat = recorded_chat_format(read_index(data_dir))
         prompts = checks.report_prompt_text(checks.prompt_text_mismatches(source_tok, gguf_tok, chat), what)
-        check = {"runtime": f"transformers {transformers.__version__} GGUF loader", **found.as_dict(),
+        check = {"runtime": runtime, **found.as_dict(),
                  "min_top1_agreement": min_top1, "tokenizer_probes": len(checks.TOKENIZER_PROBES),
                  "tokenizer_mismatches": 0, "tokenizer_split_set_from_pre_name": repaired, **prompts}
         metrics = {**metrics, "format": "gguf", "file": name, "size_bytes": (tmp / name).stat().st_size,

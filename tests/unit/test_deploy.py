@@ -1,6 +1,6 @@
 """stages/deploy.py: an artifact is written, checked with the runtime users deploy with (here
-transformers' GGUF loader and transformers with compressed-tensors) on validation text, and only
-then published; a failed check publishes nothing and leaves the previous artifact; the manifest
+transformers' GGUF loader, for a mixture of experts transformers on our reading of the file, and
+transformers with compressed-tensors) on validation text, and only then published; a failed check publishes nothing and leaves the previous artifact; the manifest
 lists what was published with its check. The writers themselves: test_gguf_writer.py,
 test_compressed_tensors.py."""
 
@@ -11,7 +11,9 @@ import json
 import numpy as np
 import pytest
 import torch
+from transformers import PreTrainedTokenizerFast
 
+from checkpoint_fixtures import save_checkpoint, sharpen_and_perturb
 from stages import deploy
 from stages.config import ConfigError
 from stages.data.corpus import write_token_files
@@ -60,6 +62,51 @@ def test_a_failed_check_publishes_nothing_and_keeps_the_previous_artifact(debug_
         deploy.gguf(debug_model_dir, "q4_0", data_dir, out, {"min_top1_agreement": {"q4_0": 1.0}})
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert [p.name for p in tmp_path.iterdir()] == ["gguf"]  # no temporary directory left beside it
+
+
+ROUTERS = {"mixtral": "block_sparse_moe.gate.weight", "qwen2_moe": "mlp.gate.weight", "qwen3_moe": "mlp.gate.weight",
+           "olmoe": "mlp.gate.weight"}
+
+
+def _mixture(root, tokenizer_dir, model_type: str):
+    """transformers-saved random mixture with clear-cut routing and non-trivial biases and norms (Qwen2-MoE tied)."""
+    extra = {"tie_word_embeddings": True} if model_type == "qwen2_moe" else {}
+    out = save_checkpoint(root / model_type, PreTrainedTokenizerFast.from_pretrained(tokenizer_dir),
+                          model_type=model_type, **extra)
+    return sharpen_and_perturb(out, ROUTERS[model_type])
+
+
+@pytest.mark.parametrize("model_type", list(ROUTERS))
+def test_a_mixtures_gguf_file_is_checked_through_our_reading_of_it(model_type, tiny_tokenizer_dir, data_dir,
+                                                                   tmp_path):
+    """transformers' GGUF loader reads no Mixtral or OLMoE experts (and Qwen2-/Qwen3-MoE at default widths only):
+    the check loads the float model stages.checkpoint.gguf_mixture reads from the file, and leaves no scratch."""
+    src = _mixture(tmp_path / "src", tiny_tokenizer_dir, model_type)
+    check = deploy.gguf(src, "f32", data_dir, tmp_path / "deploy" / "gguf-f32")["check"]
+    assert check["top1_agreement"] == 1.0 and check["rel_err"] <= deploy.GGUF_MAX_REL_ERR, check
+    assert "stages.checkpoint.gguf_mixture" in check["runtime"] and check["tokenizer_mismatches"] == 0
+    assert sorted(p.name for p in (tmp_path / "deploy").iterdir()) == ["gguf-f32"]
+    assert sorted(p.name for p in (tmp_path / "deploy" / "gguf-f32").iterdir()) == ["meta.json", "model-f32.gguf"]
+
+
+def test_a_mixtures_file_with_its_routers_written_wrong_is_refused(tiny_tokenizer_dir, data_dir, tmp_path,
+                                                                   monkeypatch):
+    """The check is not blind to the experts: a writer that negated every router (other experts chosen)
+    publishes nothing."""
+    from stages.deployment import gguf_writer
+
+    src = _mixture(tmp_path / "src", tiny_tokenizer_dir, "mixtral")
+    written = gguf_writer.gguf_tensors
+
+    def negated_routers(state, config, arch):
+        return {name: -t if name.endswith("ffn_gate_inp.weight") else t
+                for name, t in written(state, config, arch).items()}
+
+    monkeypatch.setattr(gguf_writer, "gguf_tensors", negated_routers)
+    with pytest.raises(ValueError, match=r"gguf_mixture .* below deploy\.min_top1_agreement\.f32"):
+        deploy.gguf(src, "f32", data_dir, tmp_path / "deploy" / "gguf-f32")
+    assert not (tmp_path / "deploy" / "gguf-f32").exists()
+    assert [p.name for p in (tmp_path / "deploy").iterdir()] == []
 
 
 def test_settings_are_checked_against_the_schema(debug_model_dir, data_dir, tmp_path):

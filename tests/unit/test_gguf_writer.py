@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from checkpoint_fixtures import _CORPUS, chat_tokenizer, save_checkpoint
+from checkpoint_fixtures import _CORPUS, chat_tokenizer, save_checkpoint, sharpen_and_perturb
 from stages.checkpoint.atomic import atomic_dir
 from stages.checkpoint.gguf_names import permute_qk, unpermute_qk
 from stages.checkpoint.hf import load_pretrained, save_pretrained
@@ -115,28 +115,7 @@ def mixtral_dir(tmp_path_factory, tiny_tokenizer_dir):
     out = save_checkpoint(tmp_path_factory.mktemp("gguf_mixtral") / "tiny_mixtral",
                           PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir), model_type="mixtral",
                           intermediate_size=96)
-    state = load_file(out / "model.safetensors")
-    for name in [n for n in state if n.endswith("block_sparse_moe.gate.weight")]:
-        state[name] = state[name] * 50
-    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-    return out
-
-
-def _sharpen_and_perturb(out: Path, router_suffix: str | None = None) -> Path:
-    """Routers scaled up so that each token's choice of experts is clear-cut (random init leaves router
-    logits within ~1e-2 of each other); biases, norms and the shared expert's gate made non-trivial
-    (zero biases and unit norms would hide a bias or norm written wrong)."""
-    state = load_file(out / "model.safetensors")
-    gen = torch.Generator().manual_seed(1)
-    for name in list(state):
-        if router_suffix is not None and name.endswith(router_suffix):
-            state[name] = state[name] * 50
-        elif name.endswith("bias") or name.endswith("shared_expert_gate.weight"):
-            state[name] = torch.randn(state[name].shape, generator=gen) * 0.5
-        elif name.endswith(("q_norm.weight", "k_norm.weight")):
-            state[name] = 1.0 + 0.2 * torch.randn(state[name].shape, generator=gen)
-    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-    return out
+    return sharpen_and_perturb(out, "block_sparse_moe.gate.weight")
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +125,7 @@ def qwen2_moe_dir(tmp_path_factory, tiny_tokenizer_dir):
     out = save_checkpoint(tmp_path_factory.mktemp("gguf_qwen2_moe") / "tiny_qwen2_moe",
                           PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir), model_type="qwen2_moe",
                           tie_word_embeddings=True)
-    return _sharpen_and_perturb(out, "mlp.gate.weight")
+    return sharpen_and_perturb(out, "mlp.gate.weight")
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +133,7 @@ def olmoe_dir(tmp_path_factory, tiny_tokenizer_dir):
     """transformers-saved random OLMoE (4 experts of width 96, top 2) with non-unit q/k norms."""
     out = save_checkpoint(tmp_path_factory.mktemp("gguf_olmoe") / "tiny_olmoe",
                           PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir), model_type="olmoe")
-    return _sharpen_and_perturb(out, "mlp.gate.weight")
+    return sharpen_and_perturb(out, "mlp.gate.weight")
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +143,7 @@ def qwen3_dir(tmp_path_factory, tiny_tokenizer_dir):
     out = save_checkpoint(tmp_path_factory.mktemp("gguf_qwen3") / "tiny_qwen3",
                           PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir), model_type="qwen3",
                           num_hidden_layers=2, head_dim=128, tie_word_embeddings=True)
-    return _sharpen_and_perturb(out)
+    return sharpen_and_perturb(out)
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +152,7 @@ def qwen3_moe_dir(tmp_path_factory, tiny_tokenizer_dir):
     renormalised, heads of 16 dimensions) with non-unit q/k norms."""
     out = save_checkpoint(tmp_path_factory.mktemp("gguf_qwen3_moe") / "tiny_qwen3_moe",
                           PreTrainedTokenizerFast.from_pretrained(tiny_tokenizer_dir), model_type="qwen3_moe")
-    return _sharpen_and_perturb(out, "mlp.gate.weight")
+    return sharpen_and_perturb(out, "mlp.gate.weight")
 
 
 @pytest.fixture(scope="module")
@@ -351,11 +330,11 @@ def test_reader_round_trip_restores_the_weights(trained_dir, tmp_path):
         torch.testing.assert_close(back[name], tensor, atol=0, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 def test_our_reader_opens_a_mixtures_file_which_transformers_gguf_loader_does_not(sources, name, tmp_path):
-    """stages.checkpoint.gguf reads Mixtral (arch llama with experts) and Qwen2-MoE files back into a directory
-    transformers loads: from an f32 file the source's weights exactly (a tied head comes back as its own copy,
-    as llama.cpp's qwen2moe file stores it) and so the source's logits."""
+    """stages.checkpoint.gguf reads Mixtral (arch llama with experts), Qwen2-MoE, Qwen3-MoE and OLMoE files back
+    into a directory transformers loads: from an f32 file the source's weights exactly (a tied head comes back as
+    its own copy, as llama.cpp's qwen2moe and olmoe files store it) and so the source's logits."""
     from stages.checkpoint.gguf import convert_gguf
     from stages.checkpoint.hf import load_state_dict
 
@@ -606,11 +585,12 @@ def test_llama_cpp_logits_equal_transformers_on_f32(sources, tiny_tokenizer_dir,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "olmoe"])
 def test_a_mixtures_q4_0_file_read_back_computes_what_llama_cpp_computes_from_it(sources, name, tmp_path):
     """Our reader's dequantized model of a q4_0 mixture file (stages.checkpoint.gguf_mixture) against llama.cpp
     running that very file: the same greedy tokens, and first logits within 2% of their scale (llama.cpp also
-    rounds the activations to 8 bits in its q4_0 products; measured 2026-12-01: 0.7% for both families)."""
+    rounds the activations to 8 bits in its q4_0 products; measured 2026-12-01: 0.7% for Mixtral and Qwen2-MoE).
+    Qwen3-MoE is not here: the llama.cpp of our tests predates its architecture."""
     from stages.checkpoint.gguf import convert_gguf
 
     src = sources[name]
@@ -620,8 +600,10 @@ def test_a_mixtures_q4_0_file_read_back_computes_what_llama_cpp_computes_from_it
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
     expected, expected_logits = _greedy_torch(ours, prompt, 8)
     tokens, logits = _llama(tmp_path / "m.gguf", f32_cache=True).greedy(prompt, 8)
+    scale = np.abs(expected_logits).max()
+    print(f"{name}: max |logit diff| / scale {np.abs(logits - expected_logits).max() / scale:.4f}")
     assert tokens == expected
-    np.testing.assert_allclose(logits, expected_logits, atol=0.02 * np.abs(expected_logits).max(), rtol=0)
+    np.testing.assert_allclose(logits, expected_logits, atol=0.02 * scale, rtol=0)
 
 
 @pytest.mark.slow

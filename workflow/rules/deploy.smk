@@ -1,8 +1,9 @@
 # Artifacts for runtimes outside the pipeline (stages/deploy.py), chosen by the `deploy` section:
 # GGUF files of the quantization source (llama.cpp, Ollama, LM Studio) and A8W8 variants in the
 # compressed-tensors format (vLLM, transformers). Each is checked with the runtime users deploy
-# with (transformers' GGUF loader; transformers with compressed-tensors) on the experiment's
-# validation text before its directory appears. deploy/manifest.json lists them with the ONNX
+# with (transformers' GGUF loader, for a mixture of experts transformers on our reading of the
+# file; transformers with compressed-tensors) on the experiment's validation text before its
+# directory appears. deploy/manifest.json lists them with the ONNX
 # graphs of export/ and their checks: `snakemake --cores all results/llama/deploy/manifest.json`.
 rule deploy_gguf:
     conda: ENVIRONMENT

@@ -30,6 +30,7 @@ from stages.parallel.tensor import (
     GroupSummedNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
+    WidthSplitRMSNorm,
     _TensorParallelModule,
     mark_tensor_parallel,
     join_shards,
@@ -42,6 +43,7 @@ from stages.parallel.sequence import SequenceSplit
 from stages.parallel.topology import ParallelDegrees, Topology
 
 COLUMN, ROW, VOCAB, OUTPUT, HEAD_NORM, SEQUENCE_NORM = "column", "row", "vocab", "output", "head_norm", "sequence_norm"
+WIDTH_NORM = "width_norm"
 COLUMN_FUSED2, COLUMN_FUSED3 = "column_fused2", "column_fused3"
 FUSED_BLOCKS = {COLUMN_FUSED2: 2, COLUMN_FUSED3: 3}  # fused column styles -> blocks stacked in the layer
 
@@ -51,7 +53,9 @@ FUSED_BLOCKS = {COLUMN_FUSED2: 2, COLUMN_FUSED3: 3}  # fused column styles -> bl
 # [gate_r | up_r] and the SwiGLU product stays local, as for separate gate/up layers (transformers'
 # own plan gathers GLM's whole gate_up output on every rank instead); COLUMN_FUSED3 likewise splits each
 # third of GPT-2's fused [q; k; v] projection, so a rank holds its heads' q, k and v. HEAD_NORM: a norm shared by the
-# split heads (Qwen3's q_norm / k_norm), replicated with its gradient summed over the group. SEQUENCE_NORM: a norm
+# split heads (Qwen3's q_norm / k_norm), replicated with its gradient summed over the group; on a model whose q/k
+# norms span every head (OLMoE's `qk_norm_whole`) they are WIDTH_NORM instead: split with the heads, the mean square
+# summed over the group. SEQUENCE_NORM: a norm
 # of the residual stream, left as it is without sequence parallelism; with it each rank normalises its own tokens,
 # the replicated weights' gradient summed over the group as HEAD_NORM's.
 LLAMA_TP_PLAN: dict[str, str] = {
@@ -95,13 +99,15 @@ def _parallel_module(module: nn.Module, style: str, group, tensor_parallel_outpu
                                                sequence_parallel=sp)
     if style == HEAD_NORM:
         return GroupSummedNorm.from_dense(module, group)
+    if style == WIDTH_NORM:
+        return WidthSplitRMSNorm.from_dense(module, group)
     if style == SEQUENCE_NORM:
         return GroupSummedNorm.from_dense(module, group) if sp else None
     if style == OUTPUT:  # after the residual stream's tokens are gathered (SequenceSplit.leave)
         return ColumnParallelLinear.from_dense(module, group, gather_output=not tensor_parallel_output)
     if style == ROW:
         return RowParallelLinear.from_dense(module, group, input_is_parallel=True, sequence_parallel=sp)
-    styles = (COLUMN, COLUMN_FUSED2, COLUMN_FUSED3, ROW, VOCAB, OUTPUT, HEAD_NORM, SEQUENCE_NORM)
+    styles = (COLUMN, COLUMN_FUSED2, COLUMN_FUSED3, ROW, VOCAB, OUTPUT, HEAD_NORM, WIDTH_NORM, SEQUENCE_NORM)
     raise ValueError(f"tensor-parallel style {style!r} is unknown; choose one of {styles}")
 
 
@@ -132,6 +138,8 @@ def apply_tensor_parallel(model: nn.Module, topology_or_group, tensor_parallel_o
         style = _style_of(name, plan)
         if style is None:
             continue
+        if style == HEAD_NORM and getattr(config, "qk_norm_whole", False):
+            style = WIDTH_NORM
         if isinstance(module, _TensorParallelModule):
             raise ValueError(f"module {name!r} is already tensor-parallel")
         replacement = _parallel_module(module, style, group, tensor_parallel_output, sequence_parallel and tp > 1)

@@ -298,6 +298,43 @@ class GroupSummedNorm(_TensorParallelModule):
         return f"{kind} {tuple(self.weight.shape)}, eps={self.eps}, gradient summed over the tensor-parallel group"
 
 
+class WidthSplitRMSNorm(_TensorParallelModule):
+    """An RMSNorm over a whole projection whose columns are split over the group: OLMoE's q_norm /
+    k_norm, one norm over every query (key) head at once, when the heads are split. Rank r holds its
+    heads' slice of the weight (split as the projection's columns, partition_dim 0) and of x; the
+    sum of squares is summed over the group before the mean, so every rank divides by the whole
+    width's mean square, as the single device does. That sum enters the forward through an
+    all-reduce whose backward all-reduces too (reduce_from then copy_to): each rank's output depends
+    on every rank's x, and each rank's backward sees only its own heads' share of the gradient.
+    """
+
+    def __init__(self, dim: int, eps: float, group, dtype: torch.dtype | None = None):
+        super().__init__(group)
+        if dim % self.tp_size:
+            raise ValueError(f"a norm over {dim} columns cannot be split evenly over {self.tp_size} ranks")
+        self.dim, self.eps = dim, eps
+        self.weight = mark_tensor_parallel(nn.Parameter(torch.ones(dim // self.tp_size, dtype=dtype)), 0)
+
+    @classmethod
+    def from_dense(cls, dense: nn.Module, group) -> "WidthSplitRMSNorm":
+        with torch.device(dense.weight.device):
+            layer = cls(dense.weight.shape[0], dense.eps, group, dtype=dense.weight.dtype)
+        layer._load_shards({"weight": dense.weight})
+        layer._freeze_like(dense)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        squares = reduce_from_tensor_parallel_region(x.pow(2).sum(-1, keepdim=True), self.group)
+        squares = copy_to_tensor_parallel_region(squares, self.group)
+        x = x * torch.rsqrt(squares / self.dim + self.eps)
+        return self.weight * x.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"RMSNorm over {self.dim} columns (local {self.weight.shape[0]}), eps={self.eps}"
+
+
 class VocabParallelEmbedding(_TensorParallelModule):
     """E[ids] with E's rows (the vocabulary) split: rank r holds rows [r*V/tp, (r+1)*V/tp).
 

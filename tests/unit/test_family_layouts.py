@@ -1,4 +1,4 @@
-"""Qwen3, GLM and GLM-4 on the training engine: every parallel layout follows the single-process
+"""Qwen3, GLM, GLM-4 and OLMoE on the training engine: every parallel layout follows the single-process
 run, the written model is transformers' own class with our model's logits, and a killed tensor-
 parallel run resumes bit-identically from a sharded checkpoint (real torchrun, gloo, fp32).
 
@@ -9,9 +9,11 @@ tokenizer. Every layout sees the same global batch of 8 windows per step (micro-
 accumulation x data-parallel degree), as in test_pretrain.py.
 
 What each family adds to the Llama layouts: Qwen3's q_norm / k_norm (HEAD_NORM: replicated, the
-gradient summed over the tensor-parallel group), GLM's fused gate_up_proj (COLUMN_FUSED2: each half
-split on its own, `partition_chunks=2` in checkpoints) and partial interleaved RoPE, GLM-4's norms
-after each sub-block. Default run (~35 s): GLM-4 under tp2; `slow` (~4 min): SLOW_PAIRS (every
+gradient summed over the tensor-parallel group), OLMoE's (WIDTH_NORM: over every head at once, the
+weight split with the heads and the mean square summed over the group; a mixture of experts, 4
+experts, top 2), GLM's fused gate_up_proj (COLUMN_FUSED2: each half split on its own,
+`partition_chunks=2` in checkpoints) and partial interleaved RoPE, GLM-4's norms after each
+sub-block. Default run (~35 s): GLM-4 under tp2; `slow` (~4 min): SLOW_PAIRS (every
 family under the layouts its switches touch, and GLM-4 under every sequence- and context-parallel
 layout of issue 55, as Llama in test_pretrain.py), the same GLM-4 layouts in bf16 against a
 one-process bf16 run (BF16_PAIRS), GLM-4's tp2 slices merged by merge_tp (the runs of two and of
@@ -40,7 +42,8 @@ from stages.merge_tp import merge
 
 pytestmark = pytest.mark.multiproc
 
-CLASSES = {"qwen3": "Qwen3ForCausalLM", "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM"}
+CLASSES = {"qwen3": "Qwen3ForCausalLM", "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM",
+           "olmoe": "OlmoeForCausalLM"}
 COMMON = dict(enabled=True, max_steps=8, warmup_steps=2, max_length=32, seed=7, learning_rate=3e-3)
 REFERENCE = (1, dict(sharding="none", per_device_train_batch_size=2, gradient_accumulation_steps=4))
 BF16_REFERENCE = (1, dict(REFERENCE[1], bf16=True))
@@ -97,7 +100,8 @@ DEFAULT = ("glm4", "tp2")  # the one pair of the default run
 # switch: GLM-4 runs it under cp2).
 SLOW_PAIRS = [("qwen3", "tp2_vocab_parallel_loss_recompute"), ("glm", "pp2_interleaved"),
               ("glm4", "tp2_pp2_zero1"), ("qwen3", "tp2_sequence_parallel"),
-              *(("glm4", name) for name in SEQUENCE_LAYOUTS)]
+              *(("glm4", name) for name in SEQUENCE_LAYOUTS),
+              ("olmoe", "tp2_vocab_parallel_loss_recompute")]  # its q/k norms over every head, split by tp
 BF16_PAIRS = [("glm4", f"bf16_{name}") for name in SEQUENCE_LAYOUTS]
 # The slow tests' runs of two and of four ranks, each group one after another in one torchrun
 # (tests/unit/runs_in_one_world.py): (family, layout, extra settings); the default pair keeps a torchrun of its own.

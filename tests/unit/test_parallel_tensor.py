@@ -15,11 +15,13 @@ from torch import nn
 
 from parallel_fixtures import run_gloo
 from stages.model import build_model, config_for_flavour
+from stages.model.llama import RMSNorm
 from stages.parallel.plan import apply_tensor_parallel, gather_full_state_dict, shard_state_dict
 from stages.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    WidthSplitRMSNorm,
     partition_chunks,
     shard_tensor,
     vocab_parallel_causal_lm_loss,
@@ -105,6 +107,20 @@ def _layer_checks(rank: int, world: int, group) -> dict[str, float]:
     (loss_p * w).sum().backward()
     d["cross_entropy_fwd"] = _diff(loss_p, loss_d)
     d["cross_entropy_dlogits"] = _diff(lp.grad, shard_tensor(ld.grad, 1, rank, world))
+    # OLMoE's q_norm over a whole projection of 2 heads x 4 (each rank holds one head's columns); the
+    # upstream gradient is this rank's columns of g, as the heads' attention would give it
+    dense = RMSNorm(8, 1e-5)
+    with torch.no_grad():
+        dense.weight.copy_(1.0 + 0.3 * _seeded(6, 8))
+    par = WidthSplitRMSNorm.from_dense(dense, group)
+    x, g = _seeded(7, 3, 5, 8) * 2, _seeded(8, 3, 5, 8)
+    xd, xp = x.clone().requires_grad_(), shard_tensor(x, 2, rank, world).requires_grad_()
+    dense(xd).backward(g)
+    yp = par(xp)
+    yp.backward(shard_tensor(g, 2, rank, world))
+    d["width_norm_fwd"] = _diff(yp, shard_tensor(dense(x), 2, rank, world))
+    d["width_norm_dx"] = _diff(xp.grad, shard_tensor(xd.grad, 2, rank, world))
+    d["width_norm_dw"] = _diff(par.weight.grad, shard_tensor(dense.weight.grad, 0, rank, world))
     return d
 
 
@@ -301,6 +317,14 @@ def test_linear_layers_match_dense(results, layer):
 def test_vocab_parallel_embedding_matches_dense(results):
     assert _max(results, "layers", "embedding_fwd") <= 1e-6
     assert _max(results, "layers", "embedding_dw") <= 1e-6
+
+
+@pytest.mark.multiproc
+def test_a_norm_over_a_split_width_matches_dense(results):
+    """WidthSplitRMSNorm (OLMoE's q/k norms under tensor parallelism): the output, the input's gradient (which
+    needs every rank's share of the upstream gradient, summed in backward) and the weight slice's gradient."""
+    for part in ("fwd", "dx", "dw"):
+        assert _max(results, "layers", f"width_norm_{part}") <= 1e-6, part
 
 
 @pytest.mark.multiproc

@@ -245,8 +245,8 @@ def test_the_exported_graph_computes_every_expert_densely_and_the_same_output():
      "pipeline_parallel_degree=2, context_parallel_degree=1 with the mixture of experts model_type='mixtral'"),
     ({"pretrain": {"world_size": 2, "tensor_parallel_degree": 2, "sequence_parallel": True}},
      "sequence_parallel=true with the mixture of experts"),
-    ({"deploy": {"gguf": ["q8_0"]}}, "the deploy stage cannot check: it compares the file's logits through "
-                                     "transformers' GGUF loader"),
+    ({"model": {"flavour": "moe-debug", "moe_capacity_factor": 1.25}, "deploy": {"gguf": ["q8_0"]}},
+     "model.moe_capacity_factor=1.25 drops tokens past an expert's capacity, which llama.cpp does not"),
     ({"deploy": {"compressed_tensors": ["a8w8"]}, "quantize": {"variants": ["a8w8"]}},
      "transformers 5.23 cannot load"),
 ])
@@ -254,7 +254,7 @@ def test_the_config_check_refuses_what_a_mixture_does_not_get(section, fragment)
     from stages.config import check_config
     from stages.errors import ConfigError
 
-    experiment = {"model": {"flavour": "moe-debug"}, **section}
+    experiment = {"model": {"flavour": "moe-debug"}, **section}  # a section's own model replaces it
     with pytest.raises(ConfigError, match="experiments.m.") as info:
         check_config({"experiments": {"m": experiment}})
     assert fragment in str(info.value)

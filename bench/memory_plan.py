@@ -40,7 +40,7 @@ training steps, against the estimate for `device="cuda"`.
 
     .venv/bin/python bench/memory_plan.py                      # tiny + debug, 13 cases each, ~1.5-4 min
     .venv/bin/python bench/memory_plan.py --cases tp2 tp2_sp tp2_sp_recompute   # sequence parallelism
-    .venv/bin/python bench/memory_plan.py --flavours tiny@4k --cases none cp2 cp2_ulysses --steps 2  # 4k tokens
+    .venv/bin/python bench/memory_plan.py --flavours tiny@4k --cases none cp2 cp2_ulysses cp2_ring --steps 2  # 4k
     .venv/bin/python bench/memory_plan.py --flavours debug --cases stage1 stage3 --steps 2
     .venv/bin/python bench/memory_plan.py --device cuda        # 1b on one GPU, ~6 min
     .venv/bin/python bench/memory_plan.py --help
@@ -84,6 +84,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "cp2": ("full", dict(sharding="none", context_parallel_degree=2)),
     "cp2_recompute": ("full", dict(sharding="none", context_parallel_degree=2, recompute=True)),
     "cp2_ulysses": ("full", dict(sharding="none", context_parallel_degree=2, context_parallel_mode="ulysses")),
+    "cp2_ring": ("full", dict(sharding="none", context_parallel_degree=2, context_parallel_mode="ring")),
     "pp2": ("full", dict(sharding="none", pipeline_parallel_degree=2)),
     # a mixture of experts' experts split over the 2 ranks (moe-* flavours only)
     "ep2": ("full", dict(sharding="none", expert_parallel_degree=2)),

@@ -359,6 +359,9 @@ def _check_finetune(key: str, method: str, sec: dict[str, Any], source: dict[str
     if method == "prefix" and sec["context_parallel_degree"] > 1 and sec["context_parallel_mode"] == "ulysses":
         raise ConfigError(f"{key}: context_parallel_mode=ulysses with prefix tuning: a prefix is per head, which "
                           "Ulysses moves between ranks; use context_parallel_mode: all_gather")
+    if method == "prefix" and sec["context_parallel_degree"] > 1 and sec["context_parallel_mode"] == "ring":
+        raise ConfigError(f"{key}: context_parallel_mode=ring with prefix tuning: ring attention passes only the "
+                          "tokens' keys and values around; use context_parallel_mode: all_gather")
     mixing = mixing_conflict(sec)
     if mixing:
         raise ConfigError(f"{key}: {mixing}")

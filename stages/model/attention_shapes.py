@@ -1,14 +1,18 @@
 """Attention's shape rules, torch-free: the shapes where a bf16 model's attention runs in fp32 on a
 CPU without AMX (the model asks it on every attention call, `stages.model.attention_precision`,
 which holds the why and the measurements; the memory planner counts the fp32 copies SDPA then
-saves), and the head counts Ulysses context parallelism can split (the config check, the planner
-and `stages.parallel.context`). The config check and the planner (`stages.planning.memory`) must
+saves), the head counts Ulysses context parallelism can split (the config check, the planner
+and `stages.parallel.context`), and the query rows ring attention scores at once. The config check and the planner (`stages.planning.memory`) must
 load without torch when Snakemake parses the workflow."""
 
 from __future__ import annotations
 
 MAX_HEAD_DIM = 64
 MAX_KEYS_TIMES_HEAD_DIM = 8192
+# Query rows whose scores ring attention (`stages.parallel.ring_attention`) computes at once: a block's
+# (B, H, Tl, Tl) fp32 scores would grow with the square of a rank's tokens (2048 tokens, 8 heads:
+# 134 MB per tensor, three in backward); tiles of rows keep them at (B, H, RING_QUERY_TILE, Tl).
+RING_QUERY_TILE = 256
 
 
 def fp32_attention_shape(head_dim: int, keys: int) -> bool:

@@ -204,7 +204,7 @@ class Attention(nn.Module):
         sequence split over ranks; `attend` runs through the context (`ContextAttention.core`), which
         gathers the keys and values of all of them."""
         q, k, v = self.project(x, cos, sin)
-        y = self.attend(q, k, v, segments) if context is None else context.core(self.attend, q, k, v)
+        y = self.attend(q, k, v, segments) if context is None else context.core(self, q, k, v)
         return self.o_proj(y)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None = None,

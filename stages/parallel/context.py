@@ -9,9 +9,14 @@ every rank's keys) and attends its own queries to them, causal by the tokens' pl
 sequence. The core (gather, mask, SDPA) is recomputed in backward, Megatron's selective recompute:
 a layer keeps only its rank's q, k and v, not the gathered keys and values nor the mask, so every
 activation a layer saves is divided by cp; backward gathers the keys again and runs the core's
-forward once more. Under full recompute (`recompute: true`) the layer is rebuilt whole instead. A
-ring (ring attention) would also hold one neighbour's keys at a time while computing; this module
-holds the group's during one layer's core, which the memory plan counts.
+forward once more. Under full recompute (`recompute: true`) the layer is rebuilt whole instead.
+This mode holds the group's keys and values during one layer's core, which the memory plan counts.
+
+Ring (`context_parallel_mode: ring`, `stages.parallel.ring_attention`): the keys and values pass
+around the group one block at a time, point to point, each rank merging its queries' attention to
+each block with an online softmax; a rank holds its own block and one neighbour's, and backward
+passes them around again with their gradients. Any head count; no prefix tuning, no attention
+dropout.
 
 Ulysses (`context_parallel_mode: ulysses`, DeepSpeed-Ulysses): instead of gathering keys, an
 all-to-all trades the split of the sequence for a split of the heads, so each rank attends the whole
@@ -50,10 +55,11 @@ from stages.model.labels import IGNORE_INDEX
 from stages.model.llama import places_mask, segment_ids
 from stages.model.loss import next_tokens
 from stages.parallel.mappings import all_to_all, gather_from_context_parallel_region
+from stages.parallel.ring_attention import ring_attention
 from stages.parallel.sequence import continued_positions
 
 HEAD_SEQUENCE_DIM = 2  # of the (B, heads, T, hd) keys and values
-CONTEXT_PARALLEL_MODES = ("all_gather", "ulysses")
+CONTEXT_PARALLEL_MODES = ("all_gather", "ulysses", "ring")
 
 
 def zigzag_order(length: int, world: int, rank: int) -> torch.Tensor:
@@ -78,16 +84,18 @@ class ContextAttention:
         self.query_segments, self.key_segments = query_segments, key_segments  # (B, Tl), (B, T)
         self.row_segments = row_segments  # (B, T) in place order, or None: one example per row
 
-    def core(self, attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """`attend(q, k, v, segments, context)` (the attention layer's core) on this rank's q, k
-        and v (B, heads, T/cp, hd) -> (B, T/cp, heads x hd). All-gather: `attend` gathers the keys
-        and values through `keys_values`, recomputed in backward unless the whole layer is
-        (`recompute_core`); Ulysses: `ulysses`."""
+    def core(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention `layer`'s core on this rank's q, k and v (B, heads, T/cp, hd) -> (B, T/cp,
+        heads x hd). All-gather: `layer.attend(q, k, v, segments, context)` gathers the keys and
+        values through `keys_values`, recomputed in backward unless the whole layer is
+        (`recompute_core`); Ulysses: `ulysses`; ring: `stages.parallel.ring_attention`."""
         if self.mode == "ulysses":
-            return self.ulysses(attend, q, k, v)
+            return self.ulysses(layer.attend, q, k, v)
+        if self.mode == "ring":
+            return ring_attention(q, k, v, self, layer.sliding_window)
         if not self.recompute_core or not torch.is_grad_enabled():
-            return attend(q, k, v, context=self)
-        return checkpoint(attend, q, k, v, None, self, use_reentrant=False)
+            return layer.attend(q, k, v, context=self)
+        return checkpoint(layer.attend, q, k, v, None, self, use_reentrant=False)
 
     def ulysses(self, attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The whole row for cp-th of the heads: all-to-all q, k and v from the sequence split to a
@@ -108,6 +116,14 @@ class ContextAttention:
         """Every rank's keys and values (B, K, T, hd) from this rank's (B, K, T/cp, hd), rank-major."""
         return (gather_from_context_parallel_region(k, HEAD_SEQUENCE_DIM, self.group),
                 gather_from_context_parallel_region(v, HEAD_SEQUENCE_DIM, self.group))
+
+    def block_mask(self, source: int, window: int | None) -> torch.Tensor:
+        """(B, 1, Tl, Tl) bool: where this rank's queries may see the keys of rank `source`'s tokens
+        (ring attention's block), by place in the whole sequence and packed example, as `mask`."""
+        local = self.query_places.shape[0]
+        keys = slice(source * local, (source + 1) * local)  # rank-major: rank r's tokens r-th
+        return places_mask(self.query_places, self.key_places[keys], window, self.query_segments,
+                           self.key_segments[:, keys], 0)
 
     def mask(self, window: int | None, prefix_len: int) -> torch.Tensor:
         """(B, 1, Tl, P+T) bool, True where a query may attend a key: causal by place in the whole
@@ -184,13 +200,21 @@ def apply_context_parallel(model, group, sequence_parallel_degree: int = 1, mode
     cp = dist.get_world_size(group=group)
     if cp == 1:
         return
+    layers = model.model.layers.values()
+    if mode == "ring":
+        if any(getattr(layer.self_attn, "prefix_key", None) is not None for layer in layers) \
+                or getattr(model, "prefix_encoder", None) is not None:
+            raise ValueError("context_parallel_mode=ring with prefix tuning: ring attention passes only the tokens' "
+                             "keys and values around; use context_parallel_mode: all_gather")
+        if getattr(model.config, "attention_dropout", 0.0):
+            raise ValueError(f"context_parallel_mode=ring with attention_dropout={model.config.attention_dropout}: "
+                             "ring attention has no dropout; set it to 0 or use context_parallel_mode: all_gather")
     if mode == "ulysses":
         config = model.config
         conflict = ulysses_head_conflict(cp, getattr(model, "tensor_parallel_degree", 1), config.num_attention_heads,
                                          config.num_key_value_heads)
         if conflict:
             raise ValueError(conflict)
-        layers = model.model.layers.values()
         if any(getattr(layer.self_attn, "prefix_key", None) is not None for layer in layers) \
                 or getattr(model, "prefix_encoder", None) is not None:
             raise ValueError("context_parallel_mode=ulysses with prefix tuning: a prefix is per head, which Ulysses "

@@ -34,7 +34,11 @@ against a real run in tests/unit/test_memory_plan.py and bench/memory_plan.py):
   the loss): attention's core is recomputed in backward, so a layer keeps its rank's q, k and v,
   and one core at a time holds the keys and values gathered from the group and its mask, (B, 1,
   T/cp, T) in the attention's dtype (with recompute, the rebuilt layer holds them); Ulysses' core
-  saves the whole row for cp-th of the heads (the same bytes) and o_proj its own input. The loss:
+  saves the whole row for cp-th of the heads (the same bytes) and o_proj its own input; ring
+  attention's saves the rank's q, k and v, its output (which o_proj saves as its input) and fp32
+  log-sum-exp (no mask, no gathered keys), and one layer's backward at a time holds a block's fp32 scores,
+  softmax and their gradient (B, heads, T/cp, T/cp) with the blocks of keys, values and their
+  gradients passed around the ring. The loss:
   logits (gathered over the vocabulary unless tensor_parallel_output), their fp32 copy and
   log-softmax, then three fp32 (tokens x vocab) tensors when backward starts.
 - Pipeline parallelism (1F1B, interleaved 1F1B as torch.distributed.pipelining schedules them):
@@ -80,7 +84,7 @@ from itertools import product
 from typing import Any
 
 from stages.adapters.targets import ALL_LINEAR, expert_parameters_selected, selected
-from stages.model.attention_shapes import fp32_attention_shape, ulysses_head_conflict
+from stages.model.attention_shapes import RING_QUERY_TILE, fp32_attention_shape, ulysses_head_conflict
 from stages.model.registry import BY_MODEL_TYPE, Family
 from stages.sections import (
     AlignSettings,
@@ -209,6 +213,7 @@ class _Layout:
     sp: bool = False  # sequence parallelism (a switch of tp)
     cp: int = 1  # context parallelism: ranks that split every sequence
     ulysses: bool = False  # context_parallel_mode: ulysses (all-to-all to a head split) rather than all_gather
+    ring: bool = False  # context_parallel_mode: ring (blocks of keys and values passed around the group)
     ep: int = 1  # expert parallelism: ranks of the data group that split a mixture's experts
 
     @property
@@ -367,6 +372,7 @@ def _layout(section: TrainingSettings, bf16: bool | None = None) -> _Layout:
                    sp=section.sequence_parallel and section.tensor_parallel_degree > 1,
                    cp=section.context_parallel_degree,
                    ulysses=section.context_parallel_mode == "ulysses",
+                   ring=section.context_parallel_mode == "ring",
                    ep=section.expert_parallel_degree)
 
 
@@ -524,7 +530,7 @@ def _attention_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str) -> int:
 def _core_recomputed(lay: _Layout) -> bool:
     """Whether attention's core is recomputed in backward on its own: under all-gather context
     parallelism, unless the whole layer is (`stages.parallel.context.ContextAttention.core`)."""
-    return lay.cp > 1 and not lay.recompute and not lay.ulysses
+    return lay.cp > 1 and not lay.recompute and not lay.ulysses and not lay.ring
 
 
 def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str, core_only: bool = False) -> int:
@@ -560,11 +566,17 @@ def _layer_activation_bytes(s: _Shape, lay: _Layout, ad: _Adapter, device: str, 
     layer_projections = frozenset(s.projections)
     targets = ad.targets & layer_projections
     reads = layer_projections if ad.full or lay.zero == 3 else targets  # projections that save their input
+    if lay.cp > 1 and lay.ring:  # stages.parallel.ring_attention saves q, k, v, its output (o_proj's input) and lse
+        attention, mask = ((2 * q + 2 * kv) * a + s.heads * 4) / tp, 0
+        if core_only:  # a block's backward: fp32 p, dp, ds of a tile of query rows; dq, dO, q; blocks in flight
+            rows = min(RING_QUERY_TILE, lay.local_seq)
+            block = lay.micro * s.heads / tp * rows * lay.local_seq * 4 * 3
+            return int(block + tokens * (3 * q * 4 + kv * (4 * a + 4 * 4)) / tp)
     if core_only:
         return int(tokens * attention) + mask
     if _core_recomputed(lay):  # the core keeps this rank's q, k and v; o_proj the output if it reads it
         attention, mask = (q + 2 * kv) * a / tp + q * a / tp * ("self_attn.o_proj" in reads), 0
-    elif (sdpa != a or lay.ulysses) and "self_attn.o_proj" in reads:
+    elif (sdpa != a or lay.ulysses) and "self_attn.o_proj" in reads and not (lay.cp > 1 and lay.ring):
         # o_proj's input is not SDPA's output: the output cast back, or Ulysses' all-to-all of it
         attention += q * a / tp
     if ad.full:
@@ -650,8 +662,10 @@ def _activation_bytes(s: _Shape, lay: _Layout, rank: int, ad: _Adapter, device: 
     kept = lay.micro * lay.local_seq * s.hidden * lay.param_bytes // lay.token_split if lay.recompute else layer
     saved = _in_flight(lay, rank) * per_chunk * kept
     norm, loss = _head_bytes(s, lay, ad, keeps_logits=lay.pp > 1) if chunks - 1 in mine else (0, 0)
-    if _core_recomputed(lay):
+    if _core_recomputed(lay) or (lay.cp > 1 and lay.ring and not lay.recompute):
         return saved + norm, loss, _layer_activation_bytes(s, lay, ad, device, core_only=True)
+    if lay.cp > 1 and lay.ring:  # the rebuilt layer, and its ring's block working set in its backward
+        return saved + norm, loss, layer + _layer_activation_bytes(s, lay, ad, device, core_only=True)
     return saved + norm, loss, layer if lay.recompute else 0
 
 

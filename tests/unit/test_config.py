@@ -232,6 +232,8 @@ def test_a_yaml_syntax_error_names_file_line_and_column(tmp_path, capsys):
     ({"lora": {"world_size": 3, "tensor_parallel_degree": 2}}, r"finetune.lora: world_size=3 is not divisible"),
     ({"prefix": {"world_size": 2, "context_parallel_degree": 2, "context_parallel_mode": "ulysses"}},
      r"finetune.prefix: context_parallel_mode=ulysses with prefix tuning: a prefix is per head"),
+    ({"prefix": {"world_size": 2, "context_parallel_degree": 2, "context_parallel_mode": "ring"}},
+     r"finetune.prefix: context_parallel_mode=ring with prefix tuning: ring attention passes only the tokens'"),
 ])
 def test_fine_tuning_layouts_that_cannot_run_are_refused(finetune, message):
     with pytest.raises(ConfigError, match=message):

@@ -357,6 +357,26 @@ def test_context_parallelism_halves_the_activations_at_cp2():
         "1b", max_length=4100, context_parallel_degree=2) > activations("1b", max_length=4096, context_parallel_degree=2)
 
 
+def test_ring_attention_holds_one_block_of_keys_where_all_gather_holds_the_row():
+    """At 64k tokens over 8 ranks, a layer's backward under the all-gather core holds the whole row's
+    keys and values and its (T/cp x T) mask; ring attention holds two blocks and a tile of scores, and
+    saves what the all-gather core keeps (q, k, v, o_proj's input) plus its log-sum-exp. So at the
+    moment one layer runs backward ("layers") ring needs less, with and without recompute, while the
+    loss's peak ("backward") is the same up to the log-sum-exp. bench/memory_plan.py measures it
+    (`--flavours tiny@4k --cases cp2 cp2_ring`)."""
+    common = dict(world_size=8, sharding="none", per_device_train_batch_size=1, gradient_accumulation_steps=1,
+                  max_length=65536, bf16=True, context_parallel_degree=8)
+
+    def phases(**section):
+        return estimate_phases(FLAVOURS["1b"], pretrain_section("1b", **{**common, **section}), vocab_size=32000)
+
+    for recompute in (False, True):
+        ring, gathered = phases(context_parallel_mode="ring", recompute=recompute), phases(recompute=recompute)
+        assert ring["layers"].total < gathered["layers"].total, recompute
+        lse = 16 * 65536 // 8 * 32 * 4  # 16 layers x a rank's tokens x 32 heads, fp32
+        assert ring["backward"].activations - gathered["backward"].activations == (0 if recompute else lse)
+
+
 def _saved_bytes_of_one_layer(config: LlamaConfig, dtype_name: str, tokens: int) -> int:
     """Bytes of the distinct storages autograd saves in one forward of our decoder layer 0 (one row
     of `tokens`), its input included, its weights and the shared cos / sin not."""

@@ -1,5 +1,6 @@
 """Context parallelism against the dense single-process model: every sequence split over 2 gloo
-ranks (cp2), and over cp2 x tp2 with sequence parallelism (4 ranks).
+ranks (cp2), over cp2 x tp2 with sequence parallelism (4 ranks) and over 4 ranks (cp4), in each
+mode (all-gather, Ulysses where the heads split, ring).
 
 Each rank computes the dense reference itself from the same seed, then the context-parallel model
 on its tokens (`ContextSplit.split_batch`, zigzag order); its logits must equal the dense logits
@@ -107,7 +108,7 @@ def _worker(rank: int, world: int) -> dict:
     topology = Topology(degrees)
     tp_group = topology.tp_group if world > 2 else None
     flavours, cases = (CONFIGS, CASES) if world == 2 else (("llama", "gpt2"), ("odd_packed", "recompute", "lora"))
-    runs = [(flavour, case, "all_gather") for flavour in flavours for case in cases]
+    runs = [(flavour, case, mode) for flavour in flavours for case in cases for mode in ("all_gather", "ring")]
     runs += [(flavour, case, "ulysses") for flavour in (flavours if world == 2 else ULYSSES_4_RANKS) for case in cases]
     out = {run: _context_checks(rank, topology.get_context_parallel_group(), tp_group, *run)
            for run in runs if not (run[1] == "window" and run[0] != "llama")}
@@ -118,6 +119,22 @@ def _worker(rank: int, world: int) -> dict:
         except ValueError as e:
             out["refused"] = str(e)
     return out
+
+
+def _worker_cp4(rank: int, world: int) -> dict:
+    """cp4: ring attention's blocks go three hops round the ring (cp2's go one), beside all-gather; its
+    queries in tiles of 3 rows (each rank's 4 tokens: a tile of 3 and one of 1)."""
+    from stages.parallel import ring_attention
+
+    ring_attention.QUERY_TILE = 3
+    topology = Topology(ParallelDegrees(world_size=world, context_parallel_degree=world))
+    runs = [("llama", case, mode) for case in ("even", "odd_packed", "window") for mode in ("all_gather", "ring")]
+    return {run: _context_checks(rank, topology.get_context_parallel_group(), None, *run) for run in runs}
+
+
+@pytest.fixture(scope="module")
+def cp4() -> list[dict]:
+    return run_gloo(_worker_cp4, 4)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +153,7 @@ def _check(results, flavour, case, mode):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("mode", ["all_gather", "ulysses"])
+@pytest.mark.parametrize("mode", ["all_gather", "ulysses", "ring"])
 @pytest.mark.parametrize("flavour", list(CONFIGS))
 @pytest.mark.parametrize("case", list(CASES))
 def test_cp2_logits_loss_and_grads_match_single_process(cp2, flavour, case, mode):
@@ -147,10 +164,19 @@ def test_cp2_logits_loss_and_grads_match_single_process(cp2, flavour, case, mode
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("flavour, mode", [("llama", "all_gather"), ("gpt2", "all_gather"), ("gpt2", "ulysses")])
+@pytest.mark.parametrize("flavour, mode", [("llama", "all_gather"), ("gpt2", "all_gather"), ("gpt2", "ulysses"),
+                                           ("llama", "ring"), ("gpt2", "ring")])
 @pytest.mark.parametrize("case", ["odd_packed", "recompute", "lora"])
 def test_cp2_tp2_sequence_parallel_matches_single_process(cp2_tp2, flavour, case, mode):
     _check(cp2_tp2, flavour, case, mode)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("mode", ["all_gather", "ring"])
+@pytest.mark.parametrize("case", ["even", "odd_packed", "window"])
+def test_cp4_matches_single_process(cp4, case, mode):
+    _check(cp4, "llama", case, mode)
+    assert cp4[0][("llama", case, mode)]["local_tokens"] == 4  # 16 (15 padded) tokens over 4 ranks
 
 
 @pytest.mark.multiproc

@@ -136,6 +136,8 @@ LAYOUTS = {
                                     gradient_accumulation_steps=4)),
     "cp2_ulysses_zero1": (2, dict(sharding="stage1", context_parallel_degree=2, context_parallel_mode="ulysses",
                                   per_device_train_batch_size=2, gradient_accumulation_steps=4)),
+    "cp2_ring_sharding_stage3": (2, dict(sharding="stage3", context_parallel_degree=2, context_parallel_mode="ring",
+                                         per_device_train_batch_size=2, gradient_accumulation_steps=4)),
     "pp2_1f1b": (2, dict(sharding="none", pipeline_parallel_degree=2, per_device_train_batch_size=2,
                          gradient_accumulation_steps=4)),
     "pp2_interleaved": (2, dict(sharding="none", pipeline_parallel_degree=2, virtual_pp_degree=2,
@@ -157,6 +159,15 @@ LAYOUTS = {
                               gradient_accumulation_steps=2)),
     "cp2_pp2_1f1b": (4, dict(sharding="stage1", context_parallel_degree=2, pipeline_parallel_degree=2,
                              per_device_train_batch_size=2, gradient_accumulation_steps=4)),
+    # ring attention beside tp2 + SP (each rank's 1 KV head, which Ulysses cannot split) and beside the
+    # pipeline's own point-to-point sends
+    "cp2_ring_tp2_sequence_parallel": (4, dict(sharding="stage1", context_parallel_degree=2,
+                                               context_parallel_mode="ring", tensor_parallel_degree=2,
+                                               sequence_parallel=True,
+                                               per_device_train_batch_size=2, gradient_accumulation_steps=4)),
+    "cp2_ring_pp2_1f1b": (4, dict(sharding="stage1", context_parallel_degree=2, context_parallel_mode="ring",
+                                  pipeline_parallel_degree=2, per_device_train_batch_size=2,
+                                  gradient_accumulation_steps=4)),
     "tp2_sharding_stage2": (4, dict(sharding="stage2", tensor_parallel_degree=2, per_device_train_batch_size=2,
                                     gradient_accumulation_steps=2)),
     "tp2_recompute": (2, dict(sharding="stage1", tensor_parallel_degree=2, recompute=True,
@@ -197,6 +208,9 @@ BF16_LAYOUTS = {
                          gradient_accumulation_steps=4)),
     "bf16_cp2_sharding_stage3": (2, dict(sharding="stage3", bf16=True, context_parallel_degree=2,
                                          per_device_train_batch_size=2, gradient_accumulation_steps=4)),
+    "bf16_cp2_ring_sharding_stage3": (2, dict(sharding="stage3", bf16=True, context_parallel_degree=2,
+                                              context_parallel_mode="ring", per_device_train_batch_size=2,
+                                              gradient_accumulation_steps=4)),
     "bf16_tp2_sequence_parallel_pp2": (4, dict(sharding="none", bf16=True, tensor_parallel_degree=2,
                                                sequence_parallel=True, pipeline_parallel_degree=2,
                                                per_device_train_batch_size=2, gradient_accumulation_steps=4)),
@@ -325,11 +339,11 @@ def test_layout_matches_the_single_process_run(name, layout_runs, reference):
 
 @pytest.mark.slow
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["cp2_sharding_stage3", "tp2_sequence_parallel_zero1"])
+@pytest.mark.parametrize("name", ["cp2_sharding_stage3", "cp2_ring_sharding_stage3", "tp2_sequence_parallel_zero1"])
 def test_a_killed_sequence_split_run_resumes_bit_identically(name, data_dir, tmp_path):
-    """Context parallelism under ZeRO-3 and tensor parallelism with sequence parallelism under ZeRO-1,
-    SIGKILLed (torchrun and its ranks) once checkpoint-4 is complete and started again: the same
-    losses and weights as the uninterrupted run, bit for bit."""
+    """Context parallelism (all-gather and ring) under ZeRO-3 and tensor parallelism with sequence
+    parallelism under ZeRO-1, SIGKILLed (torchrun and its ranks) once checkpoint-4 is complete and
+    started again: the same losses and weights as the uninterrupted run, bit for bit."""
     from stages.checkpoint.hf import load_state_dict
 
     nproc, section = LAYOUTS[name]

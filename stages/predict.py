@@ -5,7 +5,7 @@ PaddleNLP's llm/predictor.py, on transformers' `generate` with the KV cache.
 `python -m stages.predict --model DIR --input FILE.jsonl --out FILE.jsonl [--batch-size 8]
  [--src-length 64] [--max-length 128] [--max-new-tokens N] [--decode-strategy greedy_search|sampling]
  [--top-k 0] [--top-p 1.0] [--temperature 1.0] [--seed 42] [--chat-template auto|true|false]
- [--backend torch|onnxruntime]`
+ [--compile true|false] [--prompt-lookup-num-tokens N] [--backend torch|onnxruntime]`
 
 `--model` is anything `stages.inference.loading.load_variant` loads: a full HF dir (pretrain,
 sft, lora-merged, base), a peft adapter dir (LoRA or prefix tuning; the base found by
@@ -32,7 +32,11 @@ room for one token. (PaddleNLP's `max_length` is the decode length alone, checke
 text).
 
 Decoding: `transformers` `generate` with the KV cache, prompts grouped by length into batches of
-`batch_size` and left-padded (attention mask; pad = the tokenizer's pad, else eos). Greedy outputs
+`batch_size` and left-padded (attention mask; pad = the tokenizer's pad, else eos). With
+`--prompt-lookup-num-tokens N` (greedy, `--batch-size 1`) each forward of the decode engine checks
+up to N draft tokens copied from where the last tokens occurred before
+(`stages.inference.prompt_lookup`): the same greedy tokens in fewer forwards where answers copy
+their prompt (the log says how many draft tokens were checked and taken). Greedy outputs
 do not depend on the batch size (tested). `sampling` draws with top_k (0: off), top_p (1.0: off)
 and temperature after `torch.manual_seed(seed)`: the same seed, input, batch size and machine give
 the same outputs.
@@ -234,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="decode steps through torch.compile on a static KV cache (default %(default)s; "
                              "a one-off compile per batch size, then faster steps; tokens can differ from eager "
                              "decoding's on exact ties)")
+    parser.add_argument("--prompt-lookup-num-tokens", type=int, default=DEFAULTS["prompt_lookup_num_tokens"],
+                        metavar="N", help="greedy_search at --batch-size 1: prompt-lookup speculative decoding, up "
+                                          "to N draft tokens a forward (default %(default)s: off)")
     parser.add_argument("--backend", choices=BACKENDS, default=DEFAULTS["backend"],
                         help="runtime: torch (default) or onnxruntime (an export directory with model.onnx "
                              "and its KV cache; greedy_search only)")

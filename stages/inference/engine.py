@@ -58,6 +58,7 @@ from transformers.generation.logits_process import (
 
 from stages.inference.kv_cache import PreallocatedCache, cache_fits
 from stages.inference.one_row_linear import with_one_row_linears
+from stages.inference.prompt_lookup import PromptLookup
 
 log = logging.getLogger(__name__)
 
@@ -151,11 +152,15 @@ class DecodeEngine:
     between `generate` calls of the same batch size and no larger length."""
 
     def __init__(self, model: torch.nn.Module, *, eos_token_id: int | None, pad_token_id: int,
-                 compile: bool = False):
+                 compile: bool = False, prompt_lookup: PromptLookup | None = None):
         reason = unsupported(model)
         if reason is not None:
             raise ValueError(f"the decode engine cannot run this model: {reason}")
+        if compile and prompt_lookup is not None:
+            raise ValueError("prompt lookup checks its drafts in several-token forwards, which the compiled "
+                             "one-token step does not run; choose one of compile and prompt_lookup")
         self.model = model
+        self.prompt_lookup = prompt_lookup  # speculative greedy decoding of a lone prompt (prompt_lookup.py)
         self.runner, self.num_prefix_tokens = _runner(model)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
@@ -171,6 +176,7 @@ class DecodeEngine:
         # MKL's gemv reads weights at 0.3-0.7x its bandwidth on a 2-core EPYC, and batch 1 is bound by it)
         self._step = torch.compile(with_one_row_linears(self.runner.forward), dynamic=False) if compile else None
         self.forward_calls = 0  # prefills and decode steps so far (the bench's and the tests' count)
+        self.drafted_tokens = self.accepted_tokens = 0  # prompt lookup's draft tokens checked and taken so far
 
     # -- the cache ---------------------------------------------------------------------------------
     def _new_cache(self, batch: int, capacity: int):
@@ -215,6 +221,16 @@ class DecodeEngine:
         out = forward(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
                           return_dict=True, **kwargs)
         return out.logits[:, -1].float()  # (B, V)
+
+    def _forward_all(self, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+        """(n, vocab) float32 logits of every position of `ids` (1, n), a lone unpadded row."""
+        kwargs = {"logits_to_keep": ids.shape[1]} if self._extra else {}
+        if self._position_ids:
+            kwargs["position_ids"] = positions
+        self.forward_calls += 1
+        out = self.runner(input_ids=ids, attention_mask=None, past_key_values=cache, use_cache=True,
+                          return_dict=True, **kwargs)
+        return out.logits[0, -ids.shape[1]:].float()  # (n, V)
 
     # -- generation --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -261,6 +277,10 @@ class DecodeEngine:
             mask[:, prefix:prefix + width] = prompt_mask  # (B, prefix + T + steps), or the cache's length
         positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 0) + prefix  # (B, T), pads at prefix
         logits = self._forward(ids, mask if full or mask is None else mask[:, :prefix + width], positions, cache)
+        if self.prompt_lookup is not None and batch == 1 and sampling is None:
+            self._speculate(list(prompts[0]), logits, int(positions[0, -1]), cache, rows[0], budgets[0], on_token,
+                            stop_strings, tokenizer)
+            return rows
         pad = torch.tensor(self.pad_token_id, device=self.device)
         for step in range(steps):
             if sampling is not None:
@@ -281,6 +301,34 @@ class DecodeEngine:
             logits = self._forward(new, mask if full or mask is None else mask[:, :length], positions, cache,
                                    step=True)
         return rows
+
+    def _speculate(self, context: list[int], logits: torch.Tensor, position: int, cache, row: Decoded, budget: int,
+                   on_token, stop_strings, tokenizer) -> None:
+        """Greedy decoding of one unpadded row after its prefill (`logits` of its last position, at
+        `position`), each forward checking a prompt-lookup draft: the last token and the draft go
+        through the model at once; the draft's tokens that equal the model's greedy choice before
+        them are taken with the model's own token after them, and the cache forgets the rest. The
+        tokens are the greedy ones up to float rounding: a several-token forward sums in another
+        order than one-token steps, which can flip a tie to the last bits."""
+        token = int(logits[0].argmax())
+        while self._advance(0, token, row, budget, on_token, stop_strings, tokenizer):
+            context.append(token)
+            draft = self.prompt_lookup.draft(context, limit=budget - len(row.tokens) - 1)
+            ids = torch.tensor([[token, *draft]], device=self.device)  # (1, 1 + d)
+            places = torch.arange(position + 1, position + 2 + len(draft), device=self.device)[None]  # (1, 1 + d)
+            choices = self._forward_all(ids, places, cache).argmax(-1).tolist()  # the model's token after each
+            taken = 0
+            while taken < len(draft) and draft[taken] == choices[taken]:
+                taken += 1
+            self.drafted_tokens += len(draft)
+            self.accepted_tokens += taken
+            cache.crop(taken - len(draft))  # forget the rejected tokens' keys and values
+            for accepted in draft[:taken]:
+                if not self._advance(0, accepted, row, budget, on_token, stop_strings, tokenizer):
+                    return
+                context.append(accepted)
+            position += 1 + taken
+            token = choices[taken]
 
     def _advance(self, r: int, token: int, row: Decoded, budget: int, on_token, stop_strings, tokenizer) -> bool:
         """Add `token` to row `r`; False once the row has ended (its finish_reason set)."""

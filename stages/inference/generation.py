@@ -23,6 +23,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 
 # left_padded is the engine's; the scheduler and the tests import it from here
 from stages.inference.engine import DecodeEngine, Sampling, left_padded, unsupported
+from stages.inference.prompt_lookup import PromptLookup
 from stages.stage_logs import Progress
 
 if TYPE_CHECKING:  # a type only: stages.serving imports this package, not the other way round
@@ -46,14 +47,17 @@ def _longest_first(prompts: Sequence[list[int]]) -> list[int]:
     return sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
 
 
-def _engine(model, eos_token_id: int | None, pad_token_id: int, compile: bool = False) -> DecodeEngine | None:
-    """The decode engine of `model` (`compile`: its compiled decode step), or None (logged) where
-    `generate` keeps it."""
+def _engine(model, eos_token_id: int | None, pad_token_id: int, compile: bool = False,
+            prompt_lookup: PromptLookup | None = None) -> DecodeEngine | None:
+    """The decode engine of `model` (`compile`: its compiled decode step; `prompt_lookup`: its
+    speculative greedy decoding of lone prompts), or None (logged) where `generate` keeps it."""
     reason = unsupported(model)
     if reason is not None:
-        log.info("generating with the model's own generate%s: %s", " (not compiled)" if compile else "", reason)
+        log.info("generating with the model's own generate%s: %s",
+                 " (not compiled)" if compile else " (without prompt lookup)" if prompt_lookup else "", reason)
         return None
-    return DecodeEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id, compile=compile)
+    return DecodeEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id, compile=compile,
+                        prompt_lookup=prompt_lookup)
 
 
 def _batch_tokens(model, engine: DecodeEngine | None, batch: list[list[int]], budgets: list[int], *,
@@ -149,7 +153,9 @@ def generate_batched(model: torch.nn.Module, prompts: Sequence[list[int]], setti
     gets at most max_length - len(prompt) new tokens (and max_new_tokens; `token_budgets`).
     Sampling is seeded once, before the first batch."""
     budgets = token_budgets(prompts, settings.max_length, settings.max_new_tokens)
-    engine = _engine(model, eos_token_id, pad_token_id, compile=settings.compile)
+    lookup = PromptLookup(num_draft_tokens=settings.prompt_lookup_num_tokens) if settings.prompt_lookup_num_tokens \
+        else None
+    engine = _engine(model, eos_token_id, pad_token_id, compile=settings.compile, prompt_lookup=lookup)
     sampling, generator = _sampling(settings, engine, next(model.parameters()).device)
     order = _longest_first(prompts)
     results: list[Generation | None] = [None] * len(prompts)
@@ -165,4 +171,7 @@ def generate_batched(model: torch.nn.Module, prompts: Sequence[list[int]], setti
         for i, t in zip(rows, tokens):
             results[i] = Generation(tokens=t, batch=batch, batch_seconds=seconds)
         progress.advance(len(rows), detail=f"{batch + 1} of {num_batches} batches")
+    if engine is not None and lookup is not None:
+        log.info("prompt lookup: %d of %d draft tokens taken, %d forwards", engine.accepted_tokens,
+                 engine.drafted_tokens, engine.forward_calls)
     return results  # type: ignore[return-value]

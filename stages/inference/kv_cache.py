@@ -73,7 +73,13 @@ class PreallocatedLayer(DynamicLayer):
             self.keys, self.values = self._keys[:, :, :0], self._values[:, :, :0]
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("PreallocatedLayer does not crop; reset() it for a new batch")
+        """Forget the last -`tokens_to_remove` positions (a number <= 0, as transformers 5's
+        DynamicLayer.crop takes it): speculative decoding drops a rejected draft's keys and values."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass minus the number of positions to forget")
+        self.length = max(0, self.length + tokens_to_remove)
+        if self.is_initialized:
+            self.keys, self.values = self._keys[:, :, :self.length], self._values[:, :, :self.length]
 
 
 class PreallocatedCache(Cache):

@@ -37,6 +37,8 @@ class PredictSettings:
     seed: int = SECTION_DEFAULTS["seed"]  # torch.manual_seed before the first batch
     # the decode engine's compiled step (torch.compile on a StaticCache), where the engine runs the model
     compile: bool = SECTION_DEFAULTS["compile"]
+    # greedy, one record per batch: draft tokens prompt lookup lets one forward check (0: off)
+    prompt_lookup_num_tokens: int = SECTION_DEFAULTS["prompt_lookup_num_tokens"]
     # auto | true | false; not a config key: the rule's input lies in the data dir, so `auto`
     # follows its index.json (sft_format), as evaluate does
     chat_template: str = "auto"
@@ -67,6 +69,15 @@ class PredictSettings:
             raise InputError(f"--backend {self.backend!r}; valid: {', '.join(BACKENDS)}")
         if not isinstance(self.compile, bool):
             raise InputError(f"predict.compile={self.compile!r} must be true or false")
+        if not isinstance(self.prompt_lookup_num_tokens, int) or self.prompt_lookup_num_tokens < 0:
+            raise InputError(f"predict.prompt_lookup_num_tokens={self.prompt_lookup_num_tokens!r} must be an integer "
+                             ">= 0 (0: off)")
+        if self.prompt_lookup_num_tokens and self.compile:
+            raise InputError("predict.prompt_lookup_num_tokens with predict.compile: prompt lookup checks its drafts "
+                             "in several-token forwards, which the compiled one-token step does not run; choose one")
+        if self.prompt_lookup_num_tokens and self.backend == "onnxruntime":
+            raise InputError("--backend onnxruntime runs its own graph; predict.prompt_lookup_num_tokens is for the "
+                             "torch backend")
         if self.backend == "onnxruntime" and self.compile:
             raise InputError("--backend onnxruntime runs its own graph; predict.compile is for the torch backend")
         if self.backend == "onnxruntime" and self.decode_strategy != "greedy_search":

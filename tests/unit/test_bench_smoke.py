@@ -269,6 +269,20 @@ def test_deploy_decode_bench_report_has_its_keys(tmp_path):
         "decode_tokens_per_s"]
 
 
+def test_prompt_lookup_bench_report_has_its_keys(tmp_path, debug_model_dir):
+    """bench/prompt_lookup.py on the debug model (no chat template: the prompts are plain text): every
+    runtime's tokens equal generate's; the engine's forwards and drafts are counted."""
+    out = tmp_path / "prompt_lookup.json"
+    stdout, result = run_script("prompt_lookup.py", out, "--model", str(debug_model_dir), "--prompts", "1",
+                                "--words", "12", "--new-tokens", "8", "--repeats", "1")
+    assert "engine + lookup / generate + lookup" in stdout and result["num_prompts"] == 3
+    rows = result["runs"]
+    assert set(rows) == {"generate", "generate + lookup", "engine", "engine + lookup"}
+    assert all(row["equal_to_generate"] and row["tokens_per_s"] > 0 for row in rows.values())
+    assert rows["engine"]["forwards_per_token"] == 1.0
+    assert rows["engine + lookup"]["forwards_per_token"] <= 1.0
+
+
 def test_from_text_bench_report_has_its_keys(tmp_path, debug_model_dir):
     """bench/from_text.py on the debug model with the prepared tokenizer and a GGUF of it: every
     runtime with special tokens gives the project's prompt ids; without them, none does."""

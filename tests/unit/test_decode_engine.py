@@ -4,7 +4,8 @@ for every family the chain fine-tunes on, OPT, Bloom and GPT-NeoX included (tiny
 checkpoint_fixtures.save_checkpoint) and every kind of torch variant load_variant gives (full,
 LoRA and prefix adapters, wint8 / wint4 on stages.quant's kernels), at batch 1 and on a
 left-padded batch of prompts of different lengths; then eos, stop strings, per-row budgets,
-`on_token`, a sliding window shorter than the cache, and seeded sampling against `generate`'s."""
+`on_token`, a sliding window shorter than the cache, and seeded sampling against `generate`'s;
+prompt-lookup speculative decoding gives the greedy tokens with fewer forwards."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from stages.inference.engine import (
     unsupported,
 )
 from stages.inference.generation import cut_at_eos, left_padded
+from stages.inference.kv_cache import PreallocatedCache
 from stages.inference.loading import load_variant
+from stages.inference.prompt_lookup import PromptLookup
 
 FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "glm", "glm4", "gpt2", "opt", "bloom", "gpt_neox")
 # Families the chain fine-tunes on transformers' own model (tiny: width 64, 2 layers, 4 heads)
@@ -198,3 +201,68 @@ def test_a_generation_config_asking_for_a_processor_keeps_generate(family_dirs):
     assert expected != plain  # the penalty changes the answers: the test sees which path ran
     assert generate_greedy(model, _prompts(), max_new_tokens=NEW_TOKENS, eos_token_id=EOS, pad_token_id=PAD,
                            batch_size=4) == expected
+
+
+def test_prompt_lookup_drafts_what_followed_the_latest_earlier_match():
+    lookup = PromptLookup(max_ngram=2, num_draft_tokens=3)
+    assert lookup.draft([1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3]) == [5, 6, 1]  # (2, 3) last seen before 5
+    assert lookup.draft([7, 3, 8, 9, 3]) == [8, 9, 3]  # no (9, 3) earlier: the 1-gram 3
+    assert lookup.draft([1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3], limit=1) == [5]
+    assert lookup.draft([4, 5, 6]) == [] and lookup.draft([4]) == [] and lookup.draft([4, 4], limit=0) == []
+    with pytest.raises(ValueError, match="must be >= 1"):
+        PromptLookup(num_draft_tokens=0)
+
+
+def test_the_preallocated_cache_forgets_its_last_positions():
+    cache = PreallocatedCache(num_layers=1, capacity=8)
+    keys = torch.arange(5.0).view(1, 1, 5, 1)
+    cache.update(keys, keys, 0)
+    cache.crop(-2)
+    assert cache.get_seq_length() == 3 and cache.layers[0].keys.flatten().tolist() == [0.0, 1.0, 2.0]
+    cache.crop(0)
+    keys, _ = cache.update(torch.full((1, 1, 2, 1), 7.0), torch.full((1, 1, 2, 1), 7.0), 0)
+    assert keys.flatten().tolist() == [0.0, 1.0, 2.0, 7.0, 7.0]
+    with pytest.raises(ValueError, match="minus the number"):
+        cache.crop(1)
+
+
+@pytest.mark.parametrize("kind", ["full", "lora", "prefix", "wint4"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_prompt_lookup_gives_the_greedy_tokens_in_fewer_forwards(family_dirs, family, kind):
+    """Each prompt alone, 32 new tokens: the tokens equal generate's greedy ones and transformers' own prompt
+    lookup's; the tiny random models repeat themselves, so drafts are taken and the forwards are fewer."""
+    model, _, _ = load_variant(family_dirs(family, kind))
+    plain = DecodeEngine(model, eos_token_id=EOS, pad_token_id=PAD)
+    engine = DecodeEngine(model, eos_token_id=EOS, pad_token_id=PAD, prompt_lookup=PromptLookup())
+    tokens = 0
+    for prompt in _prompts():
+        expected = _generate(model, [prompt], max_new_tokens=32)
+        assert [d.tokens for d in engine.generate([prompt], 32)] == expected, (family, kind, prompt)
+        assert [d.tokens for d in plain.generate([prompt], 32)] == expected
+        if kind != "prefix":  # transformers' prompt lookup does not take a peft prefix
+            assert _generate(model, [prompt], max_new_tokens=32, prompt_lookup_num_tokens=10) == expected
+        tokens += len(expected[0])
+    assert engine.accepted_tokens > 0 and engine.forward_calls < plain.forward_calls == tokens, (
+        engine.accepted_tokens, engine.forward_calls, plain.forward_calls)
+
+
+def test_prompt_lookup_keeps_eos_budgets_stop_strings_and_batches(family_dirs, tokenizer):
+    model, _, _ = load_variant(family_dirs("llama", "full"))
+    plain = DecodeEngine(model, eos_token_id=None, pad_token_id=PAD)
+    engine = DecodeEngine(model, eos_token_id=None, pad_token_id=PAD, prompt_lookup=PromptLookup(num_draft_tokens=4))
+    prompt = _prompts()[1]
+    free = plain.generate([prompt], 40)[0].tokens
+    for budget in (1, 2, 7, 40):
+        assert engine.generate([prompt], budget)[0].tokens == free[:budget]
+    eos = free[9]
+    with_eos = DecodeEngine(model, eos_token_id=eos, pad_token_id=PAD, prompt_lookup=PromptLookup())
+    row = with_eos.generate([prompt], 40)[0]
+    assert row.tokens == free[:free.index(eos) + 1] and row.finish_reason == FINISH_EOS
+    stop = tokenizer.decode(free[12:14])
+    row = engine.generate([prompt], 40, stop_strings=[stop], tokenizer=tokenizer)[0]
+    end = next(n for n in range(1, 41) if stop in tokenizer.decode(free[:n]))
+    assert row.tokens == free[:end] and row.finish_reason == FINISH_STOP
+    # a batch of several prompts decodes step by step (drafts are for a lone row)
+    assert [d.tokens for d in engine.generate(_prompts(), 12)] == [d.tokens for d in plain.generate(_prompts(), 12)]
+    with pytest.raises(ValueError, match="choose one of compile and prompt_lookup"):
+        DecodeEngine(model, eos_token_id=None, pad_token_id=PAD, compile=True, prompt_lookup=PromptLookup())

@@ -115,6 +115,28 @@ def test_greedy_output_equals_evaluate(variants, tmp_path):
     assert outputs["hf"] != outputs["lora"]  # the adapter is applied
 
 
+@pytest.mark.parametrize("name", ["hf", "lora"])
+def test_prompt_lookup_predicts_what_plain_decoding_does(variants, name, tmp_path, caplog):
+    """--prompt-lookup-num-tokens at --batch-size 1 (the command line, as the rule passes it): the same
+    predictions; the log counts the draft tokens checked and taken; refused with compile."""
+    import logging
+
+    inp = _write_jsonl(tmp_path / "in.jsonl", RECORDS)
+    outputs = {}
+    for n in (0, 5):
+        out = tmp_path / f"{n}.jsonl"
+        with caplog.at_level(logging.INFO, logger="stages.inference.generation"):
+            summary = predict.main(["--model", str(variants[name]), "--input", str(inp), "--out", str(out),
+                                    "--batch-size", "1", "--src-length", "16", "--max-length", "48",
+                                    "--prompt-lookup-num-tokens", str(n)])
+        assert summary["settings"]["prompt_lookup_num_tokens"] == n
+        outputs[n] = [json.loads(line)["output"] for line in out.read_text().splitlines()]
+    assert outputs[5] == outputs[0] and any(outputs[0])
+    assert "prompt lookup:" in caplog.text and "draft tokens taken" in caplog.text
+    with pytest.raises(InputError, match="choose one"):
+        predict.PredictSettings(compile=True, prompt_lookup_num_tokens=4)
+
+
 @pytest.mark.slow  # torch.compile: about 20 s per batch shape on 2 cores
 @pytest.mark.parametrize("name", ["hf", "lora"])
 def test_compiled_decoding_predicts_what_eager_decoding_does(variants, name, tmp_path):

@@ -136,6 +136,18 @@ def test_local_tasks_score_as_with_lm_evals_hf_backend(checkpoint, data_dir):
     assert limited["tasks"]["lifecycle_pairs"]["samples"] == 2 and limited["limit"] == 2
 
 
+def test_tasks_run_without_lm_evals_environment_report(checkpoint, data_dir, capfd, monkeypatch):
+    """simple_evaluate's collect_env subprocesses and `git describe` are skipped (1.5 s a job, and a "fatal: not a
+    git repository" line in the log outside a checkout), and lm-eval's own functions are back afterwards."""
+    import lm_eval.evaluator
+
+    before = (lm_eval.evaluator.add_env_info, lm_eval.evaluator.get_git_commit_hash)
+    monkeypatch.chdir(data_dir)  # not a git checkout
+    run_tasks(_ours(checkpoint), ["lifecycle_pairs"], data_dir=data_dir, limit=2)
+    assert "not a git repository" not in capfd.readouterr().err
+    assert (lm_eval.evaluator.add_env_info, lm_eval.evaluator.get_git_commit_hash) == before
+
+
 def test_a_trained_model_gets_the_local_tasks_right(checkpoint, data_dir, tmp_path):
     """The scores measure something: after a few steps on the dev answers the model answers them."""
     model, tokenizer, _ = load_variant(checkpoint)

@@ -37,6 +37,12 @@ from eager's in the last bits, so the engines of evaluate and predict stay eager
 with `generate`) and the compiled step is for long-lived callers (bench/deploy_decode.py measures
 both).
 
+`prompt_lookup=PromptLookup(...)` (`prompt_lookup.py`) decodes a lone prompt greedily with speculation:
+each forward runs the last token and the tokens that followed the latest earlier occurrence of the
+last few, takes the draft tokens the model would have chosen plus the model's own next token, and
+crops the rest from the cache (several tokens a forward where answers copy their context; a batch
+of prompts, or sampling, decodes one token a step).
+
 `unsupported(model)` names what the engine does not run (an onnxruntime model, a prompt-learning
 adapter other than prefix tuning); generation.py keeps `generate` for those and logs the reason.
 """

@@ -137,8 +137,8 @@ def test_local_tasks_score_as_with_lm_evals_hf_backend(checkpoint, data_dir):
 
 
 def test_tasks_run_without_lm_evals_environment_report(checkpoint, data_dir, capfd, monkeypatch):
-    """simple_evaluate's collect_env subprocesses and `git describe` are skipped (1.5 s a job, and a "fatal: not a
-    git repository" line in the log outside a checkout), and lm-eval's own functions are back afterwards."""
+    """simple_evaluate's collect_env subprocesses and `git describe` are skipped (0.26 s a job, and a "fatal: not
+    a git repository" line in the log outside a checkout), and lm-eval's own functions are back afterwards."""
     import lm_eval.evaluator
 
     before = (lm_eval.evaluator.add_env_info, lm_eval.evaluator.get_git_commit_hash)

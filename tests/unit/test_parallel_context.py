@@ -129,7 +129,13 @@ def _worker_cp4(rank: int, world: int) -> dict:
     ring_attention.QUERY_TILE = 3
     topology = Topology(ParallelDegrees(world_size=world, context_parallel_degree=world))
     runs = [("llama", case, mode) for case in ("even", "odd_packed", "window") for mode in ("all_gather", "ring")]
-    return {run: _context_checks(rank, topology.get_context_parallel_group(), None, *run) for run in runs}
+    out = {run: _context_checks(rank, topology.get_context_parallel_group(), None, *run) for run in runs}
+    dropout = _built(config_for_flavour("debug", vocab_size=VOCAB, attention_dropout=0.1))
+    try:  # ring attention has no dropout: refused when the model is split, not silently left out
+        apply_context_parallel(dropout, topology.get_context_parallel_group(), mode="ring")
+    except ValueError as e:
+        out["refused"] = str(e)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -177,6 +183,7 @@ def test_cp2_tp2_sequence_parallel_matches_single_process(cp2_tp2, flavour, case
 def test_cp4_matches_single_process(cp4, case, mode):
     _check(cp4, "llama", case, mode)
     assert cp4[0][("llama", case, mode)]["local_tokens"] == 4  # 16 (15 padded) tokens over 4 ranks
+    assert all(r["refused"].startswith("context_parallel_mode=ring with attention_dropout=0.1") for r in cp4)
 
 
 @pytest.mark.multiproc

@@ -493,7 +493,8 @@ def _check_layout(key: str, sec: dict[str, Any], exp: dict[str, Any], source: di
     layers = arch["num_hidden_layers"]
     model_type = arch.get("model_type", "llama")
     problem = moe_layout_problem(model_type, tp, pp, cp, sec["sequence_parallel"], ep=ep,
-                                 num_experts=arch.get("num_experts"), sharding=sec["sharding"]) \
+                                 num_experts=arch.get("num_experts"), sharding=sec["sharding"],
+                                 capacity_factor=exp["model"].get("moe_capacity_factor")) \
         if BY_MODEL_TYPE[model_type].moe else expert_parallel_without_experts(ep, model_type)
     if problem:
         raise ConfigError(f"{key}: {problem} (flavour {exp['model']['flavour']!r})")

@@ -455,11 +455,13 @@ class LlamaForCausalLM(nn.Module):
         """This model's (or pipeline stage's) sparse MoE blocks, in layer order."""
         return [m for m in self.modules() if isinstance(m, SparseMoeBlock)]
 
-    def router_loss(self) -> torch.Tensor:
+    def router_loss(self, group=None) -> torch.Tensor:
         """The routers' training losses of the last forward: router_aux_loss_coef x the load-balancing
         loss (transformers' formula, so `forward(ids, labels)`'s loss equals MixtralForCausalLM's with
         output_router_logits=True) plus router_z_loss_coef x the router z-loss; zero without records.
-        The records are consumed (a later call without a forward in between returns zero)."""
+        The records are consumed (a later call without a forward in between returns zero). `group`:
+        the context-parallel group, whose ranks hold parts of each sequence: this rank's share of
+        the sequences' losses (stages.model.moe.load_balancing_loss)."""
         records = []
         for block in self.sparse_blocks():
             if block.record is not None:
@@ -468,9 +470,9 @@ class LlamaForCausalLM(nn.Module):
         if not records:
             return torch.zeros((), device=self.lm_head.weight.device)
         c = self.config
-        loss = c.router_aux_loss_coef * load_balancing_loss(records, c.num_experts)
+        loss = c.router_aux_loss_coef * load_balancing_loss(records, c.num_experts, group)
         if c.router_z_loss_coef:
-            loss = loss + c.router_z_loss_coef * router_z_loss(records)
+            loss = loss + c.router_z_loss_coef * router_z_loss(records, group)
         return loss
 
 

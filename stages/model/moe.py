@@ -187,17 +187,37 @@ def group_by_expert(chosen: torch.Tensor, keep: torch.Tensor | None,
     return order[: int(counts.sum())], counts
 
 
-def load_balancing_loss(records: list[RouterRecord], num_experts: int) -> torch.Tensor:
+def _summed(value: torch.Tensor, group) -> torch.Tensor:
+    """`value` summed over `group` (no gradient: counts), or itself without a group."""
+    if group is None:
+        return value
+    import torch.distributed as dist
+
+    value = value.detach().clone()
+    dist.all_reduce(value, group=group)
+    return value
+
+
+def load_balancing_loss(records: list[RouterRecord], num_experts: int, group=None) -> torch.Tensor:
     """transformers' `load_balancing_loss_func` (Switch Transformer eq. 4-6) over every sparse
     layer at once: E x sum_e f_e P_e, f_e the (token, choice) pairs expert e received per token of
-    all layers (the f_e sum to k) and P_e its mean router probability; k at perfect balance."""
-    counts = sum(r.tokens_per_expert().float() for r in records)
+    all layers (the f_e sum to k) and P_e its mean router probability; k at perfect balance.
+    `group`: the ranks that share each sequence (context parallelism), each holding some of its
+    tokens: f_e and the token count are summed over them, and this rank's share of the loss is
+    E x sum_e f_e (its tokens' probability sums / all tokens), so the shares add up to the loss of
+    the whole sequence and each rank's router gets exactly its tokens' gradient."""
+    counts = _summed(sum(r.tokens_per_expert().float() for r in records), group)
     prob_sums = sum(torch.softmax(r.logits.float(), dim=-1).sum(0) for r in records)
-    rows = sum(r.logits.shape[0] for r in records)
+    rows = _summed(torch.tensor(float(sum(r.logits.shape[0] for r in records)), device=counts.device), group)
     return num_experts * torch.sum((counts / rows) * (prob_sums / rows))
 
 
-def router_z_loss(records: list[RouterRecord]) -> torch.Tensor:
+def router_z_loss(records: list[RouterRecord], group=None) -> torch.Tensor:
     """ST-MoE's router z-loss: the mean over layers and tokens of logsumexp(router logits)^2; it
-    keeps the logits small so the fp32 softmax stays well conditioned."""
-    return torch.stack([torch.logsumexp(r.logits.float(), dim=-1).pow(2).mean() for r in records]).mean()
+    keeps the logits small so the fp32 softmax stays well conditioned. `group`: as for
+    `load_balancing_loss`, this rank's share (its tokens' terms over the tokens of the group)."""
+    layers = []
+    for r in records:
+        rows = _summed(torch.tensor(float(r.logits.shape[0]), device=r.logits.device), group)
+        layers.append(torch.logsumexp(r.logits.float(), dim=-1).pow(2).sum() / rows)
+    return torch.stack(layers).mean()

@@ -271,7 +271,9 @@ def setup(model: torch.nn.Module, source, section: Mapping[str, Any], *, stage: 
                                                           mixing=getattr(source, "mix_ratio", 0.0) > 0)
     router_stats = None
     if getattr(config, "moe", False):  # our model's config, a mixture of experts
-        router_stats = RouterStats(topology.get_data_parallel_group(), sum(config.sparse_layers()), config.num_experts)
+        cp_group = topology.get_context_parallel_group() if topology.degrees.context_parallel_degree > 1 else None
+        router_stats = RouterStats(topology.get_data_parallel_group(), sum(config.sparse_layers()), config.num_experts,
+                                   cp_group)
     columns = (pair_stats.columns if pair_stats is not None else ()) + \
         (router_stats.columns if router_stats is not None else ())
     train_log = TrainLog(staging / "train_log.csv", section.max_steps, enabled=rank == 0, desc=stage,

@@ -75,7 +75,8 @@ def parallelize(model: torch.nn.Module, section: Mapping[str, Any],
     problem = moe_layout_problem(model.config.model_type, degrees.tensor_parallel_degree,
                                  degrees.pipeline_parallel_degree, degrees.context_parallel_degree,
                                  section.sequence_parallel, ep=degrees.expert_parallel_degree,
-                                 num_experts=model.config.num_experts, sharding=section.sharding) \
+                                 num_experts=model.config.num_experts, sharding=section.sharding,
+                                 capacity_factor=model.config.moe_capacity_factor) \
         if model.config.moe else None
     if problem:
         raise ValueError(problem)

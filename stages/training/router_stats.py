@@ -12,6 +12,7 @@ steps this process ran (since the start, or the resume).
 from __future__ import annotations
 
 import torch
+import torch.distributed
 
 from stages.parallel.mappings import collective_device
 
@@ -22,8 +23,13 @@ class RouterStats:
     """Router loss and expert loads of this rank's micro-batches; `means` sums them over the
     data-parallel ranks (collective, once per logged row)."""
 
-    def __init__(self, dp_group, sparse_layers: int, num_experts: int):
+    def __init__(self, dp_group, sparse_layers: int, num_experts: int, cp_group=None):
         self.dp_group = dp_group
+        # context parallelism: each rank's micro-batch holds parts of the sequences, and its router
+        # loss is its share of theirs (LlamaForCausalLM.router_loss), times cp because DeepSpeed
+        # averages the gradients over the data group, which holds the cp ranks of each sequence
+        self.cp_group = cp_group
+        self.cp = 1 if cp_group is None else torch.distributed.get_world_size(group=cp_group)
         self.loss_sum = torch.zeros((), dtype=torch.float64)
         self.micro_batches = 0
         self.counts = torch.zeros(sparse_layers, num_experts, dtype=torch.float64)  # since the last row
@@ -36,7 +42,7 @@ class RouterStats:
         expert loads counted."""
         records = [block.record for block in model.sparse_blocks()]
         counts = torch.stack([r.tokens_per_expert() for r in records]).double()
-        loss = model.router_loss()
+        loss = model.router_loss(self.cp_group) * self.cp
         # kept on the model's device until `means`: no host sync in the step
         self.counts = self.counts.to(counts.device) + counts
         self.loss_sum = self.loss_sum.to(counts.device) + loss.detach().double()

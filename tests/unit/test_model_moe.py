@@ -242,7 +242,10 @@ def test_the_exported_graph_computes_every_expert_densely_and_the_same_output():
 
 @pytest.mark.parametrize("section, fragment", [
     ({"pretrain": {"world_size": 2, "pipeline_parallel_degree": 2, "gradient_accumulation_steps": 2}},
-     "pipeline_parallel_degree=2, context_parallel_degree=1 with the mixture of experts model_type='mixtral'"),
+     "pipeline_parallel_degree=2 with the mixture of experts model_type='mixtral': the load-balancing loss"),
+    ({"model": {"flavour": "moe-debug", "moe_capacity_factor": 1.25},
+      "pretrain": {"world_size": 2, "context_parallel_degree": 2}},
+     "context_parallel_degree=2 with moe_capacity_factor=1.25: an expert's capacity counts the tokens of one"),
     ({"pretrain": {"world_size": 2, "tensor_parallel_degree": 2, "sequence_parallel": True}},
      "sequence_parallel=true with the mixture of experts"),
     ({"model": {"flavour": "moe-debug", "moe_capacity_factor": 1.25}, "deploy": {"gguf": ["q8_0"]}},
@@ -262,3 +265,5 @@ def test_the_config_check_refuses_what_a_mixture_does_not_get(section, fragment)
     check_config({"experiments": {"m": tp2}})  # attention split, experts replicated: accepted
     ep2 = {"model": {"flavour": "moe-debug"}, "pretrain": {"world_size": 2, "expert_parallel_degree": 2}}
     check_config({"experiments": {"m": ep2}})  # experts split over the two data ranks: accepted
+    cp2 = {"model": {"flavour": "moe-debug"}, "pretrain": {"world_size": 2, "context_parallel_degree": 2}}
+    check_config({"experiments": {"m": cp2}})  # each sequence's tokens over two ranks, dropless: accepted

@@ -1,12 +1,13 @@
 """A mixture of experts pretrained on our model (the `moe-debug` flavour: Mixtral blocks, top 2 of 4
 experts) by the pretrain stage (real torchrun, gloo, fp32): data parallel with ZeRO-1 and ZeRO-3,
-tensor parallelism of attention (the experts replicated) and expert parallelism (2 experts per rank,
+tensor parallelism of attention (the experts replicated), expert parallelism (2 experts per rank,
 tokens exchanged all-to-all: alone, with ZeRO-1, with ZeRO-2 and recompute, with tp2 attention, over
-4 data ranks), against the one-process run on the same global batch of 8 windows per step (the router
-loss is a mean over micro-batches, and the micro-batches hold the same windows in every layout); bf16
-expert parallelism against one bf16 process; the output a Mixtral checkpoint transformers opens, the
-router loss and load balance logged, checkpoints moving between expert parallelism and one process,
-and a killed expert-parallel run resuming bit for bit."""
+4 data ranks) and context parallelism (ring attention with ZeRO-1; all-gather beside ep2), against
+the one-process run on the same global batch of 8 windows per step (the router loss is a mean over
+micro-batches, and the micro-batches hold the same windows in every layout); bf16 expert parallelism
+against one bf16 process; the output a Mixtral checkpoint transformers opens, the router loss and
+load balance logged, checkpoints moving between expert parallelism and one process, and a killed
+expert-parallel run resuming bit for bit."""
 
 from __future__ import annotations
 
@@ -43,6 +44,12 @@ LAYOUTS = {  # name -> (processes, section); micro-batch x accumulation x data p
     # sharded over them (ZeRO-1's expert-data group)
     "ep2_zero1_dp4": (4, dict(sharding="stage1", expert_parallel_degree=2, per_device_train_batch_size=2,
                               gradient_accumulation_steps=1)),
+    # each window's tokens split over two ranks (zigzag), the routers' losses summed over them; with
+    # ring attention and ZeRO-1, and beside ep2 over the two data ranks
+    "cp2_ring_zero1": (2, dict(sharding="stage1", context_parallel_degree=2, context_parallel_mode="ring",
+                               per_device_train_batch_size=2, gradient_accumulation_steps=4)),
+    "cp2_ep2_dp2": (4, dict(sharding="none", context_parallel_degree=2, expert_parallel_degree=2,
+                            per_device_train_batch_size=2, gradient_accumulation_steps=2)),
 }
 EP2_ZERO1 = (2, dict(sharding="stage1", expert_parallel_degree=2, per_device_train_batch_size=2,
                      gradient_accumulation_steps=2))

@@ -94,8 +94,16 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
             self.shared_expert_gate.keep_float = True  # a router too (one output)
         self.record: RouterRecord | None = None  # the last forward's routing
+        # sequence parallelism (set by stages.parallel.plan): x holds this rank's tokens; the block runs
+        # on the whole sequence, `whole(x)` gathered and `part(y)` this rank's tokens of the output
+        self.sequence = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence is not None:
+            return self.sequence.part(self._forward(self.sequence.whole(x)))
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, d)
         if self.training and self.routing.jitter > 0:

@@ -14,7 +14,8 @@ def moe_layout_problem(model_type: str, tp: int, pp: int, cp: int, sequence_para
     the data group, with ZeRO 1/2 (DeepSpeed shards expert state over the ranks holding the same experts; its ZeRO-3
     takes no experts of ours); context parallelism splits each sequence's tokens, the routers'
     losses summed over the context group (dropless routing only: a capacity counts a forward's
-    tokens); sequence and pipeline parallelism are not built for it."""
+    tokens); sequence parallelism splits the residual stream, the sparse blocks gathering the whole
+    sequence on every tensor-parallel rank; pipeline parallelism is not built for it."""
     if ep > 1 and num_experts is not None and num_experts % ep:
         return (f"expert_parallel_degree={ep} does not divide num_experts={num_experts} of the mixture of experts "
                 f"model_type={model_type!r}: every expert rank holds the same number of experts")
@@ -30,9 +31,6 @@ def moe_layout_problem(model_type: str, tp: int, pp: int, cp: int, sequence_para
         return (f"context_parallel_degree={cp} with moe_capacity_factor={capacity_factor}: an expert's capacity "
                 "counts the tokens of one forward, which context parallelism splits over ranks; use dropless "
                 "routing (moe_capacity_factor: null) or context_parallel_degree: 1")
-    if tp > 1 and sequence_parallel:
-        return (f"sequence_parallel=true with the mixture of experts model_type={model_type!r}: a rank's share of "
-                "the tokens would route and balance its experts apart from the others'; set sequence_parallel: false")
     return None
 
 

@@ -159,6 +159,8 @@ def apply_tensor_parallel(model: nn.Module, topology_or_group, tensor_parallel_o
     model.tensor_parallel_degree = tp
     if sequence_parallel and tp > 1:
         model.sequence_parallel = SequenceSplit(group)
+        for block in getattr(model, "sparse_blocks", list)():  # a mixture of experts routes the whole sequence
+            block.sequence = model.sequence_parallel
     if tensor_parallel_output and tp > 1:
         # the model's forward(input_ids, labels) then returns the vocab-parallel loss
         model.loss_function = functools.partial(_causal_lm_loss_with_group, group=group)

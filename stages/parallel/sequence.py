@@ -35,12 +35,14 @@ class SequenceSplit:
     def __init__(self, group):
         self.group = group
         self.world = dist.get_world_size(group=group)
+        self.length = self.padded = None  # the current forward's real and padded lengths (`pad`)
 
     def pad(self, x: torch.Tensor, position_ids: torch.Tensor | None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x (B, T, d) and position_ids (B, T) padded at the end to a multiple of the group's size."""
         length = x.shape[1]
         extra = -length % self.world
+        self.length, self.padded = length, length + extra  # read by `whole` and `part` until the next forward
         if not extra:
             return x, position_ids
         x = F.pad(x, (0, 0, 0, extra))  # (B, T + extra, d), zeros after the last token
@@ -55,6 +57,17 @@ class SequenceSplit:
     def leave(self, x: torch.Tensor, length: int) -> torch.Tensor:
         """Every rank's tokens gathered, cut back to the `length` real ones: (B, length, d)."""
         return gather_from_sequence_parallel_region(x, self.group)[:, :length]
+
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's real tokens (B, length, d) from this rank's (B, T/tp, d), for a block every
+        rank runs whole on the whole sequence (a mixture of experts' sparse block: its routing and
+        load-balancing loss see every token, as without sequence parallelism); the gradient is split
+        back (each rank computes the same one)."""
+        return gather_from_sequence_parallel_region(x, self.group)[:, :self.length]
+
+    def part(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens (B, T/tp, d) of a whole-sequence output y (B, length, d), padded as `enter`."""
+        return scatter_to_sequence_parallel_region(F.pad(y, (0, 0, 0, self.padded - self.length)), self.group)
 
     def __repr__(self) -> str:
         return f"SequenceSplit(tp={self.world})"

@@ -246,8 +246,6 @@ def test_the_exported_graph_computes_every_expert_densely_and_the_same_output():
     ({"model": {"flavour": "moe-debug", "moe_capacity_factor": 1.25},
       "pretrain": {"world_size": 2, "context_parallel_degree": 2}},
      "context_parallel_degree=2 with moe_capacity_factor=1.25: an expert's capacity counts the tokens of one"),
-    ({"pretrain": {"world_size": 2, "tensor_parallel_degree": 2, "sequence_parallel": True}},
-     "sequence_parallel=true with the mixture of experts"),
     ({"model": {"flavour": "moe-debug", "moe_capacity_factor": 1.25}, "deploy": {"gguf": ["q8_0"]}},
      "model.moe_capacity_factor=1.25 drops tokens past an expert's capacity, which llama.cpp does not"),
     ({"deploy": {"compressed_tensors": ["a8w8"]}, "quantize": {"variants": ["a8w8"]}},
@@ -267,3 +265,6 @@ def test_the_config_check_refuses_what_a_mixture_does_not_get(section, fragment)
     check_config({"experiments": {"m": ep2}})  # experts split over the two data ranks: accepted
     cp2 = {"model": {"flavour": "moe-debug"}, "pretrain": {"world_size": 2, "context_parallel_degree": 2}}
     check_config({"experiments": {"m": cp2}})  # each sequence's tokens over two ranks, dropless: accepted
+    sp = {"model": {"flavour": "moe-debug"}, "pretrain": {"world_size": 2, "tensor_parallel_degree": 2,
+                                                          "sequence_parallel": True}}
+    check_config({"experiments": {"m": sp}})  # the sparse blocks gather the sequence: accepted

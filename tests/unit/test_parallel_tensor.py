@@ -291,10 +291,44 @@ def _sequence_parallel_checks(rank: int, world: int, group, cfg) -> dict[str, fl
     return out
 
 
+def _moe_sequence_parallel_checks(rank: int, world: int, group) -> dict[str, float]:
+    """A mixture of experts (moe-debug: Mixtral blocks, top 2 of 4) under tp2 with sequence parallelism
+    against the dense model: the sparse blocks gather the whole sequence (pads cut) on every rank, so the
+    logits, the loss with its load-balancing term and every gradient are the one process's, for a length
+    tp divides (16) and one it pads (15)."""
+    out = {}
+    cfg = config_for_flavour("moe-debug", vocab_size=VOCAB)
+    for length in (16, 15):
+        ids = torch.randint(0, VOCAB, (2, length), generator=torch.Generator().manual_seed(13))
+        runs = []
+        for sp in (False, True):
+            model = _built(cfg)
+            with torch.no_grad():  # clear-cut routing: random routers score experts within ~1e-2
+                for block in model.sparse_blocks():
+                    block.gate.weight.mul_(50)
+            if sp:
+                model = apply_tensor_parallel(model, group, sequence_parallel=True)
+            model.train()
+            logits, loss = model(ids, labels=ids)
+            loss.backward()
+            runs.append((model, logits, loss))
+        (dense, logits_d, loss_d), (par, logits_p, loss_p) = runs
+        grads = {n: p.grad for n, p in dense.named_parameters()}
+        diff = 0.0
+        for name, p in par.named_parameters():
+            full = grads[name]
+            if getattr(p, "tensor_model_parallel", False):
+                full = shard_tensor(full, p.partition_dim, rank, world, partition_chunks(p))
+            diff = max(diff, _diff(p.grad, full))
+        out[f"{length}_logits"], out[f"{length}_loss"], out[f"{length}_grads"] = (
+            _diff(logits_p, logits_d), _diff(loss_p, loss_d), diff)
+    return out
+
+
 def _worker(rank: int, world: int) -> dict:
     group = dist.group.WORLD
-    return {"layers": _layer_checks(rank, world, group),
-            **{flavour: _model_checks(rank, world, group, flavour) for flavour in CONFIGS}}
+    return {"layers": _layer_checks(rank, world, group), "moe_sequence_parallel": _moe_sequence_parallel_checks(
+        rank, world, group), **{flavour: _model_checks(rank, world, group, flavour) for flavour in CONFIGS}}
 
 
 @pytest.fixture(scope="module")
@@ -317,6 +351,14 @@ def test_linear_layers_match_dense(results, layer):
 def test_vocab_parallel_embedding_matches_dense(results):
     assert _max(results, "layers", "embedding_fwd") <= 1e-6
     assert _max(results, "layers", "embedding_dw") <= 1e-6
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("length", [16, 15])
+def test_a_mixture_of_experts_under_sequence_parallelism_matches_dense(results, length):
+    assert _max(results, "moe_sequence_parallel", f"{length}_logits") <= 1e-5
+    assert _max(results, "moe_sequence_parallel", f"{length}_loss") <= 1e-5
+    assert _max(results, "moe_sequence_parallel", f"{length}_grads") <= 1e-6
 
 
 @pytest.mark.multiproc

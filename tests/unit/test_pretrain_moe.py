@@ -1,6 +1,6 @@
 """A mixture of experts pretrained on our model (the `moe-debug` flavour: Mixtral blocks, top 2 of 4
 experts) by the pretrain stage (real torchrun, gloo, fp32): data parallel with ZeRO-1 and ZeRO-3,
-tensor parallelism of attention (the experts replicated), expert parallelism (2 experts per rank,
+tensor parallelism of attention (the experts replicated; with sequence parallelism), expert parallelism (2 experts per rank,
 tokens exchanged all-to-all: alone, with ZeRO-1, with ZeRO-2 and recompute, with tp2 attention, over
 4 data ranks) and context parallelism (ring attention with ZeRO-1; all-gather beside ep2), against
 the one-process run on the same global batch of 8 windows per step (the router loss is a mean over
@@ -50,6 +50,9 @@ LAYOUTS = {  # name -> (processes, section); micro-batch x accumulation x data p
                                per_device_train_batch_size=2, gradient_accumulation_steps=4)),
     "cp2_ep2_dp2": (4, dict(sharding="none", context_parallel_degree=2, expert_parallel_degree=2,
                             per_device_train_batch_size=2, gradient_accumulation_steps=2)),
+    # sequence parallelism: norms and residual on each rank's tokens, the sparse blocks on the gathered sequence
+    "tp2_sp_zero1": (2, dict(sharding="stage1", tensor_parallel_degree=2, sequence_parallel=True,
+                             per_device_train_batch_size=2, gradient_accumulation_steps=4)),
 }
 EP2_ZERO1 = (2, dict(sharding="stage1", expert_parallel_degree=2, per_device_train_batch_size=2,
                      gradient_accumulation_steps=2))

@@ -2,8 +2,9 @@
 CPU without AMX (the model asks it on every attention call, `stages.model.attention_precision`,
 which holds the why and the measurements; the memory planner counts the fp32 copies SDPA then
 saves), the head counts Ulysses context parallelism can split (the config check, the planner
-and `stages.parallel.context`), and the query rows ring attention scores at once. The config check and the planner (`stages.planning.memory`) must
-load without torch when Snakemake parses the workflow."""
+and `stages.parallel.context`), and the query rows ring attention scores at once. The config check
+and the planner (`stages.planning.memory`) must load without torch when Snakemake parses the
+workflow."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ def moe_layout_problem(model_type: str, tp: int, pp: int, cp: int, sequence_para
     ZeRO split it as any model; tensor parallelism splits its attention (each rank runs the sparse
     blocks whole, on every token, their weights replicated as a norm's are; OLMoE's q/k norms, which
     span every head, split with the heads); expert parallelism (`ep`) splits the experts over ranks of
-    the data group, with ZeRO 1/2 (DeepSpeed shards expert state over the ranks holding the same experts; its ZeRO-3
-    takes no experts of ours); context parallelism splits each sequence's tokens, the routers'
+    the data group, with ZeRO 1/2 (DeepSpeed shards expert state over the ranks holding the same
+    experts; its ZeRO-3 takes no experts of ours); context parallelism splits each sequence's tokens, the routers'
     losses summed over the context group (dropless routing only: a capacity counts a forward's
     tokens); sequence parallelism splits the residual stream, the sparse blocks gathering the whole
     sequence on every tensor-parallel rank; pipeline parallelism is not built for it."""

@@ -1,7 +1,8 @@
 """stages/deploy.py: an artifact is written, checked with the runtime users deploy with (here
 transformers' GGUF loader, for a mixture of experts transformers on our reading of the file, and
-transformers with compressed-tensors) on validation text, and only then published; a failed check publishes nothing and leaves the previous artifact; the manifest
-lists what was published with its check. The writers themselves: test_gguf_writer.py,
+transformers with compressed-tensors) on validation text, and only then published; a failed check
+publishes nothing and leaves the previous artifact; the manifest lists what was published with its
+check. The writers themselves: test_gguf_writer.py,
 test_compressed_tensors.py."""
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """A mixture of experts pretrained on our model (the `moe-debug` flavour: Mixtral blocks, top 2 of 4
 experts) by the pretrain stage (real torchrun, gloo, fp32): data parallel with ZeRO-1 and ZeRO-3,
-tensor parallelism of attention (the experts replicated; with sequence parallelism), expert parallelism (2 experts per rank,
-tokens exchanged all-to-all: alone, with ZeRO-1, with ZeRO-2 and recompute, with tp2 attention, over
-4 data ranks) and context parallelism (ring attention with ZeRO-1; all-gather beside ep2), against
-the one-process run on the same global batch of 8 windows per step (the router loss is a mean over
-micro-batches, and the micro-batches hold the same windows in every layout); bf16 expert parallelism
-against one bf16 process; the output a Mixtral checkpoint transformers opens, the router loss and
-load balance logged, checkpoints moving between expert parallelism and one process, and a killed
-expert-parallel run resuming bit for bit."""
+tensor parallelism of attention (the experts replicated; also with sequence parallelism), expert
+parallelism (2 experts per rank, tokens exchanged all-to-all: alone, with ZeRO-1, with ZeRO-2 and
+recompute, with tp2 attention, over 4 data ranks) and context parallelism (ring attention with
+ZeRO-1; all-gather beside ep2), against the one-process run on the same global batch of 8 windows
+per step (the router loss is a mean over micro-batches, and the micro-batches hold the same windows
+in every layout); bf16 expert parallelism against one bf16 process; the output a Mixtral checkpoint
+transformers opens, the router loss and load balance logged, checkpoints moving between expert
+parallelism and one process, and a killed expert-parallel run resuming bit for bit."""
 
 from __future__ import annotations
 

@@ -79,16 +79,16 @@ def test_missing_file_and_other_architectures_are_refused_before_loading(tmp_pat
     writer.close()
     with pytest.raises(ValueError, match="general.architecture='qwen2'"):
         gguf.convert_gguf(tmp_path / "qwen.gguf", tmp_path / "out")
-    # a mixture of experts this converter does not read (transformers builds no tokenizer for arch olmoe)
-    writer = pytest.importorskip("gguf").GGUFWriter(tmp_path / "olmoe.gguf", arch="olmoe")
+    # a mixture of experts this converter does not read (it reads Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE)
+    writer = pytest.importorskip("gguf").GGUFWriter(tmp_path / "deepseek.gguf", arch="deepseek2")
     writer.add_expert_count(4)
     writer.add_tensor("token_embd.weight", np.zeros((4, 2), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"general.architecture='olmoe'.*'qwen2moe' \(Qwen2-MoE\)"):
-        gguf.convert_gguf(tmp_path / "olmoe.gguf", tmp_path / "out")
+    with pytest.raises(ValueError, match=r"general.architecture='deepseek2'.*'qwen2moe', 'qwen3moe' and 'olmoe'"):
+        gguf.convert_gguf(tmp_path / "deepseek.gguf", tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 

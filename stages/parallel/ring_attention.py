@@ -34,6 +34,8 @@ import torch.distributed as dist
 
 from stages.model.attention_shapes import RING_QUERY_TILE
 
+QUERY_TILE = RING_QUERY_TILE  # query rows scored at once (why: stages.model.attention_shapes)
+
 
 def _start_pass(tensors: list[torch.Tensor], group) -> tuple[list[torch.Tensor], list]:
     """Send `tensors` to the next rank of the group's ring and receive the previous rank's (same
@@ -50,9 +52,6 @@ def _start_pass(tensors: list[torch.Tensor], group) -> tuple[list[torch.Tensor],
 def _finish(requests: list) -> None:
     for request in requests:
         request.wait()
-
-
-QUERY_TILE = RING_QUERY_TILE  # query rows scored at once (why: stages.model.attention_shapes)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:

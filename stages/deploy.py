@@ -40,7 +40,7 @@ import torch
 
 from stages import settings
 from stages.checkpoint.atomic import atomic_dir, write_json
-from stages.checkpoint.gguf_mixture import is_mixture, write_mixture
+from stages.checkpoint.gguf_mixture import is_mixture_file, mixture_tokenizer, write_mixture
 from stages.checkpoint.meta import write_meta
 from stages.checkpoint.weights import check_model_dir
 from stages.data.corpus import read_index
@@ -77,16 +77,11 @@ def _read_gguf(path: Path, scratch: Path) -> tuple[torch.nn.Module, Any, str]:
     computes what llama.cpp computes from the same file (tests/unit/test_gguf_writer.py)."""
     import transformers
 
-    from stages.checkpoint.gguf import read_gguf_fields  # transformers: only the GGUF check needs it
-
-    arch = read_gguf_fields(path, ("general.architecture",))["general.architecture"]
-    experts = read_gguf_fields(path, (f"{arch}.expert_count",))[f"{arch}.expert_count"]
     version = transformers.__version__
-    if not is_mixture(arch, experts):
+    if not is_mixture_file(path):
         tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
         return _transformers_model(path.parent, gguf_file=path.name), tokenizer, f"transformers {version} GGUF loader"
-    # the fast tokenizer class itself: AutoTokenizer would first read a config of the arch
-    tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(path.parent, gguf_file=path.name)
+    tokenizer = mixture_tokenizer(path)
     write_mixture(path, scratch, tokenizer)
     runtime = (f"transformers {version} on the float model stages.checkpoint.gguf_mixture reads from it "
                f"(gguf {importlib.metadata.version('gguf')})")

@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 from tokenizers import Regex, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from stages.checkpoint.atomic import atomic_dir
-from stages.checkpoint.gguf_mixture import is_mixture, write_mixture
+from stages.checkpoint.gguf_mixture import is_mixture, mixture_tokenizer, write_mixture
 from stages.checkpoint.meta import write_meta
 
 log = logging.getLogger(__name__)
@@ -164,8 +164,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> dict[str, Any]:
 
     log.info("reading %s (dequantizing to float32)", gguf_path)
     if mixture:  # transformers' GGUF loader reads the tokenizer, not the experts (stages.checkpoint.gguf_mixture)
-        model = None  # the fast tokenizer class itself: AutoTokenizer would first read a config of the arch
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model, tokenizer = None, mixture_tokenizer(gguf_path)
     else:
         gguf_model, tokenizer = load_gguf(gguf_path)
         model = plain_llama(gguf_model)

@@ -32,12 +32,12 @@ import numpy as np
 import torch
 
 from stages.checkpoint.gguf_names import TENSOR_NAMES, unpermute_qk
-from stages.model.registry import family
+from stages.model.registry import FAMILIES, family
 
 log = logging.getLogger(__name__)
 
-# arch (with experts) -> config.json model_type
-MODEL_TYPES = {"llama": "mixtral", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "olmoe": "olmoe"}
+# arch (with experts) -> config.json model_type: the mixtures the GGUF writer writes (the family registry's gguf_arch)
+MODEL_TYPES = {f.gguf_arch: f.model_type for f in FAMILIES if f.moe and f.gguf_arch}
 _PER_EXPERT = ("mlp", {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"})
 # llama.cpp's stacked experts -> each expert's matrix, per model_type
 EXPERT_NAMES = {
@@ -49,6 +49,24 @@ EXPERT_NAMES = {
 def is_mixture(arch: str | None, expert_count: int | None) -> bool:
     """Whether a file of `arch` with `{arch}.expert_count` is read by this module."""
     return arch in MODEL_TYPES and bool(expert_count)
+
+
+def is_mixture_file(gguf_path: Path) -> bool:
+    """Whether the GGUF file at `gguf_path` is a mixture this module reads (its metadata only)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    arch = _field(reader, "general.architecture")
+    return is_mixture(arch, _field(reader, f"{arch}.expert_count"))
+
+
+def mixture_tokenizer(gguf_path: Path):
+    """transformers' tokenizer of the file's `tokenizer.ggml.*` keys: the fast tokenizer class itself,
+    which builds it for any arch (AutoTokenizer would first read a config of the arch, which
+    transformers' GGUF loader has for none of these mixtures' experts)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
 
 
 def _field(reader, key: str, default: Any = None) -> Any:

@@ -219,24 +219,19 @@ class DecodeEngine:
                  step: bool = False) -> torch.Tensor:
         """(B, vocab) float32 logits of the last position of `ids` (B, n); `step`: a decode step
         (compiled, where the engine compiles)."""
-        kwargs = dict(self._extra)
+        return self._logits(ids, mask, positions, cache, step)[:, -1]
+
+    def _logits(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache,
+                step: bool = False, keep: int = 1) -> torch.Tensor:
+        """(B, keep, vocab) float32 logits of the last `keep` positions of `ids` (B, n), as `_forward`."""
+        kwargs = {"logits_to_keep": keep} if self._extra else {}
         if self._position_ids:
             kwargs["position_ids"] = positions
         self.forward_calls += 1
         forward = self._step if step and self._step is not None else self.runner
         out = forward(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
                           return_dict=True, **kwargs)
-        return out.logits[:, -1].float()  # (B, V)
-
-    def _forward_all(self, ids: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
-        """(n, vocab) float32 logits of every position of `ids` (1, n), a lone unpadded row."""
-        kwargs = {"logits_to_keep": ids.shape[1]} if self._extra else {}
-        if self._position_ids:
-            kwargs["position_ids"] = positions
-        self.forward_calls += 1
-        out = self.runner(input_ids=ids, attention_mask=None, past_key_values=cache, use_cache=True,
-                          return_dict=True, **kwargs)
-        return out.logits[0, -ids.shape[1]:].float()  # (n, V)
+        return out.logits[:, -keep:].float()  # (B, keep, V)
 
     # -- generation --------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -322,7 +317,7 @@ class DecodeEngine:
             draft = self.prompt_lookup.draft(context, limit=budget - len(row.tokens) - 1)
             ids = torch.tensor([[token, *draft]], device=self.device)  # (1, 1 + d)
             places = torch.arange(position + 1, position + 2 + len(draft), device=self.device)[None]  # (1, 1 + d)
-            choices = self._forward_all(ids, places, cache).argmax(-1).tolist()  # the model's token after each
+            choices = self._logits(ids, None, places, cache, keep=ids.shape[1])[0].argmax(-1).tolist()  # after each
             taken = 0
             while taken < len(draft) and draft[taken] == choices[taken]:
                 taken += 1

@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -199,8 +200,6 @@ def _summed(value: torch.Tensor, group) -> torch.Tensor:
     """`value` summed over `group` (no gradient: counts), or itself without a group."""
     if group is None:
         return value
-    import torch.distributed as dist
-
     value = value.detach().clone()
     dist.all_reduce(value, group=group)
     return value

@@ -25,6 +25,7 @@ requests after `--time-limit` seconds.
 
     .venv/bin/python bench/serve.py --model results/llama/lora-merged     # after `make demo`
     .venv/bin/python bench/serve.py --model DIR --concurrency 1,4 --requests 2
+    .venv/bin/python bench/serve.py --model DIR --compile     # the server's decode steps compiled
 Prints a table and writes JSON (default bench/out/serve.json).
 """
 
@@ -125,10 +126,12 @@ def _body(prompt: str, max_tokens: int, model: str, stream: bool = False) -> dic
             "max_tokens": max_tokens, "stream": stream, "stream_options": {"include_usage": stream}}
 
 
-def start_server(model_dir: Path, max_batch_size: int, max_queue: int) -> tuple[subprocess.Popen, str, int]:
+def start_server(model_dir: Path, max_batch_size: int, max_queue: int,
+                 compile: bool = False) -> tuple[subprocess.Popen, str, int]:
+    """The server in its own process; returns once it listens (with `compile`, after its warm-up)."""
     proc = subprocess.Popen([sys.executable, "-m", "stages.serve", "--model", str(model_dir), "--max-batch-size",
-                             str(max_batch_size), "--max-queue", str(max_queue)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             str(max_batch_size), "--max-queue", str(max_queue), *(["--compile"] if compile else [])],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     line = proc.stdout.readline()
     if not line.startswith("serving "):
         proc.kill()
@@ -223,11 +226,14 @@ def level_in_rounds(direct: Direct, host: str, port: int, model: str, clients: i
 
 
 def measure(model_dir: Path, concurrency: list[int], requests: int, max_tokens: int, time_limit: float,
-            repeats: int) -> dict:
+            repeats: int, compile: bool = False) -> dict:
     load_before = os.getloadavg()[0]
     direct = Direct(model_dir, max_tokens)
     model_id = direct.served.model_id
-    proc, host, port = start_server(model_dir, max_batch_size=max(concurrency), max_queue=max(concurrency))
+    started = time.perf_counter()
+    proc, host, port = start_server(model_dir, max_batch_size=max(concurrency), max_queue=max(concurrency),
+                                    compile=compile)
+    start_seconds = time.perf_counter() - started
     try:
         streamed_body, whole_body = (_body(PROMPTS[0], max_tokens, model_id, stream=s) for s in (True, False))
         direct.run(1), stream_request(host, port, streamed_body), plain_request(host, port, whole_body)  # warm-ups
@@ -252,6 +258,7 @@ def measure(model_dir: Path, concurrency: list[int], requests: int, max_tokens: 
     targets = {"clients": top["clients"], "over_engine": top["over_engine"],
                "first_token_over_lone": top["first_token_p50_s"] / lone_first}
     return {"model_dir": str(model_dir), "kind": direct.served.kind, "max_tokens": max_tokens, "repeats": repeats,
+            "compile": compile, "server_start_seconds": start_seconds,
             "load_average": {"before": load_before, "after": os.getloadavg()[0]}, "targets": targets,
             "single_request": {"generate_seconds": median["generate"], "peer_tokens": single["generate"][0]["tokens"],
                                "tokens": single["streamed"][0]["tokens"], "whole_tokens": single["whole"][0]["tokens"],
@@ -271,7 +278,9 @@ def report(result: dict) -> str:
               f"{s['whole_overhead']:+.1%}), first token {s['first_token_seconds'] * 1e3:.0f} ms")
     header = ("| streams | requests | tokens/s | generate on a batch, tokens/s | ratio | engine on a batch, tokens/s | "
               "ratio | latency p50 | p95 | first token p50 |")
-    lines = [f"serving {r['model_dir']} ({r['kind']}), greedy, max_tokens {r['max_tokens']}", "", single, "",
+    mode = "compiled decode steps (--compile)" if r["compile"] else "eager decode steps"
+    lines = [f"serving {r['model_dir']} ({r['kind']}), greedy, max_tokens {r['max_tokens']}, {mode}; the server "
+             f"listened after {r['server_start_seconds']:.1f} s", "", single, "",
              header, "|---|---|---|---|---|---|---|---|---|---|"]
     for v in r["levels"]:
         lines.append(f"| {v['clients']} | {v['requests']} | {v['tokens_per_s']:.1f} | {v['peer_tokens_per_s']:.1f} | "
@@ -298,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed single requests / generate calls (default 5)")
     parser.add_argument("--time-limit", type=float, default=120.0,
                         help="seconds after which a level sends no new request (default 120)")
+    parser.add_argument("--compile", action="store_true",
+                        help="serve with --compile (decode steps compiled before the server listens)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     if not (args.model / "config.json").exists() and not (args.model / "adapter_config.json").exists():
@@ -306,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     concurrency = [int(c) for c in csv_list(args.concurrency)]
     result = {"machine": machine_info("transformers"),
               "result": measure(args.model, concurrency, args.requests, args.max_tokens, args.time_limit,
-                                args.repeats)}
+                                args.repeats, args.compile)}
     return finish(args.out, result, report, started)
 
 

@@ -216,19 +216,21 @@ class DecodeEngine:
 
     # -- one forward -------------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache,
-                 step: bool = False) -> torch.Tensor:
+                 step: bool = False, forward: Callable | None = None) -> torch.Tensor:
         """(B, vocab) float32 logits of the last position of `ids` (B, n); `step`: a decode step
-        (compiled, where the engine compiles)."""
-        return self._logits(ids, mask, positions, cache, step)[:, -1]
+        (compiled, where the engine compiles); `forward`: what runs the model instead of the runner
+        (the running batch's compiled step)."""
+        return self._logits(ids, mask, positions, cache, step, forward=forward)[:, -1]
 
     def _logits(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, cache,
-                step: bool = False, keep: int = 1) -> torch.Tensor:
+                step: bool = False, keep: int = 1, forward: Callable | None = None) -> torch.Tensor:
         """(B, keep, vocab) float32 logits of the last `keep` positions of `ids` (B, n), as `_forward`."""
         kwargs = {"logits_to_keep": keep} if self._extra else {}
         if self._position_ids:
             kwargs["position_ids"] = positions
         self.forward_calls += 1
-        forward = self._step if step and self._step is not None else self.runner
+        if forward is None:
+            forward = self._step if step and self._step is not None else self.runner
         out = forward(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
                           return_dict=True, **kwargs)
         return out.logits[:, -keep:].float()  # (B, keep, V)

@@ -36,16 +36,17 @@ class PreallocatedLayer(DynamicLayer):
     """One layer's keys and values in buffers of `capacity` positions; `keys` / `values` are the
     written part, (B, kv_heads, length, head_dim) views, as DynamicLayer's tensors are."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, spare: int = 0):
         super().__init__()
         self.capacity = capacity
+        self.spare = spare  # positions allocated beyond capacity, never written
         self.length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        batch, heads = key_states.shape[:2]
-        self._keys = key_states.new_empty((batch, heads, self.capacity, key_states.shape[-1]))  # (B, H, L, Dk)
-        self._values = value_states.new_empty((batch, heads, self.capacity, value_states.shape[-1]))  # (B, H, L, Dv)
+        batch, heads, size = *key_states.shape[:2], self.capacity + self.spare
+        self._keys = key_states.new_empty((batch, heads, size, key_states.shape[-1]))  # (B, H, L, Dk)
+        self._values = value_states.new_empty((batch, heads, size, value_states.shape[-1]))  # (B, H, L, Dv)
         self.keys, self.values = self._keys[:, :, :0], self._values[:, :, :0]
         self.is_initialized = True
 
@@ -83,10 +84,13 @@ class PreallocatedLayer(DynamicLayer):
 
 
 class PreallocatedCache(Cache):
-    """`num_layers` PreallocatedLayers of `capacity` positions each (see the module docstring)."""
+    """`num_layers` PreallocatedLayers of `capacity` positions each (see the module docstring).
+    `spare`: positions allocated beyond `capacity` and never written, so that the written part is
+    never the whole buffer; a step compiled with dynamic shapes then never meets the one length
+    at which that view is contiguous (torch.compile would specialize on it and compile again)."""
 
-    def __init__(self, num_layers: int, capacity: int):
-        super().__init__(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, capacity: int, spare: int = 0):
+        super().__init__(layers=[PreallocatedLayer(capacity, spare) for _ in range(num_layers)])
         self.capacity = capacity
 
     def fits(self, batch: int, capacity: int) -> bool:

@@ -48,10 +48,14 @@ class OneRowLinear(TorchFunctionMode):
 
 
 def with_one_row_linears(forward):
-    """`forward` run under OneRowLinear (what the engine compiles as its decode step)."""
+    """`forward` run under OneRowLinear (what the engine compiles as its decode step), as a function
+    with a code object of its own: torch.compile keeps its graphs and their guards per code object,
+    so the steps of two engines (two models, or a server's variants) neither share a recompile limit
+    nor check each other's guards on every call."""
 
     def step(*args, **kwargs):
         with OneRowLinear():
             return forward(*args, **kwargs)
 
+    step.__code__ = step.__code__.replace()  # equal to the shared one, but not the same object
     return step

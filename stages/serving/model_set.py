@@ -41,14 +41,17 @@ class ModelSet:
             self._routes[route.served.model_id] = route
 
     @classmethod
-    def start(cls, models: Sequence[ServedModel], *, max_batch_size: int, max_queue: int) -> ModelSet:
-        """Start a Scheduler (its worker thread) for each model; none is left running on an error."""
+    def start(cls, models: Sequence[ServedModel], *, max_batch_size: int, max_queue: int,
+              compile: bool = False) -> ModelSet:
+        """Start a Scheduler (its worker thread) for each model; none is left running on an error.
+        `compile`: each model's decode steps compiled (Scheduler's `compile`)."""
         routes: list[Route] = []
         try:
             for served in models:
                 routes.append(Route(served, Scheduler(served.model, eos_token_id=served.eos_token_id,
                                                       pad_token_id=served.pad_token_id,
-                                                      max_batch_size=max_batch_size, max_queue=max_queue)))
+                                                      max_batch_size=max_batch_size, max_queue=max_queue,
+                                                      compile=compile)))
             return cls(routes)
         except BaseException:
             for route in routes:

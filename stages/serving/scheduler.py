@@ -17,6 +17,8 @@ prompt-learning adapter other than prefix tuning, a sliding window shorter than 
 batched statically, as before continuous batching: the greedy requests waiting when a batch
 starts run together on `DecodeEngine.generate` (or the model's own `generate`), a request
 arriving meanwhile waits for the next batch, a sampling request runs alone.
+`compile=True` (`--compile`) runs the running batch's decode steps compiled (RunningBatch's
+`compile`), after compiling them on dummy rows before the worker starts.
 Either way `feed` gives each row's new token to its `TextStream`, sends the safe delta to its
 client and ends the row at eos, a stop string, its `max_tokens`, or when its client went away.
 
@@ -153,7 +155,7 @@ class Scheduler:
     (a join of the running batch, or a static batch)."""
 
     def __init__(self, model: torch.nn.Module, *, eos_token_id: int | None, pad_token_id: int,
-                 max_batch_size: int = 8, max_queue: int = 16):
+                 max_batch_size: int = 8, max_queue: int = 16, compile: bool = False):
         if max_batch_size < 1 or max_queue < 1:
             raise InputError(f"--max-batch-size {max_batch_size} and --max-queue {max_queue} must both be >= 1")
         self.model = model
@@ -166,8 +168,11 @@ class Scheduler:
         self.running_batch: RunningBatch | None = None
         reason = batch_unsupported(model)
         if reason is None:
-            self.running_batch = RunningBatch(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+            self.running_batch = RunningBatch(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                                              compile=compile)
         else:
+            if compile:
+                log.info("--compile is for continuous batching; this model's batches stay eager")
             log.info("the scheduler batches statically (no continuous batching): %s", reason)
             if unsupported(model) is None:
                 self.engine = DecodeEngine(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
@@ -182,8 +187,30 @@ class Scheduler:
         self.current: list[Completion] = []  # the requests generating now
         self.finished: Counter[str] = Counter()  # requests ended, by finish reason (/health shows it)
         loop = self._run_continuously if self.running_batch is not None else self._run_statically
-        self._worker = threading.Thread(target=loop, name="generate", daemon=True)
+        warmed: queue.Queue[BaseException | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._warm_up_then, args=(loop, warmed), name="generate", daemon=True)
         self._worker.start()
+        error = warmed.get()  # the compiled steps are ready (at once without compile)
+        if error is not None:
+            self._worker.join()
+            raise error
+
+    def _warm_up_then(self, loop: Callable[[], None], warmed: queue.Queue) -> None:
+        """The worker thread: the running batch's warm-up (compile=True), then `loop`. The warm-up
+        runs here, not in the caller's thread, so that this thread is the only one whose OpenMP
+        threads run the model: with a second thread's team idle beside it (the caller's), libgomp
+        counts more threads than cores and its threads stop spinning between parallel regions,
+        which made the compiled steps 1.7x slower (SmolLM2-135M, 2 cores). stages.serve loads the
+        models in a thread that ends for the same reason."""
+        try:
+            if self.running_batch is not None and self.running_batch.compiled:
+                log.info("compiling the decode steps (a lone row, a batch of rows) before serving...")
+                log.info("decode steps compiled in %.1f s", self.running_batch.warm_up())
+        except BaseException as e:  # the caller raises it
+            warmed.put(e)
+            return
+        warmed.put(None)
+        loop()
 
     # -- called by the HTTP handlers -------------------------------------------------------------
     def submit(self, completion: Completion) -> Completion:

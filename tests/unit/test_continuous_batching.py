@@ -167,6 +167,58 @@ def test_a_seeded_sampling_row_draws_the_same_alone_and_in_a_mixed_batch(model_d
     assert row.tokens != alone[0]  # another seed, other draws
 
 
+@pytest.mark.slow  # torch.compile: two graphs per model, about 20 s each on 2 cores
+@pytest.mark.parametrize("kind", ["full", "prefix"])
+def test_a_compiled_running_batch_compiles_two_graphs_and_gives_the_eager_tokens(model_dirs, kind):
+    """compile=True: warm_up compiles a lone row's graph and a batch's; then rows joining and
+    leaving, at every batch size and length, run without compiling again, and their tokens equal
+    each prompt's alone here (fused sums differ in the last bits, which can flip a near tie on
+    other weights: the compiled steps are the server's option, not its default)."""
+    from torch._dynamo.utils import counters
+
+    model, _, _ = load_variant(model_dirs("llama", kind))
+    prompts = _prompts()
+    expected = _alone(model, prompts)
+    assert RunningBatch(model, eos_token_id=None, pad_token_id=PAD).warm_up() == 0.0  # nothing to compile
+    batch = RunningBatch(model, eos_token_id=None, pad_token_id=PAD, compile=True)
+    graphs = counters["stats"]["unique_graphs"]
+    assert batch.warm_up() > 0 and len(batch) == 0
+    assert counters["stats"]["unique_graphs"] == graphs + 2
+    rows = [Row(p, NEW_TOKENS) for p in prompts]
+    batch.add(rows[:1])
+    batch.step()
+    batch.step()
+    batch.add(rows[1:3])  # 1 row -> 3, every cache left-padded
+    batch.step()
+    with pytest.raises(RuntimeError, match="empty running batch"):
+        batch.warm_up()
+    batch.add(rows[3:])
+    _run_out(batch)  # 4 rows -> 3 -> ... -> 1 as they end, the cache trimmed
+    lone = Row(prompts[2], NEW_TOKENS)
+    batch.add([lone])
+    _run_out(batch)
+    assert [r.tokens for r in rows] == expected and lone.tokens == expected[2]
+    assert counters["stats"]["unique_graphs"] == graphs + 2  # no batch size or length compiled again
+
+
+def test_a_failed_warm_up_is_raised_where_the_scheduler_is_made(model_dirs, monkeypatch):
+    """compile=True warms up in the scheduler's own thread; what fails there is raised to its maker."""
+    model, _, _ = load_variant(model_dirs("llama", "full"))
+
+    def fail(self):
+        assert threading.current_thread().name == "generate"  # the thread that will run the steps
+        raise RuntimeError("no C++ compiler")
+
+    def workers() -> int:
+        return sum(t.name == "generate" for t in threading.enumerate())
+
+    monkeypatch.setattr(RunningBatch, "warm_up", fail)
+    before = workers()
+    with pytest.raises(RuntimeError, match="no C.. compiler"):
+        Scheduler(model, eos_token_id=None, pad_token_id=PAD, compile=True)
+    assert workers() == before  # its worker ended
+
+
 def test_the_cache_grows_past_its_reserve(model_dirs, monkeypatch):
     monkeypatch.setattr(running_batch, "CAPACITY_STEP", 3)  # room for 3 steps: this run grows it 3 times
     model, _, _ = load_variant(model_dirs("llama", "full"))

@@ -131,6 +131,40 @@ def test_greedy_chat_is_the_predictors_answer_streamed_or_not(model_dirs, name, 
     assert running.server.served.kind == kinds[name]
 
 
+@pytest.mark.slow  # torch.compile: two graphs, about 20 s each on 2 cores
+def test_a_compiled_server_answers_as_the_predictor(model_dirs, tmp_path):
+    """--compile: the decode steps are compiled before the server listens; greedy answers are the
+    predictor's here too, alone and as two concurrent streams (one batch of rows)."""
+    expected = _predicted(model_dirs["full"], tmp_path)
+    running = Running(model_dirs["full"], max_length=MAX_LENGTH, compile=True)
+    try:
+        assert running.server.models.route(running.model).scheduler.running_batch.compiled
+        client = running.client()
+        for record, want in zip(RECORDS, expected):
+            assert _chat(client, running.model, record["src"]).choices[0].message.content == want["output"]
+        answers: dict[int, str] = {}
+
+        def ask(i: int) -> None:
+            answers[i] = _chat(client, running.model, RECORDS[i]["src"]).choices[0].message.content
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(RECORDS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert [answers.get(i) for i in range(len(RECORDS))] == [w["output"] for w in expected]
+    finally:
+        running.close()
+
+
+def test_models_load_in_a_thread_that_ends():
+    """stages.serve loads its models in a thread of their own (its OpenMP threads end with it); its
+    result and its errors come back to the caller."""
+    assert serve.in_a_passing_thread(lambda: threading.current_thread().name) == "load"
+    with pytest.raises(ValueError, match="bad"):
+        serve.in_a_passing_thread(int, "bad")
+
+
 def test_the_model_list_and_an_unknown_model(full_server):
     client = full_server.client()
     assert [m.id for m in client.models.list().data] == ["full"]

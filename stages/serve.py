@@ -32,7 +32,7 @@ Ctrl-C or SIGTERM stops it.
 `--compile` runs each model's decode steps through torch.compile
 (stages/inference/running_batch.py): compiled before the server starts listening (a minute or
 more per model on 2 cores, less once inductor's on-disk cache holds the graphs), then a lone
-stream decodes about 2.5x faster (fp32 SmolLM2-135M, bench/serve.py); greedy answers may differ
+stream decodes 2.3-2.4x faster (fp32 SmolLM2-135M, bench/serve.py); greedy answers may differ
 from the eager steps' where two logits are near ties.
 """
 
@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "in results/<exp>/, else the tokenizer's chat template when it has one")
     parser.add_argument("--compile", action="store_true",
                         help="decode steps through torch.compile, compiled before the server listens (a minute "
-                             "or more per model on 2 cores); a lone stream decodes ~2.5x faster")
+                             "or more per model on 2 cores); a lone stream decodes over 2x faster")
     return parser
 
 

@@ -38,8 +38,8 @@ padded batch the tokens are those of the engine's padded batches (tests/unit/tes
 shapes, every float Linear on a single row a fused multiply-and-sum as in the engine's compiled step
 (`one_row_linear.py`): one graph for a lone row and one for a batch of rows (always given the mask),
 whatever their number and lengths, on the same PreallocatedCache (with a spare position, so no
-length is special). `warm_up()` compiles both before the first request (a minute or more each for a
-135M model on 2 cores; less when inductor's on-disk cache holds them). A lone row decodes about 2.5x
+length is special). `warm_up()` compiles both before the first request (80-90 s together for a
+135M model on 2 idle cores; less when inductor's on-disk cache holds them). A lone row decodes 2.3-2.4x
 faster on SmolLM2-135M (bench/serve.py); the fused sums and the mask change the logits' last bits, so
 tokens may differ from the eager steps' where two logits are near ties. Prefills stay eager.
 

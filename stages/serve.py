@@ -78,7 +78,8 @@ def is_loopback(host: str) -> bool:
 def in_a_passing_thread(fn: Callable[..., T], *args, **kwargs) -> T:
     """fn(*args, **kwargs) in a thread that ends after it (its exception raised here): the OpenMP
     threads torch starts for it (loading copies tensors in parallel) end with that thread, so that
-    the schedulers' threads are the only ones holding OpenMP teams (scheduler.py, `_warm_up_then`)."""
+    the schedulers' threads are the only ones holding OpenMP teams (scheduler.py, `_warm_up_then`);
+    `start_models` loads so under `compile`."""
     outcome: dict[str, Any] = {}
 
     def run() -> None:
@@ -109,7 +110,11 @@ def start_models(specs: Sequence[ModelSpec], *, host: str = "127.0.0.1", port: i
     if max_batch_size < 1 or max_queue < 1:  # before the models load
         raise InputError(f"--max-batch-size {max_batch_size} and --max-queue {max_queue} must both be >= 1")
     check_unique(specs)  # before the models load
-    served = in_a_passing_thread(load_served_models, specs, chat_template=chat_template, max_length=max_length)
+    # compile: loaded in a thread that ends, so that libgomp's threads spin between the compiled steps' short
+    # kernels (in_a_passing_thread); eager steps gain 5-7% from it but, on a loaded machine, spinning threads
+    # can cost far more than that (bench/serve.py's Direct), so eager serving keeps the main thread's team
+    load = in_a_passing_thread if compile else (lambda fn, *args, **kwargs: fn(*args, **kwargs))
+    served = load(load_served_models, specs, chat_template=chat_template, max_length=max_length)
     torch_models = [s.model for s in served if s.kind != "onnx"]
     if len(served) > 1 and torch_models:
         separate, together = weight_bytes(torch_models)

@@ -200,8 +200,8 @@ class Scheduler:
         runs here, not in the caller's thread, so that this thread is the only one whose OpenMP
         threads run the model: with a second thread's team idle beside it (the caller's), libgomp
         counts more threads than cores and its threads stop spinning between parallel regions,
-        which made the compiled steps 1.7x slower (SmolLM2-135M, 2 cores). stages.serve loads the
-        models in a thread that ends for the same reason."""
+        which made the compiled steps 1.7x slower (SmolLM2-135M, 2 cores). With compile,
+        stages.serve loads the models in a thread that ends for the same reason."""
         try:
             if self.running_batch is not None and self.running_batch.compiled:
                 log.info("compiling the decode steps (a lone row, a batch of rows) before serving...")

@@ -46,8 +46,9 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from stages.errors import InputError, run_cli
 from stages.serving.http_server import ModelServer
@@ -80,20 +81,8 @@ def in_a_passing_thread(fn: Callable[..., T], *args, **kwargs) -> T:
     threads torch starts for it (loading copies tensors in parallel) end with that thread, so that
     the schedulers' threads are the only ones holding OpenMP teams (scheduler.py, `_warm_up_then`);
     `start_models` loads so under `compile`."""
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = fn(*args, **kwargs)
-        except BaseException as e:
-            outcome["error"] = e
-
-    thread = threading.Thread(target=run, name="load")
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="load") as pool:  # its thread ends on leaving
+        return pool.submit(fn, *args, **kwargs).result()
 
 
 def start(model_dir: str | Path, *, served_model_name: str | None = None, **options) -> ModelServer:
@@ -113,8 +102,10 @@ def start_models(specs: Sequence[ModelSpec], *, host: str = "127.0.0.1", port: i
     # compile: loaded in a thread that ends, so that libgomp's threads spin between the compiled steps' short
     # kernels (in_a_passing_thread); eager steps gain 5-7% from it but, on a loaded machine, spinning threads
     # can cost far more than that (bench/serve.py's Direct), so eager serving keeps the main thread's team
-    load = in_a_passing_thread if compile else (lambda fn, *args, **kwargs: fn(*args, **kwargs))
-    served = load(load_served_models, specs, chat_template=chat_template, max_length=max_length)
+    if compile:
+        served = in_a_passing_thread(load_served_models, specs, chat_template=chat_template, max_length=max_length)
+    else:
+        served = load_served_models(specs, chat_template=chat_template, max_length=max_length)
     torch_models = [s.model for s in served if s.kind != "onnx"]
     if len(served) > 1 and torch_models:
         separate, together = weight_bytes(torch_models)

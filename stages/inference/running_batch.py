@@ -38,7 +38,7 @@ padded batch the tokens are those of the engine's padded batches (tests/unit/tes
 shapes, every float Linear on a single row a fused multiply-and-sum as in the engine's compiled step
 (`one_row_linear.py`): one graph for a lone row and one for a batch of rows (always given the mask),
 whatever their number and lengths, on the same PreallocatedCache (with a spare position, so no
-length is special). `warm_up()` compiles both before the first request (80-90 s together for a
+length is special). `warm_up()` compiles both before the first request (80-110 s together for a
 135M model on 2 idle cores; less when inductor's on-disk cache holds them). A lone row decodes 2.3-2.4x
 faster on SmolLM2-135M (bench/serve.py); the fused sums and the mask change the logits' last bits, so
 tokens may differ from the eager steps' where two logits are near ties. Prefills stay eager.
@@ -236,9 +236,11 @@ class RunningBatch:
             if self.length + 1 > self._cache.capacity:
                 self._rebuild(self._rows, list(range(len(self._rows))), grow=True)
             length = self.length + 1
-            mask = self._mask[:, :length] if self._padded else None  # (B, L + 1), the new position's column ones
-            if self._step is not None and (self._padded or len(self._rows) > 1):
-                mask = self._mask[:, :length].contiguous()  # a batch's one graph: a mask always, of one layout
+            mask = None  # no padding: the causal mask alone
+            if self._padded or (self._step is not None and len(self._rows) > 1):  # a compiled batch: a mask always
+                mask = self._mask[:, :length]  # (B, L + 1), the new position's column ones
+                if self._step is not None:
+                    mask = mask.contiguous()  # one layout for the compiled graph
             logits = self.engine._forward(self._next, mask, self._positions, self._cache, step=True,
                                           forward=self._step)  # (B, V)
             self.length = length
